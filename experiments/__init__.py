@@ -1,0 +1,1 @@
+"""The experiment runner: Hydra entry points, MLflow tracking, ablations and reports."""

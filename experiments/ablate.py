@@ -1,0 +1,89 @@
+"""An ablation: recipes x seeds under one MLflow parent run, then the report."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lowprec.data import prepare
+from lowprec.train.build import resolve_device
+from recipes import get_recipe
+from experiments.config import data_from_cfg, flat_params, train_from_cfg
+from experiments.report import build_report
+from experiments.run import RunOutcome, run_one
+from experiments.tracking import ABLATION_TAG, Tracker, dumps, provenance_tags
+
+
+@dataclass
+class AblationOutcome:
+    ablation_id: str
+    parent_run_id: str
+    runs: list[RunOutcome] = field(default_factory=list)
+    report: Path | None = None
+    wall_s: float = 0.0
+
+
+def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
+    """Run ``cfg.recipes`` x ``cfg.seeds`` seeds (``cfg.seed``, ``cfg.seed+1``, ...) and write the report.
+
+    Every recipe name and field is validated before any training (``RecipeError``); data problems
+    raise ``DataError`` before the parent run exists. A child that fails is recorded FAILED and the
+    ablation continues.
+    """
+    t0 = time.perf_counter()
+    names = list(cfg.recipes)
+    if not names:
+        raise ValueError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
+    recipes = [get_recipe(n) for n in names]
+    if int(cfg.seeds) < 1:
+        raise ValueError(f"seeds={cfg.seeds} must be >= 1")
+    seeds = [int(cfg.seed) + i for i in range(int(cfg.seeds))]
+    control = cfg.control if cfg.control in names else names[0]
+    if control != cfg.control:
+        echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
+    train_from_cfg(cfg)  # validate the loop settings before any work
+    data = prepare(data_from_cfg(cfg))
+    device = resolve_device(cfg.device)
+    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
+    ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    parent = tracker.start_run(ablation_id, {
+        ABLATION_TAG: ablation_id,
+        "lowprec.kind": "ablation",
+        "experiment": str(cfg.get("name", "")),
+        "recipes": dumps(names),
+        "seeds": dumps(seeds),
+        "control": control,
+        "model": cfg.model.name,
+        "corpus_fingerprint": data.fingerprint,
+        "corpus": data.description,
+        **provenance_tags(device),
+    })
+    tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
+    out = AblationOutcome(ablation_id, parent)
+    echo(f"ablation {ablation_id}: {len(recipes)} recipes x {len(seeds)} seeds on model={cfg.model.name}, "
+         f"{cfg.train.steps} steps each; data: {data.description}")
+    try:
+        for recipe in recipes:
+            for seed in seeds:
+                o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent, ablation_id=ablation_id)
+                out.runs.append(o)
+                if o.status == "FINISHED":
+                    s = o.summary
+                    echo(f"  {recipe.name:<16} seed {seed}: val_loss {s['final_val_loss']:.4f}  "
+                         f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param")
+                else:
+                    echo(f"  {recipe.name:<16} seed {seed}: FAILED ({o.reason})")
+    except KeyboardInterrupt:
+        tracker.end_run(parent, "KILLED", "interrupted by the user")
+        raise
+    n_failed = sum(o.status != "FINISHED" for o in out.runs)
+    out.wall_s = time.perf_counter() - t0
+    tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
+    tracker.end_run(parent, "FINISHED")
+    out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports))
+    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
+    return out

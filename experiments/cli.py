@@ -1,0 +1,162 @@
+"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``.
+
+``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
+Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
+``-m``/``--multirun`` (and Hydra's other ``--`` flags) hand the call to ``hydra.main`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+USAGE = """usage: lowprec {train,ablate,report,recipes} ...
+
+  lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
+  lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N] [key=value ...]
+  lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]
+  lowprec recipes [--json]
+"""
+
+# Errors a user can cause with a bad value; they print as one line. Anything else is a bug and keeps its traceback.
+def _user_errors():
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lowprec.data import DataError
+    from lowprec.recipe import RecipeError
+    from experiments.report import ReportError
+
+    return (RecipeError, DataError, ReportError, HydraException, OmegaConfBaseException, ValueError, KeyError)
+
+
+def one_line(e: BaseException) -> str:
+    """First non-empty message along the exception's cause chain (Hydra wraps the useful one)."""
+    parts = []
+    while e is not None:
+        msg = str(e).strip()
+        if msg:
+            parts.append(msg.splitlines()[0])
+        e = e.__cause__
+    return "; ".join(dict.fromkeys(parts)) or "unknown error"
+
+
+def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with ``overrides`` (real Hydra composition)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from experiments.config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def train_main(cfg: DictConfig, echo=print):
+    """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
+    from lowprec.data import prepare
+    from experiments.config import data_from_cfg, model_from_cfg, recipe_from_cfg, train_from_cfg
+    from experiments.run import run_one
+    from experiments.tracking import Tracker
+
+    recipe = recipe_from_cfg(cfg.recipe)
+    model_from_cfg(cfg.model), train_from_cfg(cfg)  # validate before any work
+    data = prepare(data_from_cfg(cfg))
+    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
+    echo(f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed {cfg.seed}")
+    o = run_one(cfg, recipe, int(cfg.seed), data, tracker)
+    if o.status == "FINISHED":
+        s = o.summary
+        echo(f"FINISHED run {o.run_id}: val_loss {s['final_val_loss']:.4f}, {s['mean_tokens_per_s']:.0f} tokens/s, "
+             f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}")
+    else:
+        echo(f"FAILED run {o.run_id}: {o.reason}")
+    return o
+
+
+def _hydra_main(config_name: str, task, argv: list[str]) -> int:
+    import hydra
+
+    from experiments.config import CONF_DIR, register_configs
+
+    register_configs()
+    sys.argv = [f"lowprec-{config_name}", *argv]
+    hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(task)()
+    return 0
+
+
+def _run_composed(config_name: str, argv: list[str], task) -> int:
+    try:
+        cfg = compose(config_name, argv)
+        result = task(cfg)
+    except _user_errors() as e:
+        print(f"lowprec {config_name}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    if config_name == "train":
+        return 0 if result.status == "FINISHED" else 1
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    from pathlib import Path
+
+    from experiments.report import build_report
+    from experiments.tracking import Tracker
+
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        print("usage: lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = compose("ablate", argv[1:])
+        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
+        path = build_report(tracker, argv[0], Path(cfg.paths.reports))
+    except _user_errors() as e:
+        print(f"lowprec report: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+def _recipes(argv: list[str]) -> int:
+    from recipes import CATALOG
+
+    p = argparse.ArgumentParser(prog="lowprec recipes")
+    p.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    args = p.parse_args(argv)
+    if args.json:
+        print(json.dumps({n: {"short": r.short_str(), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1))
+        return 0
+    width = max(map(len, CATALOG))
+    for n, r in CATALOG.items():
+        print(f"{n:<{width}}  {r.short_str():<52}  {r.description}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "recipes":
+        return _recipes(rest)
+    if cmd == "report":
+        return _report(rest)
+    if cmd in ("train", "ablate"):
+        from experiments.ablate import ablate
+
+        task = train_main if cmd == "train" else ablate
+        if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line
+            return _hydra_main(cmd, lambda cfg: (task(cfg), None)[1], rest)
+        return _run_composed(cmd, rest, task)
+    print(f"lowprec: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

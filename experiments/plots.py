@@ -1,0 +1,127 @@
+"""Matplotlib figures for the ablation report (Agg backend; PNG files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COMPONENT_LABELS = {
+    "mem_params_bytes": "parameters", "mem_grads_bytes": "gradients",
+    "mem_master_bytes": "master weights", "mem_optim_states_bytes": "optimizer states",
+}
+
+
+def _colors(order):
+    cmap = plt.get_cmap("tab10")
+    return {name: cmap(i % 10) for i, name in enumerate(order)}
+
+
+def _ema(values, alpha=0.1):
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else (1 - alpha) * acc + alpha * v
+        out.append(acc)
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def loss_curves(runs, order, path: Path) -> Path:
+    col = _colors(order)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        steps = [s for s, _ in r.curves["loss"]]
+        vals = [v for _, v in r.curves["loss"]]
+        x = [r.tokens(s) for s in steps]
+        a.plot(x, vals, color=col[r.recipe], alpha=0.2, lw=0.8)
+        a.plot(x, _ema(vals), color=col[r.recipe], lw=1.5, label=f"{r.recipe} s{r.seed}")
+        vx = [r.tokens(s) for s, _ in r.curves["val_loss"]]
+        b.plot(vx, [v for _, v in r.curves["val_loss"]], "o-", color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
+    a.set(title="training loss (EMA 0.1; raw faint)", xlabel="tokens", ylabel="loss")
+    b.set(title="validation loss", xlabel="tokens", ylabel="loss")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def loss_gap(runs, order, control, path: Path) -> Path:
+    col = _colors(order)
+    ctrl = {r.seed: r for r in runs if r.recipe == control}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        c = ctrl.get(r.seed)
+        if c is None or r.recipe == control:
+            continue
+        cl = dict(c.curves["loss"])
+        pts = [(s, v) for s, v in r.curves["loss"] if s in cl]
+        mine, ref = _ema([v for _, v in pts]), _ema([cl[s] for s, _ in pts])
+        a.plot([r.tokens(s) for s, _ in pts], [100 * (m / f - 1) for m, f in zip(mine, ref)],
+               color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
+        cv = dict(c.curves["val_loss"])
+        vpts = [(s, v) for s, v in r.curves["val_loss"] if s in cv]
+        b.plot([r.tokens(s) for s, _ in vpts], [100 * (v / cv[s] - 1) for s, v in vpts], "o-",
+               color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
+    a.set(title=f"training loss gap vs {control} (EMA, same batches)", xlabel="tokens", ylabel="relative gap (%)")
+    b.set(title=f"validation loss gap vs {control}", xlabel="tokens", ylabel="relative gap (%)")
+    for ax in (a, b):
+        ax.axhline(0, color="k", lw=0.8)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def memory_bars(rows, runs, order, path: Path) -> Path:
+    first = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    names = [n for n in order if n in first]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(names)
+    for key, label in COMPONENT_LABELS.items():
+        vals = [first[n].metrics.get(key, 0.0) / 2**20 for n in names]
+        a.bar(names, vals, bottom=bottom, label=label)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    for i, n in enumerate(names):
+        a.text(i, bottom[i], f"{first[n].metrics['state_bytes_per_param']:.2f} B/p", ha="center", va="bottom", fontsize=8)
+    a.set(title="training state by component (exact bytes)", ylabel="MiB")
+    a.legend(fontsize=8)
+    peak = {row["recipe"]: row["peak_bytes"] / 2**20 for row in rows}
+    b.bar(names, [peak[n] for n in names], color="gray")
+    b.set(title="peak memory of the run", ylabel="MiB")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def throughput_bars(rows, path: Path) -> Path:
+    rows = [r for r in rows if r["n_ok"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([r["recipe"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
+    ax.set(title="training throughput (after timing warm-up)", ylabel="tokens/s")
+    ax.tick_params(axis="x", rotation=30)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def grad_norm_curves(runs, order, path: Path) -> Path:
+    col = _colors(order)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        ax.plot([r.tokens(s) for s, _ in r.curves["grad_norm"]], [v for _, v in r.curves["grad_norm"]],
+                color=col[r.recipe], lw=1, label=f"{r.recipe} s{r.seed}")
+    ax.set(title="gradient norm before clipping", xlabel="tokens", yscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

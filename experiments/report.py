@@ -1,0 +1,211 @@
+"""Ablation report built from MLflow alone: ``reports/<ablation-id>/report.md`` plus PNG plots.
+
+Every number in the report is read back from the tracking store; nothing is carried over in memory
+from the runs, so ``lowprec report ID`` rebuilds the same report later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments import plots
+from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
+
+CURVES = ("loss", "val_loss", "grad_norm")
+MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes")
+
+
+class ReportError(RuntimeError):
+    """The ablation cannot be found or holds no runs."""
+
+
+@dataclass
+class RunData:
+    run_id: str
+    recipe: str
+    seed: int
+    status: str
+    reason: str
+    comparable: bool
+    short: str
+    effective: dict
+    metrics: dict[str, float]
+    tokens_per_step: int
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def tokens(self, step: int) -> int:
+        return (step + 1) * self.tokens_per_step
+
+
+def find_ablation(tracker: Tracker, ablation_id: str):
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`{ABLATION_TAG}` = '{ablation_id}' and tags.`lowprec.kind` = 'ablation'"
+    )
+    if not runs:
+        raise ReportError(f"no ablation {ablation_id!r} in {tracker.uri} (experiment id {tracker.experiment_id})")
+    return runs[0]
+
+
+def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
+    children = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=10000
+    )
+    out = []
+    for r in children:
+        tags, params = r.data.tags, r.data.params
+        tps = int(params["train.batch_size"]) * int(params["train.grad_accum"]) * int(params["train.seq_len"])
+        rd = RunData(
+            run_id=r.info.run_id, recipe=tags["recipe"], seed=int(tags["seed"]), status=r.info.status,
+            reason=tags.get("failure_reason", ""),
+            comparable=r.info.status == "FINISHED" and tags.get("effective_matches") == "true",
+            short=tags.get("recipe_short", ""), effective=json.loads(tags.get("effective_recipe", "{}")),
+            metrics=dict(r.data.metrics), tokens_per_step=tps,
+        )
+        for key in CURVES:
+            hist = tracker.client.get_metric_history(r.info.run_id, key)
+            rd.curves[key] = sorted((m.step, m.value) for m in hist)
+        out.append(rd)
+    return out
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _spikes(curve: list[tuple[int, float]], window: int = 20, factor: float = 1.25) -> int:
+    """Steps whose loss exceeds ``factor`` x the mean of the previous ``window`` steps."""
+    vals = [v for _, v in curve]
+    return sum(1 for i in range(window, len(vals)) if vals[i] > factor * _mean(vals[i - window : i]))
+
+
+def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]:
+    """One row per recipe (means over seeds of comparable runs)."""
+    ctrl = {r.seed: r.metrics.get("final_val_loss") for r in runs if r.recipe == control and r.comparable}
+    rows = []
+    for name in order:
+        rs = [r for r in runs if r.recipe == name]
+        ok = [r for r in rs if r.comparable]
+        vals = [r.metrics["final_val_loss"] for r in ok]
+        gaps = [100 * (r.metrics["final_val_loss"] / ctrl[r.seed] - 1) for r in ok if ctrl.get(r.seed)]
+        rows.append({
+            "recipe": name,
+            "short": rs[0].short if rs else "",
+            "status": "FINISHED" if rs and len(ok) == len(rs) else f"{len(rs) - len(ok)}/{len(rs)} FAILED",
+            "val_loss": _mean(vals),
+            "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else math.nan,
+            "gap_pct": _mean(gaps),
+            "tokens_per_s": _mean([r.metrics["mean_tokens_per_s"] for r in ok]),
+            "bytes_per_param": _mean([r.metrics["state_bytes_per_param"] for r in ok]),
+            "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
+            "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
+            "max_grad_norm": _mean([max((v for _, v in r.curves["grad_norm"][len(r.curves["grad_norm"]) // 10 :]), default=math.nan) for r in ok]),
+            "n_ok": len(ok),
+        })
+    return rows
+
+
+def _num(x: float, fmt: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path:
+    """Write ``<reports_root>/<ablation_id>/report.md`` and its PNGs; returns the markdown path.
+
+    Raises ``ReportError`` if the ablation is unknown or has no child runs.
+    """
+    parent = find_ablation(tracker, ablation_id)
+    ptags = parent.data.tags
+    runs = load_runs(tracker, parent.info.run_id)
+    if not runs:
+        raise ReportError(f"ablation {ablation_id!r} has no runs")
+    order = [n for n in json.loads(ptags["recipes"]) if any(r.recipe == n for r in runs)]
+    control = ptags["control"]
+    out = Path(reports_root) / ablation_id
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarise(runs, order, control)
+    ok = [r for r in runs if r.comparable]
+    figs = {}
+    if ok:
+        figs["loss"] = plots.loss_curves(ok, order, out / "loss.png")
+        figs["gap"] = plots.loss_gap(ok, order, control, out / "loss_gap.png")
+        figs["memory"] = plots.memory_bars(rows, ok, order, out / "memory.png")
+        figs["throughput"] = plots.throughput_bars(rows, out / "throughput.png")
+        figs["grad_norm"] = plots.grad_norm_curves(ok, order, out / "grad_norm.png")
+    on_cpu = ptags.get("device_type") == "cpu"
+    lines = [
+        f"# Precision ablation `{ablation_id}`",
+        "",
+        f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
+        f"{parent.data.params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
+        f"seeds {ptags.get('seeds')}",
+        f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
+        f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, torchao {ptags.get('torchao_version')}, "
+        f"bitsandbytes {ptags.get('bitsandbytes_version')}; git `{ptags.get('git_sha')}`",
+        f"- control recipe: `{control}`; tracking store: `{tracker.uri}` (MLflow run `{parent.info.run_id}`)",
+        f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
+        "",
+    ]
+    if on_cpu:
+        lines += [
+            "> **These timings were measured on a CPU.** They say nothing about FP8 or BF16 speed on a GPU: "
+            "on this CPU, BF16 and FP8 GEMMs are slower than FP32. Read the tokens/s column as the cost of "
+            "emulation here, never as a speedup or slowdown you would see on an H100.",
+            "",
+        ]
+    lines += [
+        "## Summary",
+        "",
+        f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
+        "state = parameters + gradients + master + optimizer states (exact bytes); "
+        f"peak = {'process peak RSS (CPU)' if on_cpu else 'CUDA peak allocated'}; spikes = steps with loss > 1.25x the mean of the previous 20.",
+        "",
+        "| recipe | what it is | status | val loss | gap vs control | tokens/s | state B/param | peak memory | loss spikes | max grad norm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
+        lines.append(
+            f"| `{row['recipe']}` | `{row['short']}` | {row['status']} | {_num(row['val_loss'], '.4f')}{std} | "
+            f"{_num(row['gap_pct'], '+.2f')}% | {_num(row['tokens_per_s'], ',.0f')} | {_num(row['bytes_per_param'], '.2f')} | "
+            f"{_fmt_bytes(row['peak_bytes']) if row['n_ok'] else 'n/a'} | {_num(row['spikes'], '.0f')} | {_num(row['max_grad_norm'], '.3f')} |"
+        )
+    failed = [r for r in runs if not r.comparable]
+    if failed:
+        lines += ["", "## Failed or excluded runs", "",
+                  "These runs are left out of every comparison; the reason is the one recorded in MLflow.", ""]
+        lines += [f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} (run `{r.run_id}`)"
+                  for r in failed]
+    titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
+              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm"}
+    for key, path in figs.items():
+        lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
+    lines += ["", "## Effective recipes", "",
+              "Read from the built objects after the first optimizer step (element counts per dtype).", "",
+              "| recipe | params | grads | linear outputs | FP8 linears | AdamW moments | optimizer |", "|---|---|---|---|---|---|---|"]
+    first = {}
+    for r in ok:
+        first.setdefault(r.recipe, r)
+    for name in (n for n in order if n in first):
+        r = first[name]
+        e = r.effective
+        lines.append(
+            f"| `{r.recipe}` | {_dtypes(e.get('param_dtype'))} | {_dtypes(e.get('grad_dtype'))} | "
+            f"{_dtypes(e.get('linear_output_dtype'))} | {e.get('fp8_linears')}/{e.get('linears')} | "
+            f"{_dtypes(e.get('moment_dtype'))} | `{e.get('optimizer')}` |"
+        )
+    lines += ["", f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _dtypes(d: dict | None) -> str:
+    return ", ".join(f"{k} ({v:,})" for k, v in (d or {}).items())

@@ -1,0 +1,89 @@
+"""One training run of one recipe and seed, tracked in MLflow; failures are recorded, never lost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from lowprec.data import DataError, TokenBatches, TokenData
+from lowprec.recipe import Recipe
+from lowprec.train.build import build, resolve_device
+from lowprec.train.effective import EffectiveRecipeError
+from lowprec.train.loop import run_training
+from experiments.config import flat_params, model_from_cfg, optim_from_cfg, train_from_cfg
+from experiments.faults import fault_hooks
+from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, dumps, provenance_tags
+
+
+@dataclass
+class RunOutcome:
+    run_id: str
+    recipe: str
+    seed: int
+    status: str  # FINISHED | FAILED
+    reason: str = ""
+    summary: dict | None = None
+
+
+def run_one(
+    cfg: DictConfig, recipe: Recipe, seed: int, data: TokenData, tracker: Tracker,
+    parent_id: str | None = None, ablation_id: str | None = None,
+) -> RunOutcome:
+    """Train ``recipe`` with ``seed`` on ``data`` under ``cfg`` and record it as an MLflow run.
+
+    Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
+    marks the run FAILED with ``failure_reason`` and returns; metrics logged before it are kept.
+    ``KeyboardInterrupt`` marks the run KILLED and propagates.
+    """
+    device = resolve_device(cfg.device)
+    model_name = cfg.model.name
+    tags = {
+        "recipe": recipe.name,
+        "recipe_short": recipe.short_str(),
+        "recipe_hash": recipe.hash(),
+        "recipe_json": dumps(recipe.to_dict()),
+        "model": model_name,
+        "seed": str(seed),
+        "corpus_fingerprint": data.fingerprint,
+        "corpus": data.description,
+        **provenance_tags(device),
+    }
+    if ablation_id:
+        tags[ABLATION_TAG] = ablation_id
+    run_id = tracker.start_run(f"{recipe.name}-s{seed}", tags, parent_id)
+    tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+    sink = MetricBuffer(tracker, run_id)
+    try:
+        args = model_from_cfg(cfg.model)
+        if data.vocab_size > args.vocab_size:
+            raise DataError(
+                f"tokenizer vocab {data.vocab_size} does not fit model.vocab_size={args.vocab_size}; "
+                f"raise model.vocab_size or lower data.vocab_size"
+            )
+        spec = train_from_cfg(cfg)
+        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device)
+        batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
+        result = run_training(
+            built, batches, spec, sink,
+            before_step=fault_hooks(cfg.faults, recipe.name),
+            on_effective=lambda eff: tracker.set_tags(run_id, {"effective_recipe": dumps(eff)}),
+        )
+        sink.flush()
+        sink.log_metrics(result.summary, spec.steps)
+        sink.flush()
+        tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
+        tracker.end_run(run_id, "FINISHED")
+        return RunOutcome(run_id, recipe.name, seed, "FINISHED", summary=result.summary)
+    except KeyboardInterrupt:
+        sink.flush()
+        tracker.end_run(run_id, "KILLED", "interrupted by the user")
+        raise
+    except Exception as e:  # recorded, explained, and the caller goes on with the next run
+        reason = f"{type(e).__name__}: {e}"
+        sink.flush()
+        if isinstance(e, EffectiveRecipeError):
+            tracker.set_tags(run_id, {"effective_matches": "false"})
+        tracker.end_run(run_id, "FAILED", reason)
+        return RunOutcome(run_id, recipe.name, seed, "FAILED", reason=reason)
+

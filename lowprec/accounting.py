@@ -1,0 +1,130 @@
+"""Exact memory accounting of training state, and the device's peak memory.
+
+State bytes are counted from the live tensors (``numel * element_size``; tensor subclasses such as
+torchao's quantized optimizer states are counted through ``__tensor_flatten__``), each storage once,
+so quantization constants (block absmax, qmaps) are included and shared tensors are not double-counted.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+
+def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        for n in names:
+            yield from _leaf_tensors(getattr(t, n))
+    else:
+        yield t
+
+
+def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (subclasses expanded to their inner tensors)."""
+    seen: set[tuple] = set()
+    total = 0
+    for t in tensors:
+        for leaf in _leaf_tensors(t):
+            key = (leaf.device, leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.numel(), leaf.dtype)
+            if leaf.numel() and key not in seen:
+                seen.add(key)
+                total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor held in ``optimizer.state`` (moments, step counters, absmax, qmaps)."""
+    out = []
+    for state in optimizer.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes held by the training state, by component (all in bytes; ``per_param`` in bytes/parameter).
+
+    ``master`` counts only an explicit master copy; FP32 parameters under autocast are their own master
+    and are counted in ``params``.
+    """
+
+    n_params: int
+    params: int
+    grads: int
+    master: int
+    optim_states: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optim_states
+
+    @property
+    def per_param(self) -> float:
+        return self.total / self.n_params
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "mem_params_bytes": self.params,
+            "mem_grads_bytes": self.grads,
+            "mem_master_bytes": self.master,
+            "mem_optim_states_bytes": self.optim_states,
+            "mem_state_bytes": self.total,
+            "state_bytes_per_param": self.per_param,
+            "n_params": self.n_params,
+        }
+
+
+def measure_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: Iterable[torch.Tensor] = ()
+) -> StateBytes:
+    """Measure ``StateBytes`` from live objects; call after an optimizer step, before ``zero_grad``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return StateBytes(
+        n_params=sum(p.numel() for p in params),
+        params=unique_tensor_bytes(params),
+        grads=unique_tensor_bytes(p.grad for p in params if p.grad is not None),
+        master=unique_tensor_bytes(master),
+        optim_states=unique_tensor_bytes(optimizer_state_tensors(optimizer)),
+    )
+
+
+class PeakMemory:
+    """Peak memory of the current run.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (kind ``cuda_peak_allocated``).
+    CPU: the process's peak resident set (``VmHWM``), reset at ``reset()`` by writing 5 to
+    ``/proc/self/clear_refs`` (Linux >= 4.0; kind ``process_peak_rss``). Where that reset is not
+    permitted, the kind is ``process_peak_rss_since_start`` and says the figure spans the whole process.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda_peak_allocated" if device.type == "cuda" else "process_peak_rss"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.kind = "process_peak_rss_since_start"
+
+    def read(self) -> int:
+        """Peak bytes since ``reset()``."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        self.kind = "process_peak_rss_since_start"
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,86 @@
+"""Text corpora: the default Python-stdlib corpus and user text files, split train/val and fingerprinted."""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowprec.data.errors import DataError
+
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A sorted list of text files under ``root`` split into train and val.
+
+    ``fingerprint`` is the sha256 of every (relative path, size) pair in order, so any added,
+    removed or resized file changes it; it is logged with every run.
+    """
+
+    name: str
+    root: Path
+    train_files: tuple[Path, ...]
+    val_files: tuple[Path, ...]
+    fingerprint: str
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.train_files + self.val_files)
+
+
+def is_val(rel_path: str, val_fraction: float) -> bool:
+    """Stable split: a file is in val when the first 8 hex digits of sha256(path) fall below the fraction."""
+    return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) < val_fraction * 0x1_0000_0000
+
+
+def _collect(root: Path, pattern: str) -> list[Path]:
+    files = [
+        p for p in root.glob(pattern)
+        if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def build_corpus(name: str, root: str | Path, pattern: str, val_fraction: float) -> Corpus:
+    """Collect ``root``/``pattern`` (recursively with ``**``), excluding site-/dist-packages.
+
+    Raises ``DataError`` if ``root`` does not exist, no non-empty file matches, or a split is empty.
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise DataError(f"data path {str(root)!r} does not exist")
+    if root.is_file():
+        files, root = [root], root.parent
+    else:
+        files = _collect(root, pattern)
+    files = [p for p in files if p.stat().st_size > 0]
+    if not files:
+        raise DataError(f"empty corpus: no non-empty file matches {pattern!r} under {str(root)!r}")
+    rels = [p.relative_to(root).as_posix() for p in files]
+    train = tuple(p for p, r in zip(files, rels) if not is_val(r, val_fraction))
+    val = tuple(p for p, r in zip(files, rels) if is_val(r, val_fraction))
+    if len(files) == 1:
+        train = val = tuple(files)  # a single file: val shares it (stated in the fingerprint's name)
+        name = f"{name}(single-file)"
+    if not train or not val:
+        raise DataError(
+            f"corpus {str(root)!r} has {len(train)} train and {len(val)} val files with "
+            f"data.val_fraction={val_fraction}; need at least one of each"
+        )
+    h = hashlib.sha256()
+    for p, r in zip(files, rels):
+        h.update(f"{r}\t{p.stat().st_size}\n".encode())
+    return Corpus(name=name, root=root, train_files=train, val_files=val, fingerprint=h.hexdigest())
+
+
+def stdlib_corpus(val_fraction: float) -> Corpus:
+    """The Python standard library's ``.py`` sources (present on every machine), site-packages excluded."""
+    return build_corpus("python-stdlib", sysconfig.get_paths()["stdlib"], "**/*.py", val_fraction)
+
+
+def read_text(path: Path) -> str:
+    """File text as UTF-8; undecodable bytes become U+FFFD (a few stdlib test files are not UTF-8)."""
+    return path.read_bytes().decode("utf-8", errors="replace")

@@ -1,0 +1,124 @@
+"""Prepare tokenized data: corpus -> cached BPE tokenizer -> cached uint16 shards, or user shards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
+from lowprec.data.errors import DataError
+from lowprec.data.shards import open_split, read_meta, write_shards
+from lowprec.data.tokenizer import EOT, load_tokenizer, train_bpe
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the tokens come from.
+
+    ``source``: ``stdlib`` (default corpus), ``text`` (files under ``path`` matching ``pattern``)
+    or ``tokens`` (a folder of pre-tokenized shards with ``meta.json``, as written by ``write_shards``).
+    """
+
+    source: str = "stdlib"
+    path: str | None = None
+    pattern: str = "**/*"
+    vocab_size: int = 8192
+    val_fraction: float = 0.05
+    shard_tokens: int = 1 << 26
+    cache_dir: str = "~/.cache/lowprec"
+
+
+@dataclass
+class TokenData:
+    """Tokenized train/val splits. Each split is a list of uint16 memmaps (shards)."""
+
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    vocab_size: int
+    fingerprint: str
+    description: str
+    shard_dir: Path
+
+    @property
+    def n_train_tokens(self) -> int:
+        return sum(len(s) for s in self.train)
+
+    @property
+    def n_val_tokens(self) -> int:
+        return sum(len(s) for s in self.val)
+
+
+def _tokenize_corpus(corpus: Corpus, vocab_size: int, out_dir: Path, shard_tokens: int) -> None:
+    train_texts = [read_text(p) for p in corpus.train_files]
+    tok = train_bpe(train_texts, vocab_size)
+    eot = tok.token_to_id(EOT)
+    splits = {}
+    for split, texts in (("train", train_texts), ("val", [read_text(p) for p in corpus.val_files])):
+        ids = [e.ids + [eot] for e in tok.encode_batch(texts)]
+        splits[split] = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        write_shards(tmp, splits, tok.get_vocab_size(), shard_tokens,
+                     {"fingerprint": corpus.fingerprint, "corpus": corpus.name, "root": str(corpus.root)})
+        os.replace(tmp, out_dir)  # atomic: a crashed build never leaves a half-written cache behind
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(spec: DataSpec) -> TokenData:
+    """Tokens for training, building and caching the tokenizer and shards on first use.
+
+    The cache key is the corpus fingerprint and the vocab size, so a changed corpus rebuilds.
+    Raises ``DataError`` for a missing path, an empty corpus or a corrupt cache/shard.
+    """
+    if spec.source == "tokens":
+        if not spec.path:
+            raise DataError("data.source=tokens needs data.path (a folder with meta.json and *.bin shards)")
+        shard_dir = Path(spec.path).expanduser()
+        if not shard_dir.exists():
+            raise DataError(f"data path {str(shard_dir)!r} does not exist")
+        meta = read_meta(shard_dir)
+        desc = f"pre-tokenized shards at {shard_dir}"
+        fingerprint = meta.get("fingerprint") or _digest_of_digests(meta)
+    elif spec.source in ("stdlib", "text"):
+        if spec.source == "stdlib":
+            corpus = stdlib_corpus(spec.val_fraction)
+        else:
+            if not spec.path:
+                raise DataError("data.source=text needs data.path (a file or folder of text files)")
+            corpus = build_corpus("text", spec.path, spec.pattern, spec.val_fraction)
+        cache = Path(spec.cache_dir).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        shard_dir = cache / f"{corpus.fingerprint[:16]}-bpe{spec.vocab_size}"
+        if not shard_dir.exists():
+            _tokenize_corpus(corpus, spec.vocab_size, shard_dir, spec.shard_tokens)
+        load_tokenizer(shard_dir / "tokenizer.json")  # fails loudly if the cached tokenizer is corrupt
+        meta = read_meta(shard_dir)
+        desc = f"{corpus.name}: {len(corpus.train_files)} train / {len(corpus.val_files)} val files under {corpus.root}"
+        fingerprint = corpus.fingerprint
+    else:
+        raise DataError(f"data.source={spec.source!r} is not one of ['stdlib', 'text', 'tokens']")
+    return TokenData(
+        train=open_split(shard_dir, "train"),
+        val=open_split(shard_dir, "val"),
+        vocab_size=int(meta["vocab_size"]),
+        fingerprint=fingerprint,
+        description=desc,
+        shard_dir=shard_dir,
+    )
+
+
+def _digest_of_digests(meta: dict) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for split in sorted(meta["splits"]):
+        for e in meta["splits"][split]:
+            h.update(e["sha256"].encode())
+    return h.hexdigest()

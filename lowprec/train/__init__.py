@@ -1,0 +1,1 @@
+"""Build step and training loop."""

@@ -1,0 +1,106 @@
+"""The effective recipe: what actually ran, read from the built objects after the first optimizer step.
+
+``inspect_effective`` looks at live tensors and modules only; ``expected_effective`` derives the same
+summary from the requested recipe; ``check_effective`` raises when they differ, so a comparison is never
+logged for a recipe that silently ran as something else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from lowprec.optim import moment_kind
+from lowprec.optim.builder import MIN_8BIT_NUMEL
+from lowprec.train.build import Built
+
+
+class EffectiveRecipeError(RuntimeError):
+    """The run's effective recipe differs from the requested one."""
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _fp8_linear_count(model: nn.Module) -> int:
+    # torchao's Float8Linear and any later lowprec FP8 linear mark themselves by class name.
+    return sum(1 for m in model.modules() if isinstance(m, nn.Linear) and "Float8" in type(m).__name__)
+
+
+@torch.no_grad()
+def _linear_output_dtypes(built: Built, tokens: torch.Tensor) -> Counter:
+    seen: Counter = Counter()
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: seen.update([_dt(out.dtype)]))
+        for m in built.model.modules()
+        if isinstance(m, nn.Linear)
+    ]
+    try:
+        with built.precision():
+            built.model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:
+    """Summary of what ran: dtypes weighted by element counts, FP8 linear count, optimizer class.
+
+    ``tokens``: (batch, seq) int64, used for one no-grad forward that records each linear's output dtype.
+    Call after an optimizer step and before ``zero_grad`` (gradients must exist).
+    """
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    opt = built.optimizer
+    return {
+        "param_dtype": dict(_count(params, lambda p: _dt(p.dtype))),
+        "grad_dtype": dict(_count([p for p in params if p.grad is not None], lambda p: _dt(p.grad.dtype))),
+        "linear_output_dtype": dict(_linear_output_dtypes(built, tokens[:1])),
+        "fp8_linears": _fp8_linear_count(built.model),
+        "linears": sum(1 for m in built.model.modules() if isinstance(m, nn.Linear)),
+        "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+        "moment_dtype": dict(_count(params, lambda p: moment_kind(opt, p))),
+        "master": "explicit" if built.master_params else "params_are_master" if _all_fp32(params) else "none",
+    }
+
+
+def _count(params, key) -> Counter:
+    c: Counter = Counter()
+    for p in params:
+        c[key(p)] += p.numel()
+    return c
+
+
+def _all_fp32(params) -> bool:
+    return all(p.dtype == torch.float32 for p in params)
+
+
+def expected_effective(built: Built) -> dict:
+    """The summary ``inspect_effective`` must return if the recipe ran exactly as requested."""
+    r = built.recipe
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    n_linears = sum(1 for m in built.model.modules() if isinstance(m, nn.Linear))
+    if r.optim.state == "int8":
+        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL else "float32")
+    else:
+        moments = Counter({_dt(r.param_dtype): n})
+    return {
+        "param_dtype": {_dt(r.param_dtype): n},
+        "grad_dtype": {_dt(r.param_dtype): n},
+        "linear_output_dtype": {_dt(r.compute_dtype): n_linears},
+        "fp8_linears": len(built.fp8_fqns),
+        "linears": n_linears,
+        "moment_dtype": dict(moments),
+        "master": "params_are_master" if r.param_dtype == torch.float32 else "none",
+    }
+
+
+def check_effective(effective: dict, expected: dict) -> None:
+    """Raise ``EffectiveRecipeError`` naming every field where ``effective`` differs from ``expected``."""
+    diffs = [f"{k}: requested {v}, ran {effective.get(k)}" for k, v in expected.items() if effective.get(k) != v]
+    if diffs:
+        raise EffectiveRecipeError("effective recipe differs from the requested one: " + "; ".join(diffs))

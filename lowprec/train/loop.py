@@ -1,0 +1,152 @@
+"""The training loop: one ``train_step`` for every recipe.
+
+Precision reaches the loop only as objects made by ``lowprec.train.build`` (the model's modules,
+``built.precision()``, the optimizer); nothing here reads the recipe.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from lowprec.accounting import PeakMemory, measure_state_bytes
+from lowprec.data import TokenBatches
+from lowprec.train.build import Built
+from lowprec.train.effective import check_effective, expected_effective, inspect_effective
+from lowprec.train.spec import TrainSpec
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the message gives the step and the value."""
+
+
+class MetricSink(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+
+
+@dataclass
+class RunResult:
+    """What a finished run measured. ``summary`` holds the scalar metrics logged at the end."""
+
+    effective: dict
+    summary: dict[str, float]
+    peak_kind: str
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with built.precision():
+        logits = built.model(x)
+    # Cross-entropy in FP32 whatever the compute dtype (torchtitan does the same).
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float, step: int) -> StepResult:
+    """One optimizer step over ``micro_batches`` (gradient accumulation), clipping and LR update.
+
+    Gradients are zeroed at the start so they stay inspectable after the step. Raises
+    ``NonFiniteError`` before the optimizer step if the loss or the gradient norm is not finite.
+    """
+    built.optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=built.device)
+    for x, y in micro_batches:
+        loss = _loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
+        (loss / len(micro_batches)).backward()
+        total += loss.detach()
+    loss_value = total.item() / len(micro_batches)
+    if not math.isfinite(loss_value):
+        raise NonFiniteError(f"loss is {loss_value} at step {step}")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(built.model.parameters(), grad_clip))
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})")
+    built.optimizer.step()
+    built.scheduler.step()
+    return StepResult(loss=loss_value, grad_norm=grad_norm)
+
+
+@torch.no_grad()
+def evaluate(built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean validation loss over fixed ``batches`` in the run's compute precision."""
+    built.model.eval()
+    try:
+        losses = [_loss(built, x.to(built.device), y.to(built.device)).item() for x, y in batches]
+    finally:
+        built.model.train()
+    return sum(losses) / len(losses)
+
+
+StepHook = Callable[[int, Built], None]
+
+
+def run_training(
+    built: Built,
+    data: TokenBatches,
+    spec: TrainSpec,
+    sink: MetricSink,
+    before_step: list[StepHook] = (),
+    on_effective: Callable[[dict], None] = lambda eff: None,
+) -> RunResult:
+    """Train for ``spec.steps`` optimizer steps, logging to ``sink``.
+
+    After step 0 the effective recipe is inspected, handed to ``on_effective`` (to be recorded even if
+    it is wrong), then checked (``EffectiveRecipeError`` on a mismatch). Metrics per step: ``loss``,
+    ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``; ``val_loss`` every ``spec.val_every`` steps
+    and at the end. Summary: means over the steps after ``timing_warmup_steps``, state bytes, peak memory.
+    Exceptions propagate after everything measured so far has been handed to ``sink``.
+    """
+    peak = PeakMemory(built.device)
+    peak.reset()
+    val_batches = data.val_batches(spec.val_batches)
+    history: list[dict[str, float]] = []
+    effective: dict = {}
+    state = None
+    timed_s, timed_steps = 0.0, 0
+    bar = tqdm(range(spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
+    val_loss = float("nan")
+    for step in bar:
+        for hook in before_step:
+            hook(step, built)
+        micro = [data.train_batch(step, m) for m in range(spec.grad_accum)]
+        lr = built.scheduler.get_last_lr()[0]
+        t0 = time.perf_counter()
+        res = train_step(built, micro, spec.grad_clip, step)
+        dt = time.perf_counter() - t0
+        if step == 0:
+            effective = inspect_effective(built, micro[0][0].to(built.device))
+            state = measure_state_bytes(built.model, built.optimizer, built.master_params)
+            on_effective(effective)
+            check_effective(effective, expected_effective(built))
+        if step >= spec.timing_warmup_steps:
+            timed_s += dt
+            timed_steps += 1
+        metrics = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": lr, "step_time_s": dt,
+                   "tokens_per_s": spec.tokens_per_step / dt, "tokens": (step + 1) * spec.tokens_per_step}
+        last = step == spec.steps - 1
+        if last or (spec.val_every > 0 and (step + 1) % spec.val_every == 0):
+            val_loss = evaluate(built, val_batches)
+            metrics["val_loss"] = val_loss
+        sink.log_metrics(metrics, step)
+        history.append(metrics)
+        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+    bar.close()
+    summary = {
+        "final_loss": history[-1]["loss"],
+        "final_val_loss": val_loss,
+        "mean_step_time_s": timed_s / timed_steps,
+        "mean_tokens_per_s": spec.tokens_per_step * timed_steps / timed_s,
+        "mem_peak_bytes": peak.read(),
+        **state.as_metrics(),
+    }
+    return RunResult(effective=effective, summary=summary, peak_kind=peak.kind, history=history)

@@ -1,0 +1,66 @@
+"""Real Hydra composition of conf/ and the command line's error handling."""
+
+import json
+
+import pytest
+
+from experiments.cli import compose, main
+from experiments.config import model_from_cfg, recipe_from_cfg, train_from_cfg
+from lowprec.recipe import RecipeError
+from recipes import CATALOG
+
+
+def test_train_defaults_compose():
+    cfg = compose("train", [])
+    assert recipe_from_cfg(cfg.recipe) == CATALOG["bf16"]
+    assert model_from_cfg(cfg.model).dim == 256
+    assert cfg.tracking.uri == "sqlite:///runs/mlflow.db"
+    assert train_from_cfg(cfg).steps == 200
+
+
+def test_every_recipe_field_is_overridable():
+    cfg = compose("train", ["recipe=fp8_tensorwise", "recipe.fp8.scaling=rowwise", "model=debug", "model.n_layers=3",
+                            "train.steps=7", "seed=5"])
+    r = recipe_from_cfg(cfg.recipe)
+    assert r.fp8.scaling == "rowwise" and r.fp8.backend == "torchao" and r.name == "fp8_tensorwise"
+    assert model_from_cfg(cfg.model).n_layers == 3 and cfg.train.steps == 7 and cfg.seed == 5
+
+
+def test_experiments_compose():
+    smoke = compose("ablate", ["experiment=smoke"])
+    assert smoke.model.name == "debug" and list(smoke.recipes) == list(CATALOG)
+    default = compose("ablate", [])
+    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 200
+    assert list(compose("ablate", ["recipes=[fp32,bf16]", "seeds=3"]).recipes) == ["fp32", "bf16"]
+
+
+def test_invalid_recipe_override_fails_in_validation():
+    cfg = compose("train", ["recipe.optim.state=int8"])
+    with pytest.raises(RecipeError, match="recipe.optim.impl"):
+        recipe_from_cfg(cfg.recipe)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "train.stepz=3"], "stepz"),
+    (["train", "recipe=fp7"], "fp7"),
+    (["train", "recipe.optim.state=int8", "train.steps=2"], "recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'"),
+    (["train", "recipe.fp8.backend=te"], "recipe.fp8.backend='te'"),
+    (["ablate", "recipes=[fp32,nope]"], "unknown recipe 'nope'"),
+    (["train", "data=text", "data.path=/no/such/dir"], "does not exist"),
+    (["train", "train.steps=0"], "train.steps=0"),
+])
+def test_bad_input_gives_one_clear_line(args, needle, capsys, run_dirs):
+    assert main(args + run_dirs) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1 and err.startswith("lowprec ")
+
+
+def test_recipes_command_lists_the_catalog(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in CATALOG:
+        assert name in out
+    assert main(["recipes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fp8_tensorwise"]["fp8"]["backend"] == "torchao"

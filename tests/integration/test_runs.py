@@ -1,0 +1,73 @@
+"""Real training runs of the debug model, tracked in a real MLflow sqlite store in a temp dir."""
+
+import math
+
+import torch
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import compose, main, train_main
+from lowprec.data import TokenBatches
+from lowprec.model import model_args
+from lowprec.optim import OptimHParams
+from lowprec.train.build import build
+from lowprec.train.loop import run_training
+from lowprec.train.spec import TrainSpec
+from recipes import get_recipe
+
+QUICK = ["model=debug", "train.steps=6", "train.batch_size=2", "train.seq_len=64", "train.val_every=3",
+         "train.val_batches=1", "train.warmup_steps=2", "train.timing_warmup_steps=1"]
+
+
+class ListSink:
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, m, step):
+        self.rows.append((step, dict(m)))
+
+
+def _losses(recipe, token_data, seed):
+    spec = TrainSpec(steps=5, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
+    b = build(get_recipe(recipe), model_args("debug"), spec, OptimHParams(), seed, torch.device("cpu"))
+    res = run_training(b, TokenBatches(token_data.train, token_data.val, 64, 2, seed), spec, ListSink())
+    return [h["loss"] for h in res.history], res
+
+
+def test_same_seed_gives_identical_losses(token_data):
+    for recipe in ("fp32", "bf16_adamw8bit"):
+        a, res = _losses(recipe, token_data, 0)
+        b, _ = _losses(recipe, token_data, 0)
+        assert a == b
+        c, _ = _losses(recipe, token_data, 1)
+        assert a != c
+    assert res.summary["mean_tokens_per_s"] > 0 and res.summary["mem_peak_bytes"] > 0
+    assert math.isfinite(res.summary["final_val_loss"])
+
+
+def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
+    cfg = compose("train", run_dirs + QUICK + ["recipe=fp8_tensorwise"])
+    o = train_main(cfg)
+    assert o.status == "FINISHED"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    run = client.get_run(o.run_id)
+    t = run.data.tags
+    for key in ("recipe_hash", "recipe_short", "effective_recipe", "git_sha", "torch_version", "torchao_version",
+                "bitsandbytes_version", "device", "corpus_fingerprint"):
+        assert t.get(key), key
+    assert t["effective_matches"] == "true" and '"fp8_linears": 14' in t["effective_recipe"]
+    assert run.data.params["recipe.fp8.backend"] == "torchao"
+    assert [m.step for m in client.get_metric_history(o.run_id, "loss")] == list(range(6))
+    assert len(client.get_metric_history(o.run_id, "val_loss")) == 2
+    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_states_bytes", "mem_peak_bytes", "tokens_per_s",
+                "step_time_s", "grad_norm", "lr", "state_bytes_per_param"):
+        assert key in run.data.metrics, key
+
+
+def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path):
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32", "faults.nan_at_step=3"]) == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failure_reason"] == "NonFiniteError: loss is nan at step 3"
+    # the steps before the failure are kept
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from lowprec.model import LLAMA_CONFIGS, Transformer, model_args
+from lowprec.train.build import build_model_meta, materialize
+
+
+def _count(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_llama3_8b_has_the_published_parameter_count():
+    m = build_model_meta(LLAMA_CONFIGS["llama3_8b"])
+    assert _count(m) == 8_030_261_248
+    assert LLAMA_CONFIGS["llama3_8b"].num_params() == 8_030_261_248
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CONFIGS))
+def test_num_params_matches_the_module_tree(name):
+    assert _count(build_model_meta(LLAMA_CONFIGS[name])) == LLAMA_CONFIGS[name].num_params()
+
+
+def test_named_sizes():
+    assert _count(build_model_meta(LLAMA_CONFIGS["debug"])) < 600_000
+    assert 7_500_000 < _count(build_model_meta(LLAMA_CONFIGS["tiny"])) < 8_500_000
+
+
+def test_torchtitan_module_names():
+    names = {n for n, _ in build_model_meta(LLAMA_CONFIGS["debug"]).named_parameters()}
+    for n in ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.attention.wo.weight",
+              "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
+              "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight", "output.weight"]:
+        assert n in names
+
+
+def test_same_seed_same_weights_and_meta_init_is_complete():
+    a, b, c = (build_model_meta(LLAMA_CONFIGS["debug"]) for _ in range(3))
+    materialize(a, torch.device("cpu"), 7)
+    materialize(b, torch.device("cpu"), 7)
+    materialize(c, torch.device("cpu"), 8)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        assert torch.isfinite(pa).all(), n
+    assert not torch.equal(a.output.weight, c.output.weight)
+
+
+def test_forward_is_causal_and_shapes():
+    m = build_model_meta(model_args("debug"))
+    materialize(m, torch.device("cpu"), 0)
+    x = torch.randint(0, 8192, (2, 16))
+    y = m(x)
+    assert y.shape == (2, 16, 8192) and y.dtype == torch.float32
+    x2 = x.clone()
+    x2[:, 10:] = (x2[:, 10:] + 1) % 8192
+    y2 = m(x2)
+    torch.testing.assert_close(y[:, :10], y2[:, :10])
+    assert not torch.allclose(y[:, 10:], y2[:, 10:])
+
+
+def test_invalid_shapes_raise():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        model_args("debug", n_kv_heads=3)
+    with pytest.raises(KeyError, match="known"):
+        model_args("nope")
+    m = Transformer(model_args("debug", max_seq_len=8))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 9, dtype=torch.long))

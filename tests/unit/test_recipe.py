@@ -1,0 +1,59 @@
+import dataclasses
+
+import pytest
+
+from lowprec.recipe import Recipe, RecipeError
+from recipes import CATALOG, get_recipe
+
+
+def test_catalog_recipes_are_frozen_hashed_and_distinct():
+    hashes = {r.hash() for r in CATALOG.values()}
+    assert len(hashes) == len(CATALOG)
+    r = get_recipe("bf16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.name = "x"
+    assert r.hash() == Recipe.from_dict(r.to_dict()).hash()
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+def test_short_str_states_every_group():
+    assert get_recipe("fp8_tensorwise").short_str() == "w=fp32 ac=bf16 fp8=torchao:tensorwise opt=param"
+    assert get_recipe("bf16_adamw8bit").short_str() == "w=fp32 ac=bf16 fp8=off opt=int8:bitsandbytes"
+
+
+def test_hash_ignores_name_but_not_numerics():
+    a = get_recipe("bf16")
+    assert dataclasses.replace(a, name="other").hash() == a.hash()
+    d = a.to_dict()
+    d["fp8"]["backend"] = "torchao"
+    assert Recipe.from_dict(d).hash() != a.hash()
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"optim": {"state": "int8", "impl": "torch"}}, ["recipe.optim.state", "recipe.optim.impl"]),
+    ({"optim": {"state": "param", "impl": "bitsandbytes"}}, ["recipe.optim.impl", "recipe.optim.state"]),
+    ({"weights": {"param_dtype": "fp8"}}, ["recipe.weights.param_dtype"]),
+    ({"fp8": {"backend": "te"}}, ["recipe.fp8.backend"]),
+    ({"fp8": {"scalling": "rowwise"}}, ["fp8.scalling"]),
+    ({"colour": "red"}, ["colour"]),
+])
+def test_invalid_recipes_name_the_conflicting_fields(patch, words):
+    d = get_recipe("bf16").to_dict()
+    for k, v in patch.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and k in d else v
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict(d)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_recipe_lists_the_catalog():
+    with pytest.raises(RecipeError, match="fp32"):
+        get_recipe("fp7")
+
+
+def test_fp8_filter_matches_fqn_suffixes():
+    spec = get_recipe("fp8_tensorwise").fp8
+    assert spec.keeps_high_precision("output")
+    assert not spec.keeps_high_precision("layers.0.feed_forward.w1")
+    assert not spec.keeps_high_precision("layers.0.attention.output_gate")  # a suffix match, not a substring
