@@ -9,10 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lowprec.data import prepare
+from lowprec.data import check_vocab_fits, prepare
 from lowprec.train.build import resolve_device
 from recipes import get_recipe
-from experiments.config import data_from_cfg, flat_params, train_from_cfg
+from experiments.config import data_from_cfg, flat_params, model_from_cfg, train_from_cfg
 from experiments.report import build_report
 from experiments.run import RunOutcome, run_one
 from experiments.tracking import ABLATION_TAG, Tracker, dumps, provenance_tags
@@ -47,6 +47,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
         echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
     train_from_cfg(cfg)  # validate the loop settings before any work
     data = prepare(data_from_cfg(cfg))
+    check_vocab_fits(data, model_from_cfg(cfg.model).vocab_size)
     device = resolve_device(cfg.device)
     tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"

@@ -59,14 +59,16 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
 
 def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
-    from lowprec.data import prepare
+    from lowprec.data import check_vocab_fits, prepare
     from experiments.config import data_from_cfg, model_from_cfg, recipe_from_cfg, train_from_cfg
     from experiments.run import run_one
     from experiments.tracking import Tracker
 
     recipe = recipe_from_cfg(cfg.recipe)
-    model_from_cfg(cfg.model), train_from_cfg(cfg)  # validate before any work
+    args = model_from_cfg(cfg.model)
+    train_from_cfg(cfg)  # validate before any work
     data = prepare(data_from_cfg(cfg))
+    check_vocab_fits(data, args.vocab_size)
     tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
     echo(f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed {cfg.seed}")
     o = run_one(cfg, recipe, int(cfg.seed), data, tracker)

@@ -97,8 +97,12 @@ def memory_bars(rows, runs, order, path: Path) -> Path:
     a.set(title="training state by component (exact bytes)", ylabel="MiB")
     a.legend(fontsize=8)
     peak = {row["recipe"]: row["peak_bytes"] / 2**20 for row in rows}
-    b.bar(names, [peak[n] for n in names], color="gray")
+    growth = {row["recipe"]: row["peak_growth_bytes"] / 2**20 for row in rows}
+    b.bar(names, [peak[n] - growth[n] for n in names], color="lightgray", label="resident at run start")
+    b.bar(names, [growth[n] for n in names], bottom=[peak[n] - growth[n] for n in names], color="gray",
+          label="growth during the run")
     b.set(title="peak memory of the run", ylabel="MiB")
+    b.legend(fontsize=8)
     for ax in (a, b):
         ax.tick_params(axis="x", rotation=30)
         ax.grid(alpha=0.3, axis="y")

@@ -105,6 +105,7 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
             "tokens_per_s": _mean([r.metrics["mean_tokens_per_s"] for r in ok]),
             "bytes_per_param": _mean([r.metrics["state_bytes_per_param"] for r in ok]),
             "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
+            "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
             "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
             "max_grad_norm": _mean([max((v for _, v in r.curves["grad_norm"][len(r.curves["grad_norm"]) // 10 :]), default=math.nan) for r in ok]),
             "n_ok": len(ok),
@@ -165,7 +166,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         "",
         f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
         "state = parameters + gradients + master + optimizer states (exact bytes); "
-        f"peak = {'process peak RSS (CPU)' if on_cpu else 'CUDA peak allocated'}; spikes = steps with loss > 1.25x the mean of the previous 20.",
+        f"peak = {'process peak RSS (CPU), with its growth during the run in brackets' if on_cpu else 'CUDA peak allocated, with its growth during the run in brackets'}; spikes = steps with loss > 1.25x the mean of the previous 20.",
         "",
         "| recipe | what it is | status | val loss | gap vs control | tokens/s | state B/param | peak memory | loss spikes | max grad norm |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -175,7 +176,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         lines.append(
             f"| `{row['recipe']}` | `{row['short']}` | {row['status']} | {_num(row['val_loss'], '.4f')}{std} | "
             f"{_num(row['gap_pct'], '+.2f')}% | {_num(row['tokens_per_s'], ',.0f')} | {_num(row['bytes_per_param'], '.2f')} | "
-            f"{_fmt_bytes(row['peak_bytes']) if row['n_ok'] else 'n/a'} | {_num(row['spikes'], '.0f')} | {_num(row['max_grad_norm'], '.3f')} |"
+            f"{_fmt_bytes(row['peak_bytes']) + ' (+' + _fmt_bytes(row['peak_growth_bytes']) + ')' if row['n_ok'] else 'n/a'} | {_num(row['spikes'], '.0f')} | {_num(row['max_grad_norm'], '.3f')} |"
         )
     failed = [r for r in runs if not r.comparable]
     if failed:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lowprec.data import DataError, TokenBatches, TokenData
+from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
@@ -56,11 +56,7 @@ def run_one(
     sink = MetricBuffer(tracker, run_id)
     try:
         args = model_from_cfg(cfg.model)
-        if data.vocab_size > args.vocab_size:
-            raise DataError(
-                f"tokenizer vocab {data.vocab_size} does not fit model.vocab_size={args.vocab_size}; "
-                f"raise model.vocab_size or lower data.vocab_size"
-            )
+        check_vocab_fits(data, args.vocab_size)
         spec = train_from_cfg(cfg)
         built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device)
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)

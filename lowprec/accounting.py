@@ -101,30 +101,43 @@ class PeakMemory:
     CPU: the process's peak resident set (``VmHWM``), reset at ``reset()`` by writing 5 to
     ``/proc/self/clear_refs`` (Linux >= 4.0; kind ``process_peak_rss``). Where that reset is not
     permitted, the kind is ``process_peak_rss_since_start`` and says the figure spans the whole process.
+    ``read() - baseline`` is the growth during the run (on a CPU the process's libraries and data are
+    already resident at ``reset()`` and dominate the absolute figure).
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.kind = "cuda_peak_allocated" if device.type == "cuda" else "process_peak_rss"
+        self.baseline = 0
 
     def reset(self) -> None:
+        """Start a new measurement; remembers the current usage as ``baseline`` (bytes)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
             return
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             self.kind = "process_peak_rss_since_start"
+        self.baseline = self._status_bytes("VmRSS:") or 0
+
+    @staticmethod
+    def _status_bytes(field: str) -> int | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
 
     def read(self) -> int:
         """Peak bytes since ``reset()``."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        self.kind = "process_peak_rss_since_start"
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = self._status_bytes("VmHWM:")
+        if peak is None:
+            self.kind = "process_peak_rss_since_start"
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak

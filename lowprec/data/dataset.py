@@ -114,6 +114,15 @@ def prepare(spec: DataSpec) -> TokenData:
     )
 
 
+def check_vocab_fits(data: TokenData, model_vocab_size: int) -> None:
+    """Raise ``DataError`` if token ids of ``data`` can reach past the model's embedding table."""
+    if data.vocab_size > model_vocab_size:
+        raise DataError(
+            f"tokenizer vocab {data.vocab_size} does not fit model.vocab_size={model_vocab_size}; "
+            "raise model.vocab_size or lower data.vocab_size"
+        )
+
+
 def _digest_of_digests(meta: dict) -> str:
     import hashlib
 

@@ -146,7 +146,8 @@ def run_training(
         "final_val_loss": val_loss,
         "mean_step_time_s": timed_s / timed_steps,
         "mean_tokens_per_s": spec.tokens_per_step * timed_steps / timed_s,
-        "mem_peak_bytes": peak.read(),
+        "mem_peak_bytes": (peak_bytes := peak.read()),
+        "mem_peak_growth_bytes": peak_bytes - peak.baseline,
         **state.as_metrics(),
     }
     return RunResult(effective=effective, summary=summary, peak_kind=peak.kind, history=history)

@@ -30,7 +30,7 @@ def test_experiments_compose():
     smoke = compose("ablate", ["experiment=smoke"])
     assert smoke.model.name == "debug" and list(smoke.recipes) == list(CATALOG)
     default = compose("ablate", [])
-    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 200
+    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 150
     assert list(compose("ablate", ["recipes=[fp32,bf16]", "seeds=3"]).recipes) == ["fp32", "bf16"]
 
 
@@ -48,6 +48,7 @@ def test_invalid_recipe_override_fails_in_validation():
     (["ablate", "recipes=[fp32,nope]"], "unknown recipe 'nope'"),
     (["train", "data=text", "data.path=/no/such/dir"], "does not exist"),
     (["train", "train.steps=0"], "train.steps=0"),
+    (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
 ])
 def test_bad_input_gives_one_clear_line(args, needle, capsys, run_dirs):
     assert main(args + run_dirs) == 2

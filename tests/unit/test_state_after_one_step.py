@@ -91,3 +91,18 @@ def test_adamw8bit_state_bytes_are_exact(token_data):
     assert sb.params == 4 * n and sb.grads == 4 * n
     # weights 4 + grads 4 + m, v 2 + block scales; the debug model's many small tensors add a little
     assert 10.0 < sb.per_param < 10.5
+
+
+def test_gradient_accumulation_equals_the_concatenated_batch(token_data):
+    """Two micro-batches of 2 give the gradients of one batch of 4 (mean loss over equal micro-batches)."""
+    batches = TokenBatches(token_data.train, token_data.val, 32, 2, 0)
+    m1, m2 = batches.train_batch(0, 0), batches.train_batch(0, 1)
+    both = (torch.cat([m1[0], m2[0]]), torch.cat([m1[1], m2[1]]))
+    grads, losses = [], []
+    for micro in ([m1, m2], [both]):
+        b = build(get_recipe("fp32"), model_args("debug"), SPEC, OptimHParams(), 0, torch.device("cpu"))
+        losses.append(train_step(b, micro, 1e9, 0).loss)
+        grads.append([p.grad.clone() for p in b.model.parameters()])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for ga, gb in zip(*grads):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)

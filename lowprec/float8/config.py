@@ -1,0 +1,66 @@
+"""Per-role FP8 configuration of lowprec's own FP8 linear, expanded from a recipe's ``Float8Spec``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowprec.formats import Format, get_format
+
+ROLES = ("input", "weight", "grad_output")
+
+#: ``scaling`` preset -> granularity of (input, weight, grad_output).
+SCALING_PRESETS: dict[str, tuple[str, str, str]] = {
+    "tensorwise": ("tensorwise", "tensorwise", "tensorwise"),
+    "rowwise": ("rowwise", "rowwise", "rowwise"),
+    # DeepSeek-V3: 1x128 tiles for activations and activation gradients, 128x128 blocks for weights.
+    "blockwise": ("tile1x128", "block128x128", "tile1x128"),
+}
+
+#: ``fp8_format`` -> format of (input, weight, grad_output). HYBRID is Transformer Engine's ``Format.HYBRID``.
+FORMAT_PRESETS: dict[str, tuple[str, str, str]] = {
+    "hybrid": ("e4m3", "e4m3", "e5m2"),
+    "e4m3": ("e4m3", "e4m3", "e4m3"),
+}
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """How one operand role is cast: format, granularity, strategy (and the strategy's knobs)."""
+
+    fmt: Format
+    granularity: str
+    strategy: str = "current"
+    static_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class LinearFP8Config:
+    """Everything one FP8 linear needs. Built by ``from_spec`` from a recipe's ``Float8Spec``."""
+
+    input: RoleConfig
+    weight: RoleConfig
+    grad_output: RoleConfig
+    power_of_2: bool = False
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    gemm_backend: str = "scaled_mm"
+    promotion_interval: int | None = None
+    accum_mantissa_bits: int | None = None
+    cache_fp8_activations: bool = False
+
+    @classmethod
+    def from_spec(cls, spec) -> "LinearFP8Config":
+        grans = SCALING_PRESETS[spec.scaling]
+        fmts = FORMAT_PRESETS[spec.fp8_format]
+        roles = [
+            RoleConfig(get_format(f), g, spec.strategy, float(s))
+            for f, g, s in zip(fmts, grans, spec.static_scales)
+        ]
+        return cls(*roles, power_of_2=spec.power_of_2_scales, amax_history_len=spec.amax_history_len,
+                   amax_compute_algo=spec.amax_compute_algo, margin=spec.margin, gemm_backend=spec.gemm_backend,
+                   promotion_interval=spec.promotion_interval, accum_mantissa_bits=spec.accum_mantissa_bits,
+                   cache_fp8_activations=spec.cache_fp8_activations)
+
+    def role(self, name: str) -> RoleConfig:
+        return getattr(self, name)

@@ -1,0 +1,154 @@
+"""lowprec's FP8 linear: three FP8 GEMMs with a format and a scaling per operand role.
+
+``output = input @ weight.T``, ``grad_input = grad_output @ weight``, ``grad_weight = grad_output.T @ input``
+(torchao's naming; ``torchao/float8/float8_linear.py``'s ``matmul_with_hp_or_float8_args`` is the model).
+Each GEMM quantizes its operands along its own contraction dimension: rowwise/tile scales of ``input`` run
+along features in the forward GEMM and along tokens in the weight-gradient GEMM. Tensorwise and 128x128
+block operands are transposed without requantizing; others are requantized (from the FP8 cache when
+activation caching is on, as DeepSeek-V3 and Transformer Engine do).
+
+Under autocast the input is cast to the autocast dtype (the output takes it too); the weight is quantized
+directly from the stored (master) parameter. Weight gradients are accumulated in FP32 and returned in the
+parameter's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowprec.float8.config import ROLES, LinearFP8Config
+from lowprec.float8.gemm import fp8_gemm
+from lowprec.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
+
+_TRANSPOSABLE = ("tensorwise", "block128x128")
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 as ``config`` says.
+
+    Shapes: input (..., in_features) -> output (..., out_features). Buffers: one ``DelayedScaler`` per
+    role whose strategy is ``delayed`` (under ``scalers.<role>``), so amax histories are checkpointed.
+    ``telemetry`` (``None`` or an object with ``observe(module, role, ...)``) is set by
+    ``lowprec.telemetry`` on sampled steps.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: LinearFP8Config, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_config = config
+        self.scalers = nn.ModuleDict({
+            role: DelayedScaler(config.role(role).fmt, config.amax_history_len, config.amax_compute_algo,
+                                config.margin, config.power_of_2)
+            for role in ROLES if config.role(role).strategy == "delayed"
+        })
+        self.telemetry = None
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> "Float8Linear":
+        """Swap for ``mod`` sharing its parameters (works on the meta device)."""
+        new = cls(mod.in_features, mod.out_features, mod.bias is not None, config,
+                  device=mod.weight.device, dtype=mod.weight.dtype)
+        new.weight = mod.weight
+        if mod.bias is not None:
+            new.bias = mod.bias
+        return new
+
+    def init_buffers(self) -> None:
+        """Reset FP8 scaling state (called after ``to_empty`` at build)."""
+        for s in self.scalers.values():
+            s.reset()
+
+    def update_scales(self) -> None:
+        """Delayed scaling: roll amax histories and compute next step's scales (post-optimizer hook)."""
+        for s in self.scalers.values():
+            s.update()
+
+    def quantize(self, role: str, t: torch.Tensor) -> QTensor:
+        """Quantize the 2-D operand ``t`` (rows, K) as ``role`` (``input``, ``weight``, ``grad_output``)."""
+        cfg = self.fp8_config
+        rc = cfg.role(role)
+        if rc.strategy == "current":
+            q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2)
+        elif rc.strategy == "delayed":
+            scaler = self.scalers[role]
+            scaler.record(compute_amax(t, "tensorwise"))
+            q = quantize_operand(t, rc.fmt, "tensorwise", scale=scaler.scale)
+        else:
+            q = quantize_operand(t, rc.fmt, "tensorwise", scale=torch.tensor(rc.static_scale, device=t.device))
+        if self.telemetry is not None:
+            self.telemetry.observe_cast(self, role, t, q)
+        return q
+
+    def gemm(self, a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        cfg = self.fp8_config
+        return fp8_gemm(a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))
+        shape = x.shape
+        out = _Float8Matmul.apply(x.reshape(-1, shape[-1]), self.weight, self)
+        out = out.reshape(*shape[:-1], out.shape[-1])
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.fp8_config
+        roles = ", ".join(f"{r}={c.role(r).fmt.name}/{c.role(r).granularity}/{c.role(r).strategy}" for r in ROLES)
+        return f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, fp8_cache={c.cache_fp8_activations}"
+
+
+class _Float8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: Float8Linear) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            qx = mod.quantize("input", x)
+            qw = mod.quantize("weight", weight)
+            out = mod.gemm(qx, qw, x.dtype)
+        if mod.telemetry is not None:
+            mod.telemetry.observe_gemm(mod, "output", x, weight, out)
+        ctx.mod, ctx.x_dtype = mod, x.dtype
+        if mod.fp8_config.cache_fp8_activations:
+            ctx.q_meta = (qx.granularity, qx.fmt)
+            ctx.save_for_backward(qx.data, qx.scale, weight)
+        else:
+            ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        mod: Float8Linear = ctx.mod
+        cfg = mod.fp8_config
+        if cfg.cache_fp8_activations:
+            data, scale, weight = ctx.saved_tensors
+            qx_cached = QTensor(data, scale, *ctx.q_meta)
+            x = None
+        else:
+            x, weight = ctx.saved_tensors
+            qx_cached = None
+        dy = dy.contiguous()
+        with torch.autocast(dy.device.type, enabled=False):
+            # grad_input = grad_output @ weight: contraction over out_features.
+            qdy = mod.quantize("grad_output", dy)
+            if cfg.weight.granularity in _TRANSPOSABLE:
+                qwt = mod.quantize("weight", weight).t()
+            else:
+                qwt = mod.quantize("weight", weight.t())
+            grad_input = mod.gemm(qdy, qwt, ctx.x_dtype)
+            # grad_weight = grad_output.T @ input: contraction over tokens.
+            qdyt = qdy.t() if cfg.grad_output.granularity in _TRANSPOSABLE else mod.quantize("grad_output", dy.t())
+            if qx_cached is not None:
+                if qx_cached.granularity in _TRANSPOSABLE:
+                    qxt = qx_cached.t()
+                else:
+                    qxt = mod.quantize("input", qx_cached.dequantize().t())
+            elif cfg.input.granularity in _TRANSPOSABLE:
+                qxt = mod.quantize("input", x).t()
+            else:
+                qxt = mod.quantize("input", x.t())
+            grad_weight = mod.gemm(qdyt, qxt, torch.float32).to(weight.dtype)
+        if mod.telemetry is not None:
+            mod.telemetry.observe_gemm(mod, "grad_input", dy, weight, grad_input, transpose_b=False)
+        return grad_input, grad_weight, None

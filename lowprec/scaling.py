@@ -1,0 +1,156 @@
+"""Scaling: granularity (which elements share a scale) x strategy (where the scale comes from).
+
+Operands are handled as 2-D ``(rows, K)`` tensors whose K is the GEMM's contraction dimension, so
+"rowwise" means one scale per row of the operand along K (torchao's axiswise scaling), ``tile1x128``
+one scale per row per 128 elements of K (DeepSeek-V3 activations and gradients), ``block128x128`` one
+scale per 128 x 128 block (DeepSeek-V3 weights; arXiv 2412.19437 section 3.3.2). Ragged edges form
+partial tiles/blocks with their own scale.
+
+Compact scale shapes for an operand of shape (R, K), with ``b = 128``:
+``tensorwise`` ``()``, ``rowwise`` ``(R, 1)``, ``tile1x128`` ``(R, ceil(K/b))``,
+``block128x128`` ``(ceil(R/b), ceil(K/b))``. ``expand_scale`` turns any of them into a tensor that
+broadcasts against (R, K). All scales are float32 and multiply (``fp8 = hp * scale``).
+
+Strategies: ``current`` (scale from this tensor's amax), ``delayed`` (Transformer Engine's
+``DelayedScaling``: see ``DelayedScaler``), ``static`` (a fixed scale, as modded-nanogpt's FP8 head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowprec.formats import Format, amax_to_scale, dequantize, quantize
+
+GRANULARITIES = ("tensorwise", "rowwise", "tile1x128", "block128x128")
+STRATEGIES = ("current", "delayed", "static")
+BLOCK = 128
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    r, c = x.shape
+    return x if (r, c) == (rows, cols) else F.pad(x, (0, cols - c, 0, rows - r))
+
+
+@torch.no_grad()
+def compute_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """max(|x|) over each scaling group of the 2-D operand ``x`` (R, K), in float32, compact shape."""
+    if x.dim() != 2:
+        raise ValueError(f"operands are 2-D (rows, K); got shape {tuple(x.shape)}")
+    a = x.abs()
+    if granularity == "tensorwise":
+        return a.max().float()
+    if granularity == "rowwise":
+        return a.amax(dim=1, keepdim=True).float()
+    r, k = x.shape
+    nk = math.ceil(k / BLOCK)
+    if granularity == "tile1x128":
+        return _pad_to(a, r, nk * BLOCK).view(r, nk, BLOCK).amax(dim=2).float()
+    if granularity == "block128x128":
+        nr = math.ceil(r / BLOCK)
+        return _pad_to(a, nr * BLOCK, nk * BLOCK).view(nr, BLOCK, nk, BLOCK).amax(dim=(1, 3)).float()
+    raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
+
+
+def expand_scale(scale: torch.Tensor, granularity: str, shape: tuple[int, int]) -> torch.Tensor:
+    """A view/copy of the compact ``scale`` that broadcasts against an operand of ``shape`` (R, K)."""
+    r, k = shape
+    if granularity in ("tensorwise", "rowwise"):
+        return scale
+    if granularity == "tile1x128":
+        return scale.repeat_interleave(BLOCK, dim=1)[:, :k]
+    if granularity == "block128x128":
+        return scale.repeat_interleave(BLOCK, dim=0)[:r].repeat_interleave(BLOCK, dim=1)[:, :k]
+    raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
+
+
+@dataclass
+class QTensor:
+    """A quantized 2-D operand: ``data`` (R, K) in an FP8 dtype, compact float32 ``scale`` (see module doc).
+
+    ``data / expand_scale(scale) ~ original``.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    fmt: Format
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
+
+    def t(self) -> "QTensor":
+        """Transpose; only scalings symmetric under transposition (tensorwise, 128x128 blocks) allow it."""
+        if self.granularity not in ("tensorwise", "block128x128"):
+            raise ValueError(f"a {self.granularity} operand cannot be transposed without requantizing")
+        scale = self.scale if self.granularity == "tensorwise" else self.scale.t()
+        return QTensor(self.data.t(), scale, self.granularity, self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def quantize_operand(
+    x: torch.Tensor, fmt: Format, granularity: str, scale: torch.Tensor | None = None, power_of_2: bool = False
+) -> QTensor:
+    """Quantize the 2-D operand ``x`` (R, K). With ``scale=None`` the scale is current (from ``x``'s amax);
+    otherwise the given compact scale is used (delayed or static strategies)."""
+    if scale is None:
+        scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2)
+    data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
+    return QTensor(data, scale, granularity, fmt)
+
+
+class DelayedScaler(nn.Module):
+    """Per-tensor delayed scaling with Transformer Engine's semantics (``transformer_engine/common/recipe``
+    ``DelayedScaling``; update rule of ``_default_sf_compute`` / amax-history roll in TE's PyTorch code).
+
+    Buffers (checkpointed with the module): ``amax_history`` (amax_history_len,) float32, slot 0 is the
+    step being recorded; ``scale`` () float32, initially 1.0.
+
+    - ``scale`` is used for every cast of the current step (it was computed from steps before it);
+    - ``record(amax)`` folds this step's amax into slot 0 (running max over micro-batches);
+    - ``update()`` (after the optimizer step): ``amax = max(history)`` (``max``) or ``history[0]``
+      (``most_recent``); ``scale = fmt.max / amax / 2**margin``, kept unchanged where amax is 0 or not
+      finite; then the history rolls by one and slot 0 is zeroed.
+    """
+
+    def __init__(self, fmt: Format, amax_history_len: int, amax_compute_algo: str, margin: int, power_of_2: bool = False):
+        super().__init__()
+        if amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len} must be >= 1")
+        if amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo={amax_compute_algo!r} is not 'max' or 'most_recent'")
+        self.fmt, self.algo, self.margin, self.power_of_2 = fmt, amax_compute_algo, margin, power_of_2
+        self.register_buffer("amax_history", torch.zeros(amax_history_len))
+        self.register_buffer("scale", torch.ones(()))
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+
+    @torch.no_grad()
+    def record(self, amax: torch.Tensor) -> None:
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax.float().reshape(()))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        amax = self.amax_history.max() if self.algo == "max" else self.amax_history[0]
+        new = amax_to_scale(amax, self.fmt, power_of_2=self.power_of_2, margin=self.margin)
+        ok = (amax > 0) & torch.isfinite(amax)
+        self.scale.copy_(torch.where(ok, new, self.scale))
+        self.amax_history.copy_(torch.roll(self.amax_history, -1))
+        self.amax_history[0] = 0.0
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, len={self.amax_history.numel()}, algo={self.algo}, margin={self.margin}"
