@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lowprec.data import check_vocab_fits, prepare
-from lowprec.train.build import resolve_device
+from lowprec.train.build import check_runtime, resolve_device
 from recipes import get_recipe
 from experiments.config import data_from_cfg, flat_params, model_from_cfg, train_from_cfg
 from experiments.report import build_report
@@ -46,9 +46,11 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     if control != cfg.control:
         echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
     train_from_cfg(cfg)  # validate the loop settings before any work
+    device = resolve_device(cfg.device)
+    for r in recipes:
+        check_runtime(r, device)
     data = prepare(data_from_cfg(cfg))
     check_vocab_fits(data, model_from_cfg(cfg.model).vocab_size)
-    device = resolve_device(cfg.device)
     tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     parent = tracker.start_run(ablation_id, {

@@ -64,7 +64,10 @@ def train_main(cfg: DictConfig, echo=print):
     from experiments.run import run_one
     from experiments.tracking import Tracker
 
+    from lowprec.train.build import check_runtime, resolve_device
+
     recipe = recipe_from_cfg(cfg.recipe)
+    check_runtime(recipe, resolve_device(cfg.device))
     args = model_from_cfg(cfg.model)
     train_from_cfg(cfg)  # validate before any work
     data = prepare(data_from_cfg(cfg))

@@ -129,3 +129,28 @@ def grad_norm_curves(runs, order, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def telemetry_heatmap(run, panels, path: Path) -> Path:
+    """One heatmap per (role, stat) panel: rows are FP8 linears in model order, columns sampled steps."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5), squeeze=False)
+    for ax, (role, stat) in zip(axes[0], panels):
+        keys = [k for k in run.telemetry if k.endswith(f"/{role}/{stat}")]
+        layers = sorted({k[len("fp8/"):-len(f"/{role}/{stat}")] for k in keys}, key=_layer_order)
+        steps = sorted({s for k in keys for s, _ in run.telemetry[k]})
+        grid = [[float("nan")] * len(steps) for _ in layers]
+        for i, layer in enumerate(layers):
+            for s, v in run.telemetry[f"fp8/{layer}/{role}/{stat}"]:
+                grid[i][steps.index(s)] = v
+        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set(title=f"{role} {stat}", xlabel="step")
+        ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)
+        ax.set_yticks(range(len(layers)), layers, fontsize=6)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle(f"FP8 telemetry: {run.recipe} (seed {run.seed})")
+    return _save(fig, path)
+
+
+def _layer_order(fqn: str):
+    parts = fqn.split(".")
+    return [int(p) if p.isdigit() else p for p in parts]

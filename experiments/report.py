@@ -16,6 +16,8 @@ from experiments import plots
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 
 CURVES = ("loss", "val_loss", "grad_norm")
+#: (role or GEMM, stat) drawn as heatmaps over layers x steps.
+TELEMETRY_PANELS = [["output", "sqnr_db"], ["grad_input", "sqnr_db"], ["grad_output", "underflow"], ["input", "overflow"]]
 MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes")
 
 
@@ -36,6 +38,7 @@ class RunData:
     metrics: dict[str, float]
     tokens_per_step: int
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    telemetry: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def tokens(self, step: int) -> int:
         return (step + 1) * self.tokens_per_step
@@ -68,6 +71,10 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
         for key in CURVES:
             hist = tracker.client.get_metric_history(r.info.run_id, key)
             rd.curves[key] = sorted((m.step, m.value) for m in hist)
+        for key in r.data.metrics:
+            if key.startswith("fp8/") and key.rsplit("/", 2)[-2:] in TELEMETRY_PANELS:
+                hist = tracker.client.get_metric_history(r.info.run_id, key)
+                rd.telemetry[key] = sorted((m.step, m.value) for m in hist)
         out.append(rd)
     return out
 
@@ -184,10 +191,26 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
                   "These runs are left out of every comparison; the reason is the one recorded in MLflow.", ""]
         lines += [f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} (run `{r.run_id}`)"
                   for r in failed]
+    tele = [r for r in ok if r.telemetry]
+    firsts = {}
+    for r in tele:
+        firsts.setdefault(r.recipe, r)
+    for name in (n for n in order if n in firsts):
+        figs[f"telemetry_{name}"] = plots.telemetry_heatmap(firsts[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
     titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
               "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm"}
     for key, path in figs.items():
+        if key.startswith("telemetry_"):
+            continue
         lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
+    if firsts:
+        lines += ["", "## FP8 numerics telemetry", "",
+                  "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
+                  "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
+                  "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
+                  "saturate (overflow)."]
+        for name in (n for n in order if n in firsts):
+            lines += ["", f"### `{name}`", "", f"![telemetry {name}](telemetry_{name}.png)"]
     lines += ["", "## Effective recipes", "",
               "Read from the built objects after the first optimizer step (element counts per dtype).", "",
               "| recipe | params | grads | linear outputs | FP8 linears | AdamW moments | optimizer |", "|---|---|---|---|---|---|---|"]
@@ -199,7 +222,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         e = r.effective
         lines.append(
             f"| `{r.recipe}` | {_dtypes(e.get('param_dtype'))} | {_dtypes(e.get('grad_dtype'))} | "
-            f"{_dtypes(e.get('linear_output_dtype'))} | {e.get('fp8_linears')}/{e.get('linears')} | "
+            f"{_dtypes(e.get('linear_output_dtype'))} | {sum((e.get('fp8_linears') or {}).values())}/{e.get('linears')} | "
             f"{_dtypes(e.get('moment_dtype'))} | `{e.get('optimizer')}` |"
         )
     lines += ["", f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`", ""]

@@ -1,44 +1,86 @@
 """Converters: turn a recipe's FP8 intent into module swaps, selected by FQN filter.
 
 Runs on the meta-device model before materialisation (build step 2), as torchtitan's
-``Float8LinearConverter`` does; the swapped modules keep their FQNs so checkpoints and filters agree.
+``Float8LinearConverter`` does; swapped modules keep their FQNs so checkpoints and filters agree.
+Every backend sees the same selection (``fp8_candidate_fqns``), and a selected linear that a backend
+cannot convert raises instead of silently staying in high precision.
 """
 
 from __future__ import annotations
+
+import re
 
 from torch import nn
 
 from lowprec.recipe import Float8Spec
 
+_BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
+
 
 def fp8_candidate_fqns(model: nn.Module, spec: Float8Spec) -> list[str]:
-    """FQNs of the ``nn.Linear`` modules the spec puts in FP8 (empty when FP8 is off)."""
+    """FQNs of the ``nn.Linear`` modules the spec puts in FP8 (empty when FP8 is off).
+
+    Excluded: ``keep_hp_fqns`` matches, linears in the first ``hp_first_blocks`` / last ``hp_last_blocks``
+    transformer blocks (``layers.N.*``), and linears with ``min(in, out) < min_features``.
+    """
     if not spec.enabled:
         return []
-    return [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and not spec.keeps_high_precision(fqn)]
+    n_blocks = len(getattr(model, "layers", []))
+    hp_blocks = set(range(spec.hp_first_blocks)) | set(range(n_blocks - spec.hp_last_blocks, n_blocks))
+    out = []
+    for fqn, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or spec.keeps_high_precision(fqn):
+            continue
+        block = _BLOCK_RE.match(fqn)
+        if block and int(block.group(1)) in hp_blocks:
+            continue
+        if min(m.in_features, m.out_features) < spec.min_features:
+            continue
+        out.append(fqn)
+    return out
+
+
+def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def convert_fp8(model: nn.Module, spec: Float8Spec) -> list[str]:
-    """Swap the selected linears for FP8 linears in place; returns the swapped FQNs.
+    """Swap the selected linears for FP8 linears of ``spec.backend`` in place; returns the swapped FQNs.
 
-    ``torchao`` backend: ``torchao.float8.convert_to_float8_training`` with
-    ``Float8LinearConfig.from_recipe_name(spec.scaling)`` (torchao/float8/float8_linear_utils.py).
-    torchao needs both GEMM dims divisible by 16; a selected linear that is not raises ``ValueError``
-    naming it rather than silently staying in high precision.
+    - ``torchao``: ``torchao.float8.convert_to_float8_training`` with
+      ``Float8LinearConfig.from_recipe_name(spec.scaling)`` (torchao/float8/float8_linear_utils.py); torchao
+      needs GEMM dims divisible by 16 and raises ``ValueError`` naming the linears that are not.
+    - ``lowprec``: ``lowprec.float8.Float8Linear`` with ``LinearFP8Config.from_spec(spec)``.
+    - ``te``: ``transformer_engine.pytorch.Linear`` (imported here, lazily; see ``lowprec.float8.te``).
     """
     fqns = fp8_candidate_fqns(model, spec)
     if not fqns:
         return []
     modules = dict(model.named_modules())
-    bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
-    if bad:
-        raise ValueError(f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}")
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    if spec.backend == "torchao":
+        bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
+        if bad:
+            raise ValueError(f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    selected = set(fqns)
-    convert_to_float8_training(
-        model,
-        config=Float8LinearConfig.from_recipe_name(spec.scaling),
-        module_filter_fn=lambda mod, fqn: fqn in selected,
-    )
+        selected = set(fqns)
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(spec.scaling),
+            module_filter_fn=lambda mod, fqn: fqn in selected,
+        )
+    elif spec.backend == "lowprec":
+        from lowprec.float8 import Float8Linear, LinearFP8Config
+
+        cfg = LinearFP8Config.from_spec(spec)
+        for f in fqns:
+            _swap(model, f, Float8Linear.from_linear(modules[f], cfg))
+    elif spec.backend == "te":
+        from lowprec.float8.te import te_linear_from
+
+        for f in fqns:
+            _swap(model, f, te_linear_from(modules[f]))
+    else:
+        raise ValueError(f"recipe.fp8.backend={spec.backend!r} has no converter")
     return fqns

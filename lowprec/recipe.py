@@ -55,34 +55,125 @@ class ComputeSpec:
         _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16"))
 
 
+#: Scalings each FP8 backend implements, and the FP8 format each torchao recipe name implies.
+FP8_SCALINGS = {
+    "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "lowprec": ("tensorwise", "rowwise", "blockwise"),
+    "te": ("tensorwise", "blockwise"),
+}
+_TORCHAO_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3"}
+
+
 @dataclass(frozen=True)
 class Float8Spec:
-    """FP8 GEMMs.
+    """FP8 GEMMs: which linears, which kernels, how they are scaled.
 
-    ``backend``: ``none`` (no FP8) or ``torchao`` (``torchao.float8.Float8Linear``).
-    ``scaling``: torchao recipe name: ``tensorwise`` (dynamic, one scale per tensor), ``rowwise``,
-    ``rowwise_with_gw_hp`` (grad_weight GEMM in high precision).
-    ``keep_hp_fqns``: FQN patterns of linears kept in high precision; a pattern matches a module
-    whose FQN equals it or ends with ``.<pattern>`` (``output`` matches only the head).
+    ``backend``: ``none``; ``torchao`` (``torchao.float8.Float8Linear``); ``lowprec`` (``lowprec.float8.Float8Linear``, runs on CPU and CUDA);
+    ``te`` (Transformer Engine ``te.Linear``; CUDA only).
+    ``scaling``: ``tensorwise`` (one scale per tensor), ``rowwise`` (one per row of each GEMM operand),
+    ``blockwise`` (DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights),
+    and torchao's ``rowwise_with_gw_hp``.
+    ``strategy``: ``current`` (scale from the tensor's own amax), ``delayed`` (Transformer Engine's amax
+    history: ``amax_history_len``, ``amax_compute_algo`` max | most_recent, ``margin``), ``static``
+    (``static_scales`` for input, weight, grad_output). Delayed and static need tensorwise scaling.
+    ``fp8_format``: ``hybrid`` (e4m3 forward, e5m2 gradients) or ``e4m3`` (all e4m3).
+    ``gemm_backend``: ``scaled_mm`` (``torch._scaled_mm``) or ``emulated`` (dequantize + FP32 matmul).
+    ``promotion_interval``: N_C, elements of K accumulated before promotion to FP32 (null: 128 for
+    blockwise, all of K otherwise); ``accum_mantissa_bits`` emulates a limited-precision accumulator.
+    ``cache_fp8_activations``: save the FP8 input and its scales for backward instead of the input.
+    Which linears: all ``nn.Linear`` except those matching ``keep_hp_fqns`` (a pattern matches an FQN
+    equal to it or ending with ``.<pattern>``), the first ``hp_first_blocks`` and last ``hp_last_blocks``
+    transformer blocks, and linears with ``min(in, out) < min_features``.
     """
 
     backend: str = "none"
     scaling: str = "tensorwise"
+    strategy: str = "current"
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    static_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    power_of_2_scales: bool = False
+    gemm_backend: str = "scaled_mm"
+    promotion_interval: int | None = None
+    accum_mantissa_bits: int | None = None
+    cache_fp8_activations: bool = False
     keep_hp_fqns: tuple[str, ...] = ("tok_embeddings", "output")
+    hp_first_blocks: int = 0
+    hp_last_blocks: int = 0
+    min_features: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("fp8", "backend", self.backend, ("none", "torchao"))
-        _check_choice("fp8", "scaling", self.scaling, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
         # Hydra hands lists; freeze them so the recipe stays hashable.
         object.__setattr__(self, "keep_hp_fqns", tuple(self.keep_hp_fqns))
+        object.__setattr__(self, "static_scales", tuple(float(x) for x in self.static_scales))
+        _check_choice("fp8", "backend", self.backend, ("none", *FP8_SCALINGS))
+        _check_choice("fp8", "strategy", self.strategy, ("current", "delayed", "static"))
+        _check_choice("fp8", "fp8_format", self.fp8_format, ("hybrid", "e4m3"))
+        _check_choice("fp8", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
+        _check_choice("fp8", "gemm_backend", self.gemm_backend, ("scaled_mm", "emulated"))
+        if len(self.static_scales) != 3:
+            raise RecipeError(f"recipe.fp8.static_scales needs 3 values (input, weight, grad_output), got {self.static_scales}")
+        if self.amax_history_len < 1 or self.margin < 0:
+            raise RecipeError(f"recipe.fp8.amax_history_len={self.amax_history_len} must be >= 1 and "
+                              f"recipe.fp8.margin={self.margin} >= 0")
+        if self.accum_mantissa_bits is not None and not 0 < self.accum_mantissa_bits < 23:
+            raise RecipeError(f"recipe.fp8.accum_mantissa_bits={self.accum_mantissa_bits} must be in 1..22")
+        if self.backend == "none":
+            return
+        _check_choice("fp8", "scaling", self.scaling, FP8_SCALINGS[self.backend])
+        if self.strategy != "current" and self.scaling != "tensorwise":
+            raise RecipeError(
+                f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
+                "delayed and static scaling keep one scale per tensor; use scaling=tensorwise"
+            )
+        if self.backend == "torchao":
+            if self.strategy != "current":
+                raise RecipeError(
+                    f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
+                    "removed delayed scaling in 2025 and has no static scaling; use backend=lowprec"
+                )
+            implied = _TORCHAO_FORMAT[self.scaling]
+            if self.fp8_format != implied:
+                raise RecipeError(
+                    f"recipe.fp8.fp8_format={self.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
+                    f"recipe.fp8.scaling={self.scaling!r}, whose torchao recipe uses {implied!r}; "
+                    f"set recipe.fp8.fp8_format={implied}"
+                )
+            lowprec_only = {"gemm_backend": "scaled_mm", "promotion_interval": None, "accum_mantissa_bits": None,
+                            "cache_fp8_activations": False, "power_of_2_scales": False}
+            bad = [k for k, v in lowprec_only.items() if getattr(self, k) != v]
+            if bad:
+                raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with "
+                                  f"recipe.fp8.backend='torchao' (use backend=lowprec)")
+        if self.backend == "lowprec" and self.scaling == "blockwise" and self.promotion_interval not in (None, 128):
+            raise RecipeError(
+                f"recipe.fp8.promotion_interval={self.promotion_interval} conflicts with recipe.fp8.scaling='blockwise': "
+                "its scales change every 128 elements of K, so partial sums are promoted every 128"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.backend != "none"
 
     def keeps_high_precision(self, fqn: str) -> bool:
-        """True if the linear at ``fqn`` stays out of FP8."""
+        """True if the linear at ``fqn`` stays out of FP8 by name."""
         return any(fqn == p or fqn.endswith("." + p) for p in self.keep_hp_fqns)
+
+    def short(self) -> str:
+        if not self.enabled:
+            return "off"
+        s = f"{self.backend}:{self.scaling}"
+        if self.strategy == "delayed":
+            s += f"/delayed{self.amax_history_len}-{self.amax_compute_algo}-m{self.margin}"
+        elif self.strategy == "static":
+            s += "/static"
+        if self.backend != "torchao":
+            s += f"/{self.fp8_format}"
+        if self.cache_fp8_activations:
+            s += "+fp8cache"
+        return s
 
 
 @dataclass(frozen=True)
@@ -139,13 +230,14 @@ class Recipe:
 
     def short_str(self) -> str:
         """One-line summary, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
-        fp8 = f"{self.fp8.backend}:{self.fp8.scaling}" if self.fp8.enabled else "off"
+        fp8 = self.fp8.short()
         opt = "param" if self.optim.state == "param" else f"{self.optim.state}:{self.optim.impl}"
         return f"w={self.weights.param_dtype} ac={self.compute.autocast_dtype} fp8={fp8} opt={opt}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["fp8"]["keep_hp_fqns"] = list(self.fp8.keep_hp_fqns)
+        d["fp8"]["static_scales"] = list(self.fp8.static_scales)
         return d
 
     def hash(self) -> str:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
+from torch import nn
 
 from lowprec.convert import convert_fp8
 from lowprec.model import ModelArgs, Transformer
 from lowprec.optim import OptimHParams, build_optimizer
-from lowprec.recipe import DTYPES, Recipe
+from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
 
@@ -34,6 +35,9 @@ class Built:
     device: torch.device
     fp8_fqns: list[str] = field(default_factory=list)
     master_params: list[torch.Tensor] = field(default_factory=list)
+    #: Called before / after every optimizer step (telemetry); ``after`` hooks return metrics to log.
+    before_step: list[Callable[[int, "Built"], None]] = field(default_factory=list)
+    after_step: list[Callable[[int, "Built"], dict]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,11 +56,33 @@ def build_model_meta(args: ModelArgs) -> Transformer:
 
 
 def materialize(model: Transformer, device: torch.device, seed: int) -> None:
-    """Allocate on ``device`` and initialise with a generator seeded by ``seed`` (same seed, same weights)."""
+    """Allocate on ``device`` and initialise with a generator seeded by ``seed`` (same seed, same weights).
+
+    Modules with state buffers (FP8 amax histories) define ``init_buffers()``, called here because
+    ``to_empty`` leaves buffers uninitialised.
+    """
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         model.init_weights(generator=gen)
+        for m in model.modules():
+            if hasattr(m, "init_buffers"):
+                m.init_buffers()
+
+
+def check_runtime(recipe: Recipe, device: torch.device) -> None:
+    """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback).
+
+    Raises ``RecipeError``.
+    """
+    if recipe.fp8.backend == "te":
+        from lowprec.float8.te import require_te
+
+        require_te()
+    if recipe.fp8.backend == "torchao" and recipe.fp8.scaling != "tensorwise" and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise RecipeError(f"recipe.fp8.scaling={recipe.fp8.scaling!r} with torchao needs SM89+; this GPU is SM{cap[0]}{cap[1]}")
 
 
 def cast_weights(model: Transformer, recipe: Recipe) -> None:
@@ -66,18 +92,61 @@ def cast_weights(model: Transformer, recipe: Recipe) -> None:
 
 
 def build_precision_context(recipe: Recipe, device: torch.device) -> Callable[[], ContextManager]:
-    """A factory of the forward-pass context: ``torch.autocast`` in the recipe's dtype, or a no-op."""
-    if recipe.compute.autocast_dtype == "none":
+    """A factory of the forward-pass context: ``torch.autocast`` in the recipe's dtype (or nothing), plus
+    Transformer Engine's ``fp8_autocast`` for ``te`` recipes."""
+    contexts: list[Callable[[], ContextManager]] = []
+    if recipe.compute.autocast_dtype != "none":
+        dtype = DTYPES[recipe.compute.autocast_dtype]
+        contexts.append(lambda: torch.autocast(device_type=device.type, dtype=dtype))
+    if recipe.fp8.backend == "te":
+        from lowprec.float8.te import te_context
+
+        contexts.append(te_context(recipe.fp8))
+    if not contexts:
         return contextlib.nullcontext
-    dtype = DTYPES[recipe.compute.autocast_dtype]
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    if len(contexts) == 1:
+        return contexts[0]
+
+    @contextlib.contextmanager
+    def combined():
+        with contextlib.ExitStack() as stack:
+            for c in contexts:
+                stack.enter_context(c())
+            yield
+
+    return combined
+
+
+def register_fp8_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Delayed scaling: after every optimizer step, roll each FP8 linear's amax histories and compute the
+    next step's scales (Transformer Engine updates at the same point). Returns the number of modules."""
+    modules = [m for m in model.modules() if getattr(m, "scalers", None)]
+    if modules:
+        def update(opt, args, kwargs):
+            for m in modules:
+                m.update_scales()
+
+        optimizer.register_step_post_hook(update)
+    return len(modules)
+
+
+def build_telemetry(model: nn.Module, every: int):
+    """An ``FP8Telemetry`` over the model's lowprec FP8 linears, or ``None`` when there are none or
+    ``every`` <= 0."""
+    from lowprec.float8 import Float8Linear
+    from lowprec.telemetry import FP8Telemetry
+
+    if every <= 0 or not any(isinstance(m, Float8Linear) for m in model.modules()):
+        return None
+    return FP8Telemetry(model, every)
 
 
 def build(
     recipe: Recipe, args: ModelArgs, train: TrainSpec, hp: OptimHParams, seed: int, device: torch.device
 ) -> Built:
-    """Run the build steps in order. Raises ``ValueError``/``ImportError`` before training if the
-    recipe cannot run as asked (no silent fallback)."""
+    """Run the build steps in order. Raises ``ValueError``/``RuntimeError``/``ImportError`` before training
+    if the recipe cannot run as asked (no silent fallback)."""
+    check_runtime(recipe, device)
     model = build_model_meta(args)  # 1
     fp8_fqns = convert_fp8(model, recipe.fp8)  # 2
     # 3: parallelize (TP, activation checkpointing, compile, FSDP2) joins here with lowprec.parallel.
@@ -85,7 +154,8 @@ def build(
     cast_weights(model, recipe)
     optimizer = build_optimizer(model, recipe.optim, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
-    # 6: no post-optimizer hooks are needed by the recipes of this catalog (dynamic scaling only).
+    register_fp8_hooks(model, optimizer)  # 6
+    telemetry = build_telemetry(model, train.telemetry_every)
     return Built(
         recipe=recipe,
         model=model,
@@ -94,4 +164,6 @@ def build(
         precision=build_precision_context(recipe, device),
         device=device,
         fp8_fqns=fp8_fqns,
+        before_step=[telemetry.before_step] if telemetry else [],
+        after_step=[telemetry.after_step] if telemetry else [],
     )

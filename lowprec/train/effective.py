@@ -25,9 +25,21 @@ def _dt(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-def _fp8_linear_count(model: nn.Module) -> int:
-    # torchao's Float8Linear and any later lowprec FP8 linear mark themselves by class name.
-    return sum(1 for m in model.modules() if isinstance(m, nn.Linear) and "Float8" in type(m).__name__)
+#: recipe.fp8.backend -> the module class its FP8 linears must have.
+FP8_MODULE_CLASS = {
+    "torchao": "torchao.float8.float8_linear.Float8Linear",
+    "lowprec": "lowprec.float8.linear.Float8Linear",
+    "te": "transformer_engine.pytorch.module.linear.Linear",
+}
+
+
+def _qualname(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__name__}"
+
+
+def _fp8_modules(model: nn.Module) -> dict[str, int]:
+    kinds = Counter(_qualname(m) for m in model.modules() if _qualname(m) in FP8_MODULE_CLASS.values())
+    return dict(kinds)
 
 
 @torch.no_grad()
@@ -36,7 +48,7 @@ def _linear_output_dtypes(built: Built, tokens: torch.Tensor) -> Counter:
     hooks = [
         m.register_forward_hook(lambda mod, inp, out: seen.update([_dt(out.dtype)]))
         for m in built.model.modules()
-        if isinstance(m, nn.Linear)
+        if isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values()
     ]
     try:
         with built.precision():
@@ -59,12 +71,17 @@ def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:
         "param_dtype": dict(_count(params, lambda p: _dt(p.dtype))),
         "grad_dtype": dict(_count([p for p in params if p.grad is not None], lambda p: _dt(p.grad.dtype))),
         "linear_output_dtype": dict(_linear_output_dtypes(built, tokens[:1])),
-        "fp8_linears": _fp8_linear_count(built.model),
-        "linears": sum(1 for m in built.model.modules() if isinstance(m, nn.Linear)),
+        "fp8_linears": _fp8_modules(built.model),
+        "linears": _n_linears(built.model),
         "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
         "moment_dtype": dict(_count(params, lambda p: moment_kind(opt, p))),
         "master": "explicit" if built.master_params else "params_are_master" if _all_fp32(params) else "none",
     }
+
+
+def _n_linears(model: nn.Module) -> int:
+    # te.Linear is not an nn.Linear subclass; count it too.
+    return sum(1 for m in model.modules() if isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values())
 
 
 def _count(params, key) -> Counter:
@@ -83,7 +100,7 @@ def expected_effective(built: Built) -> dict:
     r = built.recipe
     params = [p for p in built.model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
-    n_linears = sum(1 for m in built.model.modules() if isinstance(m, nn.Linear))
+    n_linears = _n_linears(built.model)
     if r.optim.state == "int8":
         moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL else "float32")
     else:
@@ -92,7 +109,7 @@ def expected_effective(built: Built) -> dict:
         "param_dtype": {_dt(r.param_dtype): n},
         "grad_dtype": {_dt(r.param_dtype): n},
         "linear_output_dtype": {_dt(r.compute_dtype): n_linears},
-        "fp8_linears": len(built.fp8_fqns),
+        "fp8_linears": {FP8_MODULE_CLASS[r.fp8.backend]: len(built.fp8_fqns)} if built.fp8_fqns else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),
         "master": "params_are_master" if r.param_dtype == torch.float32 else "none",

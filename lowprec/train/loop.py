@@ -116,7 +116,7 @@ def run_training(
     bar = tqdm(range(spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
     val_loss = float("nan")
     for step in bar:
-        for hook in before_step:
+        for hook in (*built.before_step, *before_step):
             hook(step, built)
         micro = [data.train_batch(step, m) for m in range(spec.grad_accum)]
         lr = built.scheduler.get_last_lr()[0]
@@ -133,6 +133,8 @@ def run_training(
             timed_steps += 1
         metrics = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": lr, "step_time_s": dt,
                    "tokens_per_s": spec.tokens_per_step / dt, "tokens": (step + 1) * spec.tokens_per_step}
+        for hook in built.after_step:
+            metrics.update(hook(step, built))
         last = step == spec.steps - 1
         if last or (spec.val_every > 0 and (step + 1) % spec.val_every == 0):
             val_loss = evaluate(built, val_batches)

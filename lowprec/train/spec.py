@@ -11,7 +11,8 @@ class TrainSpec:
 
     ``batch_size`` is sequences per micro-batch; an optimizer step consumes
     ``batch_size * grad_accum * seq_len`` tokens. ``timing_warmup_steps`` steps are excluded from
-    tokens/s and step time. ``val_every`` <= 0 validates only at the end.
+    tokens/s and step time. ``val_every`` <= 0 validates only at the end. ``telemetry_every``: FP8
+    numerics telemetry is sampled on steps divisible by it (0 turns it off).
     """
 
     steps: int = 200
@@ -24,6 +25,7 @@ class TrainSpec:
     val_every: int = 50
     val_batches: int = 8
     timing_warmup_steps: int = 3
+    telemetry_every: int = 25
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -5,7 +5,9 @@ import re
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
-from recipes import CATALOG
+from experiments.cli import compose
+
+SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
 
 
 def _ablation_id(out):
@@ -20,14 +22,18 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (parent,) = client.search_runs([exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'")
     children = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert sorted(c.data.tags["recipe"] for c in children) == sorted(CATALOG)
+    assert sorted(c.data.tags["recipe"] for c in children) == sorted(SMOKE)
     assert all(c.info.status == "FINISHED" for c in children)
     report = tmp_path / "reports" / abl / "report.md"
     text = report.read_text()
-    for name in CATALOG:
+    for name in SMOKE:
         assert f"| `{name}` |" in text
-    for png in ("loss", "loss_gap", "memory", "throughput", "grad_norm"):
+    for png in ("loss", "loss_gap", "memory", "throughput", "grad_norm", "telemetry_fp8_blockwise"):
         assert (report.parent / f"{png}.png").stat().st_size > 5000
+    assert "## FP8 numerics telemetry" in text
+    blockwise = next(c for c in children if c.data.tags["recipe"] == "fp8_blockwise")
+    sqnr = [k for k in blockwise.data.metrics if k.startswith("fp8/layers.0.") and k.endswith("/output/sqnr_db")]
+    assert sqnr and all(blockwise.data.metrics[k] > 15 for k in sqnr)
     assert "say nothing about FP8 or BF16 speed on a GPU" in text
     # the report is rebuilt from MLflow alone, identically
     first = text
