@@ -14,12 +14,13 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-USAGE = """usage: lowprec {train,ablate,report,recipes} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N] [key=value ...]
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]
   lowprec recipes [--json]
+  lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME] [batch=N] [seq=N] [--json]
 """
 
 # Errors a user can cause with a bad value; they print as one line. Anything else is a bug and keeps its traceback.
@@ -152,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _recipes(rest)
     if cmd == "report":
         return _report(rest)
+    if cmd == "estimate":
+        from experiments.estimate import estimate_main
+
+        return estimate_main(rest)
     if cmd in ("train", "ablate"):
         from experiments.ablate import ablate
 

@@ -154,3 +154,27 @@ def telemetry_heatmap(run, panels, path: Path) -> Path:
 def _layer_order(fqn: str):
     parts = fqn.split(".")
     return [int(p) if p.isdigit() else p for p in parts]
+
+
+def predicted_vs_measured(runs, order, components, path: Path) -> Path:
+    """Grouped bars per component: measured (solid) and predicted (hatched), one colour per recipe."""
+    first = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    names = [n for n in order if n in first]
+    col = _colors(order)
+    fig, ax = plt.subplots(figsize=(13, 4.8))
+    width = 0.8 / max(1, 2 * len(names))
+    for j, n in enumerate(names):
+        m = first[n].metrics
+        for k, c in enumerate(components):
+            x = k + (2 * j) * width - 0.4
+            ax.bar(x, m.get(c, 0) / 2**20, width, color=col[n], label=n if k == 0 else None)
+            ax.bar(x + width, m.get(f"pred_{c}", 0) / 2**20, width, color=col[n], alpha=0.45, hatch="//",
+                   label=f"{n} (predicted)" if k == 0 else None)
+    ax.set_xticks(range(len(components)), [c.removeprefix("mem_").removesuffix("_bytes") for c in components],
+                  rotation=20, fontsize=8)
+    ax.set(title="memory by component: measured (solid) vs predicted (hatched)", ylabel="MiB")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=6, ncol=4)
+    return _save(fig, path)

@@ -18,7 +18,9 @@ from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 CURVES = ("loss", "val_loss", "grad_norm")
 #: (role or GEMM, stat) drawn as heatmaps over layers x steps.
 TELEMETRY_PANELS = [["output", "sqnr_db"], ["grad_input", "sqnr_db"], ["grad_output", "underflow"], ["input", "overflow"]]
-MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes")
+#: Components drawn measured vs predicted (``pred_<name>`` is the estimator's figure for ``<name>``).
+MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes",
+                  "mem_fp8_scaling_state_bytes", "mem_saved_activations_bytes", "mem_saved_weight_copies_bytes")
 
 
 class ReportError(RuntimeError):
@@ -146,6 +148,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         figs["gap"] = plots.loss_gap(ok, order, control, out / "loss_gap.png")
         figs["memory"] = plots.memory_bars(rows, ok, order, out / "memory.png")
         figs["throughput"] = plots.throughput_bars(rows, out / "throughput.png")
+        figs["reconcile"] = plots.predicted_vs_measured(ok, order, MEM_COMPONENTS, out / "memory_predicted.png")
         figs["grad_norm"] = plots.grad_norm_curves(ok, order, out / "grad_norm.png")
     on_cpu = ptags.get("device_type") == "cpu"
     lines = [
@@ -198,7 +201,8 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
     for name in (n for n in order if n in firsts):
         figs[f"telemetry_{name}"] = plots.telemetry_heatmap(firsts[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
     titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
-              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm"}
+              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm",
+              "reconcile": "Memory: predicted (lowprec estimate) vs measured"}
     for key, path in figs.items():
         if key.startswith("telemetry_"):
             continue
@@ -211,6 +215,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
                   "saturate (overflow)."]
         for name in (n for n in order if n in firsts):
             lines += ["", f"### `{name}`", "", f"![telemetry {name}](telemetry_{name}.png)"]
+    lines += _reconcile_table(ok, order)
     lines += ["", "## Effective recipes", "",
               "Read from the built objects after the first optimizer step (element counts per dtype).", "",
               "| recipe | params | grads | linear outputs | FP8 linears | AdamW moments | optimizer |", "|---|---|---|---|---|---|---|"]
@@ -229,6 +234,34 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
+    """Measured vs predicted bytes per component (first seed of each recipe), from the logged metrics."""
+    first = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    names = [n for n in order if n in first]
+    if not names or not any(f"pred_{MEM_COMPONENTS[0]}" in first[n].metrics for n in names):
+        return []
+    short = {c: c.removeprefix("mem_").removesuffix("_bytes") for c in MEM_COMPONENTS}
+    lines = ["", "### Predicted vs measured bytes", "",
+             "Each cell: measured / predicted by `lowprec estimate` for this run's model, recipe, batch and "
+             "sequence (exact where equal; saved activations counted once per storage).", "",
+             "| recipe | " + " | ".join(short.values()) + " |", "|---" * (len(MEM_COMPONENTS) + 1) + "|"]
+    for n in names:
+        m = first[n].metrics
+        cells = []
+        for c in MEM_COMPONENTS:
+            meas, pred = m.get(c), m.get(f"pred_{c}")
+            if meas is None or pred is None:
+                cells.append("n/a")
+            elif meas == pred:
+                cells.append(f"{meas:,.0f} (exact)")
+            else:
+                cells.append(f"{meas:,.0f} / {pred:,.0f} ({100 * (pred / meas - 1) if meas else float('inf'):+.1f}%)")
+        lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _dtypes(d: dict | None) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -14,6 +16,34 @@ from lowprec.train.loop import run_training
 from experiments.config import flat_params, model_from_cfg, optim_from_cfg, train_from_cfg
 from experiments.faults import fault_hooks
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, dumps, provenance_tags
+
+
+def release_memory() -> None:
+    """Free the finished run's objects and hand freed heap back to the OS (glibc ``malloc_trim``), so the
+    next run's peak-RSS baseline is not inflated by the previous run's allocator cache."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def predicted_metrics(args, recipe: Recipe, spec, device) -> dict[str, float]:
+    """The estimator's prediction for this very run (``pred_*``), logged beside the measured ``mem_*``."""
+    from lowprec.estimate import predict_state_bytes
+    from lowprec.estimate_activations import predict_saved_activations
+
+    st = predict_state_bytes(args, recipe)
+    act = predict_saved_activations(args, recipe, spec.batch_size, spec.seq_len, device_type=device.type)
+    return {
+        "pred_mem_params_bytes": st.params,
+        "pred_mem_grads_bytes": st.grads,
+        "pred_mem_master_bytes": st.master,
+        "pred_mem_optim_states_bytes": st.optim_states,
+        "pred_mem_fp8_scaling_state_bytes": st.fp8_scaling_state,
+        "pred_mem_saved_activations_bytes": act.activations,
+        "pred_mem_saved_weight_copies_bytes": act.weight_copies,
+    }
 
 
 @dataclass
@@ -54,6 +84,7 @@ def run_one(
     run_id = tracker.start_run(f"{recipe.name}-s{seed}", tags, parent_id)
     tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
     sink = MetricBuffer(tracker, run_id)
+    release_memory()
     try:
         args = model_from_cfg(cfg.model)
         check_vocab_fits(data, args.vocab_size)
@@ -66,7 +97,7 @@ def run_one(
             on_effective=lambda eff: tracker.set_tags(run_id, {"effective_recipe": dumps(eff)}),
         )
         sink.flush()
-        sink.log_metrics(result.summary, spec.steps)
+        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device)}, spec.steps)
         sink.flush()
         tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
         tracker.end_run(run_id, "FINISHED")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lowprec.accounting import PeakMemory, measure_state_bytes
+from lowprec.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
 from lowprec.train.effective import check_effective, expected_effective, inspect_effective
@@ -100,7 +101,9 @@ def run_training(
 ) -> RunResult:
     """Train for ``spec.steps`` optimizer steps, logging to ``sink``.
 
-    After step 0 the effective recipe is inspected, handed to ``on_effective`` (to be recorded even if
+    Before step 0, one extra forward on step 0's first micro-batch measures the bytes autograd saves for
+    backward (``lowprec.saved_tensors``; same batch, so delayed-scaling histories are unchanged). After
+    step 0 the effective recipe is inspected, handed to ``on_effective`` (to be recorded even if
     it is wrong), then checked (``EffectiveRecipeError`` on a mismatch). Metrics per step: ``loss``,
     ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``; ``val_loss`` every ``spec.val_every`` steps
     and at the end. Summary: means over the steps after ``timing_warmup_steps``, state bytes, peak memory.
@@ -113,6 +116,8 @@ def run_training(
     effective: dict = {}
     state = None
     timed_s, timed_steps = 0.0, 0
+    first = data.train_batch(0, 0)
+    saved = measure_saved_bytes(lambda: _loss(built, first[0].to(built.device), first[1].to(built.device)), built.model)
     bar = tqdm(range(spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
     val_loss = float("nan")
     for step in bar:
@@ -150,6 +155,9 @@ def run_training(
         "mean_tokens_per_s": spec.tokens_per_step * timed_steps / timed_s,
         "mem_peak_bytes": (peak_bytes := peak.read()),
         "mem_peak_growth_bytes": peak_bytes - peak.baseline,
+        "mem_saved_activations_bytes": saved.activations,
+        "mem_saved_weight_copies_bytes": saved.weight_copies,
+        "mem_fp8_scaling_state_bytes": measure_fp8_scaling_bytes(built.model),
         **state.as_metrics(),
     }
     return RunResult(effective=effective, summary=summary, peak_kind=peak.kind, history=history)

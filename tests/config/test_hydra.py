@@ -30,7 +30,7 @@ def test_experiments_compose():
     smoke = compose("ablate", ["experiment=smoke"])
     default = compose("ablate", [])
     assert smoke.model.name == "debug" and list(smoke.recipes) == list(default.recipes)
-    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 150
+    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 120
     assert list(compose("ablate", ["recipes=[fp32,bf16]", "seeds=3"]).recipes) == ["fp32", "bf16"]
 
 

@@ -1,0 +1,429 @@
+"""Precision-aware memory and throughput estimates, reconciled with lowprec's own measurements.
+
+Pure functions of (``ModelArgs``, ``Recipe``, parallel layout, batch, seq, ``Hardware``); the only torch
+objects made live on the ``meta`` device (``lowprec.inventory``). Every function returns a dataclass
+with ``to_dict()`` for JSON.
+
+**Training state** (``predict_state_bytes``), on one process exactly what
+``lowprec.accounting.measure_state_bytes`` measures after one optimizer step, per parameter tensor of
+``n`` elements (``pe`` = bytes of the recipe's parameter dtype):
+
+- ``params`` ``n*pe``; ``grads`` ``n*pe`` (gradients take the parameter dtype); ``master`` 0 (no recipe keeps
+  an explicit copy: FP32 parameters under autocast are their own master, as DESIGN.md counts them);
+- ``torch.optim.AdamW``: ``exp_avg`` + ``exp_avg_sq`` ``2*n*pe`` plus a 0-dim fp32 ``step`` (4 bytes);
+- bitsandbytes ``AdamW8bit`` (``min_8bit_size=4096``, ``bitsandbytes/optim/optimizer.py`` ``init_state``):
+  ``n >= 4096``: uint8 ``state1``/``state2`` ``2n`` + fp32 ``absmax1``/``absmax2`` ``2*4*ceil(n/256)``;
+  ``n < 4096``: fp32 ``state1``/``state2`` ``8n``; ``step`` is a Python int (0 bytes); the two 256-entry
+  fp32 qmaps (``dynamic``, ``udynamic``) are shared by every tensor: 2048 bytes once if any tensor is 8-bit;
+- torchao ``AdamW8bit`` (``torchao/optim/adam.py`` ``_new_buffer``): ``n >= 4096 and n % 256 == 0``: per
+  state an ``OptimState8bit`` of uint8 ``codes`` ``n``, fp32 ``scale`` ``4n/256`` and its *own* 256-entry fp32
+  ``qmap`` (1024), i.e. ``2n + 8n/256 + 2048``; otherwise ``2*n*pe``; plus a 0-dim fp32 ``step``.
+- ``fp8_scaling_state`` (module buffers, not in ``measure_state_bytes``; measured by
+  ``lowprec.saved_tensors.measure_fp8_scaling_bytes``): lowprec ``Float8Linear`` with delayed scaling keeps,
+  per FP8 linear and role (input, weight, grad_output), ``amax_history`` (``amax_history_len`` fp32) and
+  ``scale`` (1 fp32). torchao dynamic scaling keeps none. Transformer Engine is approximated (see code).
+
+Under FSDP2 ``dp_shard=N`` each parameter's dim 0 is chunked (rank 0 holds ``ceil(d0/N)`` rows, the largest
+share) and params, grads and optimizer states follow the local shard (the 8-bit rules apply to the local
+numel); step counters and FP8 scaling buffers are per rank, not divided. Under tensor parallel ``tp``
+torchtitan's plan shards every linear and the embedding (``lowprec.inventory.tp_local_shape``); norm
+weights are replicated. ``fsdp_buffers`` (``dp_shard > 1``) approximates the transient unsharded
+compute-dtype parameters: the root's (embedding, final norm, output: FSDP2 keeps the root unsharded
+between forward and backward) plus two blocks (the current one and the prefetched one); gradient
+reduce-scatter buffers are not included.
+
+**Throughput** (DESIGN.md "Throughput accounting"; PaLM, Chowdhery et al. 2022, appendix B): model FLOPs
+per token ``6*N + 12*L*dim*seq`` with ``N`` = every parameter except the token embedding (a lookup), i.e.
+the blocks, the final norm and the output layer; the attention term assumes no causal skipping.
+FP8 recipes run ``6 * (weights of FP8 linears)`` FLOPs per token in FP8; their peak is the FLOP-weighted
+harmonic blend ``1 / (f/peak_fp8 + (1-f)/peak_hp)`` (the time the FLOPs would take at each peak), where
+``f`` is that FP8 share. Predicted time = FLOPs / (peak * efficiency), efficiency 0.4 MFU by default;
+communication is not modelled. Under ``tp`` each GPU does ``1/tp`` of its group's FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+from lowprec.accounting import StateBytes
+from lowprec.estimate_activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
+from lowprec.hardware import Hardware
+from lowprec.inventory import fsdp_local_numel, inventory, tp_local_shape
+from lowprec.model import ModelArgs
+from lowprec.optim.builder import MIN_8BIT_NUMEL
+from lowprec.recipe import Float8Spec, Recipe
+
+BNB_BLOCK = 256
+QMAP_BYTES = 256 * 4
+DEFAULT_EFFICIENCY = 0.4
+
+
+def _elt(recipe: Recipe) -> int:
+    return 4 if recipe.weights.param_dtype == "fp32" else 2
+
+
+def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
+    """Raise ``ValueError`` unless ``dp_shard >= 1``, ``tp >= 1`` and ``tp`` divides the head counts
+    (torchtitan's tensor-parallel plan shards attention by heads)."""
+    if dp_shard < 1 or tp < 1:
+        raise ValueError(f"parallel.dp_shard={dp_shard} and parallel.tp={tp} must be >= 1")
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        raise ValueError(f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and "
+                         f"model.n_kv_heads={args.n_kv_heads}")
+
+
+# ---- training state -------------------------------------------------------------------------------------
+
+def _optim_bytes(impl: str, n: int, pe: int) -> tuple[int, bool]:
+    """(state bytes of one local tensor of ``n`` elements, whether it is 8-bit)."""
+    if impl == "torch":
+        return 2 * n * pe + 4, False
+    if impl == "bitsandbytes":
+        if n >= MIN_8BIT_NUMEL:
+            return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK), True
+        return 8 * n, False
+    if impl == "torchao":
+        if n >= MIN_8BIT_NUMEL and n % BNB_BLOCK == 0:
+            return 2 * (n + 4 * (n // BNB_BLOCK) + QMAP_BYTES) + 4, True
+        return 2 * n * pe + 4, False
+    raise ValueError(f"recipe.optim.impl={impl!r} has no state rule")
+
+
+def predict_fp8_scaling_bytes(args: ModelArgs, recipe: Recipe) -> int:
+    """Bytes of FP8 scaling buffers per rank (replicated, never sharded).
+
+    lowprec delayed: ``3 roles * (amax_history_len + 1) * 4`` per FP8 linear (exact, see module doc).
+    Transformer Engine delayed (approximate, not measured here): ``fp8_meta`` holds per linear 3 forward and
+    2 backward tensors, each ``amax_history_len`` history entries plus ``scale`` and ``scale_inv``.
+    Current and static scaling keep no state (static scales are recipe constants).
+    """
+    spec = recipe.fp8
+    if spec.strategy != "delayed" or not spec.enabled:
+        return 0
+    n_fp8 = sum(li.kind != "hp" for li in inventory(args, spec).linears.values())
+    if spec.backend == "lowprec":
+        return n_fp8 * 3 * (spec.amax_history_len + 1) * 4
+    if spec.backend == "te":
+        return n_fp8 * 5 * (spec.amax_history_len + 2) * 4
+    return 0
+
+
+@dataclass(frozen=True)
+class StateEstimate:
+    """Training-state bytes on rank 0 (per GPU), by component, in bytes.
+
+    ``n_params``: all trainable parameters; ``n_local_params``: rank 0's share; ``n_tensors``: parameter
+    tensors. ``params``/``grads``/``master``/``optim_states`` are the components of
+    ``lowprec.accounting.StateBytes``; ``fp8_scaling_state`` is separate (module buffers).
+    """
+
+    n_params: int
+    n_local_params: int
+    n_tensors: int
+    params: int
+    grads: int
+    master: int
+    optim_states: int
+    fp8_scaling_state: int
+    dp_shard: int = 1
+    tp: int = 1
+    notes: tuple[str, ...] = ()
+
+    @property
+    def model_and_optimizer(self) -> int:
+        """``params + grads + master + optim_states`` (what ``StateBytes.total`` measures)."""
+        return self.params + self.grads + self.master + self.optim_states
+
+    @property
+    def total(self) -> int:
+        return self.model_and_optimizer + self.fp8_scaling_state
+
+    @property
+    def per_param(self) -> float:
+        """Model + optimizer bytes per (local) parameter."""
+        return self.model_and_optimizer / self.n_local_params
+
+    def as_state_bytes(self) -> StateBytes:
+        """The ``StateBytes`` that ``measure_state_bytes`` should report (single process)."""
+        return StateBytes(n_params=self.n_local_params, params=self.params, grads=self.grads,
+                          master=self.master, optim_states=self.optim_states)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "model_and_optimizer": self.model_and_optimizer, "total": self.total,
+                "per_param": self.per_param}
+
+
+def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: int = 1) -> StateEstimate:
+    """Predict rank 0's training-state bytes after one optimizer step (rules in the module doc).
+
+    With ``dp_shard == tp == 1`` ``as_state_bytes()`` equals ``measure_state_bytes`` to the byte for every
+    catalog recipe that runs on CPU. Raises ``ValueError`` for a bad layout or optimizer implementation.
+    """
+    check_layout(args, dp_shard, tp)
+    inv = inventory(args, recipe.fp8)
+    pe = _elt(recipe)
+    n_local = params = optim = 0
+    any_8bit = False
+    for fqn, shape in inv.params:
+        n = fsdp_local_numel(tp_local_shape(fqn, shape, tp), dp_shard)
+        n_local += n
+        params += n * pe
+        b, is8 = _optim_bytes(recipe.optim.impl, n, pe)
+        optim += b
+        any_8bit |= is8
+    if recipe.optim.impl == "bitsandbytes" and any_8bit:
+        optim += 2 * QMAP_BYTES
+    notes = []
+    if recipe.optim.impl == "bitsandbytes" and dp_shard > 1:
+        notes.append("bitsandbytes AdamW8bit does not run on FSDP2 DTensor parameters (bitsandbytes#1633); "
+                     "use optim.impl=torchao")
+    if recipe.fp8.backend == "te":
+        notes.append("Transformer Engine figures (scaling state, saved FP8 inputs) are approximate and unmeasured")
+    return StateEstimate(
+        n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params, grads=params,
+        master=0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
+        dp_shard=dp_shard, tp=tp, notes=tuple(notes),
+    )
+
+
+def predict_fsdp_buffers(args: ModelArgs, recipe: Recipe, dp_shard: int, tp: int = 1) -> int:
+    """Transient unsharded compute-dtype parameters under FSDP2 (0 when ``dp_shard == 1``): the root's
+    parameters plus two blocks' (see module doc). Bytes, rank 0."""
+    if dp_shard == 1:
+        return 0
+    inv = inventory(args, recipe.fp8)
+    cs = 4 if recipe.compute_dtype.itemsize == 4 else 2
+    local = {fqn: math.prod(tp_local_shape(fqn, s, tp)) for fqn, s in inv.params}
+    root = sum(n for fqn, n in local.items() if not fqn.startswith("layers."))
+    block = max((sum(n for fqn, n in local.items() if fqn.startswith(f"layers.{i}.")) for i in range(args.n_layers)),
+                default=0)
+    return cs * (root + min(2, args.n_layers) * block)
+
+
+# ---- FLOPs, MFU, predicted time -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlopsEstimate:
+    """Model FLOPs per token (forward + backward) at sequence length ``seq``.
+
+    ``n_flop_params``: N = all parameters except ``tok_embeddings`` (blocks + final norm + output).
+    ``flops_per_token`` = ``6*N + 12*L*dim*seq``; ``fp8_flops_per_token`` = ``6 * n_fp8_params`` (weights of
+    FP8 linears); ``fp8_fraction`` their share.
+    """
+
+    seq: int
+    n_flop_params: int
+    n_fp8_params: int
+    flops_per_token: int
+    fp8_flops_per_token: int
+
+    @property
+    def fp8_fraction(self) -> float:
+        return self.fp8_flops_per_token / self.flops_per_token
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fp8_fraction": self.fp8_fraction}
+
+
+def flops_per_token(args: ModelArgs, seq: int, recipe: Recipe | None = None) -> FlopsEstimate:
+    """PaLM appendix-B FLOPs per token (see ``FlopsEstimate``); ``recipe`` only decides the FP8 share.
+    Raises ``ValueError`` for ``seq < 1``."""
+    if seq < 1:
+        raise ValueError(f"seq={seq} must be >= 1")
+    inv = inventory(args, recipe.fp8 if recipe is not None else Float8Spec())
+    n = inv.n_params - inv.n_embedding
+    total = 6 * n + 12 * args.n_layers * args.dim * seq
+    return FlopsEstimate(seq=seq, n_flop_params=n, n_fp8_params=inv.n_fp8_linear,
+                         flops_per_token=total, fp8_flops_per_token=6 * inv.n_fp8_linear)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak an estimate or MFU is taken against: ``tflops`` (TFLOP/s), ``label`` (e.g. ``bf16`` or
+    ``blend(fp8 72%, bf16)``), ``hardware`` name."""
+
+    hardware: str
+    label: str
+    tflops: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_for(recipe: Recipe, hardware: Hardware, flops: FlopsEstimate) -> Peak:
+    """Peak of the dtypes the recipe's GEMMs run in: the compute dtype's peak (fp32 recipes: the plain FP32
+    peak, torch's default without TF32), blended with the FP8 peak for FP8 recipes (module doc).
+    Raises ``ValueError`` where the hardware lacks a needed peak (FP8 on A100)."""
+    hp_name = {4: "fp32", 2: "bf16"}[recipe.compute_dtype.itemsize]
+    hp = hardware.peak_tflops(hp_name)
+    f = flops.fp8_fraction if recipe.fp8.enabled else 0.0
+    if f == 0.0:
+        return Peak(hardware.name, hp_name, hp)
+    fp8 = hardware.peak_tflops("fp8")
+    return Peak(hardware.name, f"blend(fp8 {100 * f:.0f}%, {hp_name})", 1.0 / (f / fp8 + (1.0 - f) / hp))
+
+
+@dataclass(frozen=True)
+class MfuEstimate:
+    """Achieved model TFLOP/s from a measured throughput, and MFU against ``peak`` (``None`` on CPU)."""
+
+    tokens_per_s: float
+    achieved_tflops: float
+    peak: Peak | None
+    mfu: float | None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak": self.peak.to_dict() if self.peak else None}
+
+
+def mfu(args: ModelArgs, recipe: Recipe, seq: int, tokens_per_s: float, hardware: Hardware | None) -> MfuEstimate:
+    """MFU of a run that measured ``tokens_per_s`` (per GPU) at sequence length ``seq``.
+
+    ``hardware=None`` (CPU, or an unknown device) gives ``peak=None, mfu=None``: there is no meaningful peak.
+    """
+    fl = flops_per_token(args, seq, recipe)
+    achieved = fl.flops_per_token * tokens_per_s / 1e12
+    if hardware is None:
+        return MfuEstimate(tokens_per_s, achieved, None, None)
+    pk = peak_for(recipe, hardware, fl)
+    return MfuEstimate(tokens_per_s, achieved, pk, achieved / pk.tflops)
+
+
+@dataclass(frozen=True)
+class ThroughputEstimate:
+    """Predicted ``step_time_s`` and ``tokens_per_s_per_gpu`` for ``batch`` sequences of ``seq`` tokens per
+    data-parallel rank, at ``efficiency`` (MFU) of ``peak``; ``flops_per_step_per_gpu`` in FLOPs."""
+
+    batch: int
+    seq: int
+    tp: int
+    efficiency: float
+    peak: Peak
+    flops_per_step_per_gpu: float
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak": self.peak.to_dict()}
+
+
+def predict_throughput(args: ModelArgs, recipe: Recipe, batch: int, seq: int, hardware: Hardware,
+                       efficiency: float = DEFAULT_EFFICIENCY, tp: int = 1) -> ThroughputEstimate:
+    """Step time = FLOPs per step per GPU / (peak * efficiency); communication is not modelled.
+
+    Raises ``ValueError`` for ``efficiency`` outside (0, 1], a bad size, or a peak the hardware lacks.
+    """
+    if not 0.0 < efficiency <= 1.0:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
+    fl = flops_per_token(args, seq, recipe)
+    pk = peak_for(recipe, hardware, fl)
+    flops = fl.flops_per_token * batch * seq / tp
+    t = flops / (pk.tflops * 1e12 * efficiency)
+    return ThroughputEstimate(batch, seq, tp, efficiency, pk, flops, t, batch * seq / tp / t)
+
+
+# ---- everything together -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-GPU estimate of one recipe: state, activations by recompute mode, FSDP buffers, totals
+    (``totals[mode]`` = state total + ``fsdp_buffers`` + saved activations under ``mode`` +
+    ``activations.loss_transient``), FLOPs and predicted throughput (``None`` without hardware or where the
+    hardware cannot run the recipe; see ``notes``).
+
+    The totals leave out other backward transients (activation gradients of one block, temporaries),
+    gradient reduce-scatter buffers and allocator overhead (fragmentation, the CUDA context): treat them as
+    a lower bound on peak memory. For scale: torchtitan reports 77.0 GiB reserved for Llama 3 8B on 8 H100s
+    (FSDP2, selective AC, batch 1, seq 8192), where this total (selective) is about 51 GB.
+    """
+
+    recipe: str
+    short: str
+    batch: int
+    seq: int
+    dp_shard: int
+    tp: int
+    hardware: Hardware | None
+    state: StateEstimate
+    activations: ActivationEstimate
+    fsdp_buffers: int
+    flops: FlopsEstimate
+    throughput: ThroughputEstimate | None
+    notes: tuple[str, ...] = ()
+    totals: dict[str, int] = field(default_factory=dict)
+
+    def fits(self, mode: str = "none") -> bool | None:
+        """Whether ``totals[mode]`` fits ``hardware.memory_bytes`` (``None`` without hardware)."""
+        return None if self.hardware is None else self.totals[mode] <= self.hardware.memory_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "recipe": self.recipe, "short": self.short, "batch": self.batch, "seq": self.seq,
+            "dp_shard": self.dp_shard, "tp": self.tp,
+            "hardware": self.hardware.to_dict() if self.hardware else None,
+            "state": self.state.to_dict(), "activations": self.activations.to_dict(),
+            "fsdp_buffers": self.fsdp_buffers, "totals": dict(self.totals),
+            "fits": {m: self.fits(m) for m in RECOMPUTE_MODES},
+            "flops": self.flops.to_dict(),
+            "throughput": self.throughput.to_dict() if self.throughput else None,
+            "notes": list(self.notes),
+        }
+
+
+def estimate(args: ModelArgs, recipe: Recipe, *, dp_shard: int = 1, tp: int = 1, batch: int = 1,
+             seq: int | None = None, hardware: Hardware | None = None, efficiency: float = DEFAULT_EFFICIENCY,
+             device_type: str = "cuda") -> Estimate:
+    """Everything for one recipe on rank 0 of the layout. ``seq`` defaults to ``args.max_seq_len``.
+
+    Raises ``ValueError`` for a bad layout, size or efficiency; a hardware that cannot run the recipe (FP8 on A100)
+    leaves ``throughput=None`` with a note instead of raising.
+    """
+    check_layout(args, dp_shard, tp)
+    if not 0.0 < efficiency <= 1.0:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    seq = args.max_seq_len if seq is None else seq
+    state = predict_state_bytes(args, recipe, dp_shard, tp)
+    acts = predict_saved_activations(args, recipe, batch, seq, device_type, dp_shard, tp)
+    fsdp = predict_fsdp_buffers(args, recipe, dp_shard, tp)
+    notes = list(state.notes)
+    thr = None
+    if hardware is not None:
+        try:
+            thr = predict_throughput(args, recipe, batch, seq, hardware, efficiency, tp)
+        except ValueError as e:
+            notes.append(str(e))
+    totals = {m: state.total + fsdp + acts.recompute[m] + acts.loss_transient for m in RECOMPUTE_MODES}
+    return Estimate(recipe.name, recipe.short_str(), batch, seq, dp_shard, tp, hardware, state, acts, fsdp,
+                    flops_per_token(args, seq, recipe), thr, tuple(notes), totals)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """``estimate_all``'s result: ``rows`` sorted by ``totals[recompute]`` (ascending), with
+    ``rank_memory[name]`` and ``rank_time[name]`` (1 = smallest / fastest; recipes without a predicted
+    time rank after the others)."""
+
+    recompute: str
+    rows: tuple[Estimate, ...]
+    rank_memory: dict[str, int]
+    rank_time: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return {"recompute": self.recompute, "rank_memory": dict(self.rank_memory),
+                "rank_time": dict(self.rank_time), "rows": [r.to_dict() for r in self.rows]}
+
+
+def estimate_all(args: ModelArgs, recipes: Iterable[Recipe], *, recompute: str = "none", **kw) -> Ranking:
+    """``estimate`` for every recipe (``kw`` as for ``estimate``), ranked by memory under ``recompute``
+    and by predicted step time. Raises ``ValueError`` for an unknown recompute mode."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+    ests = [estimate(args, r, **kw) for r in recipes]
+    by_mem = sorted(ests, key=lambda e: e.totals[recompute])
+    by_time = sorted(ests, key=lambda e: (e.throughput is None, e.throughput.step_time_s if e.throughput else 0))
+    return Ranking(recompute, tuple(by_mem), {e.recipe: i + 1 for i, e in enumerate(by_mem)},
+                   {e.recipe: i + 1 for i, e in enumerate(by_time)})

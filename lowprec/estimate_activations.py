@@ -1,0 +1,304 @@
+"""Predicted bytes saved for backward by ``lowprec.model.llama.Transformer`` under a recipe.
+
+The prediction replays, op by op, what autograd saves in ``lowprec/model/llama.py`` (read from the code
+and checked against ``lowprec.saved_tensors.measure_saved_bytes``, which counts the same way: distinct
+storages once, parameters and buffers excluded, parameter casts reported as ``weight_copies``).
+With ``T = batch * seq`` tokens, ``D`` dim, ``F`` ffn hidden, ``H``/``KV`` heads, ``hd`` head dim,
+``c`` the compute dtype and ``r`` the residual dtype (the embedding's dtype):
+
+- ``RMSNorm``: ``x.float()`` (``4TD``; the input itself when ``r`` is fp32), ``rsqrt`` (``4T``), the
+  normalised ``y`` (``4TD``), and ``weight.float()`` (``4D``, a weight copy) when weights are not fp32.
+  Its output (dtype ``r``) is saved by the linears that read it.
+- linear input: an ``nn.Linear`` under autocast saves its own autocast cast of the input (one copy per
+  linear: ``wq``, ``wk``, ``wv`` each save one) and autocast's cast of the weight (a weight copy); without
+  a cast the input itself is saved, shared. lowprec ``Float8Linear`` saves the input cast to the autocast
+  dtype, or, with ``cache_fp8_activations``, the FP8 input (1 byte/element) and its scale (tensorwise ``4``,
+  rowwise ``4T``, 1x128 tiles ``4T*ceil(in/128)``; a delayed scale is the module buffer, not counted).
+  torchao ``Float8Linear`` casts its input only under *CUDA* autocast (``torch.is_autocast_enabled()``),
+  so on CPU it saves the fp32 input itself.
+- attention: the RoPE tables ``cos``/``sin`` (``2 * 4 * seq * hd/2``, one pair per forward, shared by
+  every layer); SDPA (flash/CPU-flash kernel) saves q, the repeated k and v, its output (each ``c*T*H*hd``)
+  and the logsumexp (``4*batch*H*seq``); ``wo`` reads the SDPA output through a view (the kernel's output
+  is laid out (batch, seq, heads, hd)), so it adds nothing.
+- SwiGLU: ``w1`` out (silu input), ``silu`` out, ``w3`` out (the product's inputs) and the product (``w2``'s
+  input): ``4 * c*T*F``.
+- head and loss: final norm, the output linear, ``log_softmax`` in fp32 (``4*T*vocab``, also what
+  ``nll_loss`` saves), the targets (int64 ``8T``), ``total_weight`` (4), and the embedding's token ids
+  (int64 ``8T``).
+
+Mechanism: on one device (``dp_shard == 1``) precision is ``torch.autocast`` as ``lowprec.train.build``
+sets it; under FSDP2 (``dp_shard > 1``) it is ``MixedPrecisionPolicy(param_dtype=compute dtype)``, so the
+forward sees compute-dtype weights, a compute-dtype residual stream and no autocast casts (the FSDP
+all-gather buffers are state, estimated in ``lowprec.estimate``).
+
+Recompute (activation checkpointing per transformer block, torchtitan's modes):
+``none`` is the ledger above. ``full`` keeps each block's input (``r*T*D``) plus, during backward, one
+block's full set (the block being recomputed). ``selective`` is torchtitan's op-level SAC policy: per block
+the input, SDPA's output and logsumexp, and the outputs of every other matmul in call order (``wq``, ``wv``,
+``w1``, ``w2``; FP8 GEMMs treated as matmuls), plus one block's full set during backward. Head, loss and
+globals are never recomputed.
+
+Tensor parallel (``tp > 1``, torchtitan's plan with sequence parallel and loss parallel): every block and
+head tensor is divided by ``tp`` (rounded up); token ids, targets and the RoPE tables are not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lowprec.inventory import Inventory, LinearInfo, inventory
+from lowprec.model import ModelArgs
+from lowprec.recipe import DTYPES, Float8Spec, Recipe
+
+F32, I64 = torch.float32, torch.int64
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def _size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Precision:
+    residual: torch.dtype
+    compute: torch.dtype
+    autocast: torch.dtype | None
+    weight_fwd: torch.dtype
+    device_type: str
+
+
+def forward_precision(recipe: Recipe, dp_shard: int = 1, device_type: str = "cuda") -> _Precision:
+    """The dtypes the forward pass sees (see the module doc for the two mechanisms)."""
+    compute = recipe.compute_dtype
+    if dp_shard > 1:
+        return _Precision(compute, compute, None, compute, device_type)
+    ac = None if recipe.compute.autocast_dtype == "none" else DTYPES[recipe.compute.autocast_dtype]
+    return _Precision(recipe.param_dtype, compute, ac, recipe.param_dtype, device_type)
+
+
+@dataclass(frozen=True)
+class _T:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    kind: str  # "act" | "weight"
+    scope: str  # "block.<i>" | "head" | "global"
+    tp_divides: bool
+
+
+@dataclass
+class _Ledger:
+    entries: dict[str, _Entry] = field(default_factory=dict)
+
+    def save(self, key: str, nbytes: int, scope: str, kind: str = "act", tp_divides: bool = True) -> None:
+        if key not in self.entries:  # one storage counted once, however often it is saved
+            self.entries[key] = _Entry(int(nbytes), kind, scope, tp_divides)
+
+    def save_t(self, t: _T, scope: str) -> None:
+        self.save(t.key, t.numel * _size(t.dtype), scope)
+
+    def total(self, scope_prefix: str = "", kind: str | None = None, tp: int = 1, exact: bool = False) -> int:
+        """Bytes (rank 0's share under ``tp``) of the entries whose scope starts with (or, with ``exact``,
+        equals) ``scope_prefix`` and whose kind is ``kind`` (any when ``None``)."""
+        out = 0
+        for e in self.entries.values():
+            in_scope = e.scope == scope_prefix if exact else e.scope.startswith(scope_prefix)
+            if in_scope and (kind is None or e.kind == kind):
+                out += -(-e.nbytes // tp) if e.tp_divides else e.nbytes
+        return out
+
+
+def _fp8_cache_scale_bytes(spec: Float8Spec, rows: int, in_features: int) -> int:
+    if spec.strategy == "delayed":
+        return 0  # the scale saved is the module's ``scalers.input.scale`` buffer
+    if spec.strategy == "static":
+        return 4
+    if spec.scaling == "tensorwise":
+        return 4
+    if spec.scaling == "rowwise":
+        return 4 * rows
+    return 4 * rows * math.ceil(in_features / 128)  # blockwise: 1x128 tiles along K
+
+
+def _linear(led: _Ledger, scope: str, lin: LinearInfo, x: _T, p: _Precision, spec: Float8Spec, rows: int) -> _T:
+    """Record what ``lin`` saves when it reads ``x`` (rows = tokens); returns its output."""
+    ac = p.autocast
+    needs_cast = ac is not None and x.dtype != ac
+    cast = _T(f"{lin.fqn}.input_cast", ac, rows * lin.in_features) if needs_cast else None
+    if lin.kind == "hp":
+        led.save_t(cast or x, scope)
+        if ac is not None and p.weight_fwd != ac:
+            led.save(f"{lin.fqn}.weight_cast", lin.numel * _size(ac), scope, kind="weight")
+    elif lin.kind == "lowprec":
+        if spec.cache_fp8_activations:
+            led.save(f"{lin.fqn}.fp8_input", rows * lin.in_features, scope)
+            led.save(f"{lin.fqn}.fp8_scale", _fp8_cache_scale_bytes(spec, rows, lin.in_features), scope)
+        else:
+            led.save_t(cast or x, scope)
+    elif lin.kind == "torchao":
+        led.save_t(cast if (cast and p.device_type == "cuda") else x, scope)
+    elif lin.kind == "te":  # approximate, unverified: TE saves the FP8 input and its scale_inv
+        led.save(f"{lin.fqn}.fp8_input", rows * lin.in_features + 4, scope)
+    else:
+        raise ValueError(f"unknown linear kind {lin.kind!r} for {lin.fqn}")
+    return _T(f"{lin.fqn}.out", p.compute, rows * lin.out_features)
+
+
+def _norm(led: _Ledger, scope: str, prefix: str, x: _T, p: _Precision, dim: int, rows: int) -> _T:
+    if x.dtype == F32:
+        led.save_t(x, scope)  # x.float() is x itself
+    else:
+        led.save(f"{prefix}.x_fp32", 4 * rows * dim, scope)
+    led.save(f"{prefix}.rstd", 4 * rows, scope)
+    led.save(f"{prefix}.y", 4 * rows * dim, scope)
+    if p.weight_fwd != F32:
+        led.save(f"{prefix}.weight_fp32", 4 * dim, scope, kind="weight")
+    return _T(f"{prefix}.out", x.dtype, rows * dim)
+
+
+def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Float8Spec, batch: int, seq: int) -> _T:
+    a = inv.args
+    rows, scope, pre = batch * seq, f"block.{i}", f"layers.{i}"
+    lin = {k.removeprefix(pre + "."): v for k, v in inv.linears.items() if k.startswith(pre + ".")}
+    c, cs = p.compute, _size(p.compute)
+    H, KV, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    xn = _norm(led, scope, f"{pre}.attention_norm", x, p, a.dim, rows)
+    _linear(led, scope, lin["attention.wq"], xn, p, spec, rows)
+    _linear(led, scope, lin["attention.wk"], xn, p, spec, rows)
+    v = _linear(led, scope, lin["attention.wv"], xn, p, spec, rows)
+    for t in ("cos", "sin"):
+        led.save(f"rope.{t}", 4 * seq * (hd // 2), "global", tp_divides=False)
+    led.save(f"{pre}.q_rope", cs * rows * H * hd, scope)
+    rep = H // KV
+    led.save(f"{pre}.k_rope" if rep == 1 else f"{pre}.k_repeated", cs * rows * H * hd, scope)
+    if rep == 1:
+        led.save_t(v, scope)
+    else:
+        led.save(f"{pre}.v_repeated", cs * rows * H * hd, scope)
+    attn = _T(f"{pre}.sdpa_out", c, rows * H * hd)
+    led.save_t(attn, scope)
+    led.save(f"{pre}.sdpa_logsumexp", 4 * batch * H * seq, scope)
+    _linear(led, scope, lin["attention.wo"], attn, p, spec, rows)
+    h = _T(f"{pre}.h", torch.promote_types(x.dtype, c), rows * a.dim)
+    xn2 = _norm(led, scope, f"{pre}.ffn_norm", h, p, a.dim, rows)
+    a1 = _linear(led, scope, lin["feed_forward.w1"], xn2, p, spec, rows)
+    a3 = _linear(led, scope, lin["feed_forward.w3"], xn2, p, spec, rows)
+    led.save_t(a1, scope)
+    led.save(f"{pre}.silu_out", cs * a1.numel, scope)
+    led.save_t(a3, scope)
+    _linear(led, scope, lin["feed_forward.w2"], _T(f"{pre}.swiglu_product", c, a1.numel), p, spec, rows)
+    return _T(f"{pre}.out", h.dtype, rows * a.dim)
+
+
+def _selective_keep(inv: Inventory, p: _Precision, batch: int, seq: int, residual: torch.dtype) -> int:
+    """Bytes one block keeps under torchtitan's op-level SAC (see module doc)."""
+    a, rows = inv.args, batch * seq
+    cs = _size(p.compute)
+    kept = rows * a.dim * _size(residual)  # checkpoint input
+    kept += cs * rows * a.n_heads * a.head_dim + 4 * batch * a.n_heads * seq  # SDPA out + logsumexp
+    kept += cs * rows * (a.n_heads * a.head_dim + a.n_kv_heads * a.head_dim + a.ffn_hidden + a.dim)  # wq wv w1 w2
+    return kept
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes saved for backward in one forward + loss on one GPU (rank 0), by recompute mode.
+
+    ``activations`` / ``weight_copies`` / ``total``: no recompute, counted as
+    ``lowprec.saved_tensors.measure_saved_bytes`` counts (equal to it on one device, ``tp == 1``).
+    ``by_scope``: no-recompute bytes of ``blocks`` (all layers), ``head`` (final norm, output, loss) and
+    ``globals`` (token ids, RoPE tables). ``recompute``: ``none`` / ``selective`` / ``full`` totals (weight
+    copies included). ``loss_transient``: not saved but alive at the loss during backward: the gradient of
+    the fp32 ``log_softmax`` output and of its input, ``8 * T * vocab`` (divided by ``tp``), an estimate not
+    checked by measurement. ``korthikanti``: the reference ``L*s*b*h*(34 + 5*a*s/h)`` bytes (Korthikanti et al.
+    2022, 16-bit, no recompute, the ``s x s`` attention scores stored, i.e. no flash attention), and
+    ``korthikanti_selective`` ``L*s*b*h*34`` (scores recomputed); both ignore the head, the loss and the
+    recipe's dtypes.
+    """
+
+    batch: int
+    seq: int
+    activations: int
+    weight_copies: int
+    by_scope: dict[str, int]
+    recompute: dict[str, int]
+    loss_transient: int
+    korthikanti: int
+    korthikanti_selective: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.weight_copies
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def korthikanti_bytes(args: ModelArgs, batch: int, seq: int, tp: int = 1, selective: bool = False) -> int:
+    """Korthikanti et al. 2022 (arXiv 2205.05198, section 4, 16-bit activations) per-layer memory times
+    ``L``, divided by ``tp`` (tensor + sequence parallel): ``s*b*h*(34 + 5*a*s/h)`` bytes without recompute,
+    ``34*s*b*h`` with selective recompute of the attention scores."""
+    s, b, h, a = seq, batch, args.dim, args.n_heads
+    per_layer = 34 * s * b * h + (0 if selective else 5 * a * s * s * b)
+    return args.n_layers * per_layer // tp
+
+
+def predict_saved_activations(
+    args: ModelArgs, recipe: Recipe, batch: int, seq: int, device_type: str = "cuda", dp_shard: int = 1, tp: int = 1
+) -> ActivationEstimate:
+    """Predict the bytes autograd saves for one micro-batch of ``batch`` x ``seq`` tokens (per GPU).
+
+    ``device_type``: ``cuda`` or ``cpu`` (torchao FP8 linears cast their input only under CUDA autocast).
+    Raises ``ValueError`` for non-positive sizes, ``seq > args.max_seq_len`` or an unknown device type.
+    CUDA predictions assume SDPA's flash or memory-efficient kernel (same saved set as CPU's flash kernel,
+    up to the logsumexp padding of the efficient kernel); only the CPU path has been measured.
+    """
+    if batch < 1 or seq < 1 or dp_shard < 1 or tp < 1:
+        raise ValueError(f"batch={batch}, seq={seq}, dp_shard={dp_shard}, tp={tp} must all be >= 1")
+    if seq > args.max_seq_len:
+        raise ValueError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type={device_type!r} is not 'cuda' or 'cpu'")
+    inv = inventory(args, recipe.fp8)
+    p = forward_precision(recipe, dp_shard, device_type)
+    led = _Ledger()
+    rows = batch * seq
+    led.save("tokens", 8 * rows, "global", tp_divides=False)
+    x = _T("embedding.out", p.residual, rows * args.dim)
+    for i in range(args.n_layers):
+        x = _block(led, i, x, inv, p, recipe.fp8, batch, seq)
+    xn = _norm(led, "head", "norm", x, p, args.dim, rows)
+    _linear(led, "head", inv.linears["output"], xn, p, recipe.fp8, rows)
+    led.save("loss.log_softmax", 4 * rows * args.vocab_size, "head")
+    led.save("loss.target", 8 * rows, "head", tp_divides=False)
+    led.save("loss.total_weight", 4, "head", tp_divides=False)
+
+    blocks = led.total("block.", tp=tp)
+    head, glob = led.total("head", tp=tp), led.total("global", tp=tp)
+    one_block = max((led.total(f"block.{i}", tp=tp, exact=True) for i in range(args.n_layers)), default=0)
+    block_in = -(-rows * args.dim * _size(p.residual) // tp)
+    keep = -(-_selective_keep(inv, p, batch, seq, p.residual) // tp)
+    L = args.n_layers
+    return ActivationEstimate(
+        batch=batch,
+        seq=seq,
+        activations=led.total(kind="act", tp=tp),
+        weight_copies=led.total(kind="weight", tp=tp),
+        by_scope={"blocks": blocks, "head": head, "globals": glob},
+        recompute={
+            "none": blocks + head + glob,
+            "selective": L * keep + one_block + head + glob,
+            "full": L * block_in + one_block + head + glob,
+        },
+        loss_transient=-(-8 * rows * args.vocab_size // tp),
+        korthikanti=korthikanti_bytes(args, batch, seq, tp),
+        korthikanti_selective=korthikanti_bytes(args, batch, seq, tp, selective=True),
+    )
