@@ -76,9 +76,25 @@ def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
 
 # ---- training state -------------------------------------------------------------------------------------
 
-def _optim_bytes(impl: str, n: int, pe: int) -> tuple[int, bool]:
-    """(state bytes of one local tensor of ``n`` elements, whether it is 8-bit)."""
+#: lowprec.optim.LowBitAdamW bytes per element of (m + v) and per tensor (fp32 ``step`` + scales).
+_LOWPREC_STATE = {"fp32": (8, 4), "bf16": (4, 4), "fp8_fp16": (3, 12)}
+INT4_BLOCK = 128
+INT4_QMAP_BYTES = 16 * 4
+
+
+def _optim_bytes(impl: str, n: int, pe: int, state: str = "param", kahan: bool = False) -> tuple[int, bool]:
+    """(state bytes of one local tensor of ``n`` elements, whether it is quantized to 8 or 4 bits).
+
+    ``pe``: bytes per element of the tensor the optimizer steps (4 under an FP32 master)."""
     if impl == "torch":
+        return 2 * n * pe + 4, False
+    if impl == "lowprec":
+        per_elem, per_tensor = (2 * pe, 4) if state == "param" else _LOWPREC_STATE[state]
+        return per_elem * n + per_tensor + (2 * n if kahan else 0), False
+    if impl == "torchao" and state == "int4":
+        if n >= MIN_8BIT_NUMEL and n % INT4_BLOCK == 0:
+            # per state: packed 4-bit codes (n/2 B), one fp32 scale per 128-element block, a 16-entry fp32 qmap
+            return 2 * (n // 2 + 4 * (n // INT4_BLOCK) + INT4_QMAP_BYTES) + 4, True
         return 2 * n * pe + 4, False
     if impl == "bitsandbytes":
         if n >= MIN_8BIT_NUMEL:
@@ -164,13 +180,16 @@ def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: 
     check_layout(args, dp_shard, tp)
     inv = inventory(args, recipe.fp8)
     pe = _elt(recipe)
+    has_master = recipe.weights.master_dtype == "fp32"
+    stepped_pe = 4 if has_master else pe
+    kahan = recipe.weights.update_rounding == "kahan"
     n_local = params = optim = 0
     any_8bit = False
     for fqn, shape in inv.params:
         n = fsdp_local_numel(tp_local_shape(fqn, shape, tp), dp_shard)
         n_local += n
         params += n * pe
-        b, is8 = _optim_bytes(recipe.optim.impl, n, pe)
+        b, is8 = _optim_bytes(recipe.optim.impl, n, stepped_pe, recipe.optim.state, kahan)
         optim += b
         any_8bit |= is8
     if recipe.optim.impl == "bitsandbytes" and any_8bit:
@@ -183,7 +202,7 @@ def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: 
         notes.append("Transformer Engine figures (scaling state, saved FP8 inputs) are approximate and unmeasured")
     return StateEstimate(
         n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params, grads=params,
-        master=0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
+        master=4 * n_local if has_master else 0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
         dp_shard=dp_shard, tp=tp, notes=tuple(notes),
     )
 

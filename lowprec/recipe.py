@@ -37,22 +37,53 @@ def _check_choice(group: str, name: str, value: Any, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """Parameter storage. ``param_dtype``: ``fp32`` or ``bf16``."""
+    """Parameter storage and how updates are written into it.
+
+    ``param_dtype``: ``fp32`` or ``bf16``. ``master_dtype``: ``none`` or ``fp32`` (an explicit FP32 master
+    copy that the optimizer updates and copies back, Megatron/DeepSpeed style; only for BF16 parameters,
+    FP32 parameters are their own master). ``update_rounding``: ``nearest``, ``stochastic`` (unbiased
+    rounding of the update into BF16) or ``kahan`` (compensated summation); the last two only for BF16
+    parameters without a master.
+    """
 
     param_dtype: str = "fp32"
+    master_dtype: str = "none"
+    update_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         _check_choice("weights", "param_dtype", self.param_dtype, ("fp32", "bf16"))
+        _check_choice("weights", "master_dtype", self.master_dtype, ("none", "fp32"))
+        _check_choice("weights", "update_rounding", self.update_rounding, ("nearest", "stochastic", "kahan"))
+        if self.master_dtype == "fp32" and self.param_dtype == "fp32":
+            raise RecipeError("recipe.weights.master_dtype='fp32' conflicts with recipe.weights.param_dtype='fp32': "
+                              "FP32 parameters are their own master")
+        if self.update_rounding != "nearest" and (self.param_dtype != "bf16" or self.master_dtype != "none"):
+            raise RecipeError(
+                f"recipe.weights.update_rounding={self.update_rounding!r} conflicts with recipe.weights.param_dtype="
+                f"{self.param_dtype!r} / master_dtype={self.master_dtype!r}: it rounds updates into BF16 weights "
+                "that have no master")
 
 
 @dataclass(frozen=True)
 class ComputeSpec:
-    """Compute dtype of the non-FP8 ops. ``autocast_dtype``: ``none`` or ``bf16``."""
+    """Compute dtype of the non-FP8 ops and loss scaling.
+
+    ``autocast_dtype``: ``none``, ``bf16`` or ``fp16``. ``loss_scaling``: ``none`` or ``dynamic``
+    (GradScaler semantics: ``init_scale``, doubled after ``growth_interval`` clean steps, halved and the
+    step skipped on inf/NaN gradients); dynamic scaling needs FP16 compute.
+    """
 
     autocast_dtype: str = "none"
+    loss_scaling: str = "none"
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16"))
+        _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16", "fp16"))
+        _check_choice("compute", "loss_scaling", self.loss_scaling, ("none", "dynamic"))
+        if self.loss_scaling == "dynamic" and self.autocast_dtype != "fp16":
+            raise RecipeError(f"recipe.compute.loss_scaling='dynamic' conflicts with recipe.compute.autocast_dtype="
+                              f"{self.autocast_dtype!r}: loss scaling exists for FP16's narrow exponent range")
 
 
 #: Scalings each FP8 backend implements, and the FP8 format each torchao recipe name implies.
@@ -176,30 +207,38 @@ class Float8Spec:
         return s
 
 
+#: optim.state -> the implementations that provide it.
+OPTIM_IMPLS = {
+    "param": ("torch", "lowprec"),
+    "fp32": ("lowprec",),
+    "bf16": ("lowprec",),
+    "fp8_fp16": ("lowprec",),
+    "int8": ("bitsandbytes", "torchao"),
+    "int4": ("torchao",),
+}
+
+
 @dataclass(frozen=True)
 class OptimSpec:
     """AdamW state precision.
 
-    ``state``: ``param`` (moments in the parameter dtype, ``torch.optim.AdamW``) or ``int8``
-    (block-wise dynamic 8-bit m and v, Dettmers et al. 2022).
-    ``impl``: ``torch``, ``bitsandbytes`` (``bnb.optim.AdamW8bit``) or ``torchao`` (``torchao.optim.AdamW8bit``).
+    ``state``: ``param`` (moments in the dtype of the stepped tensors), ``fp32``, ``bf16`` (DeepSeek-V3
+    BF16 moments), ``fp8_fp16`` (MS-AMP O2: e4m3 first moment, FP16 second moment, per-tensor scales),
+    ``int8`` (block-wise dynamic 8-bit m and v, Dettmers et al. 2022), ``int4`` (torchao AdamW4bit).
+    ``impl``: ``torch`` (``torch.optim.AdamW``), ``lowprec`` (``lowprec.optim.LowBitAdamW``),
+    ``bitsandbytes`` (``bnb.optim.AdamW8bit``) or ``torchao`` (``torchao.optim.AdamW8bit`` / ``AdamW4bit``).
     """
 
     state: str = "param"
     impl: str = "torch"
 
     def __post_init__(self) -> None:
-        _check_choice("optim", "state", self.state, ("param", "int8"))
-        _check_choice("optim", "impl", self.impl, ("torch", "bitsandbytes", "torchao"))
-        if self.state == "int8" and self.impl == "torch":
+        _check_choice("optim", "state", self.state, tuple(OPTIM_IMPLS))
+        _check_choice("optim", "impl", self.impl, ("torch", "lowprec", "bitsandbytes", "torchao"))
+        if self.impl not in OPTIM_IMPLS[self.state]:
             raise RecipeError(
-                "recipe.optim.state='int8' conflicts with recipe.optim.impl='torch': "
-                "torch.optim.AdamW has no 8-bit states; use impl=bitsandbytes or impl=torchao"
-            )
-        if self.state == "param" and self.impl != "torch":
-            raise RecipeError(
-                f"recipe.optim.impl={self.impl!r} conflicts with recipe.optim.state='param': "
-                f"{self.impl} is used here only for 8-bit states; use state=int8 or impl=torch"
+                f"recipe.optim.state={self.state!r} conflicts with recipe.optim.impl={self.impl!r}: "
+                f"{self.state} states come from impl in {list(OPTIM_IMPLS[self.state])}"
             )
 
 
@@ -217,6 +256,10 @@ class Recipe:
     def __post_init__(self) -> None:
         if not self.name:
             raise RecipeError("recipe.name must be a non-empty string")
+        rounding = self.weights.update_rounding
+        if rounding == "kahan" and self.optim.impl != "lowprec" or rounding == "stochastic" and self.optim.impl not in ("lowprec", "torchao"):
+            raise RecipeError(f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
+                              f"{self.optim.impl!r}: use impl=lowprec (or torchao for stochastic)")
 
     # ---- derived facts (what the build must produce) -------------------------------------------
     @property
@@ -230,9 +273,12 @@ class Recipe:
 
     def short_str(self) -> str:
         """One-line summary, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
-        fp8 = self.fp8.short()
-        opt = "param" if self.optim.state == "param" else f"{self.optim.state}:{self.optim.impl}"
-        return f"w={self.weights.param_dtype} ac={self.compute.autocast_dtype} fp8={fp8} opt={opt}"
+        w, c = self.weights, self.compute
+        ws = w.param_dtype + ("+master32" if w.master_dtype == "fp32" else "") + (
+            f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
+        ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
+        opt = "param" if (self.optim.state, self.optim.impl) == ("param", "torch") else f"{self.optim.state}:{self.optim.impl}"
+        return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -104,9 +104,84 @@ def te_blockwise() -> Recipe:
     )
 
 
+def bf16_master() -> Recipe:
+    return replace(
+        bf16_pure(),
+        name="bf16_master",
+        description="BF16 weights and gradients with an explicit FP32 master copy (Megatron/DeepSpeed style); FP32 AdamW states.",
+        weights=WeightSpec(param_dtype="bf16", master_dtype="fp32"),
+    )
+
+
+def bf16_sr() -> Recipe:
+    return replace(
+        bf16_pure(),
+        name="bf16_sr",
+        description="BF16 weights and moments, no master; updates written with stochastic rounding.",
+        weights=WeightSpec(param_dtype="bf16", update_rounding="stochastic"),
+        optim=OptimSpec(state="param", impl="lowprec"),
+    )
+
+
+def bf16_moments() -> Recipe:
+    return replace(
+        bf16(),
+        name="bf16_moments",
+        description="bf16 with BF16 AdamW m and v (DeepSeek-V3), FP32 weights.",
+        optim=OptimSpec(state="bf16", impl="lowprec"),
+    )
+
+
+def bf16_adamw8bit_ao() -> Recipe:
+    return replace(
+        bf16(),
+        name="bf16_adamw8bit_ao",
+        description="bf16 with torchao AdamW8bit (block-wise 8-bit m and v, block 256; works on FSDP2 DTensors).",
+        optim=OptimSpec(state="int8", impl="torchao"),
+    )
+
+
+def bf16_adamw4bit() -> Recipe:
+    return replace(
+        bf16(),
+        name="bf16_adamw4bit",
+        description="bf16 with torchao AdamW4bit (4-bit m and v, block 128).",
+        optim=OptimSpec(state="int4", impl="torchao"),
+    )
+
+
+def fp8_msamp_o2() -> Recipe:
+    return replace(
+        fp8_current(),
+        name="fp8_msamp_o2",
+        description="fp8_current GEMMs + MS-AMP O2 optimizer states: FP8 e4m3 first moment, FP16 second moment, "
+                    "per-tensor scales (FP32 weights; no FP8 gradients or all-reduce).",
+        optim=OptimSpec(state="fp8_fp16", impl="lowprec"),
+    )
+
+
+def fp16_amp() -> Recipe:
+    return replace(
+        bf16(),
+        name="fp16_amp",
+        description="FP16 autocast with dynamic loss scaling (GradScaler semantics), FP32 weights: the historical baseline.",
+        compute=ComputeSpec(autocast_dtype="fp16", loss_scaling="dynamic"),
+    )
+
+
+def fp16_noscale() -> Recipe:
+    return replace(
+        bf16(),
+        name="fp16_noscale",
+        description="FP16 autocast without loss scaling: shows gradient underflow (grad_underflow_share).",
+        compute=ComputeSpec(autocast_dtype="fp16"),
+    )
+
+
 _BUILDERS: list[Callable[[], Recipe]] = [
     fp32, bf16, bf16_pure, fp8_tensorwise, bf16_adamw8bit,
     fp8_current, fp8_delayed, fp8_rowwise, fp8_blockwise, te_delayed, te_blockwise,
+    bf16_master, bf16_sr, bf16_moments, bf16_adamw8bit_ao, bf16_adamw4bit, fp8_msamp_o2, fp16_amp, fp16_noscale,
 ]
 
 #: name -> Recipe, in catalog order.

@@ -1,9 +1,13 @@
-"""AdamW from a recipe's ``OptimSpec``: one function, whatever the state precision.
+"""AdamW from a recipe's ``OptimSpec`` and ``WeightSpec``: one function, whatever the state precision.
 
 - ``state=param, impl=torch``: ``torch.optim.AdamW``; m and v take the parameter dtype.
 - ``state=int8, impl=bitsandbytes``: ``bnb.optim.AdamW8bit`` (block-wise dynamic quantization,
   256-element blocks, one fp32 absmax per block, 256-entry fp32 qmap; Dettmers et al. 2022).
-- ``state=int8, impl=torchao``: ``torchao.optim.AdamW8bit`` (block 256, works on FSDP2 DTensors).
+- ``state=int8|int4, impl=torchao``: ``torchao.optim.AdamW8bit`` (block 256, works on FSDP2 DTensors) /
+  ``AdamW4bit`` (block 128); ``update_rounding=stochastic`` maps to their ``bf16_stochastic_round``.
+- ``impl=lowprec``: ``lowprec.optim.LowBitAdamW`` with FP32, BF16 or MS-AMP O2 (FP8/FP16) moments and
+  nearest, stochastic or Kahan update rounding.
+- ``weights.master_dtype=fp32``: ``lowprec.optim.master.MasterWeightOptimizer`` around any of the above.
 
 Both 8-bit libraries keep tensors with fewer than ``MIN_8BIT_NUMEL`` elements in 32-bit states
 (bitsandbytes ``min_8bit_size=4096``; torchao's ``_new_buffer`` rule), which the effective-recipe check
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.recipe import OptimSpec
+from lowprec.recipe import Recipe
 
 MIN_8BIT_NUMEL = 4096
 
@@ -40,24 +44,39 @@ def _param_groups(model: torch.nn.Module, wd: float) -> list[dict]:
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, spec: OptimSpec, hp: OptimHParams) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s trainable parameters with the state precision of ``spec``.
-
-    Raises ``ImportError`` with the package name if the chosen library is not installed.
-    """
-    groups = _param_groups(model, hp.weight_decay)
-    kw = dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps)
+def _adamw(groups: list[dict], recipe: Recipe, hp: OptimHParams, stepped_dtype: str) -> torch.optim.Optimizer:
+    spec, kw = recipe.optim, dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps)
     if spec.impl == "torch":
         return torch.optim.AdamW(groups, **kw)
+    if spec.impl == "lowprec":
+        from lowprec.optim.lowbit_adamw import LowBitAdamW
+
+        state = stepped_dtype if spec.state == "param" else spec.state
+        return LowBitAdamW(groups, **kw, state_dtype=state, update_rounding=recipe.weights.update_rounding)
     if spec.impl == "bitsandbytes":
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_NUMEL, **kw)
     if spec.impl == "torchao":
-        from torchao.optim import AdamW8bit
+        from torchao.optim import AdamW4bit, AdamW8bit
 
-        return AdamW8bit(groups, **kw)
+        cls = AdamW8bit if spec.state == "int8" else AdamW4bit
+        return cls(groups, **kw, bf16_stochastic_round=recipe.weights.update_rounding == "stochastic")
     raise ValueError(f"recipe.optim.impl={spec.impl!r} has no builder")
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, hp: OptimHParams) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s trainable parameters with the recipe's state precision and master policy.
+
+    With ``weights.master_dtype=fp32`` the returned optimizer is a ``MasterWeightOptimizer`` whose inner
+    AdamW steps FP32 master copies (``master_params``). Raises ``ImportError`` naming a missing library.
+    """
+    groups = _param_groups(model, hp.weight_decay)
+    if recipe.weights.master_dtype == "fp32":
+        from lowprec.optim.master import MasterWeightOptimizer
+
+        return MasterWeightOptimizer(groups, lambda g: _adamw(g, recipe, hp, "fp32"))
+    return _adamw(groups, recipe, hp, recipe.weights.param_dtype)
 
 
 def moment_kind(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> str:
@@ -69,6 +88,8 @@ def moment_kind(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> str:
     m = state.get("exp_avg", state.get("state1"))
     if m is None:
         return "none"
+    if type(m).__name__ == "OptimState4bit":
+        return "int4_blockwise"
     codes = getattr(m, "codes", None)  # torchao OptimState8bit
     if codes is not None or m.dtype == torch.uint8:
         return "int8_blockwise"

@@ -35,6 +35,7 @@ class Built:
     device: torch.device
     fp8_fqns: list[str] = field(default_factory=list)
     master_params: list[torch.Tensor] = field(default_factory=list)
+    loss_scaler: "object" = None
     #: Called before / after every optimizer step (telemetry); ``after`` hooks return metrics to log.
     before_step: list[Callable[[int, "Built"], None]] = field(default_factory=list)
     after_step: list[Callable[[int, "Built"], dict]] = field(default_factory=list)
@@ -152,10 +153,19 @@ def build(
     # 3: parallelize (TP, activation checkpointing, compile, FSDP2) joins here with lowprec.parallel.
     materialize(model, device, seed)  # 4
     cast_weights(model, recipe)
-    optimizer = build_optimizer(model, recipe.optim, hp)  # 5
+    optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     register_fp8_hooks(model, optimizer)  # 6
     telemetry = build_telemetry(model, train.telemetry_every)
+    scaler = build_loss_scaler(recipe)
+    after = [telemetry.after_step] if telemetry else []
+    if scaler.enabled:
+        after.append(lambda step, built: built.loss_scaler.metrics())
+    state_tel = build_state_telemetry(model, optimizer, recipe, train.telemetry_every)
+    if state_tel is not None:
+        after.append(state_tel.after_step)
+    if recipe.compute.autocast_dtype == "fp16" and train.telemetry_every > 0:
+        after.append(underflow_probe(model, train.telemetry_every))
     return Built(
         recipe=recipe,
         model=model,
@@ -164,6 +174,38 @@ def build(
         precision=build_precision_context(recipe, device),
         device=device,
         fp8_fqns=fp8_fqns,
+        master_params=list(getattr(optimizer, "master_params", [])),
+        loss_scaler=scaler,
         before_step=[telemetry.before_step] if telemetry else [],
-        after_step=[telemetry.after_step] if telemetry else [],
+        after_step=after,
     )
+
+
+def build_loss_scaler(recipe: Recipe):
+    """``DynamicLossScaler`` for ``compute.loss_scaling=dynamic``, else a ``NoLossScaler`` with the same API."""
+    from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler
+
+    c = recipe.compute
+    if c.loss_scaling == "dynamic":
+        return DynamicLossScaler(init_scale=c.init_scale, growth_interval=c.growth_interval)
+    return NoLossScaler()
+
+
+def underflow_probe(model: nn.Module, every: int):
+    """Every ``every`` steps, ``grad_underflow_share``: the share of gradient elements that are exactly
+    zero, over every parameter but ``tok_embeddings`` (whose rows of unseen tokens are zero by nature)."""
+    from lowprec.optim.loss_scale import grad_underflow_share
+
+    params = [p for n, p in model.named_parameters() if not n.startswith("tok_embeddings")]
+    return lambda step, built: {"grad_underflow_share": grad_underflow_share(params)} if step % every == 0 else {}
+
+
+def build_state_telemetry(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, every: int):
+    """Relative error of quantized/low-precision AdamW moments against an FP32 shadow on a few sampled
+    tensors, every ``every`` steps; ``None`` for FP32 moments or ``every`` <= 0."""
+    from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
+
+    full = recipe.optim.state in ("param", "fp32") and (recipe.param_dtype == torch.float32 or recipe.weights.master_dtype == "fp32")
+    if every <= 0 or full:
+        return None
+    return OptimStateTelemetry(optimizer, default_sample(model), every)

@@ -101,10 +101,17 @@ def expected_effective(built: Built) -> dict:
     params = [p for p in built.model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     n_linears = _n_linears(built.model)
-    if r.optim.state == "int8":
-        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL else "float32")
+    stepped = "float32" if r.weights.master_dtype == "fp32" else _dt(r.param_dtype)
+    state = r.optim.state
+    if state == "int8" and r.optim.impl == "torchao":
+        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL and p.numel() % 256 == 0 else stepped)
+    elif state == "int8":
+        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL else stepped)
+    elif state == "int4":
+        moments = _count(params, lambda p: "int4_blockwise" if p.numel() >= MIN_8BIT_NUMEL and p.numel() % 128 == 0 else stepped)
     else:
-        moments = Counter({_dt(r.param_dtype): n})
+        kind = {"param": stepped, "fp32": "float32", "bf16": "bfloat16", "fp8_fp16": "float8_e4m3fn"}[state]
+        moments = Counter({kind: n})
     return {
         "param_dtype": {_dt(r.param_dtype): n},
         "grad_dtype": {_dt(r.param_dtype): n},
@@ -112,7 +119,8 @@ def expected_effective(built: Built) -> dict:
         "fp8_linears": {FP8_MODULE_CLASS[r.fp8.backend]: len(built.fp8_fqns)} if built.fp8_fqns else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),
-        "master": "params_are_master" if r.param_dtype == torch.float32 else "none",
+        "master": "explicit" if r.weights.master_dtype != "none"
+        else "params_are_master" if r.param_dtype == torch.float32 else "none",
     }
 
 

@@ -57,22 +57,27 @@ def _loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float, step: int) -> StepResult:
     """One optimizer step over ``micro_batches`` (gradient accumulation), clipping and LR update.
 
-    Gradients are zeroed at the start so they stay inspectable after the step. Raises
-    ``NonFiniteError`` before the optimizer step if the loss or the gradient norm is not finite.
+    Gradients are zeroed at the start so they stay inspectable after the step. The loss scaler built from
+    the recipe scales the loss, unscales the gradients and decides whether the step runs (a no-op scaler
+    for recipes without loss scaling). Raises ``NonFiniteError`` before the optimizer step if the loss is
+    not finite, or the gradient norm is not finite and no loss scaler is there to skip the step.
     """
     built.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=built.device)
+    scaler = built.loss_scaler
     for x, y in micro_batches:
         loss = _loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
-        (loss / len(micro_batches)).backward()
+        scaler.scale(loss / len(micro_batches)).backward()
         total += loss.detach()
     loss_value = total.item() / len(micro_batches)
     if not math.isfinite(loss_value):
         raise NonFiniteError(f"loss is {loss_value} at step {step}")
+    scaler.unscale_(built.optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(built.model.parameters(), grad_clip))
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) and not scaler.skips_nonfinite:
         raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})")
-    built.optimizer.step()
+    scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
+    scaler.update()
     built.scheduler.step()
     return StepResult(loss=loss_value, grad_norm=grad_norm)
 

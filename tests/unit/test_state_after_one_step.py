@@ -27,6 +27,14 @@ TABLE = {
     "fp8_delayed": (F32, F32, BF16, "float32", 14),
     "fp8_rowwise": (F32, F32, BF16, "float32", 14),
     "fp8_blockwise": (F32, F32, BF16, "float32", 14),
+    "bf16_master": (BF16, BF16, BF16, "float32", 0),  # moments of the FP32 master copies
+    "bf16_sr": (BF16, BF16, BF16, "bfloat16", 0),
+    "bf16_moments": (F32, F32, BF16, "bfloat16", 0),
+    "bf16_adamw8bit_ao": (F32, F32, BF16, "int8_blockwise", 0),
+    "bf16_adamw4bit": (F32, F32, BF16, "int4_blockwise", 0),
+    "fp8_msamp_o2": (F32, F32, BF16, "float8_e4m3fn", 14),
+    "fp16_amp": (F32, F32, torch.float16, "float32", 0),
+    "fp16_noscale": (F32, F32, torch.float16, "float32", 0),
 }
 SPEC = TrainSpec(steps=4, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
 
