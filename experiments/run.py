@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -91,10 +92,16 @@ def run_one(
         spec = train_from_cfg(cfg)
         built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device)
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
+        ckpt_dir = Path(cfg.paths.runs).resolve() / "checkpoints" / run_id if spec.checkpoint_every > 0 else None
+        resume = cfg.get("resume")
+        if ckpt_dir or resume:
+            tracker.set_tags(run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v})
         result = run_training(
             built, batches, spec, sink,
             before_step=fault_hooks(cfg.faults, recipe.name),
             on_effective=lambda eff: tracker.set_tags(run_id, {"effective_recipe": dumps(eff)}),
+            checkpoint_dir=ckpt_dir,
+            resume_from=resume,
         )
         sink.flush()
         sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device)}, spec.steps)

@@ -1,7 +1,10 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): model (parameters and buffers, so FP8
-amax histories and scales), optimizer state and the step, in one folder.
+"""Checkpoints: model (parameters and buffers, so FP8 amax histories and scales), optimizer state (master
+copies and quantized moments included) through ``torch.distributed.checkpoint`` (DCP), and the trainer
+state (step, LR schedule, loss scaler, RNG states) in ``trainer_state.pt`` beside it.
 
-DCP works without a process group (one process) and with FSDP2 (each rank writes its shards).
+DCP works without a process group (one process) and with FSDP2 (each rank writes its shards). A run
+resumed from a checkpoint continues bit for bit: data order is a function of (seed, step), and every
+piece of state that the next step reads is in here.
 """
 
 from __future__ import annotations
@@ -12,30 +15,65 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+TRAINER_STATE = "trainer_state.pt"
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint folder is missing or cannot be loaded into this model; the message says which."""
+    """A checkpoint folder is missing, corrupt, or does not match this model; the message says which."""
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Write model, optimizer and ``step`` to the folder ``path`` (created if needed)."""
+def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    scheduler=None, loss_scaler=None) -> None:
+    """Write everything the next step needs to the folder ``path`` (created if needed).
+
+    ``step``: the number of optimizer steps taken (the resumed run starts at this step index).
+    """
+    path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    trainer = {
+        "step": step,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    torch.save(trainer, path / TRAINER_STATE)
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the folder ``path`` into ``model`` and ``optimizer`` in place; returns the saved step.
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler=None, loss_scaler=None) -> int:
+    """Load the folder ``path`` into the given objects in place; returns the saved step.
 
-    Raises ``CheckpointError`` for a missing folder or a checkpoint that does not match the model.
+    Raises ``CheckpointError`` for a missing folder or file, a corrupt trainer state, or a checkpoint
+    that does not load into this model/optimizer.
     """
     path = Path(path)
     if not (path / ".metadata").exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP raises CheckpointException/RuntimeError with per-key details
         raise CheckpointError(f"checkpoint {str(path)!r} does not load into this model: {str(e).splitlines()[0]}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["step"])
+    trainer_path = path / TRAINER_STATE
+    if not trainer_path.exists():
+        return 0 if scheduler is None else _missing(trainer_path)
+    try:
+        trainer = torch.load(trainer_path, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{str(trainer_path)!r} is corrupt: {str(e).splitlines()[0]}") from e
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    if loss_scaler is not None and trainer["loss_scaler"] is not None:
+        loss_scaler.load_state_dict(trainer["loss_scaler"])
+    torch.set_rng_state(trainer["rng_cpu"])
+    if trainer["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(trainer["rng_cuda"])
+    return int(trainer["step"])
+
+
+def _missing(p: Path) -> int:
+    raise CheckpointError(f"checkpoint has no {p.name} at {str(p)!r}")

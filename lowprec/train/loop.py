@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -19,6 +20,7 @@ from lowprec.accounting import PeakMemory, measure_state_bytes
 from lowprec.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
+from lowprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowprec.train.effective import check_effective, expected_effective, inspect_effective
 from lowprec.train.spec import TrainSpec
 
@@ -103,6 +105,8 @@ def run_training(
     sink: MetricSink,
     before_step: list[StepHook] = (),
     on_effective: Callable[[dict], None] = lambda eff: None,
+    checkpoint_dir: str | Path | None = None,
+    resume_from: str | Path | None = None,
 ) -> RunResult:
     """Train for ``spec.steps`` optimizer steps, logging to ``sink``.
 
@@ -113,7 +117,16 @@ def run_training(
     ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``; ``val_loss`` every ``spec.val_every`` steps
     and at the end. Summary: means over the steps after ``timing_warmup_steps``, state bytes, peak memory.
     Exceptions propagate after everything measured so far has been handed to ``sink``.
+
+    Checkpoints: with ``checkpoint_dir`` and ``spec.checkpoint_every`` > 0, ``<checkpoint_dir>/step_<N>``
+    is written after every N-th step (``lowprec.train.checkpoint``). ``resume_from`` loads one and
+    continues from its step; the first resumed step is then the one inspected and measured.
     """
+    start = 0
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, built.model, built.optimizer, built.scheduler, built.loss_scaler)
+        if start >= spec.steps:
+            raise CheckpointError(f"checkpoint {str(resume_from)!r} is at step {start}; train.steps={spec.steps} leaves nothing to run")
     peak = PeakMemory(built.device)
     peak.reset()
     val_batches = data.val_batches(spec.val_batches)
@@ -121,9 +134,9 @@ def run_training(
     effective: dict = {}
     state = None
     timed_s, timed_steps = 0.0, 0
-    first = data.train_batch(0, 0)
+    first = data.train_batch(start, 0)
     saved = measure_saved_bytes(lambda: _loss(built, first[0].to(built.device), first[1].to(built.device)), built.model)
-    bar = tqdm(range(spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
+    bar = tqdm(range(start, spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
     val_loss = float("nan")
     for step in bar:
         for hook in (*built.before_step, *before_step):
@@ -133,12 +146,12 @@ def run_training(
         t0 = time.perf_counter()
         res = train_step(built, micro, spec.grad_clip, step)
         dt = time.perf_counter() - t0
-        if step == 0:
+        if step == start:
             effective = inspect_effective(built, micro[0][0].to(built.device))
             state = measure_state_bytes(built.model, built.optimizer, built.master_params)
             on_effective(effective)
             check_effective(effective, expected_effective(built))
-        if step >= spec.timing_warmup_steps:
+        if step - start >= spec.timing_warmup_steps:
             timed_s += dt
             timed_steps += 1
         metrics = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": lr, "step_time_s": dt,
@@ -151,13 +164,16 @@ def run_training(
             metrics["val_loss"] = val_loss
         sink.log_metrics(metrics, step)
         history.append(metrics)
+        if checkpoint_dir is not None and spec.checkpoint_every > 0 and (step + 1) % spec.checkpoint_every == 0:
+            save_checkpoint(Path(checkpoint_dir) / f"step_{step + 1}", built.model, built.optimizer, step + 1,
+                            built.scheduler, built.loss_scaler)
         bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
     bar.close()
     summary = {
         "final_loss": history[-1]["loss"],
         "final_val_loss": val_loss,
-        "mean_step_time_s": timed_s / timed_steps,
-        "mean_tokens_per_s": spec.tokens_per_step * timed_steps / timed_s,
+        "mean_step_time_s": timed_s / timed_steps if timed_steps else float("nan"),
+        "mean_tokens_per_s": spec.tokens_per_step * timed_steps / timed_s if timed_steps else float("nan"),
         "mem_peak_bytes": (peak_bytes := peak.read()),
         "mem_peak_growth_bytes": peak_bytes - peak.baseline,
         "mem_saved_activations_bytes": saved.activations,

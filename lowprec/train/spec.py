@@ -12,7 +12,8 @@ class TrainSpec:
     ``batch_size`` is sequences per micro-batch; an optimizer step consumes
     ``batch_size * grad_accum * seq_len`` tokens. ``timing_warmup_steps`` steps are excluded from
     tokens/s and step time. ``val_every`` <= 0 validates only at the end. ``telemetry_every``: FP8
-    numerics telemetry is sampled on steps divisible by it (0 turns it off).
+    numerics telemetry is sampled on steps divisible by it (0 turns it off). ``checkpoint_every``: write a
+    checkpoint after every N-th step (0: never).
     """
 
     steps: int = 200
@@ -26,12 +27,15 @@ class TrainSpec:
     val_batches: int = 8
     timing_warmup_steps: int = 3
     telemetry_every: int = 25
+    checkpoint_every: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0")
         if self.timing_warmup_steps >= self.steps:
             raise ValueError(
                 f"train.timing_warmup_steps={self.timing_warmup_steps} must be below train.steps={self.steps}"

@@ -73,3 +73,19 @@ def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path):
     assert run.data.tags["failure_reason"] == "NonFiniteError: loss is nan at step 3"
     # the steps before the failure are kept
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]
+
+
+def test_cli_checkpoints_and_resumes(run_dirs, tmp_path):
+    args = ["train"] + run_dirs + QUICK + ["recipe=bf16_master", "train.checkpoint_every=3"]
+    assert main(args) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (first,) = client.search_runs([exp])
+    ckpt = first.data.tags["checkpoint_dir"]
+    full = {m.step: m.value for m in client.get_metric_history(first.info.run_id, "loss")}
+    assert main(["train"] + run_dirs + QUICK + ["recipe=bf16_master", f"resume={ckpt}/step_3"]) == 0
+    second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
+    assert second.data.tags["resumed_from"].endswith("step_3")
+    resumed = {m.step: m.value for m in client.get_metric_history(second.info.run_id, "loss")}
+    assert resumed == {s: full[s] for s in range(3, 6)}
+    assert main(["train"] + run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 1  # recorded FAILED, explained
