@@ -178,10 +178,20 @@ def fp16_noscale() -> Recipe:
     )
 
 
+def deepseek_v3() -> Recipe:
+    return replace(
+        fp8_blockwise(),
+        name="deepseek_v3",
+        description="DeepSeek-V3 (arXiv 2412.19437 section 3.3): fp8_blockwise GEMMs, FP32 master weights, BF16 AdamW moments.",
+        optim=OptimSpec(state="bf16", impl="lowprec"),
+    )
+
+
 _BUILDERS: list[Callable[[], Recipe]] = [
     fp32, bf16, bf16_pure, fp8_tensorwise, bf16_adamw8bit,
     fp8_current, fp8_delayed, fp8_rowwise, fp8_blockwise, te_delayed, te_blockwise,
     bf16_master, bf16_sr, bf16_moments, bf16_adamw8bit_ao, bf16_adamw4bit, fp8_msamp_o2, fp16_amp, fp16_noscale,
+    deepseek_v3,
 ]
 
 #: name -> Recipe, in catalog order.

@@ -35,6 +35,7 @@ TABLE = {
     "fp8_msamp_o2": (F32, F32, BF16, "float8_e4m3fn", 14),
     "fp16_amp": (F32, F32, torch.float16, "float32", 0),
     "fp16_noscale": (F32, F32, torch.float16, "float32", 0),
+    "deepseek_v3": (F32, F32, BF16, "bfloat16", 14),
 }
 SPEC = TrainSpec(steps=4, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
 
