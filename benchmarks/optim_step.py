@@ -46,7 +46,7 @@ def direct(name: str, model, hp: OptimHParams):
     raise KeyError(name)
 
 
-LIBRARY_ONLY = {"fp32", "bf16_pure", "bf16_adamw8bit", "bf16_adamw8bit_ao", "bf16_adamw4bit"}
+LIBRARY_ONLY = {"fp32", "bf16_pure", "bf16_sr", "bf16_adamw8bit", "bf16_adamw8bit_ao", "bf16_adamw4bit"}
 
 
 def make_model(name: str, size: str):

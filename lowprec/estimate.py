@@ -86,7 +86,7 @@ def _optim_bytes(impl: str, n: int, pe: int, state: str = "param", kahan: bool =
     """(state bytes of one local tensor of ``n`` elements, whether it is quantized to 8 or 4 bits).
 
     ``pe``: bytes per element of the tensor the optimizer steps (4 under an FP32 master)."""
-    if impl == "torch":
+    if impl == "torch" or (impl == "torchao" and state == "param"):
         return 2 * n * pe + 4, False
     if impl == "lowprec":
         per_elem, per_tensor = (2 * pe, 4) if state == "param" else _LOWPREC_STATE[state]

@@ -209,7 +209,7 @@ class Float8Spec:
 
 #: optim.state -> the implementations that provide it.
 OPTIM_IMPLS = {
-    "param": ("torch", "lowprec"),
+    "param": ("torch", "lowprec", "torchao"),
     "fp32": ("lowprec",),
     "bf16": ("lowprec",),
     "fp8_fp16": ("lowprec",),
@@ -226,7 +226,8 @@ class OptimSpec:
     BF16 moments), ``fp8_fp16`` (MS-AMP O2: e4m3 first moment, FP16 second moment, per-tensor scales),
     ``int8`` (block-wise dynamic 8-bit m and v, Dettmers et al. 2022), ``int4`` (torchao AdamW4bit).
     ``impl``: ``torch`` (``torch.optim.AdamW``), ``lowprec`` (``lowprec.optim.LowBitAdamW``),
-    ``bitsandbytes`` (``bnb.optim.AdamW8bit``) or ``torchao`` (``torchao.optim.AdamW8bit`` / ``AdamW4bit``).
+    ``bitsandbytes`` (``bnb.optim.AdamW8bit``) or ``torchao`` (``torchao.optim.AdamW8bit`` / ``AdamW4bit``,
+    and ``_AdamW`` for ``state=param``, whose ``bf16_stochastic_round`` serves ``update_rounding=stochastic``).
     """
 
     state: str = "param"

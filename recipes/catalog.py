@@ -117,9 +117,10 @@ def bf16_sr() -> Recipe:
     return replace(
         bf16_pure(),
         name="bf16_sr",
-        description="BF16 weights and moments, no master; updates written with stochastic rounding.",
+        description="BF16 weights and moments, no master; updates written with stochastic rounding "
+                    "(torchao's bf16_stochastic_round).",
         weights=WeightSpec(param_dtype="bf16", update_rounding="stochastic"),
-        optim=OptimSpec(state="param", impl="lowprec"),
+        optim=OptimSpec(state="param", impl="torchao"),
     )
 
 

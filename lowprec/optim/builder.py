@@ -58,9 +58,9 @@ def _adamw(groups: list[dict], recipe: Recipe, hp: OptimHParams, stepped_dtype: 
 
         return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_NUMEL, **kw)
     if spec.impl == "torchao":
-        from torchao.optim import AdamW4bit, AdamW8bit
+        from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
 
-        cls = AdamW8bit if spec.state == "int8" else AdamW4bit
+        cls = {"int8": AdamW8bit, "int4": AdamW4bit, "param": _AdamW}[spec.state]
         return cls(groups, **kw, bf16_stochastic_round=recipe.weights.update_rounding == "stochastic")
     raise ValueError(f"recipe.optim.impl={spec.impl!r} has no builder")
 
