@@ -117,6 +117,8 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
             "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
             "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
             "max_grad_norm": _mean([max((v for _, v in r.curves["grad_norm"][len(r.curves["grad_norm"]) // 10 :]), default=math.nan) for r in ok]),
+            "m_rel_err": _mean([_mean([v for k, v in r.metrics.items() if k.startswith("optim/") and k.endswith("/m_rel_err")])
+                                for r in ok]),
             "n_ok": len(ok),
         })
     return rows
@@ -175,17 +177,19 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         "## Summary",
         "",
         f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
-        "state = parameters + gradients + master + optimizer states (exact bytes); "
+        "state = parameters + gradients + master + optimizer states (exact bytes); AdamW m error = relative error "
+        "of the stored first moment against an FP32 shadow AdamW on sampled tensors, last sample (n/a: FP32 moments); "
         f"peak = {'process peak RSS (CPU), with its growth during the run in brackets' if on_cpu else 'CUDA peak allocated, with its growth during the run in brackets'}; spikes = steps with loss > 1.25x the mean of the previous 20.",
         "",
-        "| recipe | what it is | status | val loss | gap vs control | tokens/s | state B/param | peak memory | loss spikes | max grad norm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | what it is | status | val loss | gap vs control | tokens/s | state B/param | AdamW m error | peak memory | loss spikes | max grad norm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
         lines.append(
             f"| `{row['recipe']}` | `{row['short']}` | {row['status']} | {_num(row['val_loss'], '.4f')}{std} | "
             f"{_num(row['gap_pct'], '+.2f')}% | {_num(row['tokens_per_s'], ',.0f')} | {_num(row['bytes_per_param'], '.2f')} | "
+            f"{_num(row['m_rel_err'], '.2%')} | "
             f"{_fmt_bytes(row['peak_bytes']) + ' (+' + _fmt_bytes(row['peak_growth_bytes']) + ')' if row['n_ok'] else 'n/a'} | {_num(row['spikes'], '.0f')} | {_num(row['max_grad_norm'], '.3f')} |"
         )
     failed = [r for r in runs if not r.comparable]

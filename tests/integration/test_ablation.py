@@ -58,4 +58,5 @@ def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_pat
     assert "## Failed or excluded runs" in text and "InjectedCrash" in text
     # the control failed, so no gap can be computed: the table says n/a rather than inventing one
     assert re.search(r"\| `fp32` \|.*\| n/a% \|", text)
+    assert "AdamW m error" in text
     assert main(["report", "abl-does-not-exist"] + run_dirs[:3]) == 2
