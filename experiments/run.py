@@ -29,6 +29,22 @@ def release_memory() -> None:
         pass
 
 
+def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float) -> dict[str, float]:
+    """``model_flops_per_token`` (6N + 12·L·dim·seq), ``achieved_tflops`` and, on a GPU of the hardware
+    table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU."""
+    from lowprec.estimate import mfu
+    from lowprec.hardware import hardware_from_device_name
+    from experiments.tracking import device_name
+
+    hw = hardware_from_device_name(device_name(device)) if device.type == "cuda" else None
+    m = mfu(args, recipe, spec.seq_len, tokens_per_s, hw)
+    out = {"model_flops_per_token": m.achieved_tflops * 1e12 / tokens_per_s if tokens_per_s else 0.0,
+           "achieved_tflops": m.achieved_tflops}
+    if m.mfu is not None:
+        out["mfu"] = m.mfu
+    return out
+
+
 def predicted_metrics(args, recipe: Recipe, spec, device) -> dict[str, float]:
     """The estimator's prediction for this very run (``pred_*``), logged beside the measured ``mem_*``."""
     from lowprec.estimate import predict_state_bytes
@@ -104,7 +120,9 @@ def run_one(
             resume_from=resume,
         )
         sink.flush()
-        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device)}, spec.steps)
+        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device),
+                          **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"])},
+                         spec.steps)
         sink.flush()
         tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
         tracker.end_run(run_id, "FINISHED")

@@ -58,10 +58,11 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
     assert t["effective_matches"] == "true"
     assert json.loads(t["effective_recipe"])["fp8_linears"] == {"torchao.float8.float8_linear.Float8Linear": 14}
     assert run.data.params["recipe.fp8.backend"] == "torchao"
+    assert "mfu" not in run.data.metrics  # no MFU on a CPU
     assert [m.step for m in client.get_metric_history(o.run_id, "loss")] == list(range(6))
     assert len(client.get_metric_history(o.run_id, "val_loss")) == 2
     for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_states_bytes", "mem_peak_bytes", "tokens_per_s",
-                "step_time_s", "grad_norm", "lr", "state_bytes_per_param"):
+                "step_time_s", "grad_norm", "lr", "state_bytes_per_param", "achieved_tflops", "model_flops_per_token"):
         assert key in run.data.metrics, key
 
 
