@@ -211,7 +211,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "inner", None) is not None and len(self.param_groups) >= len(self.inner.param_groups):
-            raise NotImplementedError("MasterWeightOptimizer takes its parameter groups at construction")
+            raise ValueError("MasterWeightOptimizer takes its parameter groups at construction; add_param_group after it is refused")
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict:
