@@ -32,13 +32,13 @@ def release_memory() -> None:
 def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float) -> dict[str, float]:
     """``model_flops_per_token`` (6N + 12·L·dim·seq), ``achieved_tflops`` and, on a GPU of the hardware
     table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU."""
-    from lowprec.estimate import mfu
+    from lowprec.estimate import flops_per_token, mfu
     from lowprec.hardware import hardware_from_device_name
     from experiments.tracking import device_name
 
     hw = hardware_from_device_name(device_name(device)) if device.type == "cuda" else None
     m = mfu(args, recipe, spec.seq_len, tokens_per_s, hw)
-    out = {"model_flops_per_token": m.achieved_tflops * 1e12 / tokens_per_s if tokens_per_s else 0.0,
+    out = {"model_flops_per_token": flops_per_token(args, spec.seq_len, recipe).flops_per_token,
            "achieved_tflops": m.achieved_tflops}
     if m.mfu is not None:
         out["mfu"] = m.mfu

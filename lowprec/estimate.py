@@ -52,7 +52,7 @@ from lowprec.estimate_activations import RECOMPUTE_MODES, ActivationEstimate, pr
 from lowprec.hardware import Hardware
 from lowprec.inventory import fsdp_local_numel, inventory, tp_local_shape
 from lowprec.model import ModelArgs
-from lowprec.optim.builder import MIN_8BIT_NUMEL
+from lowprec.optim.builder import is_quantized_state
 from lowprec.recipe import Float8Spec, Recipe
 
 BNB_BLOCK = 256
@@ -91,17 +91,18 @@ def _optim_bytes(impl: str, n: int, pe: int, state: str = "param", kahan: bool =
     if impl == "lowprec":
         per_elem, per_tensor = (2 * pe, 4) if state == "param" else _LOWPREC_STATE[state]
         return per_elem * n + per_tensor + (2 * n if kahan else 0), False
+    quantized = is_quantized_state(impl, state, n)
     if impl == "torchao" and state == "int4":
-        if n >= MIN_8BIT_NUMEL and n % INT4_BLOCK == 0:
+        if quantized:
             # per state: packed 4-bit codes (n/2 B), one fp32 scale per 128-element block, a 16-entry fp32 qmap
             return 2 * (n // 2 + 4 * (n // INT4_BLOCK) + INT4_QMAP_BYTES) + 4, True
         return 2 * n * pe + 4, False
     if impl == "bitsandbytes":
-        if n >= MIN_8BIT_NUMEL:
+        if quantized:
             return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK), True
         return 8 * n, False
     if impl == "torchao":
-        if n >= MIN_8BIT_NUMEL and n % BNB_BLOCK == 0:
+        if quantized:
             return 2 * (n + 4 * (n // BNB_BLOCK) + QMAP_BYTES) + 4, True
         return 2 * n * pe + 4, False
     raise ValueError(f"recipe.optim.impl={impl!r} has no state rule")

@@ -23,6 +23,19 @@ import torch
 from lowprec.recipe import Recipe
 
 MIN_8BIT_NUMEL = 4096
+#: Quantization block of each library's low-bit state (elements).
+STATE_BLOCK = {("bitsandbytes", "int8"): 256, ("torchao", "int8"): 256, ("torchao", "int4"): 128}
+
+
+def is_quantized_state(impl: str, state: str, numel: int) -> bool:
+    """Whether ``impl`` keeps a tensor of ``numel`` elements in its low-bit (``state``) form.
+
+    bitsandbytes: ``numel >= min_8bit_size``; torchao (``_new_buffer``): also ``numel % block == 0``.
+    Other tensors keep states in the dtype of the stepped tensor."""
+    block = STATE_BLOCK.get((impl, state))
+    if block is None or numel < MIN_8BIT_NUMEL:
+        return False
+    return impl == "bitsandbytes" or numel % block == 0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lowprec.optim import moment_kind
-from lowprec.optim.builder import MIN_8BIT_NUMEL
+from lowprec.optim.builder import is_quantized_state
 from lowprec.train.build import Built
 
 
@@ -103,12 +103,9 @@ def expected_effective(built: Built) -> dict:
     n_linears = _n_linears(built.model)
     stepped = "float32" if r.weights.master_dtype == "fp32" else _dt(r.param_dtype)
     state = r.optim.state
-    if state == "int8" and r.optim.impl == "torchao":
-        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL and p.numel() % 256 == 0 else stepped)
-    elif state == "int8":
-        moments = _count(params, lambda p: "int8_blockwise" if p.numel() >= MIN_8BIT_NUMEL else stepped)
-    elif state == "int4":
-        moments = _count(params, lambda p: "int4_blockwise" if p.numel() >= MIN_8BIT_NUMEL and p.numel() % 128 == 0 else stepped)
+    if state in ("int8", "int4"):
+        impl = r.optim.impl
+        moments = _count(params, lambda p: f"{state}_blockwise" if is_quantized_state(impl, state, p.numel()) else stepped)
     else:
         kind = {"param": stepped, "fp32": "float32", "bf16": "bfloat16", "fp8_fp16": "float8_e4m3fn"}[state]
         moments = Counter({kind: n})
