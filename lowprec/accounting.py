@@ -16,6 +16,11 @@ import torch
 
 
 def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        yield from _leaf_tensors(t._local_tensor)
+        return
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         names, _ = t.__tensor_flatten__()
@@ -23,6 +28,13 @@ def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
             yield from _leaf_tensors(getattr(t, n))
     else:
         yield t
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank holds: the local shard of a DTensor (FSDP2/TP), else ``numel()``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
 
 
 def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -83,10 +95,13 @@ class StateBytes:
 def measure_state_bytes(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: Iterable[torch.Tensor] = ()
 ) -> StateBytes:
-    """Measure ``StateBytes`` from live objects; call after an optimizer step, before ``zero_grad``."""
+    """Measure ``StateBytes`` from live objects; call after an optimizer step, before ``zero_grad``.
+
+    Under FSDP2/TP every figure is this rank's: local shards, and ``n_params`` counts local elements.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     return StateBytes(
-        n_params=sum(p.numel() for p in params),
+        n_params=sum(local_numel(p) for p in params),
         params=unique_tensor_bytes(params),
         grads=unique_tensor_bytes(p.grad for p in params if p.grad is not None),
         master=unique_tensor_bytes(master),

@@ -8,6 +8,8 @@ cannot convert raises instead of silently staying in high precision.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 from torch import nn
@@ -45,8 +47,12 @@ def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def convert_fp8(model: nn.Module, spec: Float8Spec) -> list[str]:
+def convert_fp8(model: nn.Module, spec: Float8Spec, fsdp_fp8_all_gather: bool = False) -> list[str]:
     """Swap the selected linears for FP8 linears of ``spec.backend`` in place; returns the swapped FQNs.
+
+    ``fsdp_fp8_all_gather``: for ``torchao`` (tensorwise), wrap the weights for torchao's FSDP2 float8
+    all-gather (``enable_fsdp_float8_all_gather=True``); lowprec's own FP8 all-gather is applied in the
+    parallelize step instead.
 
     - ``torchao``: ``torchao.float8.convert_to_float8_training`` with
       ``Float8LinearConfig.from_recipe_name(spec.scaling)`` (torchao/float8/float8_linear_utils.py); torchao
@@ -65,9 +71,12 @@ def convert_fp8(model: nn.Module, spec: Float8Spec) -> list[str]:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         selected = set(fqns)
+        config = Float8LinearConfig.from_recipe_name(spec.scaling)
+        if fsdp_fp8_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(
             model,
-            config=Float8LinearConfig.from_recipe_name(spec.scaling),
+            config=config,
             module_filter_fn=lambda mod, fqn: fqn in selected,
         )
     elif spec.backend == "lowprec":

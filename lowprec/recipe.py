@@ -10,6 +10,8 @@ Field groups (each a frozen dataclass, overridable from Hydra as ``recipe.<group
 - ``compute``: ``autocast_dtype`` (``none`` = compute in the parameter dtype).
 - ``fp8``: which linears run their GEMMs in FP8 and how they are scaled.
 - ``optim``: the optimizer implementation and the dtype its states are kept in.
+- ``comm``: the dtype of FSDP2's weight all-gather and gradient reduce-scatter, and of tensor-parallel
+  activation all-gathers (inert on one process).
 """
 
 from __future__ import annotations
@@ -244,6 +246,43 @@ class OptimSpec:
 
 
 @dataclass(frozen=True)
+class CommSpec:
+    """Communication dtypes under FSDP2 / tensor parallelism (no effect on one process).
+
+    ``weight_all_gather``: ``compute`` (FSDP2 gathers parameters in the compute dtype, i.e.
+    ``MixedPrecisionPolicy.param_dtype``) or ``fp8`` (each rank quantizes its shard and the FP8 payload
+    plus its scales move; torchao's float8 all-gather for ``backend=torchao`` tensorwise, lowprec's
+    ``fsdp_pre_all_gather`` extension for ``backend=lowprec``). ``grad_reduce``: dtype of the gradient
+    reduce-scatter: ``fp32``, ``bf16``, or ``fp8`` (MS-AMP style: per-block scaled e4m3 chunks are exchanged
+    and summed in FP32 by the receiver; ``grad_reduce_block`` elements share a scale).
+    ``activation_all_gather``: ``compute`` or ``fp8``: the sequence-parallel all-gather of the inputs of
+    tensor-parallel linears moves e4m3 with one scale per token.
+    """
+
+    weight_all_gather: str = "compute"
+    grad_reduce: str = "fp32"
+    grad_reduce_block: int = 128
+    activation_all_gather: str = "compute"
+
+    def __post_init__(self) -> None:
+        _check_choice("comm", "weight_all_gather", self.weight_all_gather, ("compute", "fp8"))
+        _check_choice("comm", "grad_reduce", self.grad_reduce, ("fp32", "bf16", "fp8"))
+        _check_choice("comm", "activation_all_gather", self.activation_all_gather, ("compute", "fp8"))
+        if self.grad_reduce_block < 1:
+            raise RecipeError(f"recipe.comm.grad_reduce_block={self.grad_reduce_block} must be >= 1")
+
+    def short(self) -> str:
+        parts = []
+        if self.weight_all_gather != "compute":
+            parts.append(f"ag:{self.weight_all_gather}")
+        if self.grad_reduce != "fp32":
+            parts.append(f"rs:{self.grad_reduce}")
+        if self.activation_all_gather != "compute":
+            parts.append(f"sp:{self.activation_all_gather}")
+        return ",".join(parts)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A complete, validated precision recipe. Raises ``RecipeError`` on an invalid combination."""
 
@@ -253,10 +292,18 @@ class Recipe:
     compute: ComputeSpec = field(default_factory=ComputeSpec)
     fp8: Float8Spec = field(default_factory=Float8Spec)
     optim: OptimSpec = field(default_factory=OptimSpec)
+    comm: CommSpec = field(default_factory=CommSpec)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise RecipeError("recipe.name must be a non-empty string")
+        if self.comm.weight_all_gather == "fp8":
+            f8 = self.fp8
+            if not f8.enabled or f8.backend == "te" or (f8.backend == "torchao" and f8.scaling != "tensorwise"):
+                raise RecipeError(
+                    f"recipe.comm.weight_all_gather='fp8' conflicts with recipe.fp8.backend={f8.backend!r} / "
+                    f"scaling={f8.scaling!r}: FP8 weight all-gather needs FP8 linears from backend=lowprec, or "
+                    "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)")
         rounding = self.weights.update_rounding
         if rounding == "kahan" and self.optim.impl != "lowprec" or rounding == "stochastic" and self.optim.impl not in ("lowprec", "torchao"):
             raise RecipeError(f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
@@ -279,7 +326,8 @@ class Recipe:
             f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
         ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
         opt = "param" if (self.optim.state, self.optim.impl) == ("param", "torch") else f"{self.optim.state}:{self.optim.impl}"
-        return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}"
+        comm = self.comm.short()
+        return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}" + (f" comm={comm}" if comm else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -296,7 +344,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Recipe":
         """Build from a plain (e.g. Hydra) mapping. Unknown keys raise ``RecipeError`` naming them."""
-        groups = {"weights": WeightSpec, "compute": ComputeSpec, "fp8": Float8Spec, "optim": OptimSpec}
+        groups = {"weights": WeightSpec, "compute": ComputeSpec, "fp8": Float8Spec, "optim": OptimSpec, "comm": CommSpec}
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - top)
         if unknown:

@@ -71,6 +71,14 @@ def _is_param_copy(t: torch.Tensor) -> bool:
     return False
 
 
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    # DTensors (TP/FSDP2) and other wrapper subclasses (funcol's AsyncCollectiveTensor) own no storage:
+    # count the plain tensors inside them, which is what occupies this rank's memory.
+    from lowprec.accounting import _leaf_tensors
+
+    return list(_leaf_tensors(t)) if type(t) not in (torch.Tensor, nn.Parameter) else [t]
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr())
 
@@ -82,7 +90,7 @@ def measure_saved_bytes(fn: Callable[[], Any], module: nn.Module) -> SavedBytes:
     The forward's outputs are returned by ``fn`` and dropped here; nothing is backpropagated. Runs on
     any device; the saved tensors are released when this returns.
     """
-    state = {_storage_key(t) for t in (*module.parameters(), *module.buffers()) if t.numel()}
+    state = {_storage_key(leaf) for t in (*module.parameters(), *module.buffers()) for leaf in _leaves(t) if leaf.numel()}
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +101,7 @@ def measure_saved_bytes(fn: Callable[[], Any], module: nn.Module) -> SavedBytes:
         out = fn()
     seen: set[tuple] = set()
     acts = copies = naive = 0
-    for t in saved:
+    for t in (leaf for s in saved for leaf in _leaves(s)):
         key = _storage_key(t)
         if isinstance(t, nn.Parameter) or key in state or t.numel() == 0:
             continue

@@ -84,11 +84,38 @@ class Float8Linear(nn.Linear):
         return fp8_gemm(a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.weight, DTensor):
+            return self._forward_tensor_parallel(x)
+        return self._forward_local(x, self.weight)
+
+    def _forward_tensor_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Under a TP plan (1-D TP mesh): the FP8 GEMMs run on the local shards, with scales per shard.
+
+        Column-wise (weight ``Shard(0)``): the input is replicated, the output ``Shard(-1)``, and each rank's
+        input gradient is a partial sum. Row-wise (weight ``Shard(1)``): the input is ``Shard(-1)`` and the
+        output ``Partial`` (the plan's output hook all-reduces or reduce-scatters it).
+        """
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        w = self.weight
+        if w.device_mesh.ndim != 1 or self.bias is not None:
+            raise NotImplementedError("lowprec Float8Linear under TP supports a 1-D TP mesh and bias=False")
+        colwise = w.placements[0] == Shard(0)
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()] if colwise else None)
+        elif colwise:
+            raise ValueError("a column-wise parallel Float8Linear expects a replicated DTensor input")
+        out = self._forward_local(x, w.to_local())
+        return DTensor.from_local(out, w.device_mesh, [Shard(out.ndim - 1) if colwise else Partial()], run_check=False)
+
+    def _forward_local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             x = x.to(torch.get_autocast_dtype(dev))
         shape = x.shape
-        out = _Float8Matmul.apply(x.reshape(-1, shape[-1]), self.weight, self)
+        out = _Float8Matmul.apply(x.reshape(-1, shape[-1]), weight, self)
         out = out.reshape(*shape[:-1], out.shape[-1])
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

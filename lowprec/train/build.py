@@ -1,9 +1,10 @@
 """Build step: turn (recipe, model shape, hyper-parameters) into the objects the loop runs.
 
-Named builders in a fixed order (DESIGN.md): 1 model on meta, 2 converters, 3 parallelize
-(single device here), 4 ``to_empty`` + ``init_weights``, 5 optimizer, 6 post-optimizer hooks,
-7 effective recipe (inspected after the first step by ``lowprec.train.effective``).
-The precision mechanism on one device is ``torch.autocast``; this is the only place that picks it.
+Named builders in a fixed order (DESIGN.md): 1 model on meta, 2 converters, 3 parallelize (TP, FSDP2,
+communication hooks; ``lowprec.parallel``), 4 ``to_empty`` + ``init_weights``, 5 optimizer, 6
+post-optimizer hooks, 7 effective recipe (inspected after the first step by ``lowprec.train.effective``).
+The mixed-precision mechanism is chosen here and only here (``choose_precision``): FSDP2's
+``MixedPrecisionPolicy`` when parameters are sharded, ``torch.autocast`` otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 from lowprec.convert import convert_fp8
 from lowprec.model import ModelArgs, Transformer
 from lowprec.optim import OptimHParams, build_optimizer
+from lowprec.parallel.dims import ParallelDims
+from lowprec.parallel.runtime import DistContext
 from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
@@ -39,6 +42,10 @@ class Built:
     #: Called before / after every optimizer step (telemetry); ``after`` hooks return metrics to log.
     before_step: list[Callable[[int, "Built"], None]] = field(default_factory=list)
     after_step: list[Callable[[int, "Built"], dict]] = field(default_factory=list)
+    #: Batch slicing, metric averaging and clipping for this process's place in the layout.
+    dist: DistContext = field(default_factory=DistContext)
+    #: ``lowprec.parallel.apply.ParallelPlan`` when the model is sharded, else ``None``.
+    parallel: "object" = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,11 +99,25 @@ def cast_weights(model: Transformer, recipe: Recipe) -> None:
         model.to(dtype=recipe.param_dtype)
 
 
-def build_precision_context(recipe: Recipe, device: torch.device) -> Callable[[], ContextManager]:
+def choose_precision(recipe: Recipe, device: torch.device, dims: ParallelDims):
+    """The mixed-precision mechanism: ``(context factory, MixedPrecisionPolicy | None)``.
+
+    Sharded data parallel (FSDP2/HSDP): the policy gathers parameters in the compute dtype and reduces
+    gradients in ``recipe.comm.grad_reduce``; no autocast. Otherwise ``torch.autocast`` in the recipe's
+    dtype, and no policy (torchtitan makes the same choice).
+    """
+    if dims.dp > 1:
+        from lowprec.parallel.apply import mixed_precision_policy
+
+        return build_precision_context(recipe, device, autocast=False), mixed_precision_policy(recipe)
+    return build_precision_context(recipe, device), None
+
+
+def build_precision_context(recipe: Recipe, device: torch.device, autocast: bool = True) -> Callable[[], ContextManager]:
     """A factory of the forward-pass context: ``torch.autocast`` in the recipe's dtype (or nothing), plus
     Transformer Engine's ``fp8_autocast`` for ``te`` recipes."""
     contexts: list[Callable[[], ContextManager]] = []
-    if recipe.compute.autocast_dtype != "none":
+    if autocast and recipe.compute.autocast_dtype != "none":
         dtype = DTYPES[recipe.compute.autocast_dtype]
         contexts.append(lambda: torch.autocast(device_type=device.type, dtype=dtype))
     if recipe.fp8.backend == "te":
@@ -142,20 +163,56 @@ def build_telemetry(model: nn.Module, every: int):
     return FP8Telemetry(model, every)
 
 
+def materialize_sharded(model: nn.Module, args: ModelArgs, recipe: Recipe, device: torch.device, seed: int) -> None:
+    """Step 4 for a sharded model: the same weights as one process with the same seed, whatever the layout.
+
+    A full replica is initialised exactly as ``materialize`` + ``cast_weights`` do on one process, and
+    each rank copies its shards out of it (``set_model_state_dict`` with ``full_state_dict=True``, the
+    DCP way to load full weights into DTensors). This costs one full model per rank at build time.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    ref = build_model_meta(args)
+    convert_fp8(ref, recipe.fp8)
+    materialize(ref, device, seed)
+    cast_weights(ref, recipe)
+    model.to_empty(device=device)
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True, strict=True))
+    del ref
+
+
 def build(
-    recipe: Recipe, args: ModelArgs, train: TrainSpec, hp: OptimHParams, seed: int, device: torch.device
+    recipe: Recipe, args: ModelArgs, train: TrainSpec, hp: OptimHParams, seed: int, device: torch.device,
+    parallel: ParallelDims | None = None,
 ) -> Built:
     """Run the build steps in order. Raises ``ValueError``/``RuntimeError``/``ImportError`` before training
-    if the recipe cannot run as asked (no silent fallback)."""
+    if the recipe cannot run as asked (no silent fallback). ``parallel`` (world size > 1) needs an
+    initialised process group whose size is its world size."""
     check_runtime(recipe, device)
+    dims = parallel or ParallelDims()
     model = build_model_meta(args)  # 1
-    fp8_fqns = convert_fp8(model, recipe.fp8)  # 2
-    # 3: parallelize (TP, activation checkpointing, compile, FSDP2) joins here with lowprec.parallel.
-    materialize(model, device, seed)  # 4
-    cast_weights(model, recipe)
+    fp8_fqns = convert_fp8(model, recipe.fp8,  # 2
+                           fsdp_fp8_all_gather=dims.dp > 1 and recipe.comm.weight_all_gather == "fp8")
+    precision, mp_policy = choose_precision(recipe, device, dims)
+    plan, dctx = None, DistContext()
+    if dims.enabled:  # 3
+        from lowprec.parallel.apply import parallelize
+        from lowprec.parallel.dims import dp_coordinate
+
+        dims.check(batch_size=train.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
+        mesh = dims.build_mesh(device.type)
+        cast_weights(model, recipe)
+        plan = parallelize(model, recipe, dims, mesh, mp_policy)
+        materialize_sharded(model, args, recipe, device, seed)  # 4
+        dctx = DistContext(*dp_coordinate(mesh))
+    else:
+        materialize(model, device, seed)  # 4
+        cast_weights(model, recipe)
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     register_fp8_hooks(model, optimizer)  # 6
+    if plan is not None and recipe.fp8.backend == "torchao" and "weight_all_gather" in plan.mechanisms:
+        register_torchao_scale_precompute(model, optimizer)
     telemetry = build_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)
     after = [telemetry.after_step] if telemetry else []
@@ -171,14 +228,24 @@ def build(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        precision=build_precision_context(recipe, device),
+        precision=precision,
         device=device,
         fp8_fqns=fp8_fqns,
         master_params=list(getattr(optimizer, "master_params", [])),
         loss_scaler=scaler,
         before_step=[telemetry.before_step] if telemetry else [],
         after_step=after,
+        dist=dctx,
+        parallel=plan,
     )
+
+
+def register_torchao_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """torchao's FP8 all-gather: after each optimizer step compute every FP8 weight's scale in one
+    all-reduce (``precompute_float8_dynamic_scale_for_fsdp``), as torchtitan does."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
 def build_loss_scaler(recipe: Recipe):

@@ -68,14 +68,15 @@ def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tenso
     total = torch.zeros((), device=built.device)
     scaler = built.loss_scaler
     for x, y in micro_batches:
+        x, y = built.dist.shard_batch(x, y)
         loss = _loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
         scaler.scale(loss / len(micro_batches)).backward()
         total += loss.detach()
-    loss_value = total.item() / len(micro_batches)
+    loss_value = built.dist.mean(total) / len(micro_batches)
     if not math.isfinite(loss_value):
         raise NonFiniteError(f"loss is {loss_value} at step {step}")
     scaler.unscale_(built.optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(built.model.parameters(), grad_clip))
+    grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
     if not math.isfinite(grad_norm) and not scaler.skips_nonfinite:
         raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})")
     scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
@@ -86,10 +87,14 @@ def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tenso
 
 @torch.no_grad()
 def evaluate(built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean validation loss over fixed ``batches`` in the run's compute precision."""
+    """Mean validation loss over fixed ``batches`` in the run's compute precision (each data-parallel rank
+    evaluates its slice of every batch; the mean is over all of them)."""
     built.model.eval()
     try:
-        losses = [_loss(built, x.to(built.device), y.to(built.device)).item() for x, y in batches]
+        losses = []
+        for x, y in batches:
+            x, y = built.dist.shard_batch(x, y)
+            losses.append(built.dist.mean(_loss(built, x.to(built.device), y.to(built.device))))
     finally:
         built.model.train()
     return sum(losses) / len(losses)
@@ -134,7 +139,7 @@ def run_training(
     effective: dict = {}
     state = None
     timed_s, timed_steps = 0.0, 0
-    first = data.train_batch(start, 0)
+    first = built.dist.shard_batch(*data.train_batch(start, 0))
     saved = measure_saved_bytes(lambda: _loss(built, first[0].to(built.device), first[1].to(built.device)), built.model)
     bar = tqdm(range(start, spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
     val_loss = float("nan")
@@ -147,7 +152,7 @@ def run_training(
         res = train_step(built, micro, spec.grad_clip, step)
         dt = time.perf_counter() - t0
         if step == start:
-            effective = inspect_effective(built, micro[0][0].to(built.device))
+            effective = inspect_effective(built, built.dist.shard_batch(*micro[0])[0].to(built.device))
             state = measure_state_bytes(built.model, built.optimizer, built.master_params)
             on_effective(effective)
             check_effective(effective, expected_effective(built))

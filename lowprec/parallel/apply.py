@@ -1,0 +1,114 @@
+"""Build step 3: turn a recipe's communication intent and a ``ParallelDims`` into a sharded model.
+
+Order (DESIGN.md, torchtitan): FP8 weight all-gather wrappers (they must exist before sharding), TP, then
+FSDP2 ``fully_shard`` per block and root with the recipe's ``MixedPrecisionPolicy``, then communication
+hooks (FP8 reduce-scatter, the uint8 all-gather that lets torchao's float8 all-gather run on gloo).
+Everything here works on the meta device; parameters are materialised afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from lowprec.parallel.dims import ParallelDims
+from lowprec.recipe import Recipe, RecipeError
+
+
+@dataclass
+class ParallelPlan:
+    """What step 3 built: the world mesh, the FSDP modules, the policy and the communication mechanisms."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy | None
+    fsdp_modules: list[FSDPModule] = field(default_factory=list)
+    fp8_all_gather_fqns: list[str] = field(default_factory=list)
+    #: Human-readable mechanisms, recorded in the effective recipe.
+    mechanisms: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+
+def _fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def _wire_granularity(recipe: Recipe):
+    """Which wire scaling each lowprec FP8 weight uses for its FP8 all-gather: tensorwise recipes gather with
+    one (globally all-reduced) scale, so the linear's own tensorwise quantization reproduces it; rowwise and
+    blockwise recipes gather with one scale per row of the shard dimension."""
+    wire = "tensorwise" if recipe.fp8.scaling == "tensorwise" else "rowwise"
+
+    def granularity_for(fqn: str, module: nn.Module) -> str | None:
+        from lowprec.float8 import Float8Linear
+
+        return wire if isinstance(module, Float8Linear) else None
+
+    return granularity_for
+
+
+def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: DeviceMesh,
+                mp_policy: MixedPrecisionPolicy | None) -> ParallelPlan:
+    """Apply TP and FSDP2 to ``model`` (on meta, already converted) as ``dims`` and ``recipe.comm`` say.
+
+    Raises ``RecipeError`` for a communication dtype that this layout cannot honour (no silent fallback):
+    FP8 weight all-gather or FP8 reduce-scatter without FSDP, FP8 activation all-gather without TP, and
+    lowprec's FP8 weight all-gather combined with TP.
+    """
+    comm = recipe.comm
+    plan = ParallelPlan(dims, mesh, mp_policy)
+    if not dims.fsdp and (comm.weight_all_gather == "fp8" or comm.grad_reduce != "fp32"):
+        raise RecipeError(f"recipe.comm weight_all_gather={comm.weight_all_gather!r} / grad_reduce={comm.grad_reduce!r} "
+                          f"need FSDP (parallel.dp_shard > 1); this layout is {dims.short()}")
+    if comm.activation_all_gather == "fp8" and dims.tp == 1:
+        raise RecipeError("recipe.comm.activation_all_gather='fp8' needs tensor parallelism (parallel.tp > 1)")
+    if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "lowprec":
+        if dims.tp > 1:
+            raise RecipeError("recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
+                              "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
+        from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather
+
+        plan.fp8_all_gather_fqns = enable_fp8_weight_all_gather(model, _wire_granularity(recipe))
+        plan.mechanisms["weight_all_gather"] = f"lowprec fsdp_pre_all_gather e4m3 ({len(plan.fp8_all_gather_fqns)} weights)"
+    if dims.tp > 1:
+        from lowprec.parallel.tp import apply_tp
+
+        apply_tp(model, plan.tp_mesh, activation_all_gather=comm.activation_all_gather)
+        plan.mechanisms["tp"] = f"torchtitan plan, sequence parallel, activation all-gather {comm.activation_all_gather}"
+    if dims.fsdp or dims.dp_replicate > 1:
+        from lowprec.parallel.fsdp import apply_fsdp
+
+        plan.fsdp_modules = apply_fsdp(model, _fsdp_mesh(mesh, dims), mp_policy)
+        if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "torchao":
+            from lowprec.parallel.fp8_all_gather import install_uint8_all_gather
+
+            install_uint8_all_gather(model)
+            plan.mechanisms["weight_all_gather"] = "torchao enable_fsdp_float8_all_gather (uint8 wire)"
+        if comm.grad_reduce == "fp8":
+            from lowprec.parallel.fp8_reduce_scatter import apply_fp8_reduce_scatter
+
+            apply_fp8_reduce_scatter(model, block=comm.grad_reduce_block)
+            plan.mechanisms["grad_reduce"] = f"lowprec Float8ReduceScatter e4m3, block {comm.grad_reduce_block}"
+    return plan
+
+
+def mixed_precision_policy(recipe: Recipe) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the recipe: parameters gathered in the compute dtype (autocast's dtype, or their
+    own), gradients reduced in ``recipe.comm.grad_reduce`` (FP32 for ``fp8``: the FP8 reduce-scatter hook
+    quantizes the FP32 buffer itself)."""
+    from lowprec.recipe import DTYPES
+
+    param = None if recipe.compute.autocast_dtype == "none" else DTYPES[recipe.compute.autocast_dtype]
+    reduce = torch.bfloat16 if recipe.comm.grad_reduce == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)

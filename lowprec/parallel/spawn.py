@@ -1,0 +1,76 @@
+"""Run a function on N local processes joined in a ``torch.distributed`` process group (tests, benchmarks).
+
+Production runs launch with torchrun (``lowprec.parallel.launch``); this helper exists so that tests and
+benchmarks can start a real gloo group from inside one Python process and collect each rank's result.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    # Ranks share inductor's on-disk cache otherwise, which broke torchao's compiled optimizer step (PLATFORM.md).
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    result: Any
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as e:  # handed back to the parent, which re-raises with the rank's traceback
+        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    try:
+        if result[0] == "ok":
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 600) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in one process group.
+
+    ``fn`` must be a module-level function (it is pickled); its return values must pickle. Returns the
+    results ordered by rank. Raises ``RuntimeError`` carrying the first failing rank's traceback.
+    """
+    with tempfile.TemporaryDirectory(prefix="lowprec-ranks-") as tmp:
+        init_file = str(Path(tmp) / "init")
+        ctx = mp.start_processes(_worker, args=(fn, world_size, init_file, tmp, backend, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=timeout_s):
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            _collect(tmp, world_size, strict=False)  # raises the failing rank's own error when it wrote one
+            raise RuntimeError(str(e)) from None
+        results = _collect(tmp, world_size, strict=True)
+    return results
+
+
+def _collect(tmp: str, world_size: int, strict: bool) -> list[Any]:
+    out = []
+    for r in range(world_size):
+        p = Path(tmp) / f"rank{r}.pkl"
+        if not p.exists():
+            if strict:
+                raise RuntimeError(f"rank {r} wrote no result")
+            continue
+        status, value = pickle.loads(p.read_bytes())
+        if status == "error":
+            raise RuntimeError(value)
+        out.append(value)
+    return out
