@@ -9,13 +9,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lowprec.data import check_vocab_fits, prepare
+from lowprec.data import check_vocab_fits
+from lowprec.parallel.runtime import is_rank0
 from lowprec.train.build import check_runtime, resolve_device
 from recipes import get_recipe
-from experiments.config import data_from_cfg, flat_params, model_from_cfg, train_from_cfg
+from experiments.config import flat_params, model_from_cfg, parallel_from_cfg, train_from_cfg
 from experiments.report import build_report
 from experiments.run import RunOutcome, run_one
-from experiments.tracking import ABLATION_TAG, Tracker, dumps, provenance_tags
+from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 
 
 @dataclass
@@ -49,9 +50,14 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     device = resolve_device(cfg.device)
     for r in recipes:
         check_runtime(r, device)
-    data = prepare(data_from_cfg(cfg))
+    from experiments.cli import prepare_data, start_parallel
+
+    dims = start_parallel(cfg)
+    data = prepare_data(cfg)
     check_vocab_fits(data, model_from_cfg(cfg.model).vocab_size)
-    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
+    tracker = make_tracker(cfg)
+    if not is_rank0():
+        echo = lambda *a, **k: None  # noqa: E731
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     parent = tracker.start_run(ablation_id, {
         ABLATION_TAG: ablation_id,
@@ -63,12 +69,14 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
         "model": cfg.model.name,
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
+        "parallel": dims.short(),
+        "world_size": str(dims.world_size),
         **provenance_tags(device),
     })
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
     out = AblationOutcome(ablation_id, parent)
     echo(f"ablation {ablation_id}: {len(recipes)} recipes x {len(seeds)} seeds on model={cfg.model.name}, "
-         f"{cfg.train.steps} steps each; data: {data.description}")
+         f"{cfg.train.steps} steps each; layout {dims.short()}; data: {data.description}")
     try:
         for recipe in recipes:
             for seed in seeds:
@@ -87,6 +95,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     out.wall_s = time.perf_counter() - t0
     tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
     tracker.end_run(parent, "FINISHED")
-    out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports))
+    if is_rank0():
+        out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports))
     echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
     return out

@@ -32,7 +32,10 @@ def _user_errors():
     from lowprec.recipe import RecipeError
     from experiments.report import ReportError
 
-    return (RecipeError, DataError, ReportError, HydraException, OmegaConfBaseException, ValueError, KeyError)
+    from lowprec.train.checkpoint import CheckpointError
+
+    return (RecipeError, DataError, ReportError, HydraException, OmegaConfBaseException, ValueError, KeyError,
+            CheckpointError)
 
 
 def one_line(e: BaseException) -> str:
@@ -58,12 +61,40 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
         return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
+def prepare_data(cfg: DictConfig):
+    """``lowprec.data.prepare`` on rank 0 first (it may tokenize and write the cache), then on the others."""
+    import torch.distributed as dist
+
+    from lowprec.data import prepare
+    from experiments.config import data_from_cfg
+
+    spec = data_from_cfg(cfg)
+    if not dist.is_initialized():
+        return prepare(spec)
+    data = prepare(spec) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return data if data is not None else prepare(spec)
+
+
+def start_parallel(cfg: DictConfig):
+    """Validate ``cfg.parallel``; under torchrun join the process group. Returns the ``ParallelDims``."""
+    from lowprec.parallel.runtime import init_distributed
+    from lowprec.train.build import resolve_device
+    from experiments.config import parallel_from_cfg
+
+    dims = parallel_from_cfg(cfg)
+    if dims.enabled:
+        init_distributed(resolve_device(cfg.device))
+    return dims
+
+
 def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
-    from lowprec.data import check_vocab_fits, prepare
-    from experiments.config import data_from_cfg, model_from_cfg, recipe_from_cfg, train_from_cfg
+    from lowprec.data import check_vocab_fits
+    from lowprec.parallel.runtime import is_rank0
+    from experiments.config import model_from_cfg, recipe_from_cfg, train_from_cfg
     from experiments.run import run_one
-    from experiments.tracking import Tracker
+    from experiments.tracking import make_tracker
 
     from lowprec.train.build import check_runtime, resolve_device
 
@@ -71,10 +102,14 @@ def train_main(cfg: DictConfig, echo=print):
     check_runtime(recipe, resolve_device(cfg.device))
     args = model_from_cfg(cfg.model)
     train_from_cfg(cfg)  # validate before any work
-    data = prepare(data_from_cfg(cfg))
+    dims = start_parallel(cfg)
+    data = prepare_data(cfg)
     check_vocab_fits(data, args.vocab_size)
-    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
-    echo(f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed {cfg.seed}")
+    tracker = make_tracker(cfg)
+    if not is_rank0():
+        echo = lambda *a, **k: None  # noqa: E731
+    echo(f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed {cfg.seed}"
+         + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else ""))
     o = run_one(cfg, recipe, int(cfg.seed), data, tracker)
     if o.status == "FINISHED":
         s = o.summary
@@ -97,8 +132,25 @@ def _hydra_main(config_name: str, task, argv: list[str]) -> int:
 
 
 def _run_composed(config_name: str, argv: list[str], task) -> int:
+    from lowprec.parallel.launch import spawn_torchrun, under_torchrun
+    from experiments.config import parallel_from_cfg
+
     try:
         cfg = compose(config_name, argv)
+        dims = parallel_from_cfg(cfg)
+        if dims.enabled and not under_torchrun():
+            # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
+            from experiments.config import model_from_cfg, train_from_cfg
+
+            dims.check(batch_size=int(cfg.train.batch_size), n_heads=model_from_cfg(cfg.model).n_heads,
+                       n_kv_heads=model_from_cfg(cfg.model).n_kv_heads)
+            train_from_cfg(cfg)
+            if config_name == "train":
+                from experiments.config import recipe_from_cfg
+
+                recipe_from_cfg(cfg.recipe)
+            print(f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True)
+            return spawn_torchrun(dims.world_size, [config_name, *argv])
         result = task(cfg)
     except _user_errors() as e:
         print(f"lowprec {config_name}: error: {one_line(e)}", file=sys.stderr)

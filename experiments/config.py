@@ -60,6 +60,14 @@ def optim_from_cfg(cfg: DictConfig) -> OptimHParams:
     return OptimHParams(**_plain(cfg.optim))
 
 
+def parallel_from_cfg(cfg: DictConfig):
+    """``ParallelDims`` from the ``parallel`` node (one process when the node is absent)."""
+    from lowprec.parallel import ParallelDims
+
+    node = cfg.get("parallel")
+    return ParallelDims(**_plain(node)) if node is not None else ParallelDims()
+
+
 def data_from_cfg(cfg: DictConfig) -> DataSpec:
     return DataSpec(**_plain(cfg.data))
 

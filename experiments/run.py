@@ -14,7 +14,7 @@ from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
 from lowprec.train.loop import run_training
-from experiments.config import flat_params, model_from_cfg, optim_from_cfg, train_from_cfg
+from experiments.config import flat_params, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
 from experiments.faults import fault_hooks
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, dumps, provenance_tags
 
@@ -63,6 +63,17 @@ def predicted_metrics(args, recipe: Recipe, spec, device) -> dict[str, float]:
     }
 
 
+def _rank0_value(value: str) -> str:
+    """``value`` as rank 0 holds it (run ids exist only on rank 0, which talks to MLflow)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 @dataclass
 class RunOutcome:
     run_id: str
@@ -85,6 +96,7 @@ def run_one(
     """
     device = resolve_device(cfg.device)
     model_name = cfg.model.name
+    dims = parallel_from_cfg(cfg)
     tags = {
         "recipe": recipe.name,
         "recipe_short": recipe.short_str(),
@@ -94,6 +106,8 @@ def run_one(
         "seed": str(seed),
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
+        "parallel": dims.short(),
+        "world_size": str(dims.world_size),
         **provenance_tags(device),
     }
     if ablation_id:
@@ -106,9 +120,11 @@ def run_one(
         args = model_from_cfg(cfg.model)
         check_vocab_fits(data, args.vocab_size)
         spec = train_from_cfg(cfg)
-        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device)
+        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims)
+        if built.parallel is not None:
+            tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
-        ckpt_dir = Path(cfg.paths.runs).resolve() / "checkpoints" / run_id if spec.checkpoint_every > 0 else None
+        ckpt_dir = Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id) if spec.checkpoint_every > 0 else None
         resume = cfg.get("resume")
         if ckpt_dir or resume:
             tracker.set_tags(run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v})

@@ -69,6 +69,34 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
 
+class NullTracker:
+    """The ``Tracker`` interface for ranks other than 0 under torchrun: only rank 0 talks to MLflow (the
+    metrics it logs are reduced across ranks first), the others log nothing."""
+
+    uri = "(rank 0 logs)"
+
+    def __init__(self) -> None:
+        self._n = 0
+        self.client = self
+
+    def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
+        self._n += 1
+        return f"nolog-{self._n}"
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None: ...
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None: ...
+    def log_dict(self, run_id: str, obj: dict, name: str) -> None: ...
+    def end_run(self, run_id: str, status: str, reason: str | None = None) -> None: ...
+    def log_batch(self, run_id: str, **kwargs) -> None: ...
+
+
+def make_tracker(cfg) -> "Tracker | NullTracker":
+    """``Tracker`` on rank 0 (or one process), ``NullTracker`` on the other ranks."""
+    from lowprec.parallel.runtime import is_rank0
+
+    return Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs) if is_rank0() else NullTracker()
+
+
 class MetricBuffer:
     """``MetricSink`` that batches metrics into ``log_batch`` calls (one sqlite write per ``every`` steps).
 

@@ -57,6 +57,12 @@ def _param_groups(model: torch.nn.Module, wd: float) -> list[dict]:
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _has_dtensor(groups: list[dict]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in groups for p in g["params"])
+
+
 def _adamw(groups: list[dict], recipe: Recipe, hp: OptimHParams, stepped_dtype: str) -> torch.optim.Optimizer:
     spec, kw = recipe.optim, dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps)
     if spec.impl == "torch":
@@ -65,10 +71,19 @@ def _adamw(groups: list[dict], recipe: Recipe, hp: OptimHParams, stepped_dtype: 
         from lowprec.optim.lowbit_adamw import LowBitAdamW
 
         state = stepped_dtype if spec.state == "param" else spec.state
-        return LowBitAdamW(groups, **kw, state_dtype=state, update_rounding=recipe.weights.update_rounding)
+        make = lambda g: LowBitAdamW(g, **kw, state_dtype=state, update_rounding=recipe.weights.update_rounding)  # noqa: E731
+        if _has_dtensor(groups):  # FSDP2/TP: its FP8/FP16 moment scales are then per local shard
+            from lowprec.optim.local_shards import LocalShardOptimizer
+
+            return LocalShardOptimizer(groups, make)
+        return make(groups)
     if spec.impl == "bitsandbytes":
         import bitsandbytes as bnb
 
+        if _has_dtensor(groups):  # FSDP2/TP: bitsandbytes steps the local shards
+            from lowprec.optim.local_shards import LocalShardOptimizer
+
+            return LocalShardOptimizer(groups, lambda g: bnb.optim.AdamW8bit(g, min_8bit_size=MIN_8BIT_NUMEL, **kw))
         return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_NUMEL, **kw)
     if spec.impl == "torchao":
         from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
@@ -101,6 +116,10 @@ def moment_kind(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> str:
     m = state.get("exp_avg", state.get("state1"))
     if m is None:
         return "none"
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(m, DTensor):  # torchao keeps quantized states inside DTensors under FSDP2
+        m = m._local_tensor
     if type(m).__name__ == "OptimState4bit":
         return "int4_blockwise"
     codes = getattr(m, "codes", None)  # torchao OptimState8bit

@@ -154,7 +154,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for g in groups:
             g["params"] = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
         flat = [p for g in groups for p in g["params"]]
-        self.master = MasterWeights(flat, master_dtype, keep_master_grads)
+        self.master = self._make_copies(flat, master_dtype, keep_master_grads)
         to_master = dict(zip(flat, self.master.masters))
         self.inner = inner_factory([{**g, "params": [to_master[p] for p in g["params"]]} for g in groups])
         if not isinstance(self.inner, torch.optim.Optimizer):
@@ -166,6 +166,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                           for g, ig in zip(groups, self.inner.param_groups)]
         super().__init__(wrapper_groups, dict(self.inner.defaults))
         self.state = _MasterStateView(self.inner, flat, self.master.masters)  # type: ignore[assignment]
+
+    def _make_copies(self, flat: list[Tensor], master_dtype: torch.dtype, keep_master_grads: bool) -> MasterWeights:
+        return MasterWeights(flat, master_dtype, keep_master_grads)
 
     @property
     def master_params(self) -> list[Tensor]:

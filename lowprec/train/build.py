@@ -46,6 +46,12 @@ class Built:
     dist: DistContext = field(default_factory=DistContext)
     #: ``lowprec.parallel.apply.ParallelPlan`` when the model is sharded, else ``None``.
     parallel: "object" = None
+    #: ``lowprec.parallel.comm_metrics.StepCommMetrics`` when sharded (meters sampled steps), else ``None``.
+    comm_metrics: "object" = None
+
+    def step_context(self, step: int) -> ContextManager:
+        """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
+        return self.comm_metrics.context(step) if self.comm_metrics is not None else contextlib.nullcontext()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -223,6 +229,12 @@ def build(
         after.append(state_tel.after_step)
     if recipe.compute.autocast_dtype == "fp16" and train.telemetry_every > 0:
         after.append(underflow_probe(model, train.telemetry_every))
+    comm_metrics = None
+    if plan is not None:
+        from lowprec.parallel.comm_metrics import StepCommMetrics
+
+        comm_metrics = StepCommMetrics(train.telemetry_every)
+        after.append(comm_metrics.after_step)
     return Built(
         recipe=recipe,
         model=model,
@@ -237,6 +249,7 @@ def build(
         after_step=after,
         dist=dctx,
         parallel=plan,
+        comm_metrics=comm_metrics,
     )
 
 

@@ -2,9 +2,10 @@
 copies and quantized moments included) through ``torch.distributed.checkpoint`` (DCP), and the trainer
 state (step, LR schedule, loss scaler, RNG states) in ``trainer_state.pt`` beside it.
 
-DCP works without a process group (one process) and with FSDP2 (each rank writes its shards). A run
-resumed from a checkpoint continues bit for bit: data order is a function of (seed, step), and every
-piece of state that the next step reads is in here.
+DCP works without a process group (one process) and with FSDP2/TP (each rank writes its shards, and a
+checkpoint loads into any other layout: DCP reshards DTensors on load). A run resumed from a checkpoint
+continues bit for bit: data order is a function of (seed, step), and every piece of state that the next
+step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt`` (the same on every rank).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -31,6 +33,9 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 writes the trainer state (identical on every rank: step, schedule, scaler)
+        return
     trainer = {
         "step": step,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -39,6 +44,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
     torch.save(trainer, path / TRAINER_STATE)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

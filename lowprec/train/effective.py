@@ -76,6 +76,32 @@ def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:
         "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
         "moment_dtype": dict(_count(params, lambda p: moment_kind(opt, p))),
         "master": "explicit" if built.master_params else "params_are_master" if _all_fp32(params) else "none",
+        **({"comm": _observed_comm(built)} if built.parallel is not None else {}),
+    }
+
+
+def _observed_comm(built: Built) -> dict:
+    from lowprec.parallel.comm_metrics import observed_comm_dtypes
+
+    cm = built.comm_metrics  # step 0 was metered; its counts stay in the meter until the next sampled step
+    seen = observed_comm_dtypes(cm.first_step or cm.meter.bytes_by_kind_dtype())
+    out = {}
+    if built.parallel.dims.fsdp and built.parallel.dims.tp == 1:
+        # Under TP the all-gathers and reduce-scatters mix FSDP's and sequence parallelism's; only pure FSDP
+        # layouts attribute them to weights and gradients unambiguously.
+        out = {"weight_all_gather": seen.get("all_gather"), "grad_reduce": seen.get("reduce_scatter")}
+    return out
+
+
+def _expected_comm(built: Built) -> dict:
+    r = built.recipe
+    if not (built.parallel.dims.fsdp and built.parallel.dims.tp == 1):
+        return {}
+    mp = built.parallel.mp_policy
+    gather = _dt(mp.param_dtype) if mp is not None and mp.param_dtype is not None else _dt(r.param_dtype)
+    return {
+        "weight_all_gather": "fp8" if r.comm.weight_all_gather == "fp8" else gather,
+        "grad_reduce": {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8"}[r.comm.grad_reduce],
     }
 
 
@@ -118,6 +144,7 @@ def expected_effective(built: Built) -> dict:
         "moment_dtype": dict(moments),
         "master": "explicit" if r.weights.master_dtype != "none"
         else "params_are_master" if r.param_dtype == torch.float32 else "none",
+        **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
     }
 
 

@@ -67,16 +67,19 @@ def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tenso
     built.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=built.device)
     scaler = built.loss_scaler
-    for x, y in micro_batches:
-        x, y = built.dist.shard_batch(x, y)
-        loss = _loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
-        scaler.scale(loss / len(micro_batches)).backward()
-        total += loss.detach()
-    loss_value = built.dist.mean(total) / len(micro_batches)
-    if not math.isfinite(loss_value):
-        raise NonFiniteError(f"loss is {loss_value} at step {step}")
-    scaler.unscale_(built.optimizer)
-    grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
+    # The step context (the communication meter on sampled steps of sharded runs) covers forward, backward
+    # and clipping, where every collective happens, and not the optimizer step, which torch.compile may trace.
+    with built.step_context(step):
+        for x, y in micro_batches:
+            x, y = built.dist.shard_batch(x, y)
+            loss = _loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
+            scaler.scale(loss / len(micro_batches)).backward()
+            total += loss.detach()
+        loss_value = built.dist.mean(total) / len(micro_batches)
+        if not math.isfinite(loss_value):
+            raise NonFiniteError(f"loss is {loss_value} at step {step}")
+        scaler.unscale_(built.optimizer)
+        grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
     if not math.isfinite(grad_norm) and not scaler.skips_nonfinite:
         raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})")
     scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients

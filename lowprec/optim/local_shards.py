@@ -1,0 +1,88 @@
+"""Run an optimizer that cannot take DTensors (bitsandbytes) on each rank's local shards under FSDP2/TP.
+
+bitsandbytes' 8-bit kernels receive the DTensor parameter and a plain state tensor and fail ("mixed
+torch.Tensor and DTensor"; bitsandbytes#1633). The fix PLATFORM.md verified: give the optimizer plain leaf
+tensors that alias each DTensor's local shard (same storage, so the update lands in the parameter with no
+copy), and hand it the local shard of each gradient before every step. Block-wise 8-bit states are then per
+local shard, which is what bitsandbytes does on one device for a tensor of that size.
+
+``LocalShardOptimizer`` reuses ``MasterWeightOptimizer``'s machinery (groups, LR sync, state view keyed by
+the model parameters) with aliasing views in place of FP32 copies: it adds no memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from lowprec.optim.master import MasterWeightOptimizer, MasterWeights
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalShardViews(MasterWeights):
+    """``masters[i]``: a leaf alias of ``params[i]``'s local shard (``params[i]`` itself when it is a plain
+    tensor). ``before_step`` attaches the local shard of each gradient; ``after_step`` only drops it."""
+
+    def __init__(self, params, master_dtype=None, keep_master_grads: bool = False) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.params = list(params)
+        self.master_dtype = None
+        self.keep_master_grads = False
+        self.masters = []
+        for p in self.params:
+            if isinstance(p, DTensor):
+                v = p._local_tensor.detach()  # shares storage with the shard
+                v.requires_grad_(p.requires_grad)
+                self.masters.append(v)
+            else:
+                self.masters.append(p)
+
+    @property
+    def master_params(self) -> list[Tensor]:
+        return []  # aliases: no bytes of their own
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        for p, m in self.pairs():
+            m.grad = None if p.grad is None else _local(p.grad).detach()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for _, m in self.pairs():
+            m.grad = None
+
+
+class LocalShardOptimizer(MasterWeightOptimizer):
+    """``inner_factory(groups)`` builds the real optimizer over local-shard aliases of the DTensor
+    parameters in ``params``; everything else behaves as ``MasterWeightOptimizer`` (see there).
+
+    Its ``state_dict`` holds per-rank local states, so a checkpoint of it reloads only on the same layout
+    (``lowprec.train.checkpoint`` refuses anything else with a clear error).
+    """
+
+    def __init__(self, params, inner_factory: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
+        super().__init__(params, inner_factory)
+
+    def _make_copies(self, flat, master_dtype, keep_master_grads) -> MasterWeights:
+        return LocalShardViews(flat)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        for s in sd["state"].values():
+            s.pop("master", None)  # aliases of the parameters, which the model checkpoint holds
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        for wg, sg in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in sg.items():
+                if k != "params":
+                    wg[k] = v

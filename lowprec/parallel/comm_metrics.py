@@ -1,0 +1,73 @@
+"""Per-step communication metrics from ``CommMeter``, and the communication dtypes a run actually used.
+
+Collective bytes are the same every step of a run, so the meter (a ``TorchDispatchMode``, which costs
+Python time on every op) is entered only on sampled steps: the run's first step and every ``every``-th.
+Metrics: ``comm_<kind>_bytes`` (this rank's payload per optimizer step, see ``comm_meter``'s byte
+convention) and ``comm_<kind>_<dtype>_bytes``. ``observed_comm_dtypes`` turns the first step's counts into
+the effective recipe's ``comm`` entry: the dtype that carried most of the bytes of each kind, with 1-byte
+payloads (float8 moved as uint8 views) reported as ``fp8``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+from lowprec.parallel.comm_meter import CommMeter
+
+ONE_BYTE = {"uint8", "int8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+def _wire_name(dtype: str) -> str:
+    return "fp8" if dtype in ONE_BYTE else dtype
+
+
+class StepCommMetrics:
+    """Meters sampled steps. ``context(step)`` wraps one optimizer step; ``after_step(step, built)`` returns
+    the metrics of a metered step (``{}`` otherwise); ``first_step`` keeps the first metered step's counts."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.meter = CommMeter()
+        self._metered: int | None = None
+        self.first_step: dict[str, dict[str, int]] | None = None
+
+    def context(self, step: int) -> ContextManager:
+        if self.first_step is not None and (self.every <= 0 or step % self.every):
+            return contextlib.nullcontext()
+        self.meter.reset()
+        self._metered = step
+        return self.meter
+
+    def after_step(self, step: int, built) -> dict[str, float]:
+        if self._metered != step:
+            return {}
+        self._metered = None
+        by = self.meter.bytes_by_kind_dtype()
+        if self.first_step is None:
+            self.first_step = by
+        out: dict[str, float] = {}
+        for kind, dtypes in by.items():
+            out[f"comm_{kind}_bytes"] = float(sum(dtypes.values()))
+            for dt, b in dtypes.items():
+                out[f"comm_{kind}_{_wire_name(dt)}_bytes"] = out.get(f"comm_{kind}_{_wire_name(dt)}_bytes", 0.0) + b
+        return out
+
+
+def observed_comm_dtypes(by_kind_dtype: dict[str, dict[str, int]]) -> dict[str, str]:
+    """``{kind: wire dtype carrying most bytes}`` for the kinds that moved anything."""
+    out = {}
+    for kind, dtypes in by_kind_dtype.items():
+        merged: dict[str, int] = {}
+        for dt, b in dtypes.items():
+            merged[_wire_name(dt)] = merged.get(_wire_name(dt), 0) + b
+        if merged and sum(merged.values()):
+            out[kind] = max(merged, key=merged.get)
+    return out
+
+
+def step_context_factory(metrics: StepCommMetrics | None):
+    """``step -> context``: the metrics' context, or a null context on one process."""
+    if metrics is None:
+        return lambda step: contextlib.nullcontext()
+    return metrics.context

@@ -1,0 +1,32 @@
+"""Launching under torchrun: a ``lowprec train/ablate`` call with a parallel layout re-executes itself as
+``torchrun --standalone --nproc_per_node=N -m experiments ...`` on one machine. Multi-node runs call
+torchrun (or srun + torchrun) themselves with the same arguments; see the README."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun (or any launcher that sets ``RANK`` and ``WORLD_SIZE``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """The single-machine torchrun command line that runs ``python -m experiments <argv>`` on ``nproc`` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "experiments", *argv]
+
+
+def spawn_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run ``torchrun_command`` in the foreground; returns its exit code (non-zero if any rank failed).
+
+    ``OMP_NUM_THREADS`` is left to torchrun (1 per rank unless set); CPU ranks share the machine's cores.
+    """
+    env = dict(os.environ)
+    # Ranks must not share inductor's on-disk cache (torchao's compiled optimizer step crashed when they did).
+    env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+    return subprocess.call(torchrun_command(nproc, argv), env=env)
