@@ -100,6 +100,24 @@ class Float8SequenceAllGather(ParallelStyle):
         return module
 
 
+class _TopLevelOnly:
+    """torch's Colwise/RowwiseParallel partition every submodule of the linear; lowprec's ``Float8Linear``
+    has submodules (``scalers``, delayed-scaling buffers, which stay replicated), so only the linear itself
+    is partitioned."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name == "":
+            super()._partition_linear_fn(name, module, device_mesh)
+
+
+class _Colwise(_TopLevelOnly, ColwiseParallel):
+    pass
+
+
+class _Rowwise(_TopLevelOnly, RowwiseParallel):
+    pass
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: str = "compute") -> None:
     """Tensor-parallelize a ``lowprec.model.Transformer`` in place over ``tp_mesh`` (1-D), with sequence
     parallelism (torchtitan's default; it also makes every parameter a DTensor on the mesh).
@@ -118,14 +136,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: st
             "attention_norm": SequenceParallel(),
             "attention": Float8SequenceAllGather() if fp8 else PrepareModuleInput(
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wq": _Colwise(),
+            "attention.wk": _Colwise(),
+            "attention.wv": _Colwise(),
+            "attention.wo": _Rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
             "feed_forward": Float8SequenceAllGather() if fp8 else PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": _Colwise(),
+            "feed_forward.w2": _Rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": _Colwise(),
         })
+    _plain_scaling_buffers(model)
+
+
+def _plain_scaling_buffers(model: nn.Module) -> None:
+    """``parallelize_module`` replicates every buffer as a DTensor; FP8 delayed-scaling state (amax
+    histories, scales) is per rank and per local GEMM, so it goes back to plain tensors."""
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if isinstance(buf, DTensor):
+                mod.register_buffer(name, buf.to_local(), persistent=name not in mod._non_persistent_buffers_set)
