@@ -119,6 +119,34 @@ def throughput_bars(rows, path: Path) -> Path:
     return _save(fig, path)
 
 
+def comm_bars(runs, order, kinds, path: Path) -> Path:
+    """Bytes per step by collective kind (stacked by wire dtype within each kind), first seed per recipe."""
+    first = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    names = [n for n in order if n in first and any(k.startswith("comm_") for k in first[n].metrics)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) * len(kinds) / 2), 4))
+    width = 0.8 / len(kinds)
+    dtype_colors = {"fp8": "tab:green", "bfloat16": "tab:orange", "float32": "tab:blue", "float16": "tab:purple"}
+    seen = set()
+    for ki, kind in enumerate(kinds):
+        for ni, n in enumerate(names):
+            m = first[n].metrics
+            bottom = 0.0
+            for dt, color in dtype_colors.items():
+                v = m.get(f"comm_{kind}_{dt}_bytes", 0.0) / 2**20
+                if v:
+                    ax.bar(ni + ki * width, v, width, bottom=bottom, color=color, edgecolor="black", linewidth=0.3,
+                           label=dt if dt not in seen else None)
+                    seen.add(dt)
+                    bottom += v
+    ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(names))], names, rotation=30)
+    ax.set(title="bytes per step, bars left to right: " + ", ".join(kinds), ylabel="MiB")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
 def grad_norm_curves(runs, order, path: Path) -> Path:
     col = _colors(order)
     fig, ax = plt.subplots(figsize=(7, 4))

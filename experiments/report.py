@@ -39,6 +39,7 @@ class RunData:
     effective: dict
     metrics: dict[str, float]
     tokens_per_step: int
+    layout: str = "single"
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     telemetry: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
@@ -68,7 +69,7 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             reason=tags.get("failure_reason", ""),
             comparable=r.info.status == "FINISHED" and tags.get("effective_matches") == "true",
             short=tags.get("recipe_short", ""), effective=json.loads(tags.get("effective_recipe", "{}")),
-            metrics=dict(r.data.metrics), tokens_per_step=tps,
+            metrics=dict(r.data.metrics), tokens_per_step=tps, layout=tags.get("parallel", "single"),
         )
         for key in CURVES:
             hist = tracker.client.get_metric_history(r.info.run_id, key)
@@ -220,6 +221,10 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         for name in (n for n in order if n in firsts):
             lines += ["", f"### `{name}`", "", f"![telemetry {name}](telemetry_{name}.png)"]
     lines += _reconcile_table(ok, order)
+    comm = _comm_table(ok, order)
+    if comm:
+        figs_comm = plots.comm_bars(ok, order, COMM_KINDS, out / "comm_bytes.png")
+        lines += comm + ["", f"![comm]({figs_comm.name})"]
     lines += ["", "## Effective recipes", "",
               "Read from the built objects after the first optimizer step (element counts per dtype).", "",
               "| recipe | params | grads | linear outputs | FP8 linears | AdamW moments | optimizer |", "|---|---|---|---|---|---|---|"]
@@ -265,6 +270,39 @@ def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
             else:
                 cells.append(f"{meas:,.0f} / {pred:,.0f} ({100 * (pred / meas - 1) if meas else float('inf'):+.1f}%)")
         lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def _comm_table(runs: list[RunData], order: list[str]) -> list[str]:
+    """Bytes per optimizer step by collective kind and wire dtype, as the communication meter counted them at
+    the process-group call on rank 0 (the only evidence of FP8 communication the report accepts)."""
+    first = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    names = [n for n in order if n in first and any(k.startswith("comm_") for k in first[n].metrics)]
+    if not names:
+        return []
+    lines = ["", "## Communication per step", "",
+             "Bytes per optimizer step on rank 0, counted by `lowprec.parallel.comm_meter` at the process-group "
+             "call (all-gather: gathered output; reduce-scatter: full input; all-reduce: the tensor). FP8 payloads "
+             "move as uint8 views and are listed as fp8. `wire` is the effective recipe's record of the dtypes "
+             "that moved weights and gradients under FSDP2.", "",
+             "| recipe | layout | " + " | ".join(k.replace("_", "-") for k in COMM_KINDS) + " | wire |",
+             "|---" * (len(COMM_KINDS) + 3) + "|"]
+    for n in names:
+        m = first[n].metrics
+        cells = []
+        for kind in COMM_KINDS:
+            total = m.get(f"comm_{kind}_bytes", 0.0)
+            parts = sorted(((k.removeprefix(f"comm_{kind}_").removesuffix("_bytes"), v) for k, v in m.items()
+                            if k.startswith(f"comm_{kind}_") and k != f"comm_{kind}_bytes" and v), key=lambda kv: -kv[1])
+            cells.append(_fmt_bytes(total) + (" (" + ", ".join(f"{d} {_fmt_bytes(v)}" for d, v in parts) + ")" if parts else ""))
+        wire = first[n].effective.get("comm") or {}
+        lines.append(f"| `{n}` | {first[n].layout} | " + " | ".join(cells) + " | "
+                     + (", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a") + " |")
     return lines
 
 

@@ -22,7 +22,7 @@ def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
         yield from _leaf_tensors(t._local_tensor)
         return
     flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = t.__tensor_flatten__()
         for n in names:
             yield from _leaf_tensors(getattr(t, n))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from lowprec.recipe import ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
+from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 
 
 def fp32() -> Recipe:
@@ -188,11 +188,40 @@ def deepseek_v3() -> Recipe:
     )
 
 
+def fp8_tensorwise_fsdp8() -> Recipe:
+    return replace(
+        fp8_tensorwise(),
+        name="fp8_tensorwise_fsdp8",
+        description="torchtitan's float8 recipe: fp8_tensorwise with torchao's FSDP2 FP8 weight all-gather "
+                    "(scales precomputed after each optimizer step).",
+        comm=CommSpec(weight_all_gather="fp8"),
+    )
+
+
+def fp8_comm8() -> Recipe:
+    return replace(
+        fp8_current(),
+        name="fp8_comm8",
+        description="fp8_current with FP8 on the wire both ways under FSDP2: e4m3 weight all-gather (lowprec "
+                    "fsdp_pre_all_gather) and MS-AMP-style FP8 gradient reduce-scatter (128-element blocks, FP32 sum).",
+        comm=CommSpec(weight_all_gather="fp8", grad_reduce="fp8"),
+    )
+
+
+def deepseek_v3_comm8() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_comm8",
+        description="deepseek_v3 with FP8 weight all-gather (per-row scales on the wire) and FP8 gradient reduce-scatter.",
+        comm=CommSpec(weight_all_gather="fp8", grad_reduce="fp8"),
+    )
+
+
 _BUILDERS: list[Callable[[], Recipe]] = [
     fp32, bf16, bf16_pure, fp8_tensorwise, bf16_adamw8bit,
     fp8_current, fp8_delayed, fp8_rowwise, fp8_blockwise, te_delayed, te_blockwise,
     bf16_master, bf16_sr, bf16_moments, bf16_adamw8bit_ao, bf16_adamw4bit, fp8_msamp_o2, fp16_amp, fp16_noscale,
-    deepseek_v3,
+    deepseek_v3, fp8_tensorwise_fsdp8, fp8_comm8, deepseek_v3_comm8,
 ]
 
 #: name -> Recipe, in catalog order.

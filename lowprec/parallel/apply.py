@@ -81,6 +81,8 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
 
         plan.fp8_all_gather_fqns = enable_fp8_weight_all_gather(model, _wire_granularity(recipe))
         plan.mechanisms["weight_all_gather"] = f"lowprec fsdp_pre_all_gather e4m3 ({len(plan.fp8_all_gather_fqns)} weights)"
+    if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "torchao":
+        _check_even_for_torchao(model, dims)
     if dims.tp > 1:
         from lowprec.parallel.tp import apply_tp
 
@@ -91,9 +93,9 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
 
         plan.fsdp_modules = apply_fsdp(model, _fsdp_mesh(mesh, dims), mp_policy)
         if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "torchao":
-            from lowprec.parallel.fp8_all_gather import install_uint8_all_gather
+            from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
 
-            install_uint8_all_gather(model)
+            install_fp8_safe_all_gather(model)
             plan.mechanisms["weight_all_gather"] = "torchao enable_fsdp_float8_all_gather (uint8 wire)"
         if comm.grad_reduce == "fp8":
             from lowprec.parallel.fp8_reduce_scatter import apply_fp8_reduce_scatter
@@ -101,6 +103,19 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
             apply_fp8_reduce_scatter(model, block=comm.grad_reduce_block)
             plan.mechanisms["grad_reduce"] = f"lowprec Float8ReduceScatter e4m3, block {comm.grad_reduce_block}"
     return plan
+
+
+def _check_even_for_torchao(model: nn.Module, dims: ParallelDims) -> None:
+    """torchao's FSDP2 float8 all-gather breaks when a weight's rows do not split evenly over the shards
+    (pytorch/ao#3982: a collective size mismatch; measured here at dp_shard=3). Refuse before training."""
+    uneven = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"
+              and m.weight.shape[0] % dims.dp_shard]
+    if uneven:
+        raise RecipeError(
+            f"recipe.comm.weight_all_gather='fp8' with backend=torchao needs every FP8 weight's rows divisible by "
+            f"parallel.dp_shard={dims.dp_shard} (torchao's float8 all-gather fails on uneven shards, pytorch/ao#3982); "
+            f"{len(uneven)} are not, e.g. {uneven[0]}. Use backend=lowprec (e.g. recipe=fp8_comm8), whose FP8 "
+            "all-gather handles uneven shards, or a dp_shard that divides the weights")
 
 
 def mixed_precision_policy(recipe: Recipe) -> MixedPrecisionPolicy:

@@ -4,8 +4,7 @@ Collective bytes are the same every step of a run, so the meter (a ``TorchDispat
 Python time on every op) is entered only on sampled steps: the run's first step and every ``every``-th.
 Metrics: ``comm_<kind>_bytes`` (this rank's payload per optimizer step, see ``comm_meter``'s byte
 convention) and ``comm_<kind>_<dtype>_bytes``. ``observed_comm_dtypes`` turns the first step's counts into
-the effective recipe's ``comm`` entry: the dtype that carried most of the bytes of each kind, with 1-byte
-payloads (float8 moved as uint8 views) reported as ``fp8``.
+the effective recipe's ``comm`` entry (1-byte payloads, float8 moved as uint8 views, count as ``fp8``).
 """
 
 from __future__ import annotations
@@ -55,14 +54,17 @@ class StepCommMetrics:
 
 
 def observed_comm_dtypes(by_kind_dtype: dict[str, dict[str, int]]) -> dict[str, str]:
-    """``{kind: wire dtype carrying most bytes}`` for the kinds that moved anything."""
+    """``{kind: wire dtype}`` for the kinds that moved anything: ``fp8`` if any 1-byte payload moved (an FP8
+    recipe gathers only its FP8 linears in FP8; embeddings, norms and the head keep the compute dtype),
+    else the dtype carrying most bytes."""
     out = {}
     for kind, dtypes in by_kind_dtype.items():
         merged: dict[str, int] = {}
         for dt, b in dtypes.items():
-            merged[_wire_name(dt)] = merged.get(_wire_name(dt), 0) + b
-        if merged and sum(merged.values()):
-            out[kind] = max(merged, key=merged.get)
+            if b:
+                merged[_wire_name(dt)] = merged.get(_wire_name(dt), 0) + b
+        if merged:
+            out[kind] = "fp8" if "fp8" in merged else max(merged, key=merged.get)
     return out
 
 

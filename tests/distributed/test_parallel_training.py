@@ -98,26 +98,41 @@ def test_fp8_all_gather_and_reduce_scatter_bytes_and_effective_recipe(token_data
     assert fp8["effective"]["comm"] == {"weight_all_gather": "fp8", "grad_reduce": "fp8"}
     assert ao["effective"]["comm"]["weight_all_gather"] == "fp8"
     assert row["effective"]["comm"]["weight_all_gather"] == "fp8"
-    # Only the linears move in FP8; embeddings, norms and the output head still gather in BF16.
-    fp8_share = f["comm_all_gather_fp8_bytes"] / f["comm_all_gather_bytes"]
-    assert fp8_share > 0.3, fp8_share
-    lin_fp8 = f["comm_all_gather_fp8_bytes"] + f.get("comm_all_gather_float32_bytes", 0)
-    lin_bf16 = b["comm_all_gather_bytes"] - f.get("comm_all_gather_bfloat16_bytes", 0)
+    # Only the FP8 linears' weights move in FP8 (plus their FP32 scales); tok_embeddings, norms and the output
+    # head, which the recipe keeps in high precision, gather in BF16 in both runs (and dominate the debug
+    # model's bytes: vocab 8192 x dim 32). Compare the bytes of the weights the recipe gathers in FP8.
+    assert b.get("comm_all_gather_fp8_bytes", 0) == 0 and f["comm_all_gather_fp8_bytes"] > 0
+    same_bf16 = f["comm_all_gather_bfloat16_bytes"]
+    lin_fp8 = f["comm_all_gather_bytes"] - same_bf16
+    lin_bf16 = b["comm_all_gather_bytes"] - same_bf16
     assert lin_fp8 <= 0.55 * lin_bf16, (lin_fp8, lin_bf16)
     assert f["comm_reduce_scatter_bytes"] <= 0.30 * b["comm_reduce_scatter_bytes"], (f, b)
     for run in (fp8, ao, row):  # and they still train like the BF16-gather run
         assert abs(run["losses"][-1] - base["losses"][-1]) / base["losses"][-1] < 0.01
 
 
+def _torchao_uneven(rank: int, ws: int) -> str:
+    from lowprec.recipe import RecipeError
+
+    try:
+        _train("fp8_tensorwise_fsdp8", {"dp_shard": 3}, 2, batch_size=6)
+    except RecipeError as e:
+        return str(e)
+    return "no error"
+
+
 def test_fp8_all_gather_at_world_size_3(token_data):
-    """Uneven shards: debug dims (32, 64, 8192) do not divide by 3."""
+    """Uneven shards: the debug model's dims (16, 32, 96, 8192 rows) do not divide by 3."""
     jobs = [(r, {"dp_shard": 3}, 3, {"batch_size": 6, "comm": {"weight_all_gather": "fp8"}})
-            for r in ("fp8_current", "fp8_blockwise", "fp8_tensorwise")]
+            for r in ("fp8_current", "fp8_blockwise")]
     outs = run_ranks(_train_many, 3, jobs)[0]
     for (name, *_), out in zip(jobs, outs):
         single = _train(name, None, 3, batch_size=6)["losses"]
         assert _rel(out["losses"], single) < 0.01, (name, out["losses"], single)
         assert out["effective"]["comm"]["weight_all_gather"] == "fp8"
+    # torchao's float8 all-gather breaks on uneven shards (ao#3982): refused before training, not a hang.
+    msg = run_ranks(_torchao_uneven, 3)[0]
+    assert "ao#3982" in msg and "dp_shard=3" in msg, msg
 
 
 def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
