@@ -195,14 +195,17 @@ def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: 
         any_8bit |= is8
     if recipe.optim.impl == "bitsandbytes" and any_8bit:
         optim += 2 * QMAP_BYTES
+    if recipe.fp8.backend == "torchao" and recipe.comm.weight_all_gather == "fp8" and dp_shard > 1:
+        # torchao's FSDP float8 all-gather keeps each weight's precomputed fp32 scale inside the parameter
+        # (WeightWithDynamicFloat8CastTensor._precomputed_scale).
+        scales = 4 * sum(1 for li in inv.linears.values() if li.kind == "torchao")
+    else:
+        scales = 0
     notes = []
-    if recipe.optim.impl == "bitsandbytes" and dp_shard > 1:
-        notes.append("bitsandbytes AdamW8bit does not run on FSDP2 DTensor parameters (bitsandbytes#1633); "
-                     "use optim.impl=torchao")
     if recipe.fp8.backend == "te":
         notes.append("Transformer Engine figures (scaling state, saved FP8 inputs) are approximate and unmeasured")
     return StateEstimate(
-        n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params, grads=params,
+        n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params + scales, grads=params,
         master=4 * n_local if has_master else 0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
         dp_shard=dp_shard, tp=tp, notes=tuple(notes),
     )

@@ -44,20 +44,6 @@ def _fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
-def _wire_granularity(recipe: Recipe):
-    """Which wire scaling each lowprec FP8 weight uses for its FP8 all-gather: tensorwise recipes gather with
-    one (globally all-reduced) scale, so the linear's own tensorwise quantization reproduces it; rowwise and
-    blockwise recipes gather with one scale per row of the shard dimension."""
-    wire = "tensorwise" if recipe.fp8.scaling == "tensorwise" else "rowwise"
-
-    def granularity_for(fqn: str, module: nn.Module) -> str | None:
-        from lowprec.float8 import Float8Linear
-
-        return wire if isinstance(module, Float8Linear) else None
-
-    return granularity_for
-
-
 def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: DeviceMesh,
                 mp_policy: MixedPrecisionPolicy | None) -> ParallelPlan:
     """Apply TP and FSDP2 to ``model`` (on meta, already converted) as ``dims`` and ``recipe.comm`` say.
@@ -77,9 +63,10 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
         if dims.tp > 1:
             raise RecipeError("recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
                               "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
-        from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather
+        from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
 
-        plan.fp8_all_gather_fqns = enable_fp8_weight_all_gather(model, _wire_granularity(recipe))
+        # Tensorwise weights travel with one all-reduced scale, rowwise/blockwise ones with a scale per row.
+        plan.fp8_all_gather_fqns = enable_fp8_weight_all_gather(model, lowprec_wire_granularity)
         plan.mechanisms["weight_all_gather"] = f"lowprec fsdp_pre_all_gather e4m3 ({len(plan.fp8_all_gather_fqns)} weights)"
     if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "torchao":
         _check_even_for_torchao(model, dims)

@@ -56,7 +56,18 @@ def _linear_output_dtypes(built: Built, tokens: torch.Tensor) -> Counter:
     finally:
         for h in hooks:
             h.remove()
+        _reshard(built.model)
     return seen
+
+
+def _reshard(model: nn.Module) -> None:
+    # FSDP2 keeps modules with reshard_after_forward=False unsharded after a forward without backward;
+    # shard them again so later inspection and accounting see the sharded parameters and their gradients.
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:

@@ -155,8 +155,8 @@ def run_training(
         res = train_step(built, micro, spec.grad_clip, step)
         dt = time.perf_counter() - t0
         if step == start:
-            effective = inspect_effective(built, built.dist.shard_batch(*micro[0])[0].to(built.device))
             state = measure_state_bytes(built.model, built.optimizer, built.master_params)
+            effective = inspect_effective(built, built.dist.shard_batch(*micro[0])[0].to(built.device))
             on_effective(effective)
             check_effective(effective, expected_effective(built))
         if step - start >= spec.timing_warmup_steps:

@@ -1,0 +1,54 @@
+"""The estimator's rank-0 state bytes under FSDP2 (world size 2) equal the measured bytes exactly, for every
+recipe that runs on CPU, on the debug and tiny models (issue: precision-aware memory, first acceptance line)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lowprec.parallel.spawn import run_ranks
+from recipes import CATALOG
+
+NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
+
+
+def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]:
+    from lowprec.accounting import measure_state_bytes
+    from lowprec.data import DataSpec, TokenBatches, prepare
+    from lowprec.estimate import predict_state_bytes
+    from lowprec.model import model_args
+    from lowprec.optim import OptimHParams
+    from lowprec.parallel import ParallelDims
+    from lowprec.saved_tensors import measure_fp8_scaling_bytes
+    from lowprec.train.build import build
+    from lowprec.train.loop import train_step
+    from lowprec.train.spec import TrainSpec
+    from recipes import get_recipe
+
+    torch.compile = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)  # torchao's step, eagerly: same states
+    data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
+    spec = TrainSpec(steps=2, batch_size=2, seq_len=32, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
+    batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0)
+    out = []
+    for name in names:
+        recipe = get_recipe(name)
+        b = build(recipe, model_args(size), spec, OptimHParams(), 0, torch.device("cpu"), ParallelDims(dp_shard=ws))
+        train_step(b, [batches.train_batch(0)], 1.0, 0)
+        m = measure_state_bytes(b.model, b.optimizer, b.master_params)
+        p = predict_state_bytes(model_args(size), recipe, dp_shard=ws).as_state_bytes()
+        fields = ("n_params", "params", "grads", "master", "optim_states")
+        out.append((name, {f: (getattr(p, f), getattr(m, f)) for f in fields},
+                    (predict_state_bytes(model_args(size), recipe, dp_shard=ws).fp8_scaling_state,
+                     measure_fp8_scaling_bytes(b.model))))
+        del b
+    return out
+
+
+def test_fsdp2_world_size_2_state_bytes_are_predicted_exactly(token_data):
+    for size in ("debug", "tiny"):
+        rank0 = run_ranks(_measure_all, 2, size, NON_TE)[0]
+        bad = [(name, f, pm) for name, comps, _ in rank0 for f, pm in comps.items() if pm[0] != pm[1]]
+        bad += [(name, "fp8_scaling_state", sc) for name, _, sc in rank0 if sc[0] != sc[1]]
+        assert not bad, f"{size}: (recipe, component, (predicted, measured)): {bad}"
+        assert len(rank0) == len(NON_TE)
