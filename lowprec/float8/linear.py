@@ -42,6 +42,8 @@ class Float8Linear(nn.Linear):
             for role in ROLES if config.role(role).strategy == "delayed"
         })
         self.telemetry = None
+        #: Process group over which delayed-scaling amaxes are max-reduced (set when the model is sharded).
+        self.amax_group = None
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> "Float8Linear":
@@ -71,7 +73,14 @@ class Float8Linear(nn.Linear):
             q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2)
         elif rc.strategy == "delayed":
             scaler = self.scalers[role]
-            scaler.record(compute_amax(t, "tensorwise"))
+            amax = compute_amax(t, "tensorwise")
+            if self.amax_group is not None:
+                # Transformer Engine's reduce_amax: every rank records the global amax, so histories and
+                # scales are identical across ranks and equal those of one process on the global batch.
+                import torch.distributed as dist
+
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
+            scaler.record(amax)
             q = quantize_operand(t, rc.fmt, "tensorwise", scale=scaler.scale)
         else:
             q = quantize_operand(t, rc.fmt, "tensorwise", scale=torch.tensor(rc.static_scale, device=t.device))

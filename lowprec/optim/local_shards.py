@@ -75,14 +75,62 @@ class LocalShardOptimizer(MasterWeightOptimizer):
         return LocalShardViews(flat)
 
     def state_dict(self) -> dict:
+        """Per-parameter states as DTensors so ``torch.distributed.checkpoint`` saves every rank's part:
+        tensors shaped like the local shard take the parameter's placements (they reshard on load);
+        other tensors (block absmax, per-shard scales, counters) become per-rank rows, which load only into
+        the same layout. Raises ``CheckpointError`` on unevenly sharded parameters (not representable)."""
         sd = super().state_dict()
-        for s in sd["state"].values():
-            s.pop("master", None)  # aliases of the parameters, which the model checkpoint holds
+        for pid, st in sd["state"].items():
+            st.pop("master", None)  # aliases of the parameters, which the model checkpoint holds
+            for k in [k for k, v in st.items() if isinstance(v, dict)]:
+                # bitsandbytes nests its quantization tensors (absmax, qmap, codes) under one key for FSDP1;
+                # its load_state_dict also takes them flat, and flat they can become DTensors.
+                st.update(st.pop(k))
+            p = self.master.params[pid]
+            for k, v in list(st.items()):
+                if isinstance(v, Tensor) and k != "step":  # the step counter is the same on every rank
+                    st[k] = _as_dtensor(v, p)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        cur = self.inner.state
+        # Keys are integer ids or, from torch.distributed.checkpoint.state_dict, FQNs; either way the
+        # param_groups list them in this optimizer's parameter order.
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        view_of = dict(zip(saved_ids, self.master.masters))
+        state = {}
+        for pid, st in state_dict["state"].items():
+            state[pid] = {k: _from_dtensor(v, cur.get(view_of.get(pid), {}).get(k)) for k, v in st.items()}
+        self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
         for wg, sg in zip(self.param_groups, state_dict["param_groups"]):
             for k, v in sg.items():
                 if k != "params":
                     wg[k] = v
+
+
+def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return v
+    mesh = p.device_mesh
+    if any(isinstance(pl, Shard) and p.shape[pl.dim] % mesh.size(i) for i, pl in enumerate(p.placements)):
+        from lowprec.train.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"a parameter of shape {tuple(p.shape)} is unevenly sharded over {tuple(mesh.shape)}: the local-shard "
+            "optimizer states (bitsandbytes, lowprec) cannot be checkpointed for it; use a layout that divides "
+            "every dim 0, or optim.impl=torchao / torch")
+    if v.dim() and v.shape == p._local_tensor.shape:
+        return DTensor.from_local(v, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    rows = v.reshape((1,) * mesh.ndim + (-1,))
+    return DTensor.from_local(rows, mesh, [Shard(i) for i in range(mesh.ndim)], run_check=False)
+
+
+def _from_dtensor(v, like: Tensor | None):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(v, DTensor):
+        return v
+    local = v.to_local()
+    return local.reshape(like.shape) if like is not None and local.numel() == like.numel() else local

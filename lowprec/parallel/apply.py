@@ -75,6 +75,7 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
 
         apply_tp(model, plan.tp_mesh, activation_all_gather=comm.activation_all_gather)
         plan.mechanisms["tp"] = f"torchtitan plan, sequence parallel, activation all-gather {comm.activation_all_gather}"
+    _reduce_delayed_amax(model, plan)
     if dims.fsdp or dims.dp_replicate > 1:
         from lowprec.parallel.fsdp import apply_fsdp
 
@@ -90,6 +91,22 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
             apply_fp8_reduce_scatter(model, block=comm.grad_reduce_block)
             plan.mechanisms["grad_reduce"] = f"lowprec Float8ReduceScatter e4m3, block {comm.grad_reduce_block}"
     return plan
+
+
+def _reduce_delayed_amax(model: nn.Module, plan: ParallelPlan) -> None:
+    """lowprec FP8 linears with delayed scaling max-reduce each recorded amax over all ranks (TE's
+    ``reduce_amax=True``): data-parallel ranks see different micro-batches and TP ranks different shards."""
+    import torch.distributed as dist
+
+    from lowprec.float8 import Float8Linear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Float8Linear) and len(m.scalers):
+            m.amax_group = dist.group.WORLD
+            n += 1
+    if n:
+        plan.mechanisms["amax_reduction"] = f"delayed-scaling amax max-reduced over all ranks ({n} linears)"
 
 
 def _check_even_for_torchao(model: nn.Module, dims: ParallelDims) -> None:

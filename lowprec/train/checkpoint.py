@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAINER_STATE = "trainer_state.pt"
@@ -58,12 +59,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     path = Path(path)
     if not (path / ".metadata").exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
+    from lowprec.parallel.fp8_all_gather import register_safe_globals
+
+    register_safe_globals()  # checkpoints of FP8-all-gather runs hold that weight subclass
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises CheckpointException/RuntimeError with per-key details
-        raise CheckpointError(f"checkpoint {str(path)!r} does not load into this model: {str(e).splitlines()[0]}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException carrying per-rank tracebacks
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        cause = lines[-1] if lines else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} does not load into this model: {cause}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer_path = path / TRAINER_STATE
     if not trainer_path.exists():

@@ -143,3 +143,19 @@ def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
     two = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"resume_from": step3})])[0][0]["losses"]
     assert _rel(one, full["losses"][3:]) < 1e-6
     assert _rel(two, full["losses"][3:]) < 1e-6
+
+
+def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout(token_data, tmp_path):
+    """bitsandbytes 8-bit states live on local shards (saved as DTensors, per-rank absmax rows); delayed-scaling
+    amax histories are max-reduced over ranks, so rank 0's copy is every rank's."""
+    names = ["bf16_adamw8bit", "fp8_delayed"]
+    jobs = [(n, {"dp_shard": 2}, 6, {"checkpoint_dir": str(tmp_path / n), "checkpoint_every": 3}) for n in names]
+    full = run_ranks(_train_many, 2, jobs)[0]
+    resumed = run_ranks(_train_many, 2, [(n, {"dp_shard": 2}, 6, {"resume_from": str(tmp_path / n / "step_3")})
+                                         for n in names])[0]
+    for n, f, r in zip(names, full, resumed):
+        assert r["losses"] == f["losses"][3:], n
+    from lowprec.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not load into this model"):
+        _train("bf16_adamw8bit", None, 6, resume_from=str(tmp_path / "bf16_adamw8bit" / "step_3"))
