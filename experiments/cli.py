@@ -83,8 +83,13 @@ def start_parallel(cfg: DictConfig):
     from experiments.config import parallel_from_cfg
 
     dims = parallel_from_cfg(cfg)
-    if dims.enabled:
-        init_distributed(resolve_device(cfg.device))
+    if dims.enabled and not init_distributed(resolve_device(cfg.device)):
+        from lowprec.parallel import ParallelError
+
+        raise ParallelError(
+            f"parallel layout {dims.short()} needs {dims.world_size} processes: a plain `lowprec train/ablate` "
+            f"launches torchrun itself; with Hydra's -m run `torchrun --nproc_per_node={dims.world_size} -m "
+            "experiments train -m ...`")
     return dims
 
 

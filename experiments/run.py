@@ -45,13 +45,17 @@ def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float)
     return out
 
 
-def predicted_metrics(args, recipe: Recipe, spec, device) -> dict[str, float]:
-    """The estimator's prediction for this very run (``pred_*``), logged beside the measured ``mem_*``."""
+def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str, float]:
+    """The estimator's prediction for this very run (``pred_*``: rank 0's bytes under a parallel layout),
+    logged beside the measured ``mem_*``."""
     from lowprec.estimate import predict_state_bytes
     from lowprec.estimate_activations import predict_saved_activations
+    from lowprec.parallel import ParallelDims
 
-    st = predict_state_bytes(args, recipe)
-    act = predict_saved_activations(args, recipe, spec.batch_size, spec.seq_len, device_type=device.type)
+    dims = dims or ParallelDims()
+    st = predict_state_bytes(args, recipe, dims.dp_shard, dims.tp)
+    act = predict_saved_activations(args, recipe, spec.batch_size // dims.dp, spec.seq_len, device_type=device.type,
+                                    dp_shard=dims.dp_shard, tp=dims.tp)
     return {
         "pred_mem_params_bytes": st.params,
         "pred_mem_grads_bytes": st.grads,
@@ -136,7 +140,7 @@ def run_one(
             resume_from=resume,
         )
         sink.flush()
-        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device),
+        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device, dims),
                           **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"])},
                          spec.steps)
         sink.flush()

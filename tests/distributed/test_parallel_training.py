@@ -61,10 +61,10 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def test_fp32_losses_match_one_process_on_fsdp_tp_and_2d(token_data):
+def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data):
     single = _train("fp32", None, 5)["losses"]
-    for dims in ({"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}):
-        ws = dims.get("dp_shard", 1) * dims.get("tp", 1)
+    for dims in ({"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}):
+        ws = dims.get("dp_shard", 1) * dims.get("tp", 1) * dims.get("dp_replicate", 1)
         out = run_ranks(_train_many, ws, [("fp32", dims, 5, {})])
         for rank_out in out:  # every rank holds the same (reduced) losses
             assert _rel(rank_out[0]["losses"], single) < 1e-5, (dims, rank_out[0]["losses"], single)
@@ -159,3 +159,34 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
 
     with pytest.raises(CheckpointError, match="does not load into this model"):
         _train("bf16_adamw8bit", None, 6, resume_from=str(tmp_path / "bf16_adamw8bit" / "step_3"))
+
+
+def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Tensor:
+    from lowprec.data import DataSpec, TokenBatches, prepare
+    from lowprec.model import model_args
+    from lowprec.optim import OptimHParams
+    from lowprec.parallel import ParallelDims
+    from lowprec.recipe import Recipe
+    from lowprec.train.build import build
+    from lowprec.train.loop import _loss
+    from lowprec.train.spec import TrainSpec
+    from recipes import get_recipe
+
+    d = get_recipe("bf16").to_dict()
+    d["comm"]["grad_reduce"] = grad_reduce
+    data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
+    spec = TrainSpec(steps=2, batch_size=4, seq_len=64, timing_warmup_steps=1, progress=False)
+    b = build(Recipe.from_dict(d), model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"),
+              ParallelDims(dp_shard=ws))
+    x, y = b.dist.shard_batch(*TokenBatches(data.train, data.val, 64, 4, 0).train_batch(0, 0))
+    _loss(b, x, y).backward()
+    return torch.cat([p.grad.full_tensor().flatten().float() for p in b.model.parameters()])
+
+
+def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_data):
+    from lowprec.formats import sqnr_db
+
+    ref = run_ranks(_full_grads_after_backward, 2, "fp32")[0]
+    fp8 = run_ranks(_full_grads_after_backward, 2, "fp8")[0]
+    db = sqnr_db(ref, fp8)
+    assert db >= 20, db
