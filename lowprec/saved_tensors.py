@@ -91,17 +91,37 @@ def measure_saved_bytes(fn: Callable[[], Any], module: nn.Module) -> SavedBytes:
     any device; the saved tensors are released when this returns.
     """
     state = {_storage_key(leaf) for t in (*module.parameters(), *module.buffers()) for leaf in _leaves(t) if leaf.numel()}
-    saved: list[torch.Tensor] = []
+    saved: list[tuple[torch.Tensor, bool]] = []
+    # Parameters swapped in while the forward runs (FSDP2's unsharded parameters, gathered just before their
+    # module runs and freed after it), keyed by storage; checked when a tensor is saved, while they are alive,
+    # because a freed all-gather buffer's address is reused by later activations.
+    live: dict[tuple, torch.Tensor] = {}
+
+    def note_params(mod, args):
+        for p in mod.parameters(recurse=False):
+            for leaf in _leaves(p):
+                if leaf.numel():
+                    live[_storage_key(leaf)] = leaf
+
+    def is_live_param(t: torch.Tensor) -> bool:
+        ref = live.get(_storage_key(t))
+        return ref is not None and ref.untyped_storage().nbytes() > 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
+        saved.append((t, any(is_live_param(leaf) for leaf in _leaves(t))))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    hooks = [m.register_forward_pre_hook(note_params) for m in module.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        for h in hooks:
+            h.remove()
+        live.clear()
     seen: set[tuple] = set()
     acts = copies = naive = 0
-    for t in (leaf for s in saved for leaf in _leaves(s)):
+    for t in (leaf for s, param in saved if not param for leaf in _leaves(s)):
         key = _storage_key(t)
         if isinstance(t, nn.Parameter) or key in state or t.numel() == 0:
             continue
