@@ -56,11 +56,11 @@ class _Fp8SequenceAllGather(torch.autograd.Function):
         scale = amax_to_scale(rows.abs().amax(dim=1, keepdim=True).float(), _E4M3)
         payload = quantize(rows, scale, _E4M3).view(torch.uint8)
         with _label("all_gather"):
-            g_payload = payload.new_empty((ws, *payload.shape))
-            g_scale = scale.new_empty((ws, *scale.shape))
+            g_payload = payload.new_empty((ws * payload.shape[0], payload.shape[1]))
+            g_scale = scale.new_empty((ws * scale.shape[0], 1))
             dist.all_gather_into_tensor(g_payload, payload, group=group)
             dist.all_gather_into_tensor(g_scale, scale, group=group)
-        full = dequantize(g_payload.view(_E4M3.dtype), g_scale, local.dtype)  # (ws, b*s_local, dim)
+        full = dequantize(g_payload.view(_E4M3.dtype), g_scale, local.dtype)  # (ws * b*s_local, dim), rank-major
         b, s_local, d = local.shape
         full = full.view(ws, b, s_local, d).permute(1, 0, 2, 3).reshape(b, ws * s_local, d)
         ctx.mesh, ctx.s_local = mesh, s_local

@@ -101,12 +101,18 @@ def _observed_comm(built: Built) -> dict:
         # Under TP the all-gathers and reduce-scatters mix FSDP's and sequence parallelism's; only pure FSDP
         # layouts attribute them to weights and gradients unambiguously.
         out = {"weight_all_gather": seen.get("all_gather"), "grad_reduce": seen.get("reduce_scatter")}
+    elif built.parallel.dims.tp > 1 and not built.parallel.dims.fsdp:
+        # TP alone all-gathers only activations (sequence parallelism): FP8 there is the FP8 SP all-gather.
+        out = {"activation_all_gather": "fp8" if seen.get("all_gather") == "fp8" else "compute"}
     return out
 
 
 def _expected_comm(built: Built) -> dict:
     r = built.recipe
-    if not (built.parallel.dims.fsdp and built.parallel.dims.tp == 1):
+    dims = built.parallel.dims
+    if dims.tp > 1 and not dims.fsdp:
+        return {"activation_all_gather": r.comm.activation_all_gather}
+    if not (dims.fsdp and dims.tp == 1):
         return {}
     mp = built.parallel.mp_policy
     gather = _dt(mp.param_dtype) if mp is not None and mp.param_dtype is not None else _dt(r.param_dtype)

@@ -190,3 +190,20 @@ def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_da
     fp8 = run_ranks(_full_grads_after_backward, 2, "fp8")[0]
     db = sqnr_db(ref, fp8)
     assert db >= 20, db
+
+
+def test_fp8_sequence_parallel_all_gather_under_tp(token_data):
+    """recipe.comm.activation_all_gather=fp8: the SP all-gathers of attention/feed_forward inputs move e4m3 plus
+    one fp32 scale per token; the run tracks one process and the effective recipe records it."""
+    jobs = [("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1}),
+            ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}})]
+    hp, f8 = run_ranks(_train_many, 2, jobs)[0]
+    single = _train("fp8_rowwise", None, 6)["losses"]
+    assert _rel(f8["losses"], single) < 0.01
+    assert hp["effective"]["comm"] == {"activation_all_gather": "compute"}
+    assert f8["effective"]["comm"] == {"activation_all_gather": "fp8"}
+    a, b = hp["rows"][1], f8["rows"][1]
+    assert a.get("comm_all_gather_fp8_bytes", 0) == 0 and b["comm_all_gather_fp8_bytes"] > 0
+    # The residual stream is FP32 here: the gathered activations shrink from 4 to ~1 byte per element (+ scales).
+    moved_hp = a["comm_all_gather_bytes"] - b["comm_all_gather_bytes"] + b["comm_all_gather_fp8_bytes"]
+    assert b["comm_all_gather_fp8_bytes"] <= 0.30 * moved_hp, (a, b)
