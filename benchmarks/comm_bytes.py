@@ -33,17 +33,12 @@ def _run(recipe_name: str, comm: dict, model: str, steps: int, dims: dict | None
     from lowprec.model import model_args
     from lowprec.optim import OptimHParams
     from lowprec.parallel import ParallelDims
-    from lowprec.recipe import Recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe
 
-    recipe = get_recipe(recipe_name)
-    if comm:
-        d = recipe.to_dict()
-        d["comm"].update(comm)
-        recipe = Recipe.from_dict(d)
+    recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(steps=steps, batch_size=8, seq_len=128, warmup_steps=1, val_every=0, val_batches=1,
                      timing_warmup_steps=2, telemetry_every=1000, progress=False)

@@ -341,6 +341,13 @@ class Recipe:
         d.pop("name"), d.pop("description")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
+    def with_fields(self, group: str, **fields: Any) -> "Recipe":
+        """A copy with ``recipe.<group>.<field>`` replaced (validated again), e.g.
+        ``r.with_fields("comm", grad_reduce="fp8")``. Raises ``RecipeError`` as ``from_dict`` does."""
+        d = self.to_dict()
+        d[group] = {**d[group], **fields}
+        return Recipe.from_dict(d)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Recipe":
         """Build from a plain (e.g. Hydra) mapping. Unknown keys raise ``RecipeError`` naming them."""

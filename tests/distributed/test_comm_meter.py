@@ -12,15 +12,8 @@ from torch import nn
 from lowprec.parallel.comm_meter import KINDS, CommMeter, comm_label, current_comm_label
 from lowprec.parallel.spawn import run_ranks
 
-# Out-features 50, 7, 2 do not divide 2 or 3 (FSDP pads dim 0); the 2-row layer leaves rank 2 of 3 no rows.
-DIMS = (13, 50, 7, 2)
-
-
-def _model() -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(DIMS[:-1], DIMS[1:])):
-        layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(DIMS) - 2 else [])
-    return nn.Sequential(*layers)
+from toy_models import DIMS
+from toy_models import mlp as _model
 
 
 def _padded_numel(model: nn.Module, ws: int) -> int:

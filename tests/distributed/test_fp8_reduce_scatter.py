@@ -21,16 +21,8 @@ from lowprec.parallel.fp8_reduce_scatter import (
 )
 from lowprec.parallel.spawn import run_ranks
 
-# Out-features 50, 7, 2 divide neither 2 nor 3 (FSDP pads dim 0); at world size 3 the 2-row layer leaves rank 2
-# with padding only.
-DIMS = (13, 50, 7, 2)
-
-
-def _model() -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(DIMS[:-1], DIMS[1:])):
-        layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(DIMS) - 2 else [])
-    return nn.Sequential(*layers)
+from toy_models import DIMS
+from toy_models import mlp as _model
 
 
 def _shard(model: nn.Module, mesh) -> nn.Module:

@@ -21,17 +21,12 @@ def _train(recipe_name: str, dims: dict | None, steps: int, *, batch_size: int =
     from lowprec.model import model_args
     from lowprec.optim import OptimHParams
     from lowprec.parallel import ParallelDims
-    from lowprec.recipe import Recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe
 
-    recipe = get_recipe(recipe_name)
-    if comm:
-        d = recipe.to_dict()
-        d["comm"].update(comm)
-        recipe = Recipe.from_dict(d)
+    recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, warmup_steps=2, val_every=0, val_batches=1,
                      timing_warmup_steps=1, telemetry_every=telemetry_every, checkpoint_every=checkpoint_every,
@@ -166,17 +161,14 @@ def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Te
     from lowprec.model import model_args
     from lowprec.optim import OptimHParams
     from lowprec.parallel import ParallelDims
-    from lowprec.recipe import Recipe
     from lowprec.train.build import build
     from lowprec.train.loop import _loss
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe
 
-    d = get_recipe("bf16").to_dict()
-    d["comm"]["grad_reduce"] = grad_reduce
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(steps=2, batch_size=4, seq_len=64, timing_warmup_steps=1, progress=False)
-    b = build(Recipe.from_dict(d), model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"),
+    b = build(get_recipe("bf16").with_fields("comm", grad_reduce=grad_reduce), model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"),
               ParallelDims(dp_shard=ws))
     x, y = b.dist.shard_batch(*TokenBatches(data.train, data.val, 64, 4, 0).train_batch(0, 0))
     _loss(b, x, y).backward()
