@@ -106,7 +106,7 @@ class Float8Linear(nn.Linear):
         input gradient is a partial sum. Row-wise (weight ``Shard(1)``): the input is ``Shard(-1)`` and the
         output ``Partial`` (the plan's output hook all-reduces or reduce-scatters it).
         """
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Partial, Shard
 
         w = self.weight
         if w.device_mesh.ndim != 1 or self.bias is not None:

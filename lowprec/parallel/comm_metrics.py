@@ -67,9 +67,3 @@ def observed_comm_dtypes(by_kind_dtype: dict[str, dict[str, int]]) -> dict[str, 
             out[kind] = "fp8" if "fp8" in merged else max(merged, key=merged.get)
     return out
 
-
-def step_context_factory(metrics: StepCommMetrics | None):
-    """``step -> context``: the metrics' context, or a null context on one process."""
-    if metrics is None:
-        return lambda step: contextlib.nullcontext()
-    return metrics.context
