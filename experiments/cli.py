@@ -147,8 +147,8 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
             # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
             from experiments.config import model_from_cfg, train_from_cfg
 
-            dims.check(batch_size=int(cfg.train.batch_size), n_heads=model_from_cfg(cfg.model).n_heads,
-                       n_kv_heads=model_from_cfg(cfg.model).n_kv_heads)
+            args = model_from_cfg(cfg.model)
+            dims.check(batch_size=int(cfg.train.batch_size), n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
             train_from_cfg(cfg)
             if config_name == "train":
                 from experiments.config import recipe_from_cfg

@@ -34,7 +34,7 @@ def local_numel(t: torch.Tensor) -> int:
     """Elements this rank holds: the local shard of a DTensor (FSDP2/TP), else ``numel()``."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+    return t._local_tensor.numel() if isinstance(t, DTensor) else t.numel()
 
 
 def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -15,7 +15,9 @@ parameter's dtype.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
@@ -77,8 +79,6 @@ class Float8Linear(nn.Linear):
             if self.amax_group is not None:
                 # Transformer Engine's reduce_amax: every rank records the global amax, so histories and
                 # scales are identical across ranks and equal those of one process on the global batch.
-                import torch.distributed as dist
-
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
             scaler.record(amax)
             q = quantize_operand(t, rc.fmt, "tensorwise", scale=scaler.scale)
@@ -93,24 +93,19 @@ class Float8Linear(nn.Linear):
         return fp8_gemm(a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
         if isinstance(self.weight, DTensor):
             return self._forward_tensor_parallel(x)
         return self._forward_local(x, self.weight)
 
     def _forward_tensor_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """Under a TP plan (1-D TP mesh): the FP8 GEMMs run on the local shards, with scales per shard.
+        """Under ``lowprec.parallel.tp.apply_tp`` (1-D TP mesh, no bias; checked there): the FP8 GEMMs run
+        on the local shards, with scales per shard.
 
         Column-wise (weight ``Shard(0)``): the input is replicated, the output ``Shard(-1)``, and each rank's
         input gradient is a partial sum. Row-wise (weight ``Shard(1)``): the input is ``Shard(-1)`` and the
         output ``Partial`` (the plan's output hook all-reduces or reduce-scatters it).
         """
-        from torch.distributed.tensor import DTensor, Partial, Shard
-
         w = self.weight
-        if w.device_mesh.ndim != 1 or self.bias is not None:
-            raise NotImplementedError("lowprec Float8Linear under TP supports a 1-D TP mesh and bias=False")
         colwise = w.placements[0] == Shard(0)
         if isinstance(x, DTensor):
             x = x.to_local(grad_placements=[Partial()] if colwise else None)

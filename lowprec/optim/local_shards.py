@@ -12,8 +12,6 @@ the model parameters) with aliasing views in place of FP32 copies: it adds no me
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -30,7 +28,7 @@ class LocalShardViews(MasterWeights):
     """``masters[i]``: a leaf alias of ``params[i]``'s local shard (``params[i]`` itself when it is a plain
     tensor). ``before_step`` attaches the local shard of each gradient; ``after_step`` only drops it."""
 
-    def __init__(self, params, master_dtype=None, keep_master_grads: bool = False) -> None:
+    def __init__(self, params) -> None:
         from torch.distributed.tensor import DTensor
 
         self.params = list(params)
@@ -64,12 +62,10 @@ class LocalShardOptimizer(MasterWeightOptimizer):
     """``inner_factory(groups)`` builds the real optimizer over local-shard aliases of the DTensor
     parameters in ``params``; everything else behaves as ``MasterWeightOptimizer`` (see there).
 
-    Its ``state_dict`` holds per-rank local states, so a checkpoint of it reloads only on the same layout
-    (``lowprec.train.checkpoint`` refuses anything else with a clear error).
+    Its ``state_dict`` turns the local states into DTensors (see there): states shaped like the shard reshard
+    on load, per-rank constants (bitsandbytes block absmax) load only into the same layout, and
+    ``lowprec.train.checkpoint`` turns any other attempt into a one-line ``CheckpointError``.
     """
-
-    def __init__(self, params, inner_factory: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
-        super().__init__(params, inner_factory)
 
     def _make_copies(self, flat, master_dtype, keep_master_grads) -> MasterWeights:
         return LocalShardViews(flat)
@@ -102,10 +98,7 @@ class LocalShardOptimizer(MasterWeightOptimizer):
         for pid, st in state_dict["state"].items():
             state[pid] = {k: _from_dtensor(v, cur.get(view_of.get(pid), {}).get(k)) for k, v in st.items()}
         self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
-        for wg, sg in zip(self.param_groups, state_dict["param_groups"]):
-            for k, v in sg.items():
-                if k != "params":
-                    wg[k] = v
+        self._load_group_hparams(state_dict["param_groups"])
 
 
 def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:

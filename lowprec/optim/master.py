@@ -217,6 +217,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise ValueError("MasterWeightOptimizer takes its parameter groups at construction; add_param_group after it is refused")
         super().add_param_group(param_group)
 
+    def _load_group_hparams(self, saved_groups: list[dict]) -> None:
+        """Copy the saved groups' hyper-parameters (lr, betas, ...) into this wrapper's groups."""
+        for wg, sg in zip(self.param_groups, saved_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    wg[k] = copy.deepcopy(v)
+
     def state_dict(self) -> dict:
         """``{"state": {pid: {inner state..., "master": fp32 tensor}}, "param_groups": [...]}`` with the
         usual integer parameter ids (the order of ``param_groups``). Tensors are references, as in torch."""
@@ -254,10 +261,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"loaded state dict has no master weights for parameter ids {missing[:5]}")
         self.inner.load_state_dict({"state": inner_state, "param_groups": saved_groups})
-        for wg, sg in zip(self.param_groups, saved_groups):
-            for k, v in sg.items():
-                if k != "params":
-                    wg[k] = copy.deepcopy(v)
+        self._load_group_hparams(saved_groups)
         with torch.no_grad():
             for pid, p, m in zip(saved_ids, self.master.params, self.master.masters):
                 if m is not p:

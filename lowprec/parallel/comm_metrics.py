@@ -23,19 +23,20 @@ def _wire_name(dtype: str) -> str:
 
 class StepCommMetrics:
     """Meters sampled steps. ``context(step)`` wraps one optimizer step; ``after_step(step, built)`` returns
-    the metrics of a metered step (``{}`` otherwise); ``first_step`` keeps the first metered step's counts."""
+    the metrics of a metered step (``{}`` otherwise). ``meter`` keeps the last metered step's counts until
+    the next metered step starts."""
 
     def __init__(self, every: int):
         self.every = every
         self.meter = CommMeter()
         self._metered: int | None = None
-        self.first_step: dict[str, dict[str, int]] | None = None
+        self._any = False
 
     def context(self, step: int) -> ContextManager:
-        if self.first_step is not None and (self.every <= 0 or step % self.every):
+        if self._any and (self.every <= 0 or step % self.every):
             return contextlib.nullcontext()
         self.meter.reset()
-        self._metered = step
+        self._metered, self._any = step, True
         return self.meter
 
     def after_step(self, step: int, built) -> dict[str, float]:
@@ -43,8 +44,6 @@ class StepCommMetrics:
             return {}
         self._metered = None
         by = self.meter.bytes_by_kind_dtype()
-        if self.first_step is None:
-            self.first_step = by
         out: dict[str, float] = {}
         for kind, dtypes in by.items():
             out[f"comm_{kind}_bytes"] = float(sum(dtypes.values()))

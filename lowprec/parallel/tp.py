@@ -123,8 +123,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: st
     parallelism (torchtitan's default; it also makes every parameter a DTensor on the mesh).
 
     Call before FSDP2 and before ``to_empty`` (works on the meta device). ``activation_all_gather``:
-    ``compute`` or ``fp8`` (see the module docstring).
+    ``compute`` or ``fp8`` (see the module docstring). Raises ``ValueError`` for a lowprec FP8 linear with a
+    bias (its TP path adds none: a row-wise output is a partial sum).
     """
+    from lowprec.float8 import Float8Linear
+
+    biased = [n for n, m in model.named_modules() if isinstance(m, Float8Linear) and m.bias is not None]
+    if biased:
+        raise ValueError(f"tensor parallelism supports lowprec FP8 linears without bias; {biased[0]} has one")
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),

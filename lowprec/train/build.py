@@ -197,8 +197,10 @@ def build(
     check_runtime(recipe, device)
     dims = parallel or ParallelDims()
     model = build_model_meta(args)  # 1
-    fp8_fqns = convert_fp8(model, recipe.fp8,  # 2
-                           fsdp_fp8_all_gather=dims.dp > 1 and recipe.comm.weight_all_gather == "fp8")
+    # torchao's FSDP float8 all-gather is chosen at conversion (its weight wrapper) and needs a scale
+    # precompute after each optimizer step (step 6).
+    torchao_fp8_gather = dims.fsdp and recipe.fp8.backend == "torchao" and recipe.comm.weight_all_gather == "fp8"
+    fp8_fqns = convert_fp8(model, recipe.fp8, fsdp_fp8_all_gather=torchao_fp8_gather)  # 2
     precision, mp_policy = choose_precision(recipe, device, dims)
     plan, dctx = None, DistContext()
     if dims.enabled:  # 3
@@ -217,7 +219,7 @@ def build(
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     register_fp8_hooks(model, optimizer)  # 6
-    if plan is not None and recipe.fp8.backend == "torchao" and "weight_all_gather" in plan.mechanisms:
+    if torchao_fp8_gather:
         register_torchao_scale_precompute(model, optimizer)
     telemetry = build_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)

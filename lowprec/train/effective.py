@@ -94,8 +94,8 @@ def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:
 def _observed_comm(built: Built) -> dict:
     from lowprec.parallel.comm_metrics import observed_comm_dtypes
 
-    cm = built.comm_metrics  # step 0 was metered; its counts stay in the meter until the next sampled step
-    seen = observed_comm_dtypes(cm.first_step or cm.meter.bytes_by_kind_dtype())
+    # The first step of a run is always metered, and its counts stay in the meter until the next sampled step.
+    seen = observed_comm_dtypes(built.comm_metrics.meter.bytes_by_kind_dtype())
     out = {}
     if built.parallel.dims.fsdp and built.parallel.dims.tp == 1:
         # Under TP the all-gathers and reduce-scatters mix FSDP's and sequence parallelism's; only pure FSDP
