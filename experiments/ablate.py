@@ -11,9 +11,12 @@ from omegaconf import DictConfig
 
 from lowprec.data import check_vocab_fits
 from lowprec.parallel.runtime import is_rank0
-from lowprec.train.build import check_runtime, resolve_device
+from lowprec.errors import ConfigError
+from lowprec.recipe import Recipe
+from lowprec.train.build import resolve_device
 from recipes import get_recipe
-from experiments.config import flat_params, model_from_cfg, parallel_from_cfg, train_from_cfg
+from experiments.config import flat_params
+from experiments.preflight import preflight
 from experiments.report import build_report
 from experiments.run import RunOutcome, run_one
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
@@ -28,6 +31,26 @@ class AblationOutcome:
     wall_s: float = 0.0
 
 
+def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
+    """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
+
+    Raises ``ConfigError`` for an empty list, a repeated name or ``seeds`` < 1, and ``RecipeError`` listing
+    the catalog for an unknown name.
+    """
+    names = list(cfg.recipes)
+    if not names:
+        raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
+    try:
+        seeds = int(cfg.seeds)
+    except (TypeError, ValueError):
+        raise ConfigError(f"seeds={cfg.seeds!r} must be an integer >= 1") from None
+    if seeds < 1:
+        raise ConfigError(f"seeds={cfg.seeds} must be >= 1")
+    return [get_recipe(n) for n in names]
+
+
 def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     """Run ``cfg.recipes`` x ``cfg.seeds`` seeds (``cfg.seed``, ``cfg.seed+1``, ...) and write the report.
 
@@ -36,25 +59,19 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     ablation continues.
     """
     t0 = time.perf_counter()
-    names = list(cfg.recipes)
-    if not names:
-        raise ValueError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
-    recipes = [get_recipe(n) for n in names]
-    if int(cfg.seeds) < 1:
-        raise ValueError(f"seeds={cfg.seeds} must be >= 1")
+    recipes = ablation_recipes(cfg)
+    names = [r.name for r in recipes]
     seeds = [int(cfg.seed) + i for i in range(int(cfg.seeds))]
     control = cfg.control if cfg.control in names else names[0]
     if control != cfg.control:
         echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
-    train_from_cfg(cfg)  # validate the loop settings before any work
-    device = resolve_device(cfg.device)
-    for r in recipes:
-        check_runtime(r, device)
+    args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
     from experiments.cli import prepare_data, start_parallel
 
     dims = start_parallel(cfg)
     data = prepare_data(cfg)
-    check_vocab_fits(data, model_from_cfg(cfg.model).vocab_size)
+    check_vocab_fits(data, args.vocab_size)
+    device = resolve_device(cfg.device)
     tracker = make_tracker(cfg)
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731

@@ -23,28 +23,30 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME] [batch=N] [seq=N] [--json]
 """
 
-# Errors a user can cause with a bad value; they print as one line. Anything else is a bug and keeps its traceback.
+# Errors a user can cause with a bad value print as one line (exit 2). Anything else is a bug and keeps its
+# traceback: a ValueError or KeyError raised inside lowprec is not taken for a user's mistake.
 def _user_errors():
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from lowprec.data import DataError
-    from lowprec.recipe import RecipeError
-    from experiments.report import ReportError
+    from lowprec.errors import UserError
 
-    from lowprec.train.checkpoint import CheckpointError
-
-    return (RecipeError, DataError, ReportError, HydraException, OmegaConfBaseException, ValueError, KeyError,
-            CheckpointError)
+    return (UserError, HydraException, OmegaConfBaseException)
 
 
 def one_line(e: BaseException) -> str:
-    """First non-empty message along the exception's cause chain (Hydra wraps the useful one)."""
+    """First non-empty message along the exception's cause chain (Hydra wraps the useful one); for a config
+    group option that does not exist (``recipe=fp9``), the valid options are appended."""
+    from hydra.errors import MissingConfigException
+
     parts = []
     while e is not None:
         msg = str(e).strip()
         if msg:
-            parts.append(msg.splitlines()[0])
+            line = msg.splitlines()[0]
+            if isinstance(e, MissingConfigException) and getattr(e, "options", None):
+                line += f"; known: {', '.join(e.options)}"
+            parts.append(line)
         e = e.__cause__
     return "; ".join(dict.fromkeys(parts)) or "unknown error"
 
@@ -97,16 +99,13 @@ def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
     from lowprec.data import check_vocab_fits
     from lowprec.parallel.runtime import is_rank0
-    from experiments.config import model_from_cfg, recipe_from_cfg, train_from_cfg
+    from experiments.config import recipe_from_cfg
+    from experiments.preflight import preflight
     from experiments.run import run_one
     from experiments.tracking import make_tracker
 
-    from lowprec.train.build import check_runtime, resolve_device
-
     recipe = recipe_from_cfg(cfg.recipe)
-    check_runtime(recipe, resolve_device(cfg.device))
-    args = model_from_cfg(cfg.model)
-    train_from_cfg(cfg)  # validate before any work
+    args = preflight(cfg, [recipe]).args  # every check that needs no data, before any MLflow run
     dims = start_parallel(cfg)
     data = prepare_data(cfg)
     check_vocab_fits(data, args.vocab_size)
@@ -122,7 +121,20 @@ def train_main(cfg: DictConfig, echo=print):
              f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}")
     else:
         echo(f"FAILED run {o.run_id}: {o.reason}")
+        if o.traceback:  # not a user error: a bug, whose traceback is also the run's failure_traceback.txt artifact
+            print(o.traceback, file=sys.stderr)
     return o
+
+
+def _recipes_of(config_name: str, cfg: DictConfig) -> list:
+    """The recipes a ``train`` or ``ablate`` command will run (validated; ``RecipeError`` otherwise)."""
+    if config_name == "train":
+        from experiments.config import recipe_from_cfg
+
+        return [recipe_from_cfg(cfg.recipe)]
+    from experiments.ablate import ablation_recipes
+
+    return ablation_recipes(cfg)
 
 
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
@@ -145,15 +157,9 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
         dims = parallel_from_cfg(cfg)
         if dims.enabled and not under_torchrun():
             # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
-            from experiments.config import model_from_cfg, train_from_cfg
+            from experiments.preflight import preflight
 
-            args = model_from_cfg(cfg.model)
-            dims.check(batch_size=int(cfg.train.batch_size), n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
-            train_from_cfg(cfg)
-            if config_name == "train":
-                from experiments.config import recipe_from_cfg
-
-                recipe_from_cfg(cfg.recipe)
+            preflight(cfg, _recipes_of(config_name, cfg))
             print(f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True)
             return spawn_torchrun(dims.world_size, [config_name, *argv])
         result = task(cfg)

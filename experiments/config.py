@@ -7,11 +7,13 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lowprec.data import DataSpec
+from lowprec.errors import ConfigError
 from lowprec.model import LLAMA_CONFIGS, ModelArgs, model_args
 from lowprec.optim import OptimHParams
-from lowprec.recipe import Recipe
+from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 from lowprec.train.spec import TrainSpec
 from recipes import CATALOG
 
@@ -41,23 +43,47 @@ def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
+def typed(cls: type, node, prefix: str) -> dict:
+    """The fields of ``node`` checked and converted against the dataclass ``cls`` (OmegaConf structured
+    config: ``"12"`` -> 12, ``"abc"`` for an int is refused). Raises ``ConfigError`` naming
+    ``<prefix>.<field>`` for a value of the wrong type or an unknown key."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), _plain(node))
+    except OmegaConfBaseException as e:
+        key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
+        msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+        raise ConfigError(f"{key}: {msg}") from None
+    return OmegaConf.to_container(merged, resolve=True)
+
+
+_RECIPE_GROUPS = {"weights": WeightSpec, "compute": ComputeSpec, "fp8": Float8Spec, "optim": OptimSpec, "comm": CommSpec}
+
+
 def recipe_from_cfg(node) -> Recipe:
-    """``Recipe`` from the ``recipe`` node; raises ``RecipeError`` naming bad fields."""
-    return Recipe.from_dict(_plain(node))
+    """``Recipe`` from the ``recipe`` node; raises ``RecipeError`` naming bad fields or values."""
+    d = _plain(node)
+    for group, cls in _RECIPE_GROUPS.items():
+        if isinstance(d.get(group), dict):
+            try:
+                d[group] = typed(cls, d[group], f"recipe.{group}")
+            except ConfigError as e:
+                raise RecipeError(str(e)) from None
+    return Recipe.from_dict(d)
 
 
 def model_from_cfg(node) -> ModelArgs:
     d = _plain(node)
     name = d.pop("name")
-    return model_args(name, **d)
+    base = model_args(name)  # ConfigError listing the sizes for an unknown name
+    return dataclasses.replace(base, **typed(ModelArgs, {**dataclasses.asdict(base), **d}, "model"))
 
 
 def train_from_cfg(cfg: DictConfig) -> TrainSpec:
-    return TrainSpec(**_plain(cfg.train))
+    return TrainSpec(**typed(TrainSpec, cfg.train, "train"))
 
 
 def optim_from_cfg(cfg: DictConfig) -> OptimHParams:
-    return OptimHParams(**_plain(cfg.optim))
+    return OptimHParams(**typed(OptimHParams, cfg.optim, "optim"))
 
 
 def parallel_from_cfg(cfg: DictConfig):
@@ -65,11 +91,11 @@ def parallel_from_cfg(cfg: DictConfig):
     from lowprec.parallel import ParallelDims
 
     node = cfg.get("parallel")
-    return ParallelDims(**_plain(node)) if node is not None else ParallelDims()
+    return ParallelDims(**typed(ParallelDims, node, "parallel")) if node is not None else ParallelDims()
 
 
 def data_from_cfg(cfg: DictConfig) -> DataSpec:
-    return DataSpec(**_plain(cfg.data))
+    return DataSpec(**typed(DataSpec, cfg.data, "data"))
 
 
 def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments import plots
+from lowprec.errors import UserError
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 
 CURVES = ("loss", "val_loss", "grad_norm")
@@ -23,7 +24,7 @@ MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "me
                   "mem_fp8_scaling_state_bytes", "mem_saved_activations_bytes", "mem_saved_weight_copies_bytes")
 
 
-class ReportError(RuntimeError):
+class ReportError(UserError, RuntimeError):
     """The ablation cannot be found or holds no runs."""
 
 

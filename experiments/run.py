@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
+from lowprec.errors import UserError
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
@@ -67,6 +69,14 @@ def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str
     }
 
 
+def _effective_tags(eff: dict) -> dict[str, str]:
+    tags = {"effective_recipe": dumps(eff)}
+    if "resume_recipe_change" in eff:
+        c = eff["resume_recipe_change"]
+        tags["resume_recipe_change"] = f"{c['from']} ({c['from_hash']}) -> {c['to']} ({c['to_hash']}) at step {c['at_step']}"
+    return tags
+
+
 def _rank0_value(value: str) -> str:
     """``value`` as rank 0 holds it (run ids exist only on rank 0, which talks to MLflow)."""
     import torch.distributed as dist
@@ -86,6 +96,8 @@ class RunOutcome:
     status: str  # FINISHED | FAILED
     reason: str = ""
     summary: dict | None = None
+    #: The traceback of a failure that is not a user error (a bug); also logged as ``failure_traceback.txt``.
+    traceback: str | None = None
 
 
 def run_one(
@@ -135,11 +147,13 @@ def run_one(
         result = run_training(
             built, batches, spec, sink,
             before_step=fault_hooks(cfg.faults, recipe.name),
-            on_effective=lambda eff: tracker.set_tags(run_id, {"effective_recipe": dumps(eff)}),
+            on_effective=lambda eff: tracker.set_tags(run_id, _effective_tags(eff)),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
         )
         sink.flush()
+        if not result.effective_checked:  # a loop that skipped the check must not produce a comparable run
+            raise EffectiveRecipeError("the effective recipe was never inspected and checked")
         sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device, dims),
                           **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"])},
                          spec.steps)
@@ -156,6 +170,9 @@ def run_one(
         sink.flush()
         if isinstance(e, EffectiveRecipeError):
             tracker.set_tags(run_id, {"effective_matches": "false"})
+        tb = traceback.format_exc()
+        tracker.log_text(run_id, tb, "failure_traceback.txt")
         tracker.end_run(run_id, "FAILED", reason)
-        return RunOutcome(run_id, recipe.name, seed, "FAILED", reason=reason)
+        return RunOutcome(run_id, recipe.name, seed, "FAILED", reason=reason,
+                          traceback=None if isinstance(e, UserError) else tb)
 

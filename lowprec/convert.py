@@ -10,36 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 
-import re
-
 from torch import nn
 
-from lowprec.recipe import Float8Spec
-
-_BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
-
+from lowprec.recipe import Float8Spec, RecipeError
 
 def fp8_candidate_fqns(model: nn.Module, spec: Float8Spec) -> list[str]:
-    """FQNs of the ``nn.Linear`` modules the spec puts in FP8 (empty when FP8 is off).
-
-    Excluded: ``keep_hp_fqns`` matches, linears in the first ``hp_first_blocks`` / last ``hp_last_blocks``
-    transformer blocks (``layers.N.*``), and linears with ``min(in, out) < min_features``.
-    """
+    """FQNs of the ``nn.Linear`` modules the spec puts in FP8 (``Float8Spec.selects_linear``; empty when
+    FP8 is off)."""
     if not spec.enabled:
         return []
     n_blocks = len(getattr(model, "layers", []))
-    hp_blocks = set(range(spec.hp_first_blocks)) | set(range(n_blocks - spec.hp_last_blocks, n_blocks))
-    out = []
-    for fqn, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or spec.keeps_high_precision(fqn):
-            continue
-        block = _BLOCK_RE.match(fqn)
-        if block and int(block.group(1)) in hp_blocks:
-            continue
-        if min(m.in_features, m.out_features) < spec.min_features:
-            continue
-        out.append(fqn)
-    return out
+    return [fqn for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)]
+
+
+def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
+    """``fp8_candidate_fqns``, refusing a spec that asks for FP8 and selects no linear of ``model``.
+
+    Raises ``RecipeError`` naming the filters (e.g. ``hp_first_blocks`` covering every block, or a
+    ``min_features`` above every linear's width), so such a run stops before training instead of
+    finishing in high precision.
+    """
+    fqns = fp8_candidate_fqns(model, spec)
+    if spec.enabled and not fqns:
+        raise RecipeError(
+            f"recipe.fp8.backend={spec.backend!r} asks for FP8 but its filters select no linear of this model "
+            f"(keep_hp_fqns={list(spec.keep_hp_fqns)}, hp_first_blocks={spec.hp_first_blocks}, "
+            f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none")
+    return fqns
 
 
 def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -60,14 +58,15 @@ def convert_fp8(model: nn.Module, spec: Float8Spec, fsdp_fp8_all_gather: bool = 
     - ``lowprec``: ``lowprec.float8.Float8Linear`` with ``LinearFP8Config.from_spec(spec)``.
     - ``te``: ``transformer_engine.pytorch.Linear`` (imported here, lazily; see ``lowprec.float8.te``).
     """
-    fqns = fp8_candidate_fqns(model, spec)
+    fqns = require_fp8_selection(model, spec)
     if not fqns:
         return []
     modules = dict(model.named_modules())
     if spec.backend == "torchao":
         bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
         if bad:
-            raise ValueError(f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}")
+            raise RecipeError(f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
+                          "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         selected = set(fqns)
@@ -91,5 +90,5 @@ def convert_fp8(model: nn.Module, spec: Float8Spec, fsdp_fp8_all_gather: bool = 
         for f in fqns:
             _swap(model, f, te_linear_from(modules[f]))
     else:
-        raise ValueError(f"recipe.fp8.backend={spec.backend!r} has no converter")
+        raise RecipeError(f"recipe.fp8.backend={spec.backend!r} has no converter")
     return fqns

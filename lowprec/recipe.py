@@ -19,15 +19,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lowprec.errors import ConfigError
 
-class RecipeError(ValueError):
+
+class RecipeError(ConfigError):
     """An invalid or unsupported recipe; the message names the conflicting fields."""
 
+
+_BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +40,17 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 def _check_choice(group: str, name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise RecipeError(f"recipe.{group}.{name}={value!r} is not one of {list(choices)}")
+
+
+def _refuse_inert(spec: Any, cls: type, group: str, names: tuple[str, ...], because: str) -> None:
+    """Refuse fields that would have no effect: they would change the recipe's hash without changing what runs."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name in names:
+        default = defaults[name]
+        default = tuple(default) if isinstance(default, (list, tuple)) else default
+        if getattr(spec, name) != default:
+            raise RecipeError(f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}."
+                              f"{because}; remove the override (or enable the feature it belongs to)")
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,11 @@ class ComputeSpec:
     def __post_init__(self) -> None:
         _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16", "fp16"))
         _check_choice("compute", "loss_scaling", self.loss_scaling, ("none", "dynamic"))
+        if not (0 < self.init_scale < float("inf")) or self.growth_interval < 1:
+            raise RecipeError(f"recipe.compute.init_scale={self.init_scale} must be finite and > 0 and "
+                              f"recipe.compute.growth_interval={self.growth_interval} >= 1")
+        if self.loss_scaling == "none":
+            _refuse_inert(self, ComputeSpec, "compute", ("init_scale", "growth_interval"), "loss_scaling='none'")
         if self.loss_scaling == "dynamic" and self.autocast_dtype != "fp16":
             raise RecipeError(f"recipe.compute.loss_scaling='dynamic' conflicts with recipe.compute.autocast_dtype="
                               f"{self.autocast_dtype!r}: loss scaling exists for FP16's narrow exponent range")
@@ -153,9 +174,24 @@ class Float8Spec:
                               f"recipe.fp8.margin={self.margin} >= 0")
         if self.accum_mantissa_bits is not None and not 0 < self.accum_mantissa_bits < 23:
             raise RecipeError(f"recipe.fp8.accum_mantissa_bits={self.accum_mantissa_bits} must be in 1..22")
+        if not all(0 < s < float("inf") for s in self.static_scales):
+            raise RecipeError(f"recipe.fp8.static_scales={list(self.static_scales)} must be finite and > 0 "
+                              "(fp8 = hp * scale)")
+        if self.promotion_interval is not None and self.promotion_interval < 1:
+            raise RecipeError(f"recipe.fp8.promotion_interval={self.promotion_interval} must be >= 1 (or null)")
+        for name in ("hp_first_blocks", "hp_last_blocks", "min_features"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"recipe.fp8.{name}={getattr(self, name)} must be >= 0")
         if self.backend == "none":
+            _refuse_inert(self, Float8Spec, "fp8", tuple(f.name for f in dataclasses.fields(self) if f.name != "backend"),
+                          "backend='none'")
             return
         _check_choice("fp8", "scaling", self.scaling, FP8_SCALINGS[self.backend])
+        if self.strategy != "delayed":
+            _refuse_inert(self, Float8Spec, "fp8", ("amax_history_len", "amax_compute_algo", "margin"),
+                          f"strategy={self.strategy!r} (they are delayed-scaling settings)")
+        if self.strategy != "static":
+            _refuse_inert(self, Float8Spec, "fp8", ("static_scales",), f"strategy={self.strategy!r}")
         if self.strategy != "current" and self.scaling != "tensorwise":
             raise RecipeError(
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
@@ -193,6 +229,23 @@ class Float8Spec:
     def keeps_high_precision(self, fqn: str) -> bool:
         """True if the linear at ``fqn`` stays out of FP8 by name."""
         return any(fqn == p or fqn.endswith("." + p) for p in self.keep_hp_fqns)
+
+    def selects_linear(self, fqn: str, in_features: int, out_features: int, n_blocks: int) -> bool:
+        """True if the linear at ``fqn`` (``in_features`` -> ``out_features``) of a model with ``n_blocks``
+        transformer blocks (``layers.N.*``) runs in FP8 under this spec.
+
+        Excluded: everything when FP8 is off, ``keep_hp_fqns`` matches, linears of the first
+        ``hp_first_blocks`` / last ``hp_last_blocks`` blocks, and linears with ``min(in, out) < min_features``.
+        The converter and the effective-recipe check both apply this rule to the model's linears.
+        """
+        if not self.enabled or self.keeps_high_precision(fqn):
+            return False
+        block = _BLOCK_RE.match(fqn)
+        if block:
+            i = int(block.group(1))
+            if i < self.hp_first_blocks or i >= n_blocks - self.hp_last_blocks:
+                return False
+        return min(in_features, out_features) >= self.min_features
 
     def short(self) -> str:
         if not self.enabled:

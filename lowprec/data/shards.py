@@ -46,13 +46,26 @@ def write_shards(out_dir: Path, splits: dict[str, np.ndarray], vocab_size: int, 
 
 
 def read_meta(shard_dir: Path) -> dict:
+    """``meta.json`` of a shard folder, checked for the keys lowprec reads (``vocab_size``, ``splits``: split
+    name -> list of ``{file, tokens, sha256}``). Raises ``DataError`` naming the file and what is missing."""
     path = shard_dir / META
     if not path.exists():
         raise DataError(f"token shard folder {str(shard_dir)!r} has no {META}")
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{str(path)!r} is corrupt: {e}") from e
+    fix = "rewrite it with lowprec.data.shards.write_shards"
+    if not isinstance(meta, dict):
+        raise DataError(f"{str(path)!r} is not a JSON object; {fix}")
+    missing = [k for k in ("vocab_size", "splits") if k not in meta]
+    if missing:
+        raise DataError(f"{str(path)!r} has no {missing[0]!r} key; {fix}")
+    if not isinstance(meta["splits"], dict) or not all(
+            isinstance(es, list) and all(isinstance(e, dict) and {"file", "tokens", "sha256"} <= set(e) for e in es)
+            for es in meta["splits"].values()):
+        raise DataError(f"{str(path)!r}: 'splits' must map each split to a list of {{file, tokens, sha256}}; {fix}")
+    return meta
 
 
 def open_split(shard_dir: Path, split: str, verify: bool = True) -> list[np.memmap]:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowprec.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -38,14 +40,17 @@ class ModelArgs:
     max_seq_len: int = 2048
 
     def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
             )
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+            raise ConfigError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
 
     @property
     def head_dim(self) -> int:
@@ -92,9 +97,9 @@ LLAMA_CONFIGS: dict[str, ModelArgs] = {
 
 
 def model_args(name: str, **overrides) -> ModelArgs:
-    """Named size with optional field overrides. Raises ``KeyError`` listing the known names."""
+    """Named size with optional field overrides. Raises ``ConfigError`` listing the known names."""
     if name not in LLAMA_CONFIGS:
-        raise KeyError(f"unknown model size {name!r}; known: {', '.join(LLAMA_CONFIGS)}")
+        raise ConfigError(f"unknown model size {name!r}; known: {', '.join(LLAMA_CONFIGS)}")
     return replace(LLAMA_CONFIGS[name], **overrides)
 
 

@@ -16,10 +16,12 @@ accounts for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
 
 MIN_8BIT_NUMEL = 4096
@@ -40,13 +42,24 @@ def is_quantized_state(impl: str, state: str, numel: int) -> bool:
 
 @dataclass(frozen=True)
 class OptimHParams:
-    """AdamW hyper-parameters (not precision): lr (peak), betas, eps, weight decay (2-D weights only)."""
+    """AdamW hyper-parameters (not precision): lr (peak), betas, eps, weight decay (2-D weights only).
+
+    Raises ``ConfigError`` naming the field for lr <= 0, betas outside [0, 1), eps <= 0 or weight_decay < 0.
+    """
 
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+
+    def __post_init__(self) -> None:
+        checks = {"lr": (self.lr > 0, "> 0"), "beta1": (0 <= self.beta1 < 1, "in [0, 1)"),
+                  "beta2": (0 <= self.beta2 < 1, "in [0, 1)"), "eps": (self.eps > 0, "> 0"),
+                  "weight_decay": (self.weight_decay >= 0, ">= 0")}
+        for name, (ok, rule) in checks.items():
+            if not ok or not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be finite and {rule}")
 
 
 def _param_groups(model: torch.nn.Module, wd: float) -> list[dict]:

@@ -44,6 +44,26 @@ def _fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
+def check_layout(recipe: Recipe, dims: ParallelDims) -> None:
+    """Refuse a recipe whose communication dtypes this layout cannot honour (no silent fallback); needs no
+    model or process group, so the command line calls it before launching ranks.
+
+    Raises ``RecipeError``: FP8 weight all-gather or a low-precision reduce-scatter without FSDP, FP8
+    activation all-gather without TP, lowprec's FP8 weight all-gather together with TP.
+    """
+    comm = recipe.comm
+    if not dims.fsdp and (comm.weight_all_gather == "fp8" or comm.grad_reduce != "fp32"):
+        raise RecipeError(f"recipe {recipe.name}: recipe.comm.weight_all_gather={comm.weight_all_gather!r} / "
+                          f"grad_reduce={comm.grad_reduce!r} need FSDP (parallel.dp_shard > 1); this layout is "
+                          f"{dims.short()}: add parallel.dp_shard=N or choose a recipe without FP8 communication")
+    if comm.activation_all_gather == "fp8" and dims.tp == 1:
+        raise RecipeError(f"recipe {recipe.name}: recipe.comm.activation_all_gather='fp8' needs tensor parallelism "
+                          "(parallel.tp > 1)")
+    if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "lowprec" and dims.tp > 1:
+        raise RecipeError(f"recipe {recipe.name}: recipe.comm.weight_all_gather='fp8' with backend=lowprec is not "
+                          "supported together with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
+
+
 def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: DeviceMesh,
                 mp_policy: MixedPrecisionPolicy | None) -> ParallelPlan:
     """Apply TP and FSDP2 to ``model`` (on meta, already converted) as ``dims`` and ``recipe.comm`` say.
@@ -54,15 +74,8 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
     """
     comm = recipe.comm
     plan = ParallelPlan(dims, mesh, mp_policy)
-    if not dims.fsdp and (comm.weight_all_gather == "fp8" or comm.grad_reduce != "fp32"):
-        raise RecipeError(f"recipe.comm weight_all_gather={comm.weight_all_gather!r} / grad_reduce={comm.grad_reduce!r} "
-                          f"need FSDP (parallel.dp_shard > 1); this layout is {dims.short()}")
-    if comm.activation_all_gather == "fp8" and dims.tp == 1:
-        raise RecipeError("recipe.comm.activation_all_gather='fp8' needs tensor parallelism (parallel.tp > 1)")
+    check_layout(recipe, dims)
     if comm.weight_all_gather == "fp8" and recipe.fp8.backend == "lowprec":
-        if dims.tp > 1:
-            raise RecipeError("recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
-                              "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
         from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
 
         # Tensorwise weights travel with one all-reduced scale, rowwise/blockwise ones with a scale per row.

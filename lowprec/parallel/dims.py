@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lowprec.errors import ConfigError
 
-class ParallelError(ValueError):
+
+class ParallelError(ConfigError):
     """A parallel layout that cannot run (wrong world size, indivisible batch or heads)."""
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lowprec.convert import convert_fp8
+from lowprec.errors import ConfigError
 from lowprec.model import ModelArgs, Transformer
 from lowprec.optim import OptimHParams, build_optimizer
 from lowprec.parallel.dims import ParallelDims
@@ -55,12 +56,15 @@ class Built:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda if available else cpu; raises ``ValueError`` for an unavailable cuda."""
+    """``auto`` -> cuda if available else cpu; raises ``ConfigError`` for an unknown or unavailable device."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} requested but CUDA is not available")
+        raise ConfigError(f"device={name!r} requested but CUDA is not available; use device=cpu")
     return dev
 
 
@@ -196,6 +200,9 @@ def build(
     initialised process group whose size is its world size."""
     check_runtime(recipe, device)
     dims = parallel or ParallelDims()
+    from lowprec.parallel.apply import check_layout
+
+    check_layout(recipe, dims)
     model = build_model_meta(args)  # 1
     # torchao's FSDP float8 all-gather is chosen at conversion (its weight wrapper) and needs a scale
     # precompute after each optimizer step (step 6).

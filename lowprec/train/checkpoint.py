@@ -10,6 +10,7 @@ step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt`` (the s
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,18 +19,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lowprec.errors import UserError
+
 TRAINER_STATE = "trainer_state.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint folder is missing, corrupt, or does not match this model; the message says which."""
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    scheduler=None, loss_scaler=None) -> None:
+                    scheduler=None, loss_scaler=None, recipe=None) -> None:
     """Write everything the next step needs to the folder ``path`` (created if needed).
 
     ``step``: the number of optimizer steps taken (the resumed run starts at this step index).
+    ``recipe``: the run's ``Recipe``; its name and hash are stored so a resume under another recipe is
+    noticed (``check_resume_recipe``).
     """
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -43,6 +48,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "recipe_name": recipe.name if recipe is not None else None,
+        "recipe_hash": recipe.hash() if recipe is not None else None,
     }
     torch.save(trainer, path / TRAINER_STATE)
     if dist.is_initialized():
@@ -86,6 +93,47 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if trainer["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(trainer["rng_cuda"])
     return int(trainer["step"])
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state (step, schedule, scaler, RNG, recipe name and hash) of the checkpoint folder ``path``.
+
+    Raises ``CheckpointError`` when the folder or its ``trainer_state.pt`` is missing or corrupt.
+    """
+    p = Path(path) / TRAINER_STATE
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (missing {TRAINER_STATE})")
+    try:
+        return torch.load(p, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{str(p)!r} is corrupt: {str(e).splitlines()[0]}") from e
+
+
+def check_resume_recipe(path: str | Path, recipe, allow_change: bool) -> dict:
+    """Compare the recipe a checkpoint was written under with ``recipe`` (by ``Recipe.hash``).
+
+    Returns ``{}`` when they are the same, and ``{"resume_recipe_change": {...}}`` (from/to names and
+    hashes, the step) when they differ and ``allow_change`` is set (``train.resume_recipe_change=true``:
+    e.g. switching FP8 to BF16 late in training), to be recorded in the effective recipe. Raises
+    ``CheckpointError`` when they differ and ``allow_change`` is not set. A checkpoint written before
+    recipe hashes were stored cannot be verified: a warning says so and ``{}`` is returned.
+    """
+    trainer = read_trainer_state(path)
+    saved = trainer.get("recipe_hash")
+    if saved is None:
+        warnings.warn(f"checkpoint {str(path)!r} records no recipe hash (written by an older lowprec); "
+                      "cannot verify that it was trained with this recipe", stacklevel=2)
+        return {}
+    if saved == recipe.hash():
+        return {}
+    change = {"from": trainer.get("recipe_name"), "from_hash": saved, "to": recipe.name, "to_hash": recipe.hash(),
+              "at_step": int(trainer["step"])}
+    if not allow_change:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written under recipe {change['from']} (hash {saved}); this run is "
+            f"{recipe.name} (hash {recipe.hash()}): resume with the same recipe, or set "
+            "train.resume_recipe_change=true to switch recipes at this step")
+    return {"resume_recipe_change": change}
 
 
 def _missing(p: Path) -> int:

@@ -7,7 +7,9 @@ logged for a recipe that silently ran as something else.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -42,46 +44,44 @@ def _fp8_modules(model: nn.Module) -> dict[str, int]:
     return dict(kinds)
 
 
-@torch.no_grad()
-def _linear_output_dtypes(built: Built, tokens: torch.Tensor) -> Counter:
-    seen: Counter = Counter()
-    hooks = [
-        m.register_forward_hook(lambda mod, inp, out: seen.update([_dt(out.dtype)]))
-        for m in built.model.modules()
-        if isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values()
-    ]
+def _is_linear(m: nn.Module) -> bool:
+    # te.Linear is not an nn.Linear subclass; count it too.
+    return isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values()
+
+
+@contextlib.contextmanager
+def record_linear_output_dtypes(model: nn.Module) -> Iterator[dict[str, str]]:
+    """Record the output dtype of every linear (``fqn -> dtype name``) during the forward passes run inside.
+
+    The loop wraps the first real training step in it, so the inspection needs no forward of its own: an
+    extra forward would record amaxes into delayed-scaling histories and change the next step's scales.
+    """
+    seen: dict[str, str] = {}
+
+    def hook(fqn):
+        return lambda mod, inp, out: seen.__setitem__(fqn, _dt(out.dtype))
+
+    handles = [m.register_forward_hook(hook(fqn)) for fqn, m in model.named_modules() if _is_linear(m)]
     try:
-        with built.precision():
-            built.model(tokens)
+        yield seen
     finally:
-        for h in hooks:
+        for h in handles:
             h.remove()
-        _reshard(built.model)
-    return seen
 
 
-def _reshard(model: nn.Module) -> None:
-    # FSDP2 keeps modules with reshard_after_forward=False unsharded after a forward without backward;
-    # shard them again so later inspection and accounting see the sharded parameters and their gradients.
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def inspect_effective(built: Built, tokens: torch.Tensor) -> dict:
+def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dict:
     """Summary of what ran: dtypes weighted by element counts, FP8 linear count, optimizer class.
 
-    ``tokens``: (batch, seq) int64, used for one no-grad forward that records each linear's output dtype.
-    Call after an optimizer step and before ``zero_grad`` (gradients must exist).
+    ``linear_output_dtypes``: ``fqn -> dtype`` of each linear's output, recorded during the step that was
+    just taken (``record_linear_output_dtypes``). Reads the built objects only: it runs no forward and
+    changes no buffer. Call after an optimizer step and before ``zero_grad`` (gradients must exist).
     """
     params = [p for p in built.model.parameters() if p.requires_grad]
     opt = built.optimizer
     return {
         "param_dtype": dict(_count(params, lambda p: _dt(p.dtype))),
         "grad_dtype": dict(_count([p for p in params if p.grad is not None], lambda p: _dt(p.grad.dtype))),
-        "linear_output_dtype": dict(_linear_output_dtypes(built, tokens[:1])),
+        "linear_output_dtype": dict(Counter(linear_output_dtypes.values())),
         "fp8_linears": _fp8_modules(built.model),
         "linears": _n_linears(built.model),
         "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
@@ -123,8 +123,15 @@ def _expected_comm(built: Built) -> dict:
 
 
 def _n_linears(model: nn.Module) -> int:
-    # te.Linear is not an nn.Linear subclass; count it too.
-    return sum(1 for m in model.modules() if isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values())
+    return sum(1 for m in model.modules() if _is_linear(m))
+
+
+def expected_fp8_fqns(model: nn.Module, spec) -> list[str]:
+    """The linears ``spec`` puts in FP8, from the recipe's filters applied to the built model's linears
+    (whatever class they have now), independently of what the converter reported doing."""
+    n_blocks = len(getattr(model, "layers", []))
+    return [fqn for fqn, m in model.named_modules()
+            if _is_linear(m) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)]
 
 
 def _count(params, key) -> Counter:
@@ -144,6 +151,7 @@ def expected_effective(built: Built) -> dict:
     params = [p for p in built.model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     n_linears = _n_linears(built.model)
+    fp8 = expected_fp8_fqns(built.model, r.fp8)
     stepped = "float32" if r.weights.master_dtype == "fp32" else _dt(r.param_dtype)
     state = r.optim.state
     if state in ("int8", "int4"):
@@ -156,7 +164,7 @@ def expected_effective(built: Built) -> dict:
         "param_dtype": {_dt(r.param_dtype): n},
         "grad_dtype": {_dt(r.param_dtype): n},
         "linear_output_dtype": {_dt(r.compute_dtype): n_linears},
-        "fp8_linears": {FP8_MODULE_CLASS[r.fp8.backend]: len(built.fp8_fqns)} if built.fp8_fqns else {},
+        "fp8_linears": {FP8_MODULE_CLASS[r.fp8.backend]: len(fp8)} if fp8 else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),
         "master": "explicit" if r.weights.master_dtype != "none"

@@ -6,6 +6,7 @@ Precision reaches the loop only as objects made by ``lowprec.train.build`` (the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -20,8 +21,9 @@ from lowprec.accounting import PeakMemory, measure_state_bytes
 from lowprec.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
-from lowprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from lowprec.train.effective import check_effective, expected_effective, inspect_effective
+from lowprec.train.checkpoint import CheckpointError, check_resume_recipe, load_checkpoint, save_checkpoint
+from lowprec.train.effective import EffectiveRecipeError, check_effective, expected_effective, inspect_effective, record_linear_output_dtypes
+from lowprec.train.guards import preserve_buffers
 from lowprec.train.spec import TrainSpec
 
 
@@ -41,12 +43,14 @@ class StepResult:
 
 @dataclass
 class RunResult:
-    """What a finished run measured. ``summary`` holds the scalar metrics logged at the end."""
+    """What a finished run measured. ``summary`` holds the scalar metrics logged at the end;
+    ``effective_checked`` is True once the effective recipe was inspected and matched the requested one."""
 
     effective: dict
     summary: dict[str, float]
     peak_kind: str
     history: list[dict[str, float]] = field(default_factory=list)
+    effective_checked: bool = False
 
 
 def _loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -91,13 +95,15 @@ def train_step(built: Built, micro_batches: list[tuple[torch.Tensor, torch.Tenso
 @torch.no_grad()
 def evaluate(built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean validation loss over fixed ``batches`` in the run's compute precision (each data-parallel rank
-    evaluates its slice of every batch; the mean is over all of them)."""
+    evaluates its slice of every batch; the mean is over all of them). Buffers (delayed-scaling amax
+    histories) are restored afterwards: validation never changes the training trajectory."""
     built.model.eval()
     try:
         losses = []
         for x, y in batches:
             x, y = built.dist.shard_batch(x, y)
-            losses.append(built.dist.mean(_loss(built, x.to(built.device), y.to(built.device))))
+            with preserve_buffers(built.model):
+                losses.append(built.dist.mean(_loss(built, x.to(built.device), y.to(built.device))))
     finally:
         built.model.train()
     return sum(losses) / len(losses)
@@ -119,9 +125,11 @@ def run_training(
     """Train for ``spec.steps`` optimizer steps, logging to ``sink``.
 
     Before step 0, one extra forward on step 0's first micro-batch measures the bytes autograd saves for
-    backward (``lowprec.saved_tensors``; same batch, so delayed-scaling histories are unchanged). After
-    step 0 the effective recipe is inspected, handed to ``on_effective`` (to be recorded even if
-    it is wrong), then checked (``EffectiveRecipeError`` on a mismatch). Metrics per step: ``loss``,
+    backward (``lowprec.saved_tensors``); it and validation run under ``preserve_buffers``, so no buffer
+    (delayed-scaling histories) sees them. The first step records each linear's output dtype; after it
+    the effective recipe is inspected (no extra forward), handed to ``on_effective`` (to be recorded even
+    if it is wrong), then checked (``EffectiveRecipeError`` on a mismatch); ``RunResult.effective_checked``
+    says the check ran and passed. Metrics per step: ``loss``,
     ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``; ``val_loss`` every ``spec.val_every`` steps
     and at the end. Summary: means over the steps after ``timing_warmup_steps``, state bytes, peak memory.
     Exceptions propagate after everything measured so far has been handed to ``sink``.
@@ -130,8 +138,9 @@ def run_training(
     is written after every N-th step (``lowprec.train.checkpoint``). ``resume_from`` loads one and
     continues from its step; the first resumed step is then the one inspected and measured.
     """
-    start = 0
+    start, resumed, checked = 0, {}, False
     if resume_from is not None:
+        resumed = check_resume_recipe(resume_from, built.recipe, spec.resume_recipe_change)
         start = load_checkpoint(resume_from, built.model, built.optimizer, built.scheduler, built.loss_scaler)
         if start >= spec.steps:
             raise CheckpointError(f"checkpoint {str(resume_from)!r} is at step {start}; train.steps={spec.steps} leaves nothing to run")
@@ -143,7 +152,8 @@ def run_training(
     state = None
     timed_s, timed_steps = 0.0, 0
     first = built.dist.shard_batch(*data.train_batch(start, 0))
-    saved = measure_saved_bytes(lambda: _loss(built, first[0].to(built.device), first[1].to(built.device)), built.model)
+    with preserve_buffers(built.model):
+        saved = measure_saved_bytes(lambda: _loss(built, first[0].to(built.device), first[1].to(built.device)), built.model)
     bar = tqdm(range(start, spec.steps), desc=built.recipe.name, disable=None if spec.progress else True, leave=False, dynamic_ncols=True)
     val_loss = float("nan")
     for step in bar:
@@ -151,14 +161,18 @@ def run_training(
             hook(step, built)
         micro = [data.train_batch(step, m) for m in range(spec.grad_accum)]
         lr = built.scheduler.get_last_lr()[0]
-        t0 = time.perf_counter()
-        res = train_step(built, micro, spec.grad_clip, step)
-        dt = time.perf_counter() - t0
-        if step == start:
+        with record_linear_output_dtypes(built.model) if not checked else contextlib.nullcontext({}) as out_dtypes:
+            t0 = time.perf_counter()
+            res = train_step(built, micro, spec.grad_clip, step)
+            dt = time.perf_counter() - t0
+        # Inspect after the first step whose update ran: a step the loss scaler skipped (FP16 overflow at the
+        # initial scale is common) has created no optimizer state yet.
+        if not checked and not built.loss_scaler.last_step_skipped:
             state = measure_state_bytes(built.model, built.optimizer, built.master_params)
-            effective = inspect_effective(built, built.dist.shard_batch(*micro[0])[0].to(built.device))
+            effective = {**inspect_effective(built, out_dtypes), **resumed}
             on_effective(effective)
             check_effective(effective, expected_effective(built))
+            checked = True
         if step - start >= spec.timing_warmup_steps:
             timed_s += dt
             timed_steps += 1
@@ -174,9 +188,12 @@ def run_training(
         history.append(metrics)
         if checkpoint_dir is not None and spec.checkpoint_every > 0 and (step + 1) % spec.checkpoint_every == 0:
             save_checkpoint(Path(checkpoint_dir) / f"step_{step + 1}", built.model, built.optimizer, step + 1,
-                            built.scheduler, built.loss_scaler)
+                            built.scheduler, built.loss_scaler, built.recipe)
         bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
     bar.close()
+    if not checked:
+        raise EffectiveRecipeError(f"no optimizer step ran in steps {start}..{spec.steps - 1} (the loss scaler skipped "
+                                   "every one), so the effective recipe could not be inspected")
     summary = {
         "final_loss": history[-1]["loss"],
         "final_val_loss": val_loss,
@@ -189,4 +206,4 @@ def run_training(
         "mem_fp8_scaling_state_bytes": measure_fp8_scaling_bytes(built.model),
         **state.as_metrics(),
     }
-    return RunResult(effective=effective, summary=summary, peak_kind=peak.kind, history=history)
+    return RunResult(effective=effective, summary=summary, peak_kind=peak.kind, history=history, effective_checked=checked)

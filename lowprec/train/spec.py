@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from lowprec.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,15 +32,22 @@ class TrainSpec:
     telemetry_every: int = 25
     checkpoint_every: int = 0
     progress: bool = True
+    resume_recipe_change: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0")
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+        for name in ("warmup_steps", "checkpoint_every", "timing_warmup_steps", "telemetry_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
+        if not (self.grad_clip > 0):  # also refuses NaN
+            raise ConfigError(f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "
+                              "use inf to turn clipping off)")
+        if not (0.0 <= self.min_lr_ratio <= 1.0):
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final LR as a fraction of the peak)")
         if self.timing_warmup_steps >= self.steps:
-            raise ValueError(
+            raise ConfigError(
                 f"train.timing_warmup_steps={self.timing_warmup_steps} must be below train.steps={self.steps}"
             )
 

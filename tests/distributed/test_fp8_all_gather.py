@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lowprec.parallel.comm_meter import CommMeter
 from lowprec.parallel.spawn import run_ranks
 
 GRANS = ("tensorwise", "rowwise")
@@ -43,37 +44,28 @@ class _GatherBytes(TorchDispatchMode):
 
 class _Meters:
     """The project's ``CommMeter`` (kind ``all_gather`` includes the hooks' collectives, which run under
-    ``comm_label("all_gather")``) stacked with the local ``_GatherBytes`` (raw op kinds), when it exists."""
+    ``comm_label("all_gather")``) stacked with the local ``_GatherBytes`` (raw op kinds). Both always run: the
+    byte assertions compare one against the other, so neither may be replaced by a stand-in."""
 
     def __init__(self):
-        try:
-            from lowprec.parallel.comm_meter import CommMeter
-        except ImportError:
-            CommMeter = None
         self.local = _GatherBytes()
-        self.project = CommMeter() if CommMeter is not None else None
+        self.project = CommMeter()
 
     def __enter__(self):
         self.local.__enter__()
-        if self.project is not None:
-            self.project.__enter__()
+        self.project.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.project is not None:
-            self.project.__exit__(*exc)
+        self.project.__exit__(*exc)
         self.local.__exit__(*exc)
 
     def summary(self) -> dict:
-        out = {"local_all_gather": self.local.all_gather, "local_all_reduce": self.local.all_reduce,
-               "itemsizes": sorted(self.local.all_gather_itemsizes)}
-        if self.project is not None:
-            b = self.project.bytes_by_kind()
-            out.update(all_gather=b["all_gather"], all_reduce=b["all_reduce"],
-                       dtypes=sorted(self.project.bytes_by_kind_dtype()["all_gather"]))
-        else:
-            out.update(all_gather=self.local.all_gather + self.local.all_reduce, all_reduce=0)
-        return out
+        b = self.project.bytes_by_kind()
+        return {"local_all_gather": self.local.all_gather, "local_all_reduce": self.local.all_reduce,
+                "itemsizes": sorted(self.local.all_gather_itemsizes),
+                "all_gather": b["all_gather"], "all_reduce": b["all_reduce"],
+                "dtypes": sorted(self.project.bytes_by_kind_dtype()["all_gather"])}
 
 
 def _model(seed: int, bias: bool = True, device: str | None = None, dims=DIMS) -> nn.Sequential:

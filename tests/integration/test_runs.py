@@ -89,4 +89,38 @@ def test_cli_checkpoints_and_resumes(run_dirs, tmp_path):
     assert second.data.tags["resumed_from"].endswith("step_3")
     resumed = {m.step: m.value for m in client.get_metric_history(second.info.run_id, "loss")}
     assert resumed == {s: full[s] for s in range(3, 6)}
-    assert main(["train"] + run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 1  # recorded FAILED, explained
+    assert main(["train"] + run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 2  # refused before any run
+
+
+def test_a_converter_that_converts_nothing_makes_the_run_failed(run_dirs, tmp_path, monkeypatch):
+    """The expected FP8 linears come from the recipe's filters applied to the model, not from what the
+    converter reports: a converter that claims to have converted but did not is caught after step 0."""
+    import lowprec.train.build
+    from lowprec.convert import fp8_candidate_fqns
+
+    monkeypatch.setattr(lowprec.train.build, "convert_fp8", lambda model, spec, **kw: fp8_candidate_fqns(model, spec))
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current"]) == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["effective_matches"] == "false"
+    assert "fp8_linears: requested {'lowprec.float8.linear.Float8Linear': 14}, ran {}" in run.data.tags["failure_reason"]
+
+
+def test_resume_under_another_recipe_needs_consent_and_is_recorded(run_dirs, tmp_path, capsys):
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (first,) = client.search_runs([exp])
+    ckpt = f"{first.data.tags['checkpoint_dir']}/step_3"
+    capsys.readouterr()
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}"]) == 2
+    err = capsys.readouterr().err
+    assert "written under recipe fp32" in err and "train.resume_recipe_change=true" in err
+    assert len(client.search_runs([exp])) == 1  # refused before a run was created
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}",
+                                                 "train.resume_recipe_change=true"]) == 0
+    second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
+    assert second.info.status == "FINISHED"
+    change = json.loads(second.data.tags["effective_recipe"])["resume_recipe_change"]
+    assert change["from"] == "fp32" and change["to"] == "fp8_current" and change["at_step"] == 3
+    assert second.data.tags["resume_recipe_change"].startswith("fp32 (")

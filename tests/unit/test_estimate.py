@@ -20,10 +20,13 @@ from lowprec.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
+from lowprec.recipe import CommSpec
 from recipes import CATALOG, get_recipe
 
 CPU = torch.device("cpu")
-NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
+# One-process recipes: not te (GPU only) and no FP8 communication (refused without FSDP; the FSDP2 ws2
+# cases are in tests/distributed/test_state_bytes_fsdp.py).
+NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te" and r.comm == CommSpec()]
 SPEC = TrainSpec(steps=4, batch_size=2, seq_len=32, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
 N_8B = 8_030_261_248
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from lowprec.errors import ConfigError
 from lowprec.model import LLAMA_CONFIGS, Transformer, model_args
 from lowprec.train.build import build_model_meta, materialize
 
@@ -61,7 +62,7 @@ def test_forward_is_causal_and_shapes():
 def test_invalid_shapes_raise():
     with pytest.raises(ValueError, match="n_kv_heads"):
         model_args("debug", n_kv_heads=3)
-    with pytest.raises(KeyError, match="known"):
+    with pytest.raises(ConfigError, match="known"):
         model_args("nope")
     m = Transformer(model_args("debug", max_seq_len=8))
     with pytest.raises(ValueError, match="max_seq_len"):

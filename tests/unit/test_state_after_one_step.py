@@ -9,7 +9,8 @@ from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.optim import OptimHParams
 from lowprec.train.build import build
-from lowprec.train.effective import EffectiveRecipeError, check_effective, expected_effective, inspect_effective
+from lowprec.train.effective import (EffectiveRecipeError, check_effective, expected_effective, inspect_effective,
+                                     record_linear_output_dtypes)
 from lowprec.accounting import measure_state_bytes
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
@@ -44,18 +45,19 @@ def _one_step(name, token_data):
     b = build(get_recipe(name), model_args("debug"), SPEC, OptimHParams(), 0, torch.device("cpu"))
     batches = TokenBatches(token_data.train, token_data.val, SPEC.seq_len, SPEC.batch_size, 0)
     micro = [batches.train_batch(0)]
-    train_step(b, micro, 1.0, 0)
-    return b, micro
+    with record_linear_output_dtypes(b.model) as out_dtypes:
+        train_step(b, micro, 1.0, 0)
+    return b, out_dtypes
 
 
 @pytest.mark.parametrize("name", list(TABLE))
 def test_dtypes_after_one_step(name, token_data):
-    b, micro = _one_step(name, token_data)
+    b, out_dtypes = _one_step(name, token_data)
     pdt, gdt, odt, moment, n_fp8 = TABLE[name]
     params = list(b.model.parameters())
     assert {p.dtype for p in params} == {pdt}
     assert {p.grad.dtype for p in params} == {gdt}
-    eff = inspect_effective(b, micro[0][0])
+    eff = inspect_effective(b, out_dtypes)
     assert eff["linear_output_dtype"] == {str(odt).removeprefix("torch."): 15}
     assert sum(eff["fp8_linears"].values()) == n_fp8
     big = [p for p in params if p.numel() >= 4096]
@@ -65,10 +67,24 @@ def test_dtypes_after_one_step(name, token_data):
 
 
 def test_effective_check_catches_a_recipe_that_ran_as_something_else(token_data):
-    b, micro = _one_step("bf16", token_data)
+    b, out_dtypes = _one_step("bf16", token_data)
     b.model.to(torch.bfloat16)  # sabotage: weights no longer FP32 masters
     with pytest.raises(EffectiveRecipeError, match="param_dtype"):
-        check_effective(inspect_effective(b, micro[0][0]), expected_effective(b))
+        check_effective(inspect_effective(b, out_dtypes), expected_effective(b))
+
+
+@pytest.mark.parametrize("name", ["fp8_delayed", "fp8_blockwise", "fp8_tensorwise"])
+def test_inspection_changes_no_buffer_or_parameter(name, token_data):
+    """The inspection reads the built objects only (it used to run a forward that fed its amaxes into the
+    delayed-scaling histories of the next step)."""
+    b, out_dtypes = _one_step(name, token_data)
+    before = {k: v.clone() for k, v in b.model.state_dict().items()}
+    assert any("amax_history" in k for k in before) == (name == "fp8_delayed")
+    check_effective(inspect_effective(b, out_dtypes), expected_effective(b))
+    after = b.model.state_dict()
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
 
 
 def _torch_adamw_bytes(params, state_bytes_per_elem):

@@ -1,0 +1,63 @@
+"""Everything that can be validated before any data work, MLflow run or torchrun launch.
+
+A bad input (a value of the wrong type or range, a recipe that cannot run on this machine or layout,
+an FP8 selection that selects nothing, a sequence longer than the model allows, a checkpoint of another
+recipe) ends here in one ``UserError`` line, so no MLflow run is ever created for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from lowprec.convert import require_fp8_selection
+from lowprec.errors import ConfigError
+from lowprec.model import ModelArgs
+from lowprec.optim import OptimHParams
+from lowprec.parallel import ParallelDims
+from lowprec.parallel.apply import check_layout
+from lowprec.recipe import Recipe
+from lowprec.train.build import build_model_meta, check_runtime, resolve_device
+from lowprec.train.checkpoint import check_resume_recipe
+from lowprec.train.spec import TrainSpec
+from experiments.config import data_from_cfg, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The validated run settings shared by every recipe of the command."""
+
+    args: ModelArgs
+    train: TrainSpec
+    optim: OptimHParams
+    dims: ParallelDims
+
+
+def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
+    """Validate ``cfg`` and each of ``recipes`` against this machine, the model and the layout.
+
+    Raises a ``UserError`` subclass (``ConfigError``, ``RecipeError``, ``ParallelError``,
+    ``CheckpointError``) with one line naming the field and the fix.
+    """
+    args = model_from_cfg(cfg.model)
+    spec = train_from_cfg(cfg)
+    hp = optim_from_cfg(cfg)
+    dims = parallel_from_cfg(cfg)
+    data_from_cfg(cfg)
+    device = resolve_device(cfg.device)
+    if spec.seq_len > args.max_seq_len:
+        raise ConfigError(f"train.seq_len={spec.seq_len} exceeds model.max_seq_len={args.max_seq_len}; "
+                          "lower train.seq_len or raise model.max_seq_len")
+    if dims.enabled:
+        dims.check(batch_size=spec.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
+    meta = build_model_meta(args)
+    for r in recipes:
+        check_runtime(r, device)
+        require_fp8_selection(meta, r.fp8)
+        check_layout(r, dims)
+    resume = cfg.get("resume")
+    if resume:
+        for r in recipes:
+            check_resume_recipe(resume, r, spec.resume_recipe_change)
+    return Checked(args, spec, hp, dims)

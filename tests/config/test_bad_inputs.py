@@ -1,0 +1,106 @@
+"""Bad input ends in one line naming the field and the fix, before any MLflow run exists; a bug keeps its
+traceback (issue 11, items 3 and 4)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import main
+
+DEBUG = ["model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64", "train.val_every=0",
+         "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1"]
+
+
+def _tokens_without_splits(tmp_path: Path) -> str:
+    d = tmp_path / "tokens"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 8192, "dtype": "uint16"}))
+    return str(d)
+
+
+BAD = [
+    # (command and overrides, what the one line must contain)
+    (["train", "train.grad_clip=-1"], "train.grad_clip=-1"),
+    (["train", "train.grad_clip=0"], "train.grad_clip=0"),
+    (["train", "train.warmup_steps=-3"], "train.warmup_steps=-3"),
+    (["train", "train.min_lr_ratio=1.5"], "train.min_lr_ratio=1.5"),
+    (["train", "train.min_lr_ratio=-0.1"], "train.min_lr_ratio=-0.1"),
+    (["train", "optim.lr=-1"], "optim.lr=-1"),
+    (["train", "optim.beta2=1.0"], "optim.beta2=1.0"),
+    (["train", "recipe=fp16_amp", "recipe.compute.init_scale=-1"], "recipe.compute.init_scale=-1"),
+    (["train", "recipe=fp8_current", "recipe.fp8.strategy=static", "recipe.fp8.static_scales=[0,0,0]"],
+     "recipe.fp8.static_scales=[0.0, 0.0, 0.0] must be finite and > 0"),
+    (["train", "train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len=512"),
+    (["train", "recipe=fp32", "recipe.fp8.margin=2"], "recipe.fp8.margin=2 has no effect with recipe.fp8.backend='none'"),
+    (["train", "recipe=fp8_current", "recipe.fp8.amax_history_len=64"], "recipe.fp8.amax_history_len=64 has no effect"),
+    (["train", "recipe=bf16", "recipe.compute.growth_interval=10"], "recipe.compute.growth_interval=10 has no effect"),
+    (["train", "train.steps=abc"], "train.steps: Value 'abc'"),
+    (["train", "recipe.fp8.margin=abc"], "recipe.fp8.margin: Value 'abc'"),
+    (["train", "model.n_layers=-10"], "model.n_layers=-10 must be >= 1"),
+    (["train", "recipe=fp8_comm8", "parallel.tp=2"], "need FSDP (parallel.dp_shard > 1)"),
+    (["train", "recipe=fp8_comm8"], "need FSDP (parallel.dp_shard > 1)"),
+    (["train", "data=tokens", "data.path=SPLITLESS"], "has no 'splits' key"),
+    (["train", "recipe=fp9"], "Could not find 'recipe/fp9'"),
+    (["train", "recipe=fp8_current", "recipe.fp8.hp_first_blocks=99"], "select no linear"),
+    (["train", "recipe=fp8_blockwise", "recipe.fp8.min_features=100000"], "select no linear"),
+    (["train", "recipe.fp8.hp_first_blocks=-1", "recipe=fp8_current"], "recipe.fp8.hp_first_blocks=-1 must be >= 0"),
+    (["train", "device=tpu"], "device='tpu'"),
+    (["ablate", "recipes=[fp32]", "seeds=0"], "seeds=0 must be >= 1"),
+    (["ablate", "recipes=[fp32,fp32]"], "names a recipe twice"),
+    (["ablate", "recipes=[fp32,fp9]"], "unknown recipe 'fp9'; known: fp32, bf16"),
+    (["ablate", "recipes=[fp32,fp8_current]", "train.grad_clip=-1"], "train.grad_clip=-1"),
+    (["ablate", "recipes=[fp32,fp8_current]", "recipe.fp8.hp_first_blocks=99"], "Could not override"),
+    (["ablate", "recipes=[fp32,fp8_comm8]"], "recipe fp8_comm8: recipe.comm"),
+    (["train", "resume=/no/such/checkpoint"], "no checkpoint at '/no/such/checkpoint'"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
+def test_bad_input_is_one_line_and_creates_no_mlflow_run(args, needle, run_dirs, tmp_path, capsys):
+    args = [a.replace("SPLITLESS", _tokens_without_splits(tmp_path)) if "SPLITLESS" in a else a for a in args]
+    assert main(args[:1] + run_dirs + DEBUG + args[1:]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"lowprec {args[0]}: error: ") and needle in err, err
+    db = tmp_path / "runs" / "mlflow.db"
+    if db.exists():  # nothing may have been logged, not even a FAILED run
+        client = MlflowClient(f"sqlite:///{db}")
+        exps = [e.experiment_id for e in client.search_experiments()]
+        assert client.search_runs(exps) == []
+
+
+def test_unknown_recipe_lists_the_valid_names(run_dirs, capsys):
+    assert main(["train", *run_dirs, "recipe=fp9"]) == 2
+    err = capsys.readouterr().err
+    assert "known: " in err and "fp8_blockwise" in err and "deepseek_v3" in err
+
+
+def test_an_internal_error_keeps_its_traceback(run_dirs, monkeypatch):
+    """A KeyError raised by a bug is not mistaken for a user's bad value: it propagates with its traceback."""
+    import experiments.preflight
+
+    def bug(*a, **k):
+        raise KeyError("internal bug")
+
+    monkeypatch.setattr(experiments.preflight, "build_model_meta", bug)
+    with pytest.raises(KeyError, match="internal bug"):
+        main(["train", *run_dirs, *DEBUG])
+
+
+def test_a_bug_inside_a_run_is_recorded_failed_with_its_traceback(run_dirs, tmp_path, monkeypatch, capsys):
+    import lowprec.train.loop
+
+    def bug(*a, **k):
+        raise KeyError("internal bug in accounting")
+
+    monkeypatch.setattr(lowprec.train.loop, "measure_state_bytes", bug)
+    assert main(["train", *run_dirs, *DEBUG, "recipe=fp32"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failure_reason"] == "KeyError: 'internal bug in accounting'"
+    tb = Path(client.download_artifacts(run.info.run_id, "failure_traceback.txt", str(tmp_path)))
+    assert "measure_state_bytes" in tb.read_text() or "bug" in tb.read_text()
