@@ -31,7 +31,7 @@ RECIPES = [
 def _run(recipe_name: str, comm: dict, model: str, steps: int, dims: dict | None) -> dict:
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim import OptimHParams
+    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

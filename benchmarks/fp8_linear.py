@@ -26,9 +26,9 @@ import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
-from lowprec.formats import E4M3
+from lowprec.numerics.formats import E4M3
 from lowprec.recipe import Float8Spec
-from lowprec.scaling import quantize_operand
+from lowprec.numerics.scaling import quantize_operand
 
 LOWPREC = {
     "current tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),
@@ -64,7 +64,7 @@ def timeit(fns: dict, reps: int) -> dict[str, float]:
 
 def saved_bytes(fn, module) -> int:
     """Activation bytes autograd saves in ``fn()`` (each storage once, parameters excluded)."""
-    from lowprec.saved_tensors import measure_saved_bytes
+    from lowprec.measure.saved_tensors import measure_saved_bytes
 
     return measure_saved_bytes(fn, module).activations
 
@@ -122,7 +122,7 @@ def model_saved() -> None:
 
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim import OptimHParams
+    from lowprec.optim.builder import OptimHParams
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe

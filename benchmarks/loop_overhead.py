@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.model import model_args
-from lowprec.optim import OptimHParams
+from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build, build_model_meta, materialize
 from lowprec.train.loop import train_step
 from lowprec.train.schedule import warmup_cosine

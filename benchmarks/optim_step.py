@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from lowprec.accounting import measure_state_bytes
+from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
-from lowprec.optim import OptimHParams, build_optimizer
-from lowprec.optim.builder import MIN_8BIT_NUMEL, _param_groups
+from lowprec.optim.builder import OptimHParams, build_optimizer
+from lowprec.backends.optimizers import MIN_8BIT_NUMEL
+from lowprec.optim.builder import _param_groups
 from lowprec.train.build import build_model_meta, cast_weights, materialize
 from recipes import get_recipe
 

@@ -17,6 +17,7 @@ from lowprec.train.build import resolve_device
 from recipes import get_recipe
 from experiments.config import flat_params
 from experiments.preflight import preflight
+from experiments.startup import prepare_data, start_parallel
 from experiments.report import build_report
 from experiments.run import RunOutcome, run_one
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
@@ -42,11 +43,7 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
         raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
     if len(set(names)) != len(names):
         raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
-    try:
-        seeds = int(cfg.seeds)
-    except (TypeError, ValueError):
-        raise ConfigError(f"seeds={cfg.seeds!r} must be an integer >= 1") from None
-    if seeds < 1:
+    if int(cfg.seeds) < 1:  # the schema makes it an int
         raise ConfigError(f"seeds={cfg.seeds} must be >= 1")
     return [get_recipe(n) for n in names]
 
@@ -66,8 +63,6 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     if control != cfg.control:
         echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
     args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
-    from experiments.cli import prepare_data, start_parallel
-
     dims = start_parallel(cfg)
     data = prepare_data(cfg)
     check_vocab_fits(data, args.vocab_size)

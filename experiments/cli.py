@@ -13,6 +13,30 @@ import sys
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+from lowprec.errors import UserError
+from hydra.errors import MissingConfigException
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from experiments.config import CONF_DIR, register_configs
+from lowprec.data import check_vocab_fits
+from lowprec.parallel.runtime import is_rank0
+from experiments.config import recipe_from_cfg
+from experiments.preflight import preflight
+from experiments.run import run_one
+from experiments.startup import prepare_data, start_parallel
+from experiments.tracking import make_tracker
+from experiments.ablate import ablation_recipes
+import hydra
+from experiments.launch import spawn_torchrun, under_torchrun
+from experiments.config import parallel_from_cfg
+from pathlib import Path
+from experiments.report import build_report
+from experiments.tracking import Tracker
+from recipes import CATALOG
+from experiments.estimate import estimate_main
+from experiments.ablate import ablate
 
 USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
 
@@ -26,19 +50,12 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
 # Errors a user can cause with a bad value print as one line (exit 2). Anything else is a bug and keeps its
 # traceback: a ValueError or KeyError raised inside lowprec is not taken for a user's mistake.
 def _user_errors():
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from lowprec.errors import UserError
-
     return (UserError, HydraException, OmegaConfBaseException)
 
 
 def one_line(e: BaseException) -> str:
     """First non-empty message along the exception's cause chain (Hydra wraps the useful one); for a config
     group option that does not exist (``recipe=fp9``), the valid options are appended."""
-    from hydra.errors import MissingConfigException
-
     parts = []
     while e is not None:
         msg = str(e).strip()
@@ -46,6 +63,8 @@ def one_line(e: BaseException) -> str:
             line = msg.splitlines()[0]
             if isinstance(e, MissingConfigException) and getattr(e, "options", None):
                 line += f"; known: {', '.join(e.options)}"
+            elif isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None) and not line.startswith(f"{e.full_key}:"):
+                line = f"{e.full_key}: {line}"  # OmegaConf names the key on a later line, which one line drops
             parts.append(line)
         e = e.__cause__
     return "; ".join(dict.fromkeys(parts)) or "unknown error"
@@ -53,57 +72,13 @@ def one_line(e: BaseException) -> str:
 
 def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     """Compose ``conf/<config_name>.yaml`` with ``overrides`` (real Hydra composition)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from experiments.config import CONF_DIR, register_configs
-
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
-def prepare_data(cfg: DictConfig):
-    """``lowprec.data.prepare`` on rank 0 first (it may tokenize and write the cache), then on the others."""
-    import torch.distributed as dist
-
-    from lowprec.data import prepare
-    from experiments.config import data_from_cfg
-
-    spec = data_from_cfg(cfg)
-    if not dist.is_initialized():
-        return prepare(spec)
-    data = prepare(spec) if dist.get_rank() == 0 else None
-    dist.barrier()
-    return data if data is not None else prepare(spec)
-
-
-def start_parallel(cfg: DictConfig):
-    """Validate ``cfg.parallel``; under torchrun join the process group. Returns the ``ParallelDims``."""
-    from lowprec.parallel.runtime import init_distributed
-    from lowprec.train.build import resolve_device
-    from experiments.config import parallel_from_cfg
-
-    dims = parallel_from_cfg(cfg)
-    if dims.enabled and not init_distributed(resolve_device(cfg.device)):
-        from lowprec.parallel import ParallelError
-
-        raise ParallelError(
-            f"parallel layout {dims.short()} needs {dims.world_size} processes: a plain `lowprec train/ablate` "
-            f"launches torchrun itself; with Hydra's -m run `torchrun --nproc_per_node={dims.world_size} -m "
-            "experiments train -m ...`")
-    return dims
-
-
 def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
-    from lowprec.data import check_vocab_fits
-    from lowprec.parallel.runtime import is_rank0
-    from experiments.config import recipe_from_cfg
-    from experiments.preflight import preflight
-    from experiments.run import run_one
-    from experiments.tracking import make_tracker
-
     recipe = recipe_from_cfg(cfg.recipe)
     args = preflight(cfg, [recipe]).args  # every check that needs no data, before any MLflow run
     dims = start_parallel(cfg)
@@ -129,19 +104,12 @@ def train_main(cfg: DictConfig, echo=print):
 def _recipes_of(config_name: str, cfg: DictConfig) -> list:
     """The recipes a ``train`` or ``ablate`` command will run (validated; ``RecipeError`` otherwise)."""
     if config_name == "train":
-        from experiments.config import recipe_from_cfg
-
         return [recipe_from_cfg(cfg.recipe)]
-    from experiments.ablate import ablation_recipes
 
     return ablation_recipes(cfg)
 
 
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
-    import hydra
-
-    from experiments.config import CONF_DIR, register_configs
-
     register_configs()
     sys.argv = [f"lowprec-{config_name}", *argv]
     hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(task)()
@@ -149,15 +117,11 @@ def _hydra_main(config_name: str, task, argv: list[str]) -> int:
 
 
 def _run_composed(config_name: str, argv: list[str], task) -> int:
-    from lowprec.parallel.launch import spawn_torchrun, under_torchrun
-    from experiments.config import parallel_from_cfg
-
     try:
         cfg = compose(config_name, argv)
         dims = parallel_from_cfg(cfg)
         if dims.enabled and not under_torchrun():
             # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
-            from experiments.preflight import preflight
 
             preflight(cfg, _recipes_of(config_name, cfg))
             print(f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True)
@@ -172,11 +136,6 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from pathlib import Path
-
-    from experiments.report import build_report
-    from experiments.tracking import Tracker
-
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         print("usage: lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]", file=sys.stderr)
         return 2
@@ -192,8 +151,6 @@ def _report(argv: list[str]) -> int:
 
 
 def _recipes(argv: list[str]) -> int:
-    from recipes import CATALOG
-
     p = argparse.ArgumentParser(prog="lowprec recipes")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     args = p.parse_args(argv)
@@ -217,12 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "report":
         return _report(rest)
     if cmd == "estimate":
-        from experiments.estimate import estimate_main
-
         return estimate_main(rest)
     if cmd in ("train", "ablate"):
-        from experiments.ablate import ablate
-
         task = train_main if cmd == "train" else ablate
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line
             return _hydra_main(cmd, lambda cfg: (task(cfg), None)[1], rest)

@@ -1,32 +1,167 @@
-"""Hydra glue: register lowprec's own tables as config groups and turn a composed config into lowprec objects."""
+"""Hydra glue: every config group and node registered from its Python dataclass, and composed configs turned
+into lowprec objects.
+
+One source for defaults: the dataclasses (``TrainSpec``, ``OptimHParams``, ``ParallelDims``, ``DataSpec``,
+``ModelArgs`` via ``LLAMA_CONFIGS``, recipes via the catalog, and the app-level ones below) hold every
+default; ``register_configs`` stores them in Hydra's ConfigStore as structured configs, and the yaml files
+under conf/ keep only what differs (which group options a command uses, Hydra's own settings, and each
+experiment's values). While composing, Hydra refuses unknown keys and checks the type of every value in the
+dataclass-typed nodes; the ``model`` and ``recipe`` nodes (stored as dicts) are type-checked by ``typed`` when
+converted.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lowprec.data import DataSpec
 from lowprec.errors import ConfigError
 from lowprec.model import LLAMA_CONFIGS, ModelArgs, model_args
-from lowprec.optim import OptimHParams
+from lowprec.optim.builder import OptimHParams
+from lowprec.parallel import ParallelDims
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 from lowprec.train.spec import TrainSpec
 from recipes import CATALOG
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
+
+@dataclass
+class TrackingConfig:
+    """Group ``tracking``. ``tracking/sqlite``: MLflow with an embedded sqlite store under the runs folder;
+    any tracking URI works via ``tracking.uri=...``."""
+
+    uri: str = "sqlite:///${paths.runs}/mlflow.db"
+    experiment: str = "lowprec"
+
+
+@dataclass
+class PathsConfig:
+    """Where runs (MLflow store, checkpoints, multirun output), reports and the token cache live."""
+
+    runs: str = "runs"
+    reports: str = "reports"
+    cache: str = f"${{oc.env:LOWPREC_CACHE,'{DataSpec.cache_dir}'}}"  # DataSpec's default unless $LOWPREC_CACHE
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection, for testing failure handling (experiments/faults.py): applies to the run of
+    ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
+    ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path)."""
+
+    recipe: Optional[str] = None
+    crash_at_step: Optional[int] = None
+    nan_at_step: Optional[int] = None
+
+
+@dataclass
+class RunConfig:
+    """The keys shared by ``lowprec train`` and ``lowprec ablate`` (conf/base.yaml picks the group options).
+
+    ``device``: auto | cpu | cuda | cuda:N. ``resume``: a checkpoint folder
+    (``${paths.runs}/checkpoints/<run id>/step_<N>``) to continue from; ``train.resume_recipe_change=true``
+    allows one written under another recipe (recorded). ``train.checkpoint_every=N`` writes one every N steps.
+    """
+
+    model: Any = MISSING  # group: model/<size> (LLAMA_CONFIGS)
+    # group: data/<source> (DATA_SOURCES), each option a DataSpec node. Any, not DataSpec: a typed field would be
+    # filled with DataSpec's defaults before the option merges in, and text/tokens' required `path: ???` (MISSING
+    # never overrides a value) would compose as null.
+    data: Any = MISSING
+    optim: OptimHParams = MISSING  # group: optim/adamw
+    tracking: TrackingConfig = MISSING  # group: tracking/sqlite
+    parallel: ParallelDims = MISSING  # group: parallel/single
+    seed: int = 0
+    device: str = "auto"
+    resume: Optional[str] = None
+    train: TrainSpec = field(default_factory=TrainSpec)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """``lowprec train``: one run of ``recipe`` (group: recipe/<name>, the catalog)."""
+
+    recipe: Any = MISSING
+
+
+@dataclass
+class AblateConfig(RunConfig):
+    """``lowprec ablate``: ``recipes`` x ``seeds`` under one MLflow parent run; an ``experiment`` (conf/experiment/)
+    sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps."""
+
+    control: str = "bf16"
+    name: str = MISSING
+    recipes: List[str] = MISSING
+    seeds: int = 1
+
+
+#: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
+#: library's .py sources (present on every machine), byte-level BPE, uint16 shards. ``text``: your own text
+#: files, ``data=text data.path=/my/corpus ['data.pattern=**/*.txt']``. ``tokens``: pre-tokenized uint16
+#: shards with meta.json (lowprec.data.shards format), ``data=tokens data.path=/dir``. Every source tokenizes
+#: into ``${paths.cache}``.
+DATA_SOURCES: dict[str, dict[str, Any]] = {
+    "stdlib": dict(source="stdlib", pattern="**/*.py"),
+    "text": dict(source="text", path=MISSING),
+    "tokens": dict(source="tokens", path=MISSING),
+}
+DATA_CACHE_DIR = "${paths.cache}"
+
+#: The group options registered from dataclasses: group -> option -> dataclass instance. ``optim/adamw``: the
+#: AdamW hyper-parameters (the state precision is the recipe's ``optim`` group, not this one).
+#: ``parallel/single``: one process; ``parallel.dp_shard=N`` (FSDP2), ``parallel.tp=N`` (tensor parallel with
+#: sequence parallel) and ``parallel.dp_replicate=N`` (HSDP replicas) make ``lowprec train/ablate`` run under
+#: torchrun with dp_replicate x dp_shard x tp ranks on this machine (README: multi-node).
+GROUPS: dict[str, dict[str, Any]] = {
+    "data": {name: DataSpec(**{"cache_dir": DATA_CACHE_DIR, **diff}) for name, diff in DATA_SOURCES.items()},
+    "optim": {"adamw": OptimHParams()},
+    "parallel": {"single": ParallelDims()},
+    "tracking": {"sqlite": TrackingConfig()},
+}
+
+#: Root schemas, first in the defaults list of conf/train.yaml and conf/ablate.yaml.
+SCHEMAS = {"train_schema": TrainConfig, "ablate_schema": AblateConfig}
+
+
+def _writable(obj) -> DictConfig:
+    """``OmegaConf.structured(obj)`` with the read-only flag cleared on every node: lowprec's dataclasses
+    are frozen, which OmegaConf turns into read-only nodes, but Hydra merges yaml and overrides into them.
+    (The composed config is still typed: a wrong type or an unknown key is refused.)"""
+    node = OmegaConf.structured(obj)
+
+    def clear(n: Container) -> None:
+        OmegaConf.set_readonly(n, None)
+        if isinstance(n, DictConfig) and not (n._is_missing() or n._is_none() or n._is_interpolation()):
+            for key in n.keys():
+                child = n._get_node(key)
+                if isinstance(child, Container):
+                    clear(child)
+
+    clear(node)
+    return node
+
+
 _registered = False
 
 
 def register_configs() -> None:
-    """Register ``model/<size>`` and ``recipe/<name>`` in Hydra's ConfigStore from LLAMA_CONFIGS and the catalog.
+    """Register every config group and the root schemas in Hydra's ConfigStore.
 
-    The catalog stays the single source of truth; Hydra sees every field, so
-    ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2`` override it and multirun can sweep it.
+    ``model/<size>`` from LLAMA_CONFIGS and ``recipe/<name>`` from the catalog (the catalog stays the single
+    source of truth; Hydra sees every field, so ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2``
+    override it and multirun can sweep it); ``data/*``, ``optim/adamw``, ``parallel/single`` and
+    ``tracking/sqlite`` from ``GROUPS``; ``train_schema`` and ``ablate_schema`` (``TrainConfig``,
+    ``AblateConfig``: ``train``, ``paths``, ``faults`` and the top-level keys) from ``SCHEMAS``.
     """
     global _registered
     if _registered:
@@ -36,6 +171,11 @@ def register_configs() -> None:
         cs.store(group="model", name=name, node={"name": name, **dataclasses.asdict(args)})
     for name, recipe in CATALOG.items():
         cs.store(group="recipe", name=name, node=recipe.to_dict())
+    for group, options in GROUPS.items():
+        for name, obj in options.items():
+            cs.store(group=group, name=name, node=_writable(obj))
+    for name, cls in SCHEMAS.items():
+        cs.store(name=name, node=_writable(cls))
     _registered = True
 
 
@@ -88,8 +228,6 @@ def optim_from_cfg(cfg: DictConfig) -> OptimHParams:
 
 def parallel_from_cfg(cfg: DictConfig):
     """``ParallelDims`` from the ``parallel`` node (one process when the node is absent)."""
-    from lowprec.parallel import ParallelDims
-
     node = cfg.get("parallel")
     return ParallelDims(**typed(ParallelDims, node, "parallel")) if node is not None else ParallelDims()
 

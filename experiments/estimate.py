@@ -16,6 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from lowprec.recipe import Recipe
+from recipes import CATALOG, get_recipe
+from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
+from lowprec.estimate.hardware import get_hardware
+from lowprec.model import model_args
+from lowprec.recipe import RecipeError
 
 USAGE = ("usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
          "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] "
@@ -84,9 +90,6 @@ def parse_args(argv: list[str]) -> dict:
 
 
 def _recipes(name: str, overrides: dict):
-    from lowprec.recipe import Recipe
-    from recipes import CATALOG, get_recipe
-
     if name == "all":
         if overrides:
             raise EstimateArgError("recipe.<group>.<field> overrides need a single recipe, not recipe=all")
@@ -167,7 +170,7 @@ def format_one(e, args, model_name: str, unsharded) -> str:
     return "\n".join(lines)
 
 
-#: Published measurements to print beside a matching estimate (DESIGN.md, "Published anchors").
+#: Published measurements to print beside a matching estimate (torchtitan and torchao benchmark tables).
 PUBLISHED = {
     ("llama3_8b", "bf16", 8): {"source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile",
                                "tokens_per_s_per_gpu": 6667, "memory_gib": 77.0},
@@ -211,10 +214,6 @@ def format_ranking(r, model_name: str) -> str:
 
 def run(opts: dict) -> str:
     """Compute and format (text or JSON) the estimate for parsed ``opts``; raises on bad values."""
-    from lowprec.estimate import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
-    from lowprec.hardware import get_hardware
-    from lowprec.model import model_args
-
     try:
         args = model_args(opts["model"], **opts["model_over"])
     except TypeError as e:
@@ -239,8 +238,6 @@ def run(opts: dict) -> str:
 
 def estimate_main(argv: list[str]) -> int:
     """Entry point of ``lowprec estimate``; returns the exit status (0, or 2 for bad input)."""
-    from lowprec.recipe import RecipeError
-
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0

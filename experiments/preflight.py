@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.model import ModelArgs
-from lowprec.optim import OptimHParams
+from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe

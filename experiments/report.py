@@ -11,14 +11,19 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from experiments import plots
 from lowprec.errors import UserError
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 
+if TYPE_CHECKING:  # experiments.tracking sets MLflow's environment before mlflow is first imported
+    from mlflow.entities import Run
+
 CURVES = ("loss", "val_loss", "grad_norm")
 #: (role or GEMM, stat) drawn as heatmaps over layers x steps.
-TELEMETRY_PANELS = [["output", "sqnr_db"], ["grad_input", "sqnr_db"], ["grad_output", "underflow"], ["input", "overflow"]]
+TELEMETRY_PANELS = [["output", "sqnr_db"], ["grad_input", "sqnr_db"], ["grad_output", "underflow"],
+                    ["input", "overflow"]]
 #: Components drawn measured vs predicted (``pred_<name>`` is the estimator's figure for ``<name>``).
 MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes",
                   "mem_fp8_scaling_state_bytes", "mem_saved_activations_bytes", "mem_saved_weight_copies_bytes")
@@ -48,9 +53,10 @@ class RunData:
         return (step + 1) * self.tokens_per_step
 
 
-def find_ablation(tracker: Tracker, ablation_id: str):
+def find_ablation(tracker: Tracker, ablation_id: str) -> Run:
     runs = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.`{ABLATION_TAG}` = '{ablation_id}' and tags.`lowprec.kind` = 'ablation'"
+        [tracker.experiment_id],
+        filter_string=f"tags.`{ABLATION_TAG}` = '{ablation_id}' and tags.`lowprec.kind` = 'ablation'",
     )
     if not runs:
         raise ReportError(f"no ablation {ablation_id!r} in {tracker.uri} (experiment id {tracker.experiment_id})")
@@ -97,6 +103,16 @@ def _spikes(curve: list[tuple[int, float]], window: int = 20, factor: float = 1.
     return sum(1 for i in range(window, len(vals)) if vals[i] > factor * _mean(vals[i - window : i]))
 
 
+def _late_max(curve: list[tuple[int, float]]) -> float:
+    """Largest value after the first tenth of the steps (the start of training is left out)."""
+    return max((v for _, v in curve[len(curve) // 10 :]), default=math.nan)
+
+
+def _m_rel_err(metrics: dict[str, float]) -> float:
+    """Mean over the sampled tensors of the stored first moment's relative error (NaN: none sampled)."""
+    return _mean([v for k, v in metrics.items() if k.startswith("optim/") and k.endswith("/m_rel_err")])
+
+
 def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]:
     """One row per recipe (means over seeds of comparable runs)."""
     ctrl = {r.seed: r.metrics.get("final_val_loss") for r in runs if r.recipe == control and r.comparable}
@@ -118,9 +134,8 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
             "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
             "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
             "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
-            "max_grad_norm": _mean([max((v for _, v in r.curves["grad_norm"][len(r.curves["grad_norm"]) // 10 :]), default=math.nan) for r in ok]),
-            "m_rel_err": _mean([_mean([v for k, v in r.metrics.items() if k.startswith("optim/") and k.endswith("/m_rel_err")])
-                                for r in ok]),
+            "max_grad_norm": _mean([_late_max(r.curves["grad_norm"]) for r in ok]),
+            "m_rel_err": _mean([_m_rel_err(r.metrics) for r in ok]),
             "n_ok": len(ok),
         })
     return rows
@@ -128,6 +143,14 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
 
 def _num(x: float, fmt: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _first_per_recipe(runs: list[RunData]) -> dict[str, RunData]:
+    """The first run of each recipe (its first seed): tables that show one run per recipe show this one."""
+    first: dict[str, RunData] = {}
+    for r in runs:
+        first.setdefault(r.recipe, r)
+    return first
 
 
 def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path:
@@ -146,111 +169,152 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(runs, order, control)
     ok = [r for r in runs if r.comparable]
-    figs = {}
-    if ok:
-        figs["loss"] = plots.loss_curves(ok, order, out / "loss.png")
-        figs["gap"] = plots.loss_gap(ok, order, control, out / "loss_gap.png")
-        figs["memory"] = plots.memory_bars(rows, ok, order, out / "memory.png")
-        figs["throughput"] = plots.throughput_bars(rows, out / "throughput.png")
-        figs["reconcile"] = plots.predicted_vs_measured(ok, order, MEM_COMPONENTS, out / "memory_predicted.png")
-        figs["grad_norm"] = plots.grad_norm_curves(ok, order, out / "grad_norm.png")
     on_cpu = ptags.get("device_type") == "cpu"
+    figs = _figures(rows, ok, order, control, out)
+    telemetry = _telemetry_figures(ok, order, out)
     lines = [
-        f"# Precision ablation `{ablation_id}`",
-        "",
-        f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
-        f"{parent.data.params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
-        f"seeds {ptags.get('seeds')}",
-        f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
-        f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, torchao {ptags.get('torchao_version')}, "
-        f"bitsandbytes {ptags.get('bitsandbytes_version')}; git `{ptags.get('git_sha')}`",
-        f"- control recipe: `{control}`; tracking store: `{tracker.uri}` (MLflow run `{parent.info.run_id}`)",
-        f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
-        "",
+        *_header_section(ablation_id, parent, ok, control, tracker.uri),
+        *_cpu_timing_warning(on_cpu),
+        *_summary_section(rows, control, on_cpu),
+        *_failed_section(runs),
+        *_figure_sections(figs, control),
+        *_telemetry_section(telemetry),
+        *_reconcile_table(ok, order),
+        *_comm_section(ok, order, out),
+        *_effective_section(ok, order),
+        "", f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`", "",
     ]
-    if on_cpu:
-        lines += [
-            "> **These timings were measured on a CPU.** They say nothing about FP8 or BF16 speed on a GPU: "
-            "on this CPU, BF16 and FP8 GEMMs are slower than FP32. Read the tokens/s column as the cost of "
-            "emulation here, never as a speedup or slowdown you would see on an H100.",
-            "",
-        ]
-    lines += [
-        "## Summary",
-        "",
-        f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
-        "state = parameters + gradients + master + optimizer states (exact bytes); AdamW m error = relative error "
-        "of the stored first moment against an FP32 shadow AdamW on sampled tensors, last sample (n/a: FP32 moments); "
-        f"peak = {'process peak RSS (CPU), with its growth during the run in brackets' if on_cpu else 'CUDA peak allocated, with its growth during the run in brackets'}; spikes = steps with loss > 1.25x the mean of the previous 20.",
-        "",
-        "| recipe | what it is | status | val loss | gap vs control | tokens/s | state B/param | AdamW m error | peak memory | loss spikes | max grad norm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
-        lines.append(
-            f"| `{row['recipe']}` | `{row['short']}` | {row['status']} | {_num(row['val_loss'], '.4f')}{std} | "
-            f"{_num(row['gap_pct'], '+.2f')}% | {_num(row['tokens_per_s'], ',.0f')} | {_num(row['bytes_per_param'], '.2f')} | "
-            f"{_num(row['m_rel_err'], '.2%')} | "
-            f"{_fmt_bytes(row['peak_bytes']) + ' (+' + _fmt_bytes(row['peak_growth_bytes']) + ')' if row['n_ok'] else 'n/a'} | {_num(row['spikes'], '.0f')} | {_num(row['max_grad_norm'], '.3f')} |"
-        )
-    failed = [r for r in runs if not r.comparable]
-    if failed:
-        lines += ["", "## Failed or excluded runs", "",
-                  "These runs are left out of every comparison; the reason is the one recorded in MLflow.", ""]
-        lines += [f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} (run `{r.run_id}`)"
-                  for r in failed]
-    tele = [r for r in ok if r.telemetry]
-    firsts = {}
-    for r in tele:
-        firsts.setdefault(r.recipe, r)
-    for name in (n for n in order if n in firsts):
-        figs[f"telemetry_{name}"] = plots.telemetry_heatmap(firsts[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
-    titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
-              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm",
-              "reconcile": "Memory: predicted (lowprec estimate) vs measured"}
-    for key, path in figs.items():
-        if key.startswith("telemetry_"):
-            continue
-        lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
-    if firsts:
-        lines += ["", "## FP8 numerics telemetry", "",
-                  "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
-                  "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
-                  "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
-                  "saturate (overflow)."]
-        for name in (n for n in order if n in firsts):
-            lines += ["", f"### `{name}`", "", f"![telemetry {name}](telemetry_{name}.png)"]
-    lines += _reconcile_table(ok, order)
-    comm = _comm_table(ok, order)
-    if comm:
-        figs_comm = plots.comm_bars(ok, order, COMM_KINDS, out / "comm_bytes.png")
-        lines += comm + ["", f"![comm]({figs_comm.name})"]
-    lines += ["", "## Effective recipes", "",
-              "Read from the built objects after the first optimizer step (element counts per dtype).", "",
-              "| recipe | params | grads | linear outputs | FP8 linears | AdamW moments | optimizer |", "|---|---|---|---|---|---|---|"]
-    first = {}
-    for r in ok:
-        first.setdefault(r.recipe, r)
-    for name in (n for n in order if n in first):
-        r = first[name]
-        e = r.effective
-        lines.append(
-            f"| `{r.recipe}` | {_dtypes(e.get('param_dtype'))} | {_dtypes(e.get('grad_dtype'))} | "
-            f"{_dtypes(e.get('linear_output_dtype'))} | {sum((e.get('fp8_linears') or {}).values())}/{e.get('linears')} | "
-            f"{_dtypes(e.get('moment_dtype'))} | `{e.get('optimizer')}` |"
-        )
-    lines += ["", f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
 
 
+def _figures(rows: list[dict], ok: list[RunData], order: list[str], control: str, out: Path) -> dict[str, Path]:
+    """The comparison plots (none without a comparable run), keyed as ``_figure_sections`` titles them."""
+    if not ok:
+        return {}
+    return {
+        "loss": plots.loss_curves(ok, order, out / "loss.png"),
+        "gap": plots.loss_gap(ok, order, control, out / "loss_gap.png"),
+        "memory": plots.memory_bars(rows, ok, order, out / "memory.png"),
+        "throughput": plots.throughput_bars(rows, out / "throughput.png"),
+        "reconcile": plots.predicted_vs_measured(ok, order, MEM_COMPONENTS, out / "memory_predicted.png"),
+        "grad_norm": plots.grad_norm_curves(ok, order, out / "grad_norm.png"),
+    }
+
+
+def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
+    """One FP8 telemetry heatmap per recipe that logged telemetry (its first seed), in ``order``."""
+    first = _first_per_recipe([r for r in ok if r.telemetry])
+    return {name: plots.telemetry_heatmap(first[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
+            for name in order if name in first}
+
+
+def _header_section(ablation_id: str, parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
+    """Title and the setup: experiment, model, steps, seeds, data, device and versions, control, store."""
+    ptags, params = parent.data.tags, parent.data.params
+    return [
+        f"# Precision ablation `{ablation_id}`",
+        "",
+        f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
+        f"{params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
+        f"seeds {ptags.get('seeds')}",
+        f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
+        f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, "
+        f"torchao {ptags.get('torchao_version')}, bitsandbytes {ptags.get('bitsandbytes_version')}; "
+        f"git `{ptags.get('git_sha')}`",
+        f"- control recipe: `{control}`; tracking store: `{uri}` (MLflow run `{parent.info.run_id}`)",
+        f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
+        "",
+    ]
+
+
+def _cpu_timing_warning(on_cpu: bool) -> list[str]:
+    """A warning that CPU timings say nothing about GPU speed (nothing on a GPU)."""
+    if not on_cpu:
+        return []
+    return [
+        "> **These timings were measured on a CPU.** They say nothing about FP8 or BF16 speed on a GPU: "
+        "on this CPU, BF16 and FP8 GEMMs are slower than FP32. Read the tokens/s column as the cost of "
+        "emulation here, never as a speedup or slowdown you would see on an H100.",
+        "",
+    ]
+
+
+SUMMARY_COLUMNS = ("recipe", "what it is", "status", "val loss", "gap vs control", "tokens/s", "state B/param",
+                   "AdamW m error", "peak memory", "loss spikes", "max grad norm")
+
+
+def _summary_section(rows: list[dict], control: str, on_cpu: bool) -> list[str]:
+    """The summary table (one row per recipe, from ``summarise``) and what its columns mean."""
+    peak = "process peak RSS (CPU)" if on_cpu else "CUDA peak allocated"
+    return [
+        "## Summary",
+        "",
+        f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
+        "state = parameters + gradients + master + optimizer states (exact bytes); AdamW m error = relative error "
+        "of the stored first moment against an FP32 shadow AdamW on sampled tensors, last sample "
+        f"(n/a: FP32 moments); peak = {peak}, with its growth during the run in brackets; "
+        "spikes = steps with loss > 1.25x the mean of the previous 20.",
+        "",
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "|---" * len(SUMMARY_COLUMNS) + "|",
+        *(_summary_row(row) for row in rows),
+    ]
+
+
+def _summary_row(row: dict) -> str:
+    std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
+    peak = f"{_fmt_bytes(row['peak_bytes'])} (+{_fmt_bytes(row['peak_growth_bytes'])})" if row["n_ok"] else "n/a"
+    cells = [
+        f"`{row['recipe']}`", f"`{row['short']}`", row["status"], f"{_num(row['val_loss'], '.4f')}{std}",
+        f"{_num(row['gap_pct'], '+.2f')}%", _num(row["tokens_per_s"], ",.0f"), _num(row["bytes_per_param"], ".2f"),
+        _num(row["m_rel_err"], ".2%"), peak, _num(row["spikes"], ".0f"), _num(row["max_grad_norm"], ".3f"),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _failed_section(runs: list[RunData]) -> list[str]:
+    """Runs left out of every comparison, each with the reason recorded in MLflow (nothing if none)."""
+    failed = [r for r in runs if not r.comparable]
+    if not failed:
+        return []
+    return [
+        "", "## Failed or excluded runs", "",
+        "These runs are left out of every comparison; the reason is the one recorded in MLflow.", "",
+        *(f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} "
+          f"(run `{r.run_id}`)" for r in failed),
+    ]
+
+
+def _figure_sections(figs: dict[str, Path], control: str) -> list[str]:
+    """One section per comparison plot, in the order they were drawn."""
+    titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
+              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm",
+              "reconcile": "Memory: predicted (lowprec estimate) vs measured"}
+    lines: list[str] = []
+    for key, path in figs.items():
+        lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
+    return lines
+
+
+def _telemetry_section(heatmaps: dict[str, Path]) -> list[str]:
+    """The FP8 numerics heatmaps (recipe -> PNG) and how to read them (nothing without telemetry)."""
+    if not heatmaps:
+        return []
+    lines = ["", "## FP8 numerics telemetry", "",
+             "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
+             "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
+             "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
+             "saturate (overflow)."]
+    for name, path in heatmaps.items():
+        lines += ["", f"### `{name}`", "", f"![telemetry {name}]({path.name})"]
+    return lines
+
+
 def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
     """Measured vs predicted bytes per component (first seed of each recipe), from the logged metrics."""
-    first = {}
-    for r in runs:
-        first.setdefault(r.recipe, r)
+    first = _first_per_recipe(runs)
     names = [n for n in order if n in first]
     if not names or not any(f"pred_{MEM_COMPONENTS[0]}" in first[n].metrics for n in names):
         return []
@@ -261,28 +325,36 @@ def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
              "| recipe | " + " | ".join(short.values()) + " |", "|---" * (len(MEM_COMPONENTS) + 1) + "|"]
     for n in names:
         m = first[n].metrics
-        cells = []
-        for c in MEM_COMPONENTS:
-            meas, pred = m.get(c), m.get(f"pred_{c}")
-            if meas is None or pred is None:
-                cells.append("n/a")
-            elif meas == pred:
-                cells.append(f"{meas:,.0f} (exact)")
-            else:
-                cells.append(f"{meas:,.0f} / {pred:,.0f} ({100 * (pred / meas - 1) if meas else float('inf'):+.1f}%)")
+        cells = [_reconcile_cell(m.get(c), m.get(f"pred_{c}")) for c in MEM_COMPONENTS]
         lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
     return lines
+
+
+def _reconcile_cell(measured: float | None, predicted: float | None) -> str:
+    if measured is None or predicted is None:
+        return "n/a"
+    if measured == predicted:
+        return f"{measured:,.0f} (exact)"
+    error_pct = 100 * (predicted / measured - 1) if measured else float("inf")
+    return f"{measured:,.0f} / {predicted:,.0f} ({error_pct:+.1f}%)"
 
 
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
+def _comm_section(runs: list[RunData], order: list[str], out: Path) -> list[str]:
+    """The communication table and its bar chart (drawn here, only for runs that metered communication)."""
+    table = _comm_table(runs, order)
+    if not table:
+        return []
+    fig = plots.comm_bars(runs, order, COMM_KINDS, out / "comm_bytes.png")
+    return [*table, "", f"![comm]({fig.name})"]
+
+
 def _comm_table(runs: list[RunData], order: list[str]) -> list[str]:
     """Bytes per optimizer step by collective kind and wire dtype, as the communication meter counted them at
     the process-group call on rank 0 (the only evidence of FP8 communication the report accepts)."""
-    first = {}
-    for r in runs:
-        first.setdefault(r.recipe, r)
+    first = _first_per_recipe(runs)
     names = [n for n in order if n in first and any(k.startswith("comm_") for k in first[n].metrics)]
     if not names:
         return []
@@ -294,16 +366,40 @@ def _comm_table(runs: list[RunData], order: list[str]) -> list[str]:
              "| recipe | layout | " + " | ".join(k.replace("_", "-") for k in COMM_KINDS) + " | wire |",
              "|---" * (len(COMM_KINDS) + 3) + "|"]
     for n in names:
-        m = first[n].metrics
-        cells = []
-        for kind in COMM_KINDS:
-            total = m.get(f"comm_{kind}_bytes", 0.0)
-            parts = sorted(((k.removeprefix(f"comm_{kind}_").removesuffix("_bytes"), v) for k, v in m.items()
-                            if k.startswith(f"comm_{kind}_") and k != f"comm_{kind}_bytes" and v), key=lambda kv: -kv[1])
-            cells.append(_fmt_bytes(total) + (" (" + ", ".join(f"{d} {_fmt_bytes(v)}" for d, v in parts) + ")" if parts else ""))
+        cells = [_comm_cell(first[n].metrics, kind) for kind in COMM_KINDS]
         wire = first[n].effective.get("comm") or {}
         lines.append(f"| `{n}` | {first[n].layout} | " + " | ".join(cells) + " | "
                      + (", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a") + " |")
+    return lines
+
+
+def _comm_cell(metrics: dict[str, float], kind: str) -> str:
+    """Total bytes of collective ``kind`` per step, then its non-zero parts by wire dtype, largest first."""
+    total = metrics.get(f"comm_{kind}_bytes", 0.0)
+    prefix = f"comm_{kind}_"
+    parts = sorted(((k.removeprefix(prefix).removesuffix("_bytes"), v) for k, v in metrics.items()
+                    if k.startswith(prefix) and k != f"comm_{kind}_bytes" and v), key=lambda kv: -kv[1])
+    if not parts:
+        return _fmt_bytes(total)
+    return _fmt_bytes(total) + " (" + ", ".join(f"{d} {_fmt_bytes(v)}" for d, v in parts) + ")"
+
+
+EFFECTIVE_COLUMNS = ("recipe", "params", "grads", "linear outputs", "FP8 linears", "AdamW moments", "optimizer")
+
+
+def _effective_section(ok: list[RunData], order: list[str]) -> list[str]:
+    """What each recipe ran as (first seed): element counts per dtype, FP8 linears, optimizer class."""
+    first = _first_per_recipe(ok)
+    lines = ["", "## Effective recipes", "",
+             "Read from the built objects after the first optimizer step (element counts per dtype).", "",
+             "| " + " | ".join(EFFECTIVE_COLUMNS) + " |", "|---" * len(EFFECTIVE_COLUMNS) + "|"]
+    for name in (n for n in order if n in first):
+        e = first[name].effective
+        fp8 = sum((e.get("fp8_linears") or {}).values())
+        cells = [f"`{first[name].recipe}`", _dtypes(e.get("param_dtype")), _dtypes(e.get("grad_dtype")),
+                 _dtypes(e.get("linear_output_dtype")), f"{fp8}/{e.get('linears')}", _dtypes(e.get("moment_dtype")),
+                 f"`{e.get('optimizer')}`"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

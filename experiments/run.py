@@ -19,6 +19,13 @@ from lowprec.train.loop import run_training
 from experiments.config import flat_params, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
 from experiments.faults import fault_hooks
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, dumps, provenance_tags
+from lowprec.estimate.estimator import flops_per_token, mfu
+from lowprec.estimate.hardware import hardware_from_device_name
+from experiments.tracking import device_name
+from lowprec.estimate.estimator import predict_state_bytes
+from lowprec.estimate.activations import predict_saved_activations
+from lowprec.parallel import ParallelDims
+import torch.distributed as dist
 
 
 def release_memory() -> None:
@@ -34,10 +41,6 @@ def release_memory() -> None:
 def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float) -> dict[str, float]:
     """``model_flops_per_token`` (6N + 12·L·dim·seq), ``achieved_tflops`` and, on a GPU of the hardware
     table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU."""
-    from lowprec.estimate import flops_per_token, mfu
-    from lowprec.hardware import hardware_from_device_name
-    from experiments.tracking import device_name
-
     hw = hardware_from_device_name(device_name(device)) if device.type == "cuda" else None
     m = mfu(args, recipe, spec.seq_len, tokens_per_s, hw)
     out = {"model_flops_per_token": flops_per_token(args, spec.seq_len, recipe).flops_per_token,
@@ -50,10 +53,6 @@ def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float)
 def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str, float]:
     """The estimator's prediction for this very run (``pred_*``: rank 0's bytes under a parallel layout),
     logged beside the measured ``mem_*``."""
-    from lowprec.estimate import predict_state_bytes
-    from lowprec.estimate_activations import predict_saved_activations
-    from lowprec.parallel import ParallelDims
-
     dims = dims or ParallelDims()
     st = predict_state_bytes(args, recipe, dims.dp_shard, dims.tp)
     act = predict_saved_activations(args, recipe, spec.batch_size // dims.dp, spec.seq_len, device_type=device.type,
@@ -79,8 +78,6 @@ def _effective_tags(eff: dict) -> dict[str, str]:
 
 def _rank0_value(value: str) -> str:
     """``value`` as rank 0 holds it (run ids exist only on rank 0, which talks to MLflow)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return value
     box = [value]

@@ -15,6 +15,10 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 import mlflow  # noqa: E402
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+from lowprec.parallel.runtime import is_rank0
+import torch
+import bitsandbytes
+import torchao
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
@@ -97,8 +101,6 @@ class NullTracker:
 
 def make_tracker(cfg) -> "Tracker | NullTracker":
     """``Tracker`` on rank 0 (or one process), ``NullTracker`` on the other ranks."""
-    from lowprec.parallel.runtime import is_rank0
-
     return Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs) if is_rank0() else NullTracker()
 
 
@@ -140,8 +142,6 @@ def git_sha() -> str:
 
 
 def device_name(device) -> str:
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -154,11 +154,7 @@ def device_name(device) -> str:
 
 
 def provenance_tags(device) -> dict[str, str]:
-    """Git SHA, library versions and device, as DESIGN.md's tracking section lists them."""
-    import bitsandbytes
-    import torch
-    import torchao
-
+    """Git SHA, library versions and device, as the README's tracking section lists them."""
     return {
         "git_sha": git_sha(),
         "torch_version": torch.__version__,

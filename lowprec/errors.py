@@ -16,3 +16,11 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A run setting (``train.*``, ``optim.*``, ``model.*``, ``device``, ablation fields) is invalid."""
+
+
+class RecipeError(ConfigError):
+    """An invalid or unsupported recipe; the message names the conflicting fields (``lowprec.recipe``)."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint folder is missing, corrupt, or does not match this model or recipe; the message says which."""

@@ -25,11 +25,8 @@ from typing import Any
 
 import torch
 
-from lowprec.errors import ConfigError
-
-
-class RecipeError(ConfigError):
-    """An invalid or unsupported recipe; the message names the conflicting fields."""
+from lowprec.backends import fp8_backend, optim_impl, optim_impls
+from lowprec.errors import RecipeError
 
 
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
@@ -109,15 +106,6 @@ class ComputeSpec:
                               f"{self.autocast_dtype!r}: loss scaling exists for FP16's narrow exponent range")
 
 
-#: Scalings each FP8 backend implements, and the FP8 format each torchao recipe name implies.
-FP8_SCALINGS = {
-    "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
-    "lowprec": ("tensorwise", "rowwise", "blockwise"),
-    "te": ("tensorwise", "blockwise"),
-}
-_TORCHAO_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3"}
-
-
 @dataclass(frozen=True)
 class Float8Spec:
     """FP8 GEMMs: which linears, which kernels, how they are scaled.
@@ -162,7 +150,6 @@ class Float8Spec:
         # Hydra hands lists; freeze them so the recipe stays hashable.
         object.__setattr__(self, "keep_hp_fqns", tuple(self.keep_hp_fqns))
         object.__setattr__(self, "static_scales", tuple(float(x) for x in self.static_scales))
-        _check_choice("fp8", "backend", self.backend, ("none", *FP8_SCALINGS))
         _check_choice("fp8", "strategy", self.strategy, ("current", "delayed", "static"))
         _check_choice("fp8", "fp8_format", self.fp8_format, ("hybrid", "e4m3"))
         _check_choice("fp8", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
@@ -182,11 +169,10 @@ class Float8Spec:
         for name in ("hp_first_blocks", "hp_last_blocks", "min_features"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"recipe.fp8.{name}={getattr(self, name)} must be >= 0")
-        if self.backend == "none":
-            _refuse_inert(self, Float8Spec, "fp8", tuple(f.name for f in dataclasses.fields(self) if f.name != "backend"),
-                          "backend='none'")
+        backend = fp8_backend(self.backend)  # RecipeError listing the registered backends
+        if not backend.enabled:
+            backend.validate(self)  # ``none`` refuses FP8 fields that would be inert
             return
-        _check_choice("fp8", "scaling", self.scaling, FP8_SCALINGS[self.backend])
         if self.strategy != "delayed":
             _refuse_inert(self, Float8Spec, "fp8", ("amax_history_len", "amax_compute_algo", "margin"),
                           f"strategy={self.strategy!r} (they are delayed-scaling settings)")
@@ -197,34 +183,11 @@ class Float8Spec:
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
                 "delayed and static scaling keep one scale per tensor; use scaling=tensorwise"
             )
-        if self.backend == "torchao":
-            if self.strategy != "current":
-                raise RecipeError(
-                    f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
-                    "removed delayed scaling in 2025 and has no static scaling; use backend=lowprec"
-                )
-            implied = _TORCHAO_FORMAT[self.scaling]
-            if self.fp8_format != implied:
-                raise RecipeError(
-                    f"recipe.fp8.fp8_format={self.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
-                    f"recipe.fp8.scaling={self.scaling!r}, whose torchao recipe uses {implied!r}; "
-                    f"set recipe.fp8.fp8_format={implied}"
-                )
-            lowprec_only = {"gemm_backend": "scaled_mm", "promotion_interval": None, "accum_mantissa_bits": None,
-                            "cache_fp8_activations": False, "power_of_2_scales": False}
-            bad = [k for k, v in lowprec_only.items() if getattr(self, k) != v]
-            if bad:
-                raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with "
-                                  f"recipe.fp8.backend='torchao' (use backend=lowprec)")
-        if self.backend == "lowprec" and self.scaling == "blockwise" and self.promotion_interval not in (None, 128):
-            raise RecipeError(
-                f"recipe.fp8.promotion_interval={self.promotion_interval} conflicts with recipe.fp8.scaling='blockwise': "
-                "its scales change every 128 elements of K, so partial sums are promoted every 128"
-            )
+        backend.validate(self)
 
     @property
     def enabled(self) -> bool:
-        return self.backend != "none"
+        return fp8_backend(self.backend).enabled
 
     def keeps_high_precision(self, fqn: str) -> bool:
         """True if the linear at ``fqn`` stays out of FP8 by name."""
@@ -255,22 +218,11 @@ class Float8Spec:
             s += f"/delayed{self.amax_history_len}-{self.amax_compute_algo}-m{self.margin}"
         elif self.strategy == "static":
             s += "/static"
-        if self.backend != "torchao":
+        if fp8_backend(self.backend).format_in_name:
             s += f"/{self.fp8_format}"
         if self.cache_fp8_activations:
             s += "+fp8cache"
         return s
-
-
-#: optim.state -> the implementations that provide it.
-OPTIM_IMPLS = {
-    "param": ("torch", "lowprec", "torchao"),
-    "fp32": ("lowprec",),
-    "bf16": ("lowprec",),
-    "fp8_fp16": ("lowprec",),
-    "int8": ("bitsandbytes", "torchao"),
-    "int4": ("torchao",),
-}
 
 
 @dataclass(frozen=True)
@@ -289,12 +241,14 @@ class OptimSpec:
     impl: str = "torch"
 
     def __post_init__(self) -> None:
-        _check_choice("optim", "state", self.state, tuple(OPTIM_IMPLS))
-        _check_choice("optim", "impl", self.impl, ("torch", "lowprec", "bitsandbytes", "torchao"))
-        if self.impl not in OPTIM_IMPLS[self.state]:
+        impls = optim_impls()
+        _check_choice("optim", "state", self.state, tuple(dict.fromkeys(s for i in impls.values() for s in i.states)))
+        impl = optim_impl(self.impl)  # RecipeError listing the registered implementations
+        if self.state not in impl.states:
+            providers = [n for n, i in impls.items() if self.state in i.states]
             raise RecipeError(
                 f"recipe.optim.state={self.state!r} conflicts with recipe.optim.impl={self.impl!r}: "
-                f"{self.state} states come from impl in {list(OPTIM_IMPLS[self.state])}"
+                f"{impl.description or self.impl} has no {self.state} states; use impl in {providers}"
             )
 
 
@@ -350,17 +304,17 @@ class Recipe:
     def __post_init__(self) -> None:
         if not self.name:
             raise RecipeError("recipe.name must be a non-empty string")
-        if self.comm.weight_all_gather == "fp8":
-            f8 = self.fp8
-            if not f8.enabled or f8.backend == "te" or (f8.backend == "torchao" and f8.scaling != "tensorwise"):
-                raise RecipeError(
-                    f"recipe.comm.weight_all_gather='fp8' conflicts with recipe.fp8.backend={f8.backend!r} / "
-                    f"scaling={f8.scaling!r}: FP8 weight all-gather needs FP8 linears from backend=lowprec, or "
-                    "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)")
+        f8 = self.fp8
+        if self.comm.weight_all_gather == "fp8" and not fp8_backend(f8.backend).supports_fp8_weight_all_gather(f8):
+            raise RecipeError(
+                f"recipe.comm.weight_all_gather='fp8' conflicts with recipe.fp8.backend={f8.backend!r} / "
+                f"scaling={f8.scaling!r}: FP8 weight all-gather needs FP8 linears from backend=lowprec, or "
+                "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)")
         rounding = self.weights.update_rounding
-        if rounding == "kahan" and self.optim.impl != "lowprec" or rounding == "stochastic" and self.optim.impl not in ("lowprec", "torchao"):
+        if rounding not in optim_impl(self.optim.impl).roundings:
+            able = [n for n, i in optim_impls().items() if rounding in i.roundings]
             raise RecipeError(f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
-                              f"{self.optim.impl!r}: use impl=lowprec (or torchao for stochastic)")
+                              f"{self.optim.impl!r}: use impl in {able}")
 
     # ---- derived facts (what the build must produce) -------------------------------------------
     @property

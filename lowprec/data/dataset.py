@@ -14,6 +14,7 @@ from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
 from lowprec.data.errors import DataError
 from lowprec.data.shards import open_split, read_meta, write_shards
 from lowprec.data.tokenizer import EOT, load_tokenizer, train_bpe
+import hashlib
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,6 @@ def check_vocab_fits(data: TokenData, model_vocab_size: int) -> None:
 
 
 def _digest_of_digests(meta: dict) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for split in sorted(meta["splits"]):
         for e in meta["splits"][split]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowprec.formats import Format, get_format
+from lowprec.numerics.formats import Format, get_format
 
 ROLES = ("input", "weight", "grad_output")
 

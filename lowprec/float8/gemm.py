@@ -4,7 +4,7 @@
   (a tensorwise scale is broadcast to a per-row one when the other operand is rowwise). Tile (1x128) and
   block (128x128) operands run as a loop over 128-wide K chunks of rowwise ``_scaled_mm`` whose FP32
   partial results are summed in FP32: DeepSeek-V3's promotion to FP32 every N_C = 128 elements
-  (arXiv 2412.19437 section 3.3.2), since CPU ``_scaled_mm`` rejects blockwise scales (PLATFORM.md).
+  (arXiv 2412.19437 section 3.3.2), since CPU ``_scaled_mm`` rejects blockwise scales (docs/architecture.md, "Platform facts").
 - ``emulated``: dequantize both operands, FP32 matmul. The reference.
 
 ``promotion_interval`` (N_C) splits K into chunks whose partial sums are promoted to FP32;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.scaling import BLOCK, QTensor, expand_scale
+from lowprec.numerics.scaling import BLOCK, QTensor, expand_scale
 
 BACKENDS = ("scaled_mm", "emulated")
 WGMMA_K = 32
@@ -68,7 +68,7 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """``a @ bt.T`` -> (M, N) in ``out_dtype``. Raises ``ValueError`` for an unknown backend, mismatched
     K, or a promotion interval the scaling cannot honour."""
-    (m, k), (n, k2) = a.shape, bt.shape
+    (_, k), (_, k2) = a.shape, bt.shape
     if k != k2:
         raise ValueError(f"contraction dims differ: a is {a.shape}, bt is {bt.shape}")
     if backend not in BACKENDS:
@@ -76,8 +76,16 @@ def fp8_gemm(
     chunks = _chunk_bounds(k, a, bt, promotion_interval)
     if accum_mantissa_bits is not None:
         return _limited_accumulation(a, bt, chunks, accum_mantissa_bits).to(out_dtype)
-    if backend == "emulated":
-        return (a.dequantize() @ bt.dequantize().t()).to(out_dtype)
+    return _GEMMS[backend](a, bt, out_dtype, chunks)
+
+
+def _emulated_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks) -> torch.Tensor:
+    # The reference: dequantize exactly, one FP32 matmul (FP32 accumulation over all of K).
+    return (a.dequantize() @ bt.dequantize().t()).to(out_dtype)
+
+
+def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks) -> torch.Tensor:
+    (m, k), n = a.shape, bt.shape[0]
     if len(chunks) == 1 and a.granularity == bt.granularity == "tensorwise":
         return _scaled_mm(a.data, bt.data, a.scale, bt.scale, out_dtype)
     if len(chunks) == 1:
@@ -87,6 +95,10 @@ def fp8_gemm(
         out += _scaled_mm(a.data[:, k0:k1], bt.data[:, k0:k1], _per_row_scale(a, k0, k1),
                           _per_row_scale(bt, k0, k1).reshape(1, n), torch.float32)
     return out.to(out_dtype)
+
+
+#: ``recipe.fp8.gemm_backend`` -> the GEMM that runs it.
+_GEMMS = {"scaled_mm": _scaled_mm_gemm, "emulated": _emulated_gemm}
 
 
 def _limited_accumulation(a: QTensor, bt: QTensor, chunks, bits: int) -> torch.Tensor:

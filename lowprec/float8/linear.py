@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
-from lowprec.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
+from lowprec.numerics.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
 
 _TRANSPOSABLE = ("tensorwise", "block128x128")
 
@@ -32,7 +32,7 @@ class Float8Linear(nn.Linear):
     Shapes: input (..., in_features) -> output (..., out_features). Buffers: one ``DelayedScaler`` per
     role whose strategy is ``delayed`` (under ``scalers.<role>``), so amax histories are checkpointed.
     ``telemetry`` (``None`` or an object with ``observe(module, role, ...)``) is set by
-    ``lowprec.telemetry`` on sampled steps.
+    ``lowprec.measure.telemetry`` on sampled steps.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, config: LinearFP8Config, device=None, dtype=None):

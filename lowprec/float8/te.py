@@ -13,7 +13,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from lowprec.recipe import RecipeError
+from lowprec.errors import RecipeError
 
 
 def require_te():

@@ -1,4 +1,5 @@
-"""Optimizers built from a recipe's state policy."""
-from lowprec.optim.builder import OptimHParams, build_optimizer, moment_kind
+"""Optimizer components: FP32 master weights, low-bit AdamW moments, update rounding, dynamic loss scaling.
 
-__all__ = ["OptimHParams", "build_optimizer", "moment_kind"]
+``lowprec.optim.builder`` (which reads the recipe) builds them; it is not imported here so that these
+components stay below the recipe layer (``lowprec.backends`` builds on them).
+"""

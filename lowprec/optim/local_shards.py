@@ -1,7 +1,7 @@
 """Run an optimizer that cannot take DTensors (bitsandbytes) on each rank's local shards under FSDP2/TP.
 
 bitsandbytes' 8-bit kernels receive the DTensor parameter and a plain state tensor and fail ("mixed
-torch.Tensor and DTensor"; bitsandbytes#1633). The fix PLATFORM.md verified: give the optimizer plain leaf
+torch.Tensor and DTensor"; bitsandbytes#1633). The fix verified on the lab's machines (docs/architecture.md, "Platform facts"): give the optimizer plain leaf
 tensors that alias each DTensor's local shard (same storage, so the update lands in the parameter with no
 copy), and hand it the local shard of each gradient before every step. Block-wise 8-bit states are then per
 local shard, which is what bitsandbytes does on one device for a tensor of that size.
@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lowprec.errors import CheckpointError
 from lowprec.optim.master import MasterWeightOptimizer, MasterWeights
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -29,8 +30,6 @@ class LocalShardViews(MasterWeights):
     tensor). ``before_step`` attaches the local shard of each gradient; ``after_step`` only drops it."""
 
     def __init__(self, params) -> None:
-        from torch.distributed.tensor import DTensor
-
         self.params = list(params)
         self.master_dtype = None
         self.keep_master_grads = False
@@ -102,14 +101,10 @@ class LocalShardOptimizer(MasterWeightOptimizer):
 
 
 def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor, Shard
-
     if not isinstance(p, DTensor):
         return v
     mesh = p.device_mesh
     if any(isinstance(pl, Shard) and p.shape[pl.dim] % mesh.size(i) for i, pl in enumerate(p.placements)):
-        from lowprec.train.checkpoint import CheckpointError
-
         raise CheckpointError(
             f"a parameter of shape {tuple(p.shape)} is unevenly sharded over {tuple(mesh.shape)}: the local-shard "
             "optimizer states (bitsandbytes, lowprec) cannot be checkpointed for it; use a layout that divides "
@@ -121,8 +116,6 @@ def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:
 
 
 def _from_dtensor(v, like: Tensor | None):
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(v, DTensor):
         return v
     local = v.to_local()

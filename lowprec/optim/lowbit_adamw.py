@@ -17,7 +17,7 @@ to FP32, updates, and stores it back rounded:
   Without a scale, FP16 would flush ``v`` below 6e-8 (gradients below ~2.4e-4) to zero and turn the
   update into ``m / eps``. 3 B/param + 8 B per tensor.
 
-State per parameter tensor, all plain tensors in ``optimizer.state[p]`` (``lowprec.accounting`` counts
+State per parameter tensor, all plain tensors in ``optimizer.state[p]`` (``lowprec.measure.accounting`` counts
 them): ``step`` (FP32 scalar on the CPU, as torch keeps it), ``exp_avg``, ``exp_avg_sq``, for
 ``fp8_fp16`` ``exp_avg_scale`` and ``exp_avg_sq_scale`` (FP32 scalars, the multiplying direction), and
 with ``update_rounding="kahan"`` on a low-precision parameter ``kahan_comp`` (parameter dtype).
@@ -33,7 +33,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from lowprec.formats import E4M3, Format, amax_to_scale, quantize
+from lowprec.numerics.formats import E4M3, Format, amax_to_scale, quantize
 from lowprec.optim.rounding import UPDATE_ROUNDINGS, write_update_
 
 #: FP16 as a scaled storage format (max 65504, eps 2**-10, smallest normal 2**-14, smallest subnormal 2**-24).

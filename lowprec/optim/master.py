@@ -102,7 +102,7 @@ class MasterWeights:
 class _MasterStateView(Mapping):
     """``optimizer.state`` of the wrapper: keyed by model parameters, values are the inner optimizer's
     per-master state dicts, so ``optimizer.state.get(param)`` and ``optimizer.state.values()`` work as for a
-    plain optimizer (``lowprec.optim.moment_kind``, ``lowprec.accounting.measure_state_bytes``)."""
+    plain optimizer (``lowprec.optim.moment_kind``, ``lowprec.measure.accounting.measure_state_bytes``)."""
 
     def __init__(self, inner: torch.optim.Optimizer, params: list[Tensor], masters: list[Tensor]) -> None:
         self._inner = inner
@@ -139,7 +139,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
       the masters were copied back;
     - ``state_dict()`` is the inner optimizer's, with each parameter's master added as ``"master"`` in its
       per-parameter state; ``load_state_dict`` restores both (bit-identical next steps);
-    - ``master_params`` lists the explicit masters for ``lowprec.accounting.measure_state_bytes``.
+    - ``master_params`` lists the explicit masters for ``lowprec.measure.accounting.measure_state_bytes``.
 
     Raises ``TypeError`` if ``inner_factory`` does not return an Optimizer, ``ValueError`` if it reorders
     parameters.

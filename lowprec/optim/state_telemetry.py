@@ -28,6 +28,7 @@ from typing import Iterable, Mapping
 
 import torch
 from torch import Tensor
+import bitsandbytes.functional as bnbF
 
 
 def _local(t: Tensor) -> Tensor:
@@ -36,8 +37,6 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _bnb_dequantize(codes: Tensor, absmax: Tensor, qmap: Tensor) -> Tensor:
-    import bitsandbytes.functional as bnbF
-
     n, blocks = codes.numel(), absmax.numel()
     blocksize = next(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if -(-n // b) == blocks)
     return bnbF.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=blocksize).float().reshape(codes.shape)

@@ -8,7 +8,7 @@
 - ``_c10d_functional``: the functional collectives DTensor issues when it redistributes (tensor parallel).
 
 Patching ``torch.distributed.*`` instead would miss DTensor, which calls the functional ops directly
-(PLATFORM.md, "Counting bytes"); ``torch.distributed.tensor.debug.CommDebugMode`` sees both but only counts calls.
+(docs/architecture.md, "Platform facts"); ``torch.distributed.tensor.debug.CommDebugMode`` sees both but only counts calls.
 
 Byte convention: the size in bytes of the full buffer the collective operates on, seen from the calling rank
 (``numel * element_size``), independent of the algorithm a backend uses to move it:
@@ -24,7 +24,7 @@ other             the buffer this rank sends or receives (reduce, gather, scatte
 
 So an fp32 FSDP2 model's all-gather per forward equals its (dim-0 padded) parameter bytes, and its
 reduce-scatter per backward its padded gradient bytes. Gloo implements reduce-scatter as an all-reduce of the
-whole buffer internally (PLATFORM.md); the meter deliberately counts the logical collective, not the wire.
+whole buffer internally; the meter deliberately counts the logical collective, not the wire.
 Barriers, ``wait_tensor`` and other non-payload ops are not counted.
 
 ``comm_label(kind)`` re-labels every collective issued inside it (thread-local), so a composite comm, e.g. an
@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 __all__ = ["KINDS", "CommMeter", "comm_label", "current_comm_label"]
 
@@ -139,9 +141,7 @@ def current_comm_label() -> str | None:
 def _infra_types() -> tuple[type, ...]:
     # Fake and functional tensors belong to tracing machinery whose own mode sits below this one; deferring to
     # them (NotImplemented) makes FakeTensor.__torch_dispatch__ return NotImplemented too, and dispatch fails
-    # with "all handlers returned NotImplemented" (PLATFORM.md, "TP + torchao FP8").
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
+    # with "all handlers returned NotImplemented" (measured on gloo with torchao's float8 TP).
 
     return (FakeTensor, FunctionalTensor)
 

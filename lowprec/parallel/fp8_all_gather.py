@@ -47,7 +47,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._prims_common import suggest_memory_format
 
-from lowprec.formats import E4M3, amax_to_scale, quantize
+from lowprec.numerics.formats import E4M3, amax_to_scale, quantize
+from lowprec.parallel.comm_meter import comm_label
+from torch.distributed.tensor import DTensor
+from lowprec.float8.linear import Float8Linear
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+from torch.distributed.fsdp import FSDPModule
 
 WIRE_GRANULARITIES = ("tensorwise", "rowwise")
 _WIRE_DTYPE = E4M3.dtype
@@ -71,14 +76,6 @@ _PRESERVE = {
     aten.clone.default,
     aten.alias.default,
 }
-
-
-def _comm_label(kind: str):
-    try:
-        from lowprec.parallel.comm_meter import comm_label
-    except ImportError:
-        return contextlib.nullcontext()
-    return comm_label(kind)
 
 
 class Float8AllGatherWeight(torch.Tensor):
@@ -157,7 +154,7 @@ class Float8AllGatherWeight(torch.Tensor):
             # ao#3982: the amax of a rank holding 0 rows is 0 (max() of an empty tensor raises).
             amax = x2d.abs().amax().float() if x2d.numel() else torch.zeros((), device=x.device)
             if ws > 1:
-                with _comm_label("all_gather"):
+                with comm_label("all_gather"):
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             scale = amax_to_scale(amax, E4M3)
             data = quantize(x2d, scale, E4M3)
@@ -170,7 +167,7 @@ class Float8AllGatherWeight(torch.Tensor):
             scales[:rows] = scale
             if ws > 1:
                 gathered = torch.empty(ws * padded_rows, dtype=torch.float32, device=x.device)
-                with _comm_label("all_gather"):
+                with comm_label("all_gather"):
                     dist.all_gather_single(gathered, scales, group=group)
                 scales = gathered
             meta = (scales, outer_size[0])
@@ -189,7 +186,6 @@ class Float8AllGatherWeight(torch.Tensor):
         if out is None:
             # The plain tensor is both the unsharded parameter and the inner tensor FSDP frees on reshard.
             return weight, (weight,)
-        from torch.distributed.tensor import DTensor
 
         if isinstance(out, DTensor):  # FSDP + TP: the subclass sits inside the TP DTensor
             out = out._local_tensor
@@ -215,8 +211,6 @@ def enable_fp8_weight_all_gather(
     shared by several modules (tied weights) is wrapped once and stays shared. Already wrapped weights, weights
     of fewer than 2 dimensions and ``None`` are skipped.
     """
-    from torch.distributed.tensor import DTensor
-
     done: dict[int, nn.Parameter] = {}
     wrapped: list[str] = []
     for fqn, mod in model.named_modules(remove_duplicate=False):
@@ -246,8 +240,6 @@ def lowprec_wire_granularity(fqn: str, module: nn.Module) -> Optional[str]:
     """``granularity_for`` for lowprec's ``Float8Linear``: ``tensorwise`` wire scaling for tensorwise (and
     delayed / static, which are tensorwise) weight casts, ``rowwise`` for rowwise and 128x128 blockwise ones;
     ``None`` (not wrapped) for any other module, torchao's ``Float8Linear`` included (it has its own)."""
-    from lowprec.float8.linear import Float8Linear
-
     if not isinstance(module, Float8Linear):
         return None
     rc = module.fp8_config.weight
@@ -258,8 +250,6 @@ def lowprec_wire_granularity(fqn: str, module: nn.Module) -> Optional[str]:
 
 def dequantized_weight(weight: torch.Tensor) -> torch.Tensor:
     """The plain high-precision tensor behind a (possibly DTensor-sharded) ``Float8AllGatherWeight``."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(weight, DTensor):
         weight = weight._local_tensor
     return weight._tensor if isinstance(weight, Float8AllGatherWeight) else weight
@@ -269,8 +259,6 @@ def dequantized_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _byte_view_all_gather_cls():
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-
     class ByteViewAllGather(DefaultAllGather):
         """FSDP2's default all-gather, moving 1-byte float buffers (float8) as ``uint8`` views (gloo cannot
         move float8 dtypes; the bytes are identical)."""
@@ -291,8 +279,6 @@ def install_fp8_safe_all_gather(model: nn.Module) -> int:
     torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` works on gloo (FSDP all-gathers a
     group's buffer in float8 when every input of the group is float8). Call after ``fully_shard``. Harmless
     on NCCL. Returns the number of FSDP modules changed."""
-    from torch.distributed.fsdp import FSDPModule
-
     comm = _byte_view_all_gather_cls()()
     n = 0
     for m in model.modules():

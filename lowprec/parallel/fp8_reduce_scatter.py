@@ -21,8 +21,8 @@ What torch 2.13 passes to it (``torch/distributed/fsdp/_fully_shard/_fsdp_collec
 
 The method, as in DeepSeek-V3's FP8 training (one scale per 128-element block) applied to communication
 rather than GEMMs: each destination chunk is quantized with one fp32 scale per ``block`` contiguous elements
-(``scale = fmt.max / amax``, ``lowprec.formats``), the FP8 bytes and the scales are packed into one uint8
-buffer per destination (gloo cannot move float8 dtypes, PLATFORM.md) and exchanged with a single
+(``scale = fmt.max / amax``, ``lowprec.numerics.formats``), the FP8 bytes and the scales are packed into one uint8
+buffer per destination (gloo cannot move float8 dtypes) and exchanged with a single
 ``all_to_all_single``; each rank dequantizes the ``ws`` chunks it receives and sums them in FP32. The sum
 therefore sees each contribution rounded once to FP8 but never accumulates in FP8. Payload: ``1 + 4/block``
 bytes per element against 4 for an fp32 reduce-scatter (0.258x at block 128, plus ragged last blocks).
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from lowprec.formats import Format, amax_to_scale, dequantize, get_format, quantize
+from lowprec.numerics.formats import Format, amax_to_scale, dequantize, get_format, quantize
 from lowprec.parallel.comm_meter import comm_label
 
 __all__ = ["Float8ReduceScatter", "apply_fp8_reduce_scatter", "quantize_blocks", "dequantize_blocks"]
@@ -62,7 +62,7 @@ def quantize_blocks(x: torch.Tensor, fmt: Format, block: int) -> tuple[torch.Ten
 
     Args: ``x`` of shape ``(rows, n)``, any float dtype. Returns ``(data, scales)``: ``data`` of shape
     ``(rows, n)`` in ``fmt.dtype`` and ``scales`` of shape ``(rows, ceil(n / block))`` fp32, with
-    ``data ~ x * scale`` (``lowprec.formats`` convention, saturating). A block of zeros gets a finite scale.
+    ``data ~ x * scale`` (``lowprec.numerics.formats`` convention, saturating). A block of zeros gets a finite scale.
     A non-finite value makes its whole block non-finite after dequantization (amax is inf/NaN), so overflow
     checks downstream still see it.
     """
@@ -83,7 +83,7 @@ class Float8ReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter comm that ships gradients as blockwise-scaled FP8 and reduces in FP32.
 
     Args:
-        fmt: FP8 format name for ``lowprec.formats.get_format`` (``"e4m3"`` default, ``"e5m2"``); raises
+        fmt: FP8 format name for ``lowprec.numerics.formats.get_format`` (``"e4m3"`` default, ``"e5m2"``); raises
             ``ValueError`` for an unknown name.
         block: elements per fp32 scale (default 128), ``>= 1``; raises ``ValueError`` otherwise.
 

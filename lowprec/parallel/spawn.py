@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in a ``torch.distributed`` process group (tests, benchmarks).
 
-Production runs launch with torchrun (``lowprec.parallel.launch``); this helper exists so that tests and
+Production runs launch with torchrun (``experiments.launch``); this helper exists so that tests and
 benchmarks can start a real gloo group from inside one Python process and collect each rank's result.
 """
 
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 def _worker(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # Ranks share inductor's on-disk cache otherwise, which broke torchao's compiled optimizer step (PLATFORM.md).
+    # Ranks share inductor's on-disk cache otherwise, which broke torchao's compiled optimizer step (docs/architecture.md, "Platform facts").
     os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),

@@ -27,14 +27,14 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from lowprec.formats import amax_to_scale, dequantize, get_format, quantize
+from lowprec.numerics.formats import amax_to_scale, dequantize, get_format, quantize
+from lowprec.parallel.comm_meter import comm_label
+from lowprec.float8 import Float8Linear
 
 _E4M3 = get_format("e4m3")
 
 
 def _label(kind: str):
-    from lowprec.parallel.comm_meter import comm_label
-
     return comm_label(kind)
 
 
@@ -126,8 +126,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: st
     ``compute`` or ``fp8`` (see the module docstring). Raises ``ValueError`` for a lowprec FP8 linear with a
     bias (its TP path adds none: a row-wise output is a partial sum).
     """
-    from lowprec.float8 import Float8Linear
-
     biased = [n for n, m in model.named_modules() if isinstance(m, Float8Linear) and m.bias is not None]
     if biased:
         raise ValueError(f"tensor parallelism supports lowprec FP8 linears without bias; {biased[0]} has one")

@@ -1,6 +1,6 @@
 """Build step: turn (recipe, model shape, hyper-parameters) into the objects the loop runs.
 
-Named builders in a fixed order (DESIGN.md): 1 model on meta, 2 converters, 3 parallelize (TP, FSDP2,
+Named builders in a fixed order (docs/architecture.md, "Build order"): 1 model on meta, 2 converters, 3 parallelize (TP, FSDP2,
 communication hooks; ``lowprec.parallel``), 4 ``to_empty`` + ``init_weights``, 5 optimizer, 6
 post-optimizer hooks, 7 effective recipe (inspected after the first step by ``lowprec.train.effective``).
 The mixed-precision mechanism is chosen here and only here (``choose_precision``): FSDP2's
@@ -16,15 +16,27 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from lowprec.backends import fp8_backend
 from lowprec.convert import convert_fp8
 from lowprec.errors import ConfigError
 from lowprec.model import ModelArgs, Transformer
-from lowprec.optim import OptimHParams, build_optimizer
+from lowprec.optim.builder import OptimHParams, build_optimizer
 from lowprec.parallel.dims import ParallelDims
 from lowprec.parallel.runtime import DistContext
 from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
+from lowprec.parallel.apply import mixed_precision_policy
+from lowprec.float8 import Float8Linear
+from lowprec.measure.telemetry import FP8Telemetry
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from lowprec.parallel.apply import check_layout
+from lowprec.parallel.apply import ParallelPlan, parallelize
+from lowprec.parallel.dims import dp_coordinate
+from lowprec.parallel.comm_metrics import StepCommMetrics
+from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler
+from lowprec.optim.loss_scale import grad_underflow_share
+from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
 
 
 @dataclass
@@ -39,16 +51,16 @@ class Built:
     device: torch.device
     fp8_fqns: list[str] = field(default_factory=list)
     master_params: list[torch.Tensor] = field(default_factory=list)
-    loss_scaler: "object" = None
+    loss_scaler: DynamicLossScaler = field(default_factory=NoLossScaler)
     #: Called before / after every optimizer step (telemetry); ``after`` hooks return metrics to log.
     before_step: list[Callable[[int, "Built"], None]] = field(default_factory=list)
     after_step: list[Callable[[int, "Built"], dict]] = field(default_factory=list)
     #: Batch slicing, metric averaging and clipping for this process's place in the layout.
     dist: DistContext = field(default_factory=DistContext)
     #: ``lowprec.parallel.apply.ParallelPlan`` when the model is sharded, else ``None``.
-    parallel: "object" = None
+    parallel: ParallelPlan | None = None
     #: ``lowprec.parallel.comm_metrics.StepCommMetrics`` when sharded (meters sampled steps), else ``None``.
-    comm_metrics: "object" = None
+    comm_metrics: StepCommMetrics | None = None
 
     def step_context(self, step: int) -> ContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
@@ -89,18 +101,9 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
 
 
 def check_runtime(recipe: Recipe, device: torch.device) -> None:
-    """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback).
-
-    Raises ``RecipeError``.
-    """
-    if recipe.fp8.backend == "te":
-        from lowprec.float8.te import require_te
-
-        require_te()
-    if recipe.fp8.backend == "torchao" and recipe.fp8.scaling != "tensorwise" and device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            raise RecipeError(f"recipe.fp8.scaling={recipe.fp8.scaling!r} with torchao needs SM89+; this GPU is SM{cap[0]}{cap[1]}")
+    """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback):
+    the FP8 backend's own check (``Float8Backend.check_runtime``). Raises ``RecipeError``."""
+    fp8_backend(recipe.fp8.backend).check_runtime(recipe.fp8, device)
 
 
 def cast_weights(model: Transformer, recipe: Recipe) -> None:
@@ -117,8 +120,6 @@ def choose_precision(recipe: Recipe, device: torch.device, dims: ParallelDims):
     dtype, and no policy (torchtitan makes the same choice).
     """
     if dims.dp > 1:
-        from lowprec.parallel.apply import mixed_precision_policy
-
         return build_precision_context(recipe, device, autocast=False), mixed_precision_policy(recipe)
     return build_precision_context(recipe, device), None
 
@@ -130,10 +131,9 @@ def build_precision_context(recipe: Recipe, device: torch.device, autocast: bool
     if autocast and recipe.compute.autocast_dtype != "none":
         dtype = DTYPES[recipe.compute.autocast_dtype]
         contexts.append(lambda: torch.autocast(device_type=device.type, dtype=dtype))
-    if recipe.fp8.backend == "te":
-        from lowprec.float8.te import te_context
-
-        contexts.append(te_context(recipe.fp8))
+    backend_context = fp8_backend(recipe.fp8.backend).precision_context(recipe.fp8)
+    if backend_context is not None:
+        contexts.append(backend_context)
     if not contexts:
         return contextlib.nullcontext
     if len(contexts) == 1:
@@ -149,25 +149,9 @@ def build_precision_context(recipe: Recipe, device: torch.device, autocast: bool
     return combined
 
 
-def register_fp8_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Delayed scaling: after every optimizer step, roll each FP8 linear's amax histories and compute the
-    next step's scales (Transformer Engine updates at the same point). Returns the number of modules."""
-    modules = [m for m in model.modules() if getattr(m, "scalers", None)]
-    if modules:
-        def update(opt, args, kwargs):
-            for m in modules:
-                m.update_scales()
-
-        optimizer.register_step_post_hook(update)
-    return len(modules)
-
-
 def build_telemetry(model: nn.Module, every: int):
     """An ``FP8Telemetry`` over the model's lowprec FP8 linears, or ``None`` when there are none or
     ``every`` <= 0."""
-    from lowprec.float8 import Float8Linear
-    from lowprec.telemetry import FP8Telemetry
-
     if every <= 0 or not any(isinstance(m, Float8Linear) for m in model.modules()):
         return None
     return FP8Telemetry(model, every)
@@ -180,8 +164,6 @@ def materialize_sharded(model: nn.Module, args: ModelArgs, recipe: Recipe, devic
     each rank copies its shards out of it (``set_model_state_dict`` with ``full_state_dict=True``, the
     DCP way to load full weights into DTensors). This costs one full model per rank at build time.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     ref = build_model_meta(args)
     convert_fp8(ref, recipe.fp8)
     materialize(ref, device, seed)
@@ -200,19 +182,16 @@ def build(
     initialised process group whose size is its world size."""
     check_runtime(recipe, device)
     dims = parallel or ParallelDims()
-    from lowprec.parallel.apply import check_layout
 
     check_layout(recipe, dims)
     model = build_model_meta(args)  # 1
-    # torchao's FSDP float8 all-gather is chosen at conversion (its weight wrapper) and needs a scale
-    # precompute after each optimizer step (step 6).
-    torchao_fp8_gather = dims.fsdp and recipe.fp8.backend == "torchao" and recipe.comm.weight_all_gather == "fp8"
-    fp8_fqns = convert_fp8(model, recipe.fp8, fsdp_fp8_all_gather=torchao_fp8_gather)  # 2
+    # FP8 weight all-gather: some backends choose it at conversion (torchao's weight wrapper) and need a hook
+    # after each optimizer step (step 6).
+    fp8_gather = dims.fsdp and recipe.comm.weight_all_gather == "fp8"
+    fp8_fqns = convert_fp8(model, recipe.fp8, fp8_weight_all_gather=fp8_gather)  # 2
     precision, mp_policy = choose_precision(recipe, device, dims)
     plan, dctx = None, DistContext()
     if dims.enabled:  # 3
-        from lowprec.parallel.apply import parallelize
-        from lowprec.parallel.dims import dp_coordinate
 
         dims.check(batch_size=train.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
         mesh = dims.build_mesh(device.type)
@@ -225,9 +204,7 @@ def build(
         cast_weights(model, recipe)
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
-    register_fp8_hooks(model, optimizer)  # 6
-    if torchao_fp8_gather:
-        register_torchao_scale_precompute(model, optimizer)
+    fp8_backend(recipe.fp8.backend).register_hooks(model, optimizer, fp8_gather)  # 6
     telemetry = build_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)
     after = [telemetry.after_step] if telemetry else []
@@ -240,8 +217,6 @@ def build(
         after.append(underflow_probe(model, train.telemetry_every))
     comm_metrics = None
     if plan is not None:
-        from lowprec.parallel.comm_metrics import StepCommMetrics
-
         comm_metrics = StepCommMetrics(train.telemetry_every)
         after.append(comm_metrics.after_step)
     return Built(
@@ -262,18 +237,8 @@ def build(
     )
 
 
-def register_torchao_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """torchao's FP8 all-gather: after each optimizer step compute every FP8 weight's scale in one
-    all-reduce (``precompute_float8_dynamic_scale_for_fsdp``), as torchtitan does."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
-
-
 def build_loss_scaler(recipe: Recipe):
     """``DynamicLossScaler`` for ``compute.loss_scaling=dynamic``, else a ``NoLossScaler`` with the same API."""
-    from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler
-
     c = recipe.compute
     if c.loss_scaling == "dynamic":
         return DynamicLossScaler(init_scale=c.init_scale, growth_interval=c.growth_interval)
@@ -283,8 +248,6 @@ def build_loss_scaler(recipe: Recipe):
 def underflow_probe(model: nn.Module, every: int):
     """Every ``every`` steps, ``grad_underflow_share``: the share of gradient elements that are exactly
     zero, over every parameter but ``tok_embeddings`` (whose rows of unseen tokens are zero by nature)."""
-    from lowprec.optim.loss_scale import grad_underflow_share
-
     params = [p for n, p in model.named_parameters() if not n.startswith("tok_embeddings")]
     return lambda step, built: {"grad_underflow_share": grad_underflow_share(params)} if step % every == 0 else {}
 
@@ -292,8 +255,6 @@ def underflow_probe(model: nn.Module, every: int):
 def build_state_telemetry(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, every: int):
     """Relative error of quantized/low-precision AdamW moments against an FP32 shadow on a few sampled
     tensors, every ``every`` steps; ``None`` for FP32 moments or ``every`` <= 0."""
-    from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
-
     full = recipe.optim.state in ("param", "fp32") and (recipe.param_dtype == torch.float32 or recipe.weights.master_dtype == "fp32")
     if every <= 0 or full:
         return None

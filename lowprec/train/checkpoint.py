@@ -19,13 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lowprec.errors import UserError
+from lowprec.errors import CheckpointError
+from lowprec.parallel.fp8_all_gather import register_safe_globals
 
 TRAINER_STATE = "trainer_state.pt"
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint folder is missing, corrupt, or does not match this model; the message says which."""
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -66,7 +63,6 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     path = Path(path)
     if not (path / ".metadata").exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
-    from lowprec.parallel.fp8_all_gather import register_safe_globals
 
     register_safe_globals()  # checkpoints of FP8-all-gather runs hold that weight subclass
     model_sd, optim_sd = get_state_dict(model, optimizer)

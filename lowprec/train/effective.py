@@ -14,9 +14,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from lowprec.optim import moment_kind
-from lowprec.optim.builder import is_quantized_state
+from lowprec.optim.builder import moment_kind
+from lowprec.backends import fp8_backend, fp8_backends, optim_impl
 from lowprec.train.build import Built
+from lowprec.parallel.comm_metrics import observed_comm_dtypes
 
 
 class EffectiveRecipeError(RuntimeError):
@@ -27,12 +28,9 @@ def _dt(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-#: recipe.fp8.backend -> the module class its FP8 linears must have.
-FP8_MODULE_CLASS = {
-    "torchao": "torchao.float8.float8_linear.Float8Linear",
-    "lowprec": "lowprec.float8.linear.Float8Linear",
-    "te": "transformer_engine.pytorch.module.linear.Linear",
-}
+def _fp8_module_classes() -> set[str]:
+    """Qualified class names of every registered backend's FP8 linear."""
+    return {b.module_class for b in fp8_backends().values() if b.module_class}
 
 
 def _qualname(m: nn.Module) -> str:
@@ -40,13 +38,14 @@ def _qualname(m: nn.Module) -> str:
 
 
 def _fp8_modules(model: nn.Module) -> dict[str, int]:
-    kinds = Counter(_qualname(m) for m in model.modules() if _qualname(m) in FP8_MODULE_CLASS.values())
+    classes = _fp8_module_classes()
+    kinds = Counter(_qualname(m) for m in model.modules() if _qualname(m) in classes)
     return dict(kinds)
 
 
 def _is_linear(m: nn.Module) -> bool:
     # te.Linear is not an nn.Linear subclass; count it too.
-    return isinstance(m, nn.Linear) or _qualname(m) in FP8_MODULE_CLASS.values()
+    return isinstance(m, nn.Linear) or _qualname(m) in _fp8_module_classes()
 
 
 @contextlib.contextmanager
@@ -92,8 +91,6 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
 
 
 def _observed_comm(built: Built) -> dict:
-    from lowprec.parallel.comm_metrics import observed_comm_dtypes
-
     # The first step of a run is always metered, and its counts stay in the meter until the next sampled step.
     seen = observed_comm_dtypes(built.comm_metrics.meter.bytes_by_kind_dtype())
     out = {}
@@ -155,8 +152,8 @@ def expected_effective(built: Built) -> dict:
     stepped = "float32" if r.weights.master_dtype == "fp32" else _dt(r.param_dtype)
     state = r.optim.state
     if state in ("int8", "int4"):
-        impl = r.optim.impl
-        moments = _count(params, lambda p: f"{state}_blockwise" if is_quantized_state(impl, state, p.numel()) else stepped)
+        impl = optim_impl(r.optim.impl)
+        moments = _count(params, lambda p: f"{state}_blockwise" if impl.is_quantized(state, p.numel()) else stepped)
     else:
         kind = {"param": stepped, "fp32": "float32", "bf16": "bfloat16", "fp8_fp16": "float8_e4m3fn"}[state]
         moments = Counter({kind: n})
@@ -164,7 +161,7 @@ def expected_effective(built: Built) -> dict:
         "param_dtype": {_dt(r.param_dtype): n},
         "grad_dtype": {_dt(r.param_dtype): n},
         "linear_output_dtype": {_dt(r.compute_dtype): n_linears},
-        "fp8_linears": {FP8_MODULE_CLASS[r.fp8.backend]: len(fp8)} if fp8 else {},
+        "fp8_linears": {fp8_backend(r.fp8.backend).module_class: len(fp8)} if fp8 else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),
         "master": "explicit" if r.weights.master_dtype != "none"

@@ -14,7 +14,7 @@ def preserve_buffers(model: nn.Module) -> Iterator[None]:
     """Restore every buffer of ``model`` to its value on entry when the block exits (also on error).
 
     Buffers hold training state that a forward pass updates: delayed-scaling amax histories and scales
-    (``lowprec.scaling.DelayedScaler.record``). A forward that only measures (the saved-activation probe)
+    (``lowprec.numerics.scaling.DelayedScaler.record``). A forward that only measures (the saved-activation probe)
     or validates must not feed its amaxes into the next training step's scales, or a run's trajectory
     would depend on how often it is validated. Cost: one copy of the buffers (FP8 scaling state is a few
     KiB per linear).

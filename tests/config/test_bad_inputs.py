@@ -90,12 +90,12 @@ def test_an_internal_error_keeps_its_traceback(run_dirs, monkeypatch):
 
 
 def test_a_bug_inside_a_run_is_recorded_failed_with_its_traceback(run_dirs, tmp_path, monkeypatch, capsys):
-    import lowprec.train.loop
+    import lowprec.train.meter
 
     def bug(*a, **k):
         raise KeyError("internal bug in accounting")
 
-    monkeypatch.setattr(lowprec.train.loop, "measure_state_bytes", bug)
+    monkeypatch.setattr(lowprec.train.meter, "measure_state_bytes", bug)
     assert main(["train", *run_dirs, *DEBUG, "recipe=fp32"]) == 1
     assert "Traceback" in capsys.readouterr().err
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")

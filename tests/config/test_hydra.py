@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments.cli import compose, main
-from experiments.config import model_from_cfg, recipe_from_cfg, train_from_cfg
+from experiments.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
 from lowprec.recipe import RecipeError
 from recipes import CATALOG
 
@@ -16,6 +16,8 @@ def test_train_defaults_compose():
     assert model_from_cfg(cfg.model).dim == 256
     assert cfg.tracking.uri == "sqlite:///runs/mlflow.db"
     assert train_from_cfg(cfg).steps == 200
+    assert optim_from_cfg(cfg).lr == 3e-3  # OptimHParams' default: the one source of the peak LR
+    assert compose("train", ["optim.lr=1e-3"]).optim.lr == 1e-3
 
 
 def test_every_recipe_field_is_overridable():
@@ -53,6 +55,12 @@ def test_invalid_recipe_override_fails_in_validation():
     (["train", "recipe=fp8_delayed", "recipe.fp8.scaling=rowwise"], "recipe.fp8.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'"),
     (["train", "recipe=fp8_tensorwise", "recipe.fp8.strategy=delayed"], "torchao removed delayed scaling"),
     (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
+    # the schemas registered from the dataclasses type-check while composing, before anything runs
+    (["train", "seed=abc"], "seed=abc"),
+    (["train", "faults.crash_at_step=x"], "faults.crash_at_step=x"),
+    (["ablate", "recipes=fp32"], "recipes=fp32"),
+    (["train", "optim.foo=1"], "Key 'foo' not in 'OptimHParams'"),
+    (["train", "data=text"], "data.path"),
 ])
 def test_bad_input_gives_one_clear_line(args, needle, capsys, run_dirs):
     assert main(args + run_dirs) == 2

@@ -94,7 +94,7 @@ def _wrap(model: nn.Module, gran: str) -> list[str]:
 
 def _expected(w: torch.Tensor, gran: str) -> torch.Tensor:
     """Dequantized e4m3 of the full fp32 weight ``w`` with the scales the hooks should use, in bf16."""
-    from lowprec.formats import E4M3, amax_to_scale, dequantize, quantize
+    from lowprec.numerics.formats import E4M3, amax_to_scale, dequantize, quantize
 
     amax = w.abs().amax() if gran == "tensorwise" else w.abs().amax(dim=1, keepdim=True)
     s = amax_to_scale(amax, E4M3)
@@ -108,7 +108,7 @@ def _x(rank: int, n: int = 6) -> torch.Tensor:
 def _forward_check(rank, world_size, grans):
     """Per granularity: SQNR of the FP8-gathered model's output vs plain FSDP2, and whether every gathered
     weight equals the dequantized e4m3 full weight exactly."""
-    from lowprec.formats import sqnr_db
+    from lowprec.numerics.formats import sqnr_db
 
     def run(model):
         # SQNR on the 50-wide output of Linear(96, 80) -> Linear(80, 50); the 2-wide head's 64 values are
@@ -142,7 +142,7 @@ def _train(rank, world_size, gran, reshard_after_forward, steps=2, meta_init=Fal
     loss / gradient agreement and that gradients land on the sharded fp32 master parameters."""
     from torch.distributed.tensor import DTensor
 
-    from lowprec.formats import sqnr_db
+    from lowprec.numerics.formats import sqnr_db
     from lowprec.parallel.fp8_all_gather import Float8AllGatherWeight
 
     def build(fp8):
@@ -280,9 +280,9 @@ def _lowprec_linear(rank, world_size):
     gathered bf16 weight vs its cast of the fp32 master weight (fraction of identical e4m3 codes)."""
     from lowprec.float8.config import LinearFP8Config, RoleConfig
     from lowprec.float8.linear import Float8Linear
-    from lowprec.formats import E4M3, E5M2
+    from lowprec.numerics.formats import E4M3, E5M2
     from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
-    from lowprec.scaling import quantize_operand
+    from lowprec.numerics.scaling import quantize_operand
 
     res = {}
     for recipe, (ag, wg) in {"tensorwise": ("tensorwise", "tensorwise"), "rowwise": ("rowwise", "rowwise"),

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.formats import get_format, sqnr_db
+from lowprec.numerics.formats import get_format, sqnr_db
 from lowprec.parallel.comm_meter import CommMeter
 from lowprec.parallel.fp8_reduce_scatter import (
     Float8ReduceScatter,

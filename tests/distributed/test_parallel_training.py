@@ -19,7 +19,7 @@ def _train(recipe_name: str, dims: dict | None, steps: int, *, batch_size: int =
            telemetry_every: int = 0) -> dict:
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim import OptimHParams
+    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
@@ -131,13 +131,19 @@ def test_fp8_all_gather_at_world_size_3(token_data):
 
 
 def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
+    """An fp32 checkpoint written under FSDP2 world size 2 resumes bit for bit on the same layout, and, resharded
+    by DCP, on one process and under TP 2 within 1e-6 relative (measured: 2.0e-7, 2 ulps of a loss near 9.4,
+    the same on both; the reduction order differs)."""
     ckpt = str(tmp_path / "ckpt")
     full = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"checkpoint_dir": ckpt, "checkpoint_every": 3})])[0][0]
     step3 = str(tmp_path / "ckpt" / "step_3")
     one = _train("fp32", None, 6, resume_from=step3)["losses"]
-    two = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"resume_from": step3})])[0][0]["losses"]
-    assert _rel(one, full["losses"][3:]) < 1e-6
-    assert _rel(two, full["losses"][3:]) < 1e-6
+    fsdp = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"resume_from": step3})])[0][0]["losses"]
+    tp = run_ranks(_train_many, 2, [("fp32", {"tp": 2}, 6, {"resume_from": step3})])
+    assert fsdp == full["losses"][3:]
+    assert _rel(one, full["losses"][3:]) < 1e-6, (one, full["losses"])
+    for rank_out in tp:  # every TP rank holds the same (reduced) losses
+        assert _rel(rank_out[0]["losses"], full["losses"][3:]) < 1e-6, (rank_out[0]["losses"], full["losses"])
 
 
 def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout(token_data, tmp_path):
@@ -159,7 +165,7 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
 def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Tensor:
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim import OptimHParams
+    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import _loss
@@ -176,7 +182,7 @@ def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Te
 
 
 def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_data):
-    from lowprec.formats import sqnr_db
+    from lowprec.numerics.formats import sqnr_db
 
     ref = run_ranks(_full_grads_after_backward, 2, "fp32")[0]
     fp8 = run_ranks(_full_grads_after_backward, 2, "fp8")[0]
@@ -191,7 +197,9 @@ def test_fp8_sequence_parallel_all_gather_under_tp(token_data):
             ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}})]
     hp, f8 = run_ranks(_train_many, 2, jobs)[0]
     single = _train("fp8_rowwise", None, 6)["losses"]
-    assert _rel(f8["losses"], single) < 0.01
+    # Measured over the 6 steps: 3.2e-5 relative with the FP8 all-gather, 2.0e-5 without it (TP alone: its FP8
+    # GEMMs scale the local shards, a finer granularity than one process).
+    assert _rel(f8["losses"], single) < 5e-5, (f8["losses"], single)
     assert hp["effective"]["comm"] == {"activation_all_gather": "compute"}
     assert f8["effective"]["comm"] == {"activation_all_gather": "fp8"}
     a, b = hp["rows"][1], f8["rows"][1]

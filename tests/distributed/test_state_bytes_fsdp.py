@@ -1,6 +1,7 @@
 """The estimator's rank-0 state bytes under FSDP2 (world size 2) equal the measured bytes exactly, and its saved
-activations are within 10%, for every recipe that runs on CPU, on the debug and tiny models (issue: precision-aware
-memory, first acceptance line)."""
+activations are within 0.2% (measured: 0.044% on debug, at most 0.15% on tiny: the prediction is 512 to 4,608 bytes
+short), for every recipe that runs on CPU, on the debug and tiny models (issue: precision-aware memory, first
+acceptance line)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
 
 
 def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]:
-    from lowprec.accounting import measure_state_bytes
+    from lowprec.measure.accounting import measure_state_bytes
     from lowprec.data import DataSpec, TokenBatches, prepare
-    from lowprec.estimate import predict_state_bytes
+    from lowprec.estimate.estimator import predict_state_bytes
     from lowprec.model import model_args
-    from lowprec.optim import OptimHParams
+    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
-    from lowprec.estimate_activations import predict_saved_activations
-    from lowprec.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
+    from lowprec.estimate.activations import predict_saved_activations
+    from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
     from lowprec.train.loop import _loss
     from lowprec.train.build import build
     from lowprec.train.loop import train_step
@@ -48,7 +49,7 @@ def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]
                     (predict_state_bytes(model_args(size), recipe, dp_shard=ws).fp8_scaling_state,
                      measure_fp8_scaling_bytes(b.model)),
                     (act.total, saved.total)))
-        del b
+
     return out
 
 
@@ -57,7 +58,7 @@ def test_fsdp2_world_size_2_state_bytes_are_predicted_exactly(token_data):
         rank0 = run_ranks(_measure_all, 2, size, NON_TE)[0]
         bad = [(name, f, pm) for name, comps, _, _ in rank0 for f, pm in comps.items() if pm[0] != pm[1]]
         bad += [(name, "fp8_scaling_state", sc) for name, _, sc, _ in rank0 if sc[0] != sc[1]]
-        # Saved activations: within 10% (the same bound as on one process).
-        bad += [(name, "saved_activations", act) for name, _, _, act in rank0 if abs(act[0] - act[1]) > 0.10 * act[1]]
+        # Saved activations: within 0.2% (measured 0.044% on debug, 0.15% on tiny; README says the same).
+        bad += [(name, "saved_activations", act) for name, _, _, act in rank0 if abs(act[0] - act[1]) > 0.002 * act[1]]
         assert not bad, f"{size}: (recipe, component, (predicted, measured)): {bad}"
         assert len(rank0) == len(NON_TE)

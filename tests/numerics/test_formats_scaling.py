@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lowprec.formats import E4M3, E4M3FNUZ, E5M2, amax_to_scale, dequantize, quantize, sqnr_db
-from lowprec.scaling import DelayedScaler, compute_amax, expand_scale, quantize_operand
+from lowprec.numerics.formats import E4M3, E4M3FNUZ, E5M2, amax_to_scale, dequantize, quantize, sqnr_db
+from lowprec.numerics.scaling import DelayedScaler, compute_amax, expand_scale, quantize_operand
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2, E4M3FNUZ])

@@ -8,9 +8,9 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from lowprec.float8 import Float8Linear, LinearFP8Config, fp8_gemm
 from lowprec.float8.gemm import round_mantissa
-from lowprec.formats import E4M3, sqnr_db
+from lowprec.numerics.formats import E4M3, sqnr_db
 from lowprec.recipe import Float8Spec
-from lowprec.scaling import quantize_operand
+from lowprec.numerics.scaling import quantize_operand
 
 SPECS = {
     "tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),

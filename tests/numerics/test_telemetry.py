@@ -7,7 +7,7 @@ import torch
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
 from lowprec.recipe import Float8Spec
-from lowprec.telemetry import FP8Telemetry
+from lowprec.measure.telemetry import FP8Telemetry
 
 
 def _model(strategy="current"):

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowprec.formats import sqnr_db
-from lowprec.scaling import QTensor, expand_scale
+from lowprec.numerics.formats import sqnr_db
+from lowprec.numerics.scaling import QTensor, expand_scale
+from lowprec.float8.linear import Float8Linear
 
 
 class FP8Telemetry:
@@ -31,8 +32,6 @@ class FP8Telemetry:
     """
 
     def __init__(self, model: nn.Module, every: int):
-        from lowprec.float8.linear import Float8Linear
-
         if every < 1:
             raise ValueError(f"telemetry every={every} must be >= 1")
         self.every = every

@@ -1,7 +1,7 @@
 """Predicted bytes saved for backward by ``lowprec.model.llama.Transformer`` under a recipe.
 
 The prediction replays, op by op, what autograd saves in ``lowprec/model/llama.py`` (read from the code
-and checked against ``lowprec.saved_tensors.measure_saved_bytes``, which counts the same way: distinct
+and checked against ``lowprec.measure.saved_tensors.measure_saved_bytes``, which counts the same way: distinct
 storages once, parameters and buffers excluded, parameter casts reported as ``weight_copies``).
 With ``T = batch * seq`` tokens, ``D`` dim, ``F`` ffn hidden, ``H``/``KV`` heads, ``hd`` head dim,
 ``c`` the compute dtype and ``r`` the residual dtype (the embedding's dtype):
@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from lowprec.inventory import Inventory, LinearInfo, inventory
+from lowprec.backends import fp8_backend
+from lowprec.estimate.inventory import Inventory, LinearInfo, inventory
 from lowprec.model import ModelArgs
 from lowprec.recipe import DTYPES, Float8Spec, Recipe
 
@@ -116,18 +117,6 @@ class _Ledger:
         return out
 
 
-def _fp8_cache_scale_bytes(spec: Float8Spec, rows: int, in_features: int) -> int:
-    if spec.strategy == "delayed":
-        return 0  # the scale saved is the module's ``scalers.input.scale`` buffer
-    if spec.strategy == "static":
-        return 4
-    if spec.scaling == "tensorwise":
-        return 4
-    if spec.scaling == "rowwise":
-        return 4 * rows
-    return 4 * rows * math.ceil(in_features / 128)  # blockwise: 1x128 tiles along K
-
-
 def _linear(led: _Ledger, scope: str, lin: LinearInfo, x: _T, p: _Precision, spec: Float8Spec, rows: int) -> _T:
     """Record what ``lin`` saves when it reads ``x`` (rows = tokens); returns its output."""
     ac = p.autocast
@@ -137,18 +126,12 @@ def _linear(led: _Ledger, scope: str, lin: LinearInfo, x: _T, p: _Precision, spe
         led.save_t(cast or x, scope)
         if ac is not None and p.weight_fwd != ac:
             led.save(f"{lin.fqn}.weight_cast", lin.numel * _size(ac), scope, kind="weight")
-    elif lin.kind == "lowprec":
-        if spec.cache_fp8_activations:
-            led.save(f"{lin.fqn}.fp8_input", rows * lin.in_features, scope)
-            led.save(f"{lin.fqn}.fp8_scale", _fp8_cache_scale_bytes(spec, rows, lin.in_features), scope)
-        else:
-            led.save_t(cast or x, scope)
-    elif lin.kind == "torchao":
-        led.save_t(cast if (cast and p.device_type == "cuda") else x, scope)
-    elif lin.kind == "te":  # approximate, unverified: TE saves the FP8 input and its scale_inv
-        led.save(f"{lin.fqn}.fp8_input", rows * lin.in_features + 4, scope)
     else:
-        raise ValueError(f"unknown linear kind {lin.kind!r} for {lin.fqn}")
+        what, nbytes = fp8_backend(lin.kind).saved_input(spec, rows, lin.in_features, p.device_type)
+        if what == "own":
+            led.save(f"{lin.fqn}.fp8_input", nbytes, scope)
+        else:
+            led.save_t(cast if (cast and what == "cast") else x, scope)
     return _T(f"{lin.fqn}.out", p.compute, rows * lin.out_features)
 
 
@@ -213,7 +196,7 @@ class ActivationEstimate:
     """Bytes saved for backward in one forward + loss on one GPU (rank 0), by recompute mode.
 
     ``activations`` / ``weight_copies`` / ``total``: no recompute, counted as
-    ``lowprec.saved_tensors.measure_saved_bytes`` counts (equal to it on one device, ``tp == 1``).
+    ``lowprec.measure.saved_tensors.measure_saved_bytes`` counts (equal to it on one device, ``tp == 1``).
     ``by_scope``: no-recompute bytes of ``blocks`` (all layers), ``head`` (final norm, output, loss) and
     ``globals`` (token ids, RoPE tables). ``recompute``: ``none`` / ``selective`` / ``full`` totals (weight
     copies included). ``loss_transient``: not saved but alive at the loss during backward: the gradient of

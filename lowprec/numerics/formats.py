@@ -1,6 +1,6 @@
 """Low-precision number formats and saturating quantization.
 
-Convention (DESIGN.md): ``scale`` multiplies. ``x_fp8 = saturate(x_hp * scale)`` and
+Convention (docs/architecture.md, "Numerics conventions"): ``scale`` multiplies. ``x_fp8 = saturate(x_hp * scale)`` and
 ``x_hp ~ x_fp8 / scale``; the current-scaling scale is ``fmt.max / amax`` (torchao's
 ``amax_to_scale`` in ``torchao/float8/float8_utils.py``, which computes it in float64 and
 stores float32). Transformer Engine stores ``scale_inv = 1 / scale`` next to its FP8 data; lowprec

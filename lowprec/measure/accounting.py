@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         yield from _leaf_tensors(t._local_tensor)
         return
@@ -32,8 +31,6 @@ def _leaf_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
 
 def local_numel(t: torch.Tensor) -> int:
     """Elements this rank holds: the local shard of a DTensor (FSDP2/TP), else ``numel()``."""
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor.numel() if isinstance(t, DTensor) else t.numel()
 
 

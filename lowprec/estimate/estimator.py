@@ -1,15 +1,15 @@
 """Precision-aware memory and throughput estimates, reconciled with lowprec's own measurements.
 
 Pure functions of (``ModelArgs``, ``Recipe``, parallel layout, batch, seq, ``Hardware``); the only torch
-objects made live on the ``meta`` device (``lowprec.inventory``). Every function returns a dataclass
+objects made live on the ``meta`` device (``lowprec.estimate.inventory``). Every function returns a dataclass
 with ``to_dict()`` for JSON.
 
 **Training state** (``predict_state_bytes``), on one process exactly what
-``lowprec.accounting.measure_state_bytes`` measures after one optimizer step, per parameter tensor of
+``lowprec.measure.accounting.measure_state_bytes`` measures after one optimizer step, per parameter tensor of
 ``n`` elements (``pe`` = bytes of the recipe's parameter dtype):
 
 - ``params`` ``n*pe``; ``grads`` ``n*pe`` (gradients take the parameter dtype); ``master`` 0 (no recipe keeps
-  an explicit copy: FP32 parameters under autocast are their own master, as DESIGN.md counts them);
+  an explicit copy: FP32 parameters under autocast are their own master, as docs/architecture.md counts them);
 - ``torch.optim.AdamW``: ``exp_avg`` + ``exp_avg_sq`` ``2*n*pe`` plus a 0-dim fp32 ``step`` (4 bytes);
 - bitsandbytes ``AdamW8bit`` (``min_8bit_size=4096``, ``bitsandbytes/optim/optimizer.py`` ``init_state``):
   ``n >= 4096``: uint8 ``state1``/``state2`` ``2n`` + fp32 ``absmax1``/``absmax2`` ``2*4*ceil(n/256)``;
@@ -19,20 +19,20 @@ with ``to_dict()`` for JSON.
   state an ``OptimState8bit`` of uint8 ``codes`` ``n``, fp32 ``scale`` ``4n/256`` and its *own* 256-entry fp32
   ``qmap`` (1024), i.e. ``2n + 8n/256 + 2048``; otherwise ``2*n*pe``; plus a 0-dim fp32 ``step``.
 - ``fp8_scaling_state`` (module buffers, not in ``measure_state_bytes``; measured by
-  ``lowprec.saved_tensors.measure_fp8_scaling_bytes``): lowprec ``Float8Linear`` with delayed scaling keeps,
+  ``lowprec.measure.saved_tensors.measure_fp8_scaling_bytes``): lowprec ``Float8Linear`` with delayed scaling keeps,
   per FP8 linear and role (input, weight, grad_output), ``amax_history`` (``amax_history_len`` fp32) and
   ``scale`` (1 fp32). torchao dynamic scaling keeps none. Transformer Engine is approximated (see code).
 
 Under FSDP2 ``dp_shard=N`` each parameter's dim 0 is chunked (rank 0 holds ``ceil(d0/N)`` rows, the largest
 share) and params, grads and optimizer states follow the local shard (the 8-bit rules apply to the local
 numel); step counters and FP8 scaling buffers are per rank, not divided. Under tensor parallel ``tp``
-torchtitan's plan shards every linear and the embedding (``lowprec.inventory.tp_local_shape``); norm
+torchtitan's plan shards every linear and the embedding (``lowprec.estimate.inventory.tp_local_shape``); norm
 weights are replicated. ``fsdp_buffers`` (``dp_shard > 1``) approximates the transient unsharded
 compute-dtype parameters: the root's (embedding, final norm, output: FSDP2 keeps the root unsharded
 between forward and backward) plus two blocks (the current one and the prefetched one); gradient
 reduce-scatter buffers are not included.
 
-**Throughput** (DESIGN.md "Throughput accounting"; PaLM, Chowdhery et al. 2022, appendix B): model FLOPs
+**Throughput** (PaLM, Chowdhery et al. 2022, appendix B): model FLOPs
 per token ``6*N + 12*L*dim*seq`` with ``N`` = every parameter except the token embedding (a lookup), i.e.
 the blocks, the final norm and the output layer; the attention term assumes no causal skipping.
 FP8 recipes run ``6 * (weights of FP8 linears)`` FLOPs per token in FP8; their peak is the FLOP-weighted
@@ -47,16 +47,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from lowprec.accounting import StateBytes
-from lowprec.estimate_activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
-from lowprec.hardware import Hardware
-from lowprec.inventory import fsdp_local_numel, inventory, tp_local_shape
+from lowprec.measure.accounting import StateBytes
+from lowprec.backends import fp8_backend, optim_impl
+from lowprec.estimate.activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
+from lowprec.estimate.hardware import Hardware
+from lowprec.estimate.inventory import fsdp_local_numel, inventory, tp_local_shape
 from lowprec.model import ModelArgs
-from lowprec.optim.builder import is_quantized_state
 from lowprec.recipe import Float8Spec, Recipe
 
-BNB_BLOCK = 256
-QMAP_BYTES = 256 * 4
 DEFAULT_EFFICIENCY = 0.4
 
 
@@ -76,38 +74,6 @@ def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
 
 # ---- training state -------------------------------------------------------------------------------------
 
-#: lowprec.optim.LowBitAdamW bytes per element of (m + v) and per tensor (fp32 ``step`` + scales).
-_LOWPREC_STATE = {"fp32": (8, 4), "bf16": (4, 4), "fp8_fp16": (3, 12)}
-INT4_BLOCK = 128
-INT4_QMAP_BYTES = 16 * 4
-
-
-def _optim_bytes(impl: str, n: int, pe: int, state: str = "param", kahan: bool = False) -> tuple[int, bool]:
-    """(state bytes of one local tensor of ``n`` elements, whether it is quantized to 8 or 4 bits).
-
-    ``pe``: bytes per element of the tensor the optimizer steps (4 under an FP32 master)."""
-    if impl == "torch" or (impl == "torchao" and state == "param"):
-        return 2 * n * pe + 4, False
-    if impl == "lowprec":
-        per_elem, per_tensor = (2 * pe, 4) if state == "param" else _LOWPREC_STATE[state]
-        return per_elem * n + per_tensor + (2 * n if kahan else 0), False
-    quantized = is_quantized_state(impl, state, n)
-    if impl == "torchao" and state == "int4":
-        if quantized:
-            # per state: packed 4-bit codes (n/2 B), one fp32 scale per 128-element block, a 16-entry fp32 qmap
-            return 2 * (n // 2 + 4 * (n // INT4_BLOCK) + INT4_QMAP_BYTES) + 4, True
-        return 2 * n * pe + 4, False
-    if impl == "bitsandbytes":
-        if quantized:
-            return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK), True
-        return 8 * n, False
-    if impl == "torchao":
-        if quantized:
-            return 2 * (n + 4 * (n // BNB_BLOCK) + QMAP_BYTES) + 4, True
-        return 2 * n * pe + 4, False
-    raise ValueError(f"recipe.optim.impl={impl!r} has no state rule")
-
-
 def predict_fp8_scaling_bytes(args: ModelArgs, recipe: Recipe) -> int:
     """Bytes of FP8 scaling buffers per rank (replicated, never sharded).
 
@@ -117,14 +83,10 @@ def predict_fp8_scaling_bytes(args: ModelArgs, recipe: Recipe) -> int:
     Current and static scaling keep no state (static scales are recipe constants).
     """
     spec = recipe.fp8
-    if spec.strategy != "delayed" or not spec.enabled:
+    if not spec.enabled:
         return 0
     n_fp8 = sum(li.kind != "hp" for li in inventory(args, spec).linears.values())
-    if spec.backend == "lowprec":
-        return n_fp8 * 3 * (spec.amax_history_len + 1) * 4
-    if spec.backend == "te":
-        return n_fp8 * 5 * (spec.amax_history_len + 2) * 4
-    return 0
+    return fp8_backend(spec.backend).scaling_state_bytes(spec, n_fp8)
 
 
 @dataclass(frozen=True)
@@ -133,7 +95,7 @@ class StateEstimate:
 
     ``n_params``: all trainable parameters; ``n_local_params``: rank 0's share; ``n_tensors``: parameter
     tensors. ``params``/``grads``/``master``/``optim_states`` are the components of
-    ``lowprec.accounting.StateBytes``; ``fp8_scaling_state`` is separate (module buffers).
+    ``lowprec.measure.accounting.StateBytes``; ``fp8_scaling_state`` is separate (module buffers).
     """
 
     n_params: int
@@ -186,24 +148,18 @@ def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: 
     kahan = recipe.weights.update_rounding == "kahan"
     n_local = params = optim = 0
     any_8bit = False
+    impl = optim_impl(recipe.optim.impl)
     for fqn, shape in inv.params:
         n = fsdp_local_numel(tp_local_shape(fqn, shape, tp), dp_shard)
         n_local += n
         params += n * pe
-        b, is8 = _optim_bytes(recipe.optim.impl, n, stepped_pe, recipe.optim.state, kahan)
-        optim += b
-        any_8bit |= is8
-    if recipe.optim.impl == "bitsandbytes" and any_8bit:
-        optim += 2 * QMAP_BYTES
-    if recipe.fp8.backend == "torchao" and recipe.comm.weight_all_gather == "fp8" and dp_shard > 1:
-        # torchao's FSDP float8 all-gather keeps each weight's precomputed fp32 scale inside the parameter
-        # (WeightWithDynamicFloat8CastTensor._precomputed_scale).
-        scales = 4 * sum(1 for li in inv.linears.values() if li.kind == "torchao")
-    else:
-        scales = 0
-    notes = []
-    if recipe.fp8.backend == "te":
-        notes.append("Transformer Engine figures (scaling state, saved FP8 inputs) are approximate and unmeasured")
+        optim += impl.state_bytes(n, stepped_pe, recipe.optim.state, kahan)
+        any_8bit |= impl.is_quantized(recipe.optim.state, n)
+    optim += impl.shared_state_bytes(any_8bit)
+    backend = fp8_backend(recipe.fp8.backend)
+    n_fp8 = sum(1 for li in inv.linears.values() if li.kind != "hp")
+    scales = backend.weight_state_bytes(n_fp8, recipe.comm.weight_all_gather == "fp8" and dp_shard > 1)
+    notes = list(backend.estimate_notes())
     return StateEstimate(
         n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params + scales, grads=params,
         master=4 * n_local if has_master else 0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),

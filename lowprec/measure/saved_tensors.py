@@ -1,6 +1,6 @@
 """Measure what a forward pass keeps alive for backward, and the FP8 scaling buffers.
 
-Counting rule (the estimator in ``lowprec.estimate_activations`` counts the same way):
+Counting rule (the estimator in ``lowprec.estimate.activations`` counts the same way):
 
 - every tensor autograd saves is seen through ``torch.autograd.graph.saved_tensors_hooks``; the pack
   hook returns the tensor itself, so every saved storage stays alive until the measurement ends and
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from lowprec.measure.accounting import _leaf_tensors
 
 #: Autograd nodes that only cast or re-view their single input: walked through when deciding whether a
 #: saved tensor is a copy of a parameter.
@@ -74,7 +75,6 @@ def _is_param_copy(t: torch.Tensor) -> bool:
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     # DTensors (TP/FSDP2) and other wrapper subclasses (funcol's AsyncCollectiveTensor) own no storage:
     # count the plain tensors inside them, which is what occupies this rank's memory.
-    from lowprec.accounting import _leaf_tensors
 
     return list(_leaf_tensors(t)) if type(t) not in (torch.Tensor, nn.Parameter) else [t]
 
@@ -134,14 +134,15 @@ def measure_saved_bytes(fn: Callable[[], Any], module: nn.Module) -> SavedBytes:
         else:
             acts += t.untyped_storage().nbytes()
     n = len(saved)
-    del out, saved
+    saved.clear()  # release the saved tensors (and the forward output) before returning
+    del out
     return SavedBytes(activations=acts, weight_copies=copies, naive=naive, n_saved=n)
 
 
 def measure_fp8_scaling_bytes(model: nn.Module) -> int:
     """Bytes of FP8 delayed-scaling state: the buffers whose name contains ``scalers.`` (lowprec
     ``Float8Linear``'s ``scalers.<role>.amax_history`` (amax_history_len,) fp32 and ``.scale`` () fp32),
-    each storage once. Not counted by ``lowprec.accounting.measure_state_bytes``."""
+    each storage once. Not counted by ``lowprec.measure.accounting.measure_state_bytes``."""
     seen: set[tuple] = set()
     total = 0
     for name, b in model.named_buffers():

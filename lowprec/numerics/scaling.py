@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.formats import Format, amax_to_scale, dequantize, quantize
+from lowprec.numerics.formats import Format, amax_to_scale, dequantize, quantize
 
 GRANULARITIES = ("tensorwise", "rowwise", "tile1x128", "block128x128")
 STRATEGIES = ("current", "delayed", "static")

@@ -9,7 +9,7 @@ roughly 0.5 GiB), so comparing an estimate against ``memory_bytes`` errs on the 
 Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe columns); NVIDIA H200 datasheet
 (same SXM compute as H100, 141 GB HBM3e); NVIDIA A100 datasheet (80GB SXM); NVIDIA Blackwell/HGX
 B200 datasheet (per-GPU figures of the 8-GPU HGX B200, approximate: NVIDIA lists 180 GB or 192 GB
-depending on the document). DESIGN.md "Throughput accounting" quotes the same peaks.
+depending on the document).
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""``recipe.fp8.backend='lowprec'``: lowprec's own FP8 linear (``lowprec.float8.Float8Linear``), every scaling
+and strategy, on CPU and CUDA; FP8 weight all-gather through ``fsdp_pre_all_gather``
+(``lowprec.parallel.fp8_all_gather``)."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from lowprec.backends.registry import Float8Backend, register_fp8_backend
+from lowprec.errors import RecipeError
+from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
+
+
+def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Replace the submodule at ``fqn`` by ``new`` (same FQN, so checkpoints and filters agree)."""
+    parent_name, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+class LowprecFloat8(Float8Backend):
+    name = "lowprec"
+    scalings = ("tensorwise", "rowwise", "blockwise")
+    module_class = "lowprec.float8.linear.Float8Linear"
+
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        if spec.scaling == "blockwise" and spec.promotion_interval not in (None, 128):
+            raise RecipeError(
+                f"recipe.fp8.promotion_interval={spec.promotion_interval} conflicts with recipe.fp8.scaling='blockwise': "
+                "its scales change every 128 elements of K, so partial sums are promoted every 128")
+
+    def supports_fp8_weight_all_gather(self, spec) -> bool:
+        return True
+
+    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+        cfg = LinearFP8Config.from_spec(spec)
+        for fqn in fqns:
+            swap_module(model, fqn, Float8Linear.from_linear(model.get_submodule(fqn), cfg))
+
+    def register_hooks(self, model, optimizer, fp8_weight_all_gather) -> list[str]:
+        # Delayed scaling: after every optimizer step, roll each linear's amax histories and compute the next
+        # step's scales (Transformer Engine updates at the same point).
+        modules = [m for m in model.modules() if isinstance(m, Float8Linear) and len(m.scalers)]
+        if not modules:
+            return []
+
+        def update(opt, args, kwargs):
+            for m in modules:
+                m.update_scales()
+
+        optimizer.register_step_post_hook(update)
+        return [f"delayed-scaling update after the optimizer step ({len(modules)} linears)"]
+
+    def check_layout(self, spec, comm, dims) -> None:
+        if comm.weight_all_gather == "fp8" and dims.tp > 1:
+            raise RecipeError("recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
+                              "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
+
+    def prepare_sharding(self, model, spec, comm, dims) -> dict[str, str]:
+        if comm.weight_all_gather != "fp8":
+            return {}
+        # Tensorwise weights travel with one all-reduced scale, rowwise/blockwise ones with a scale per row.
+        fqns = enable_fp8_weight_all_gather(model, lowprec_wire_granularity)
+        return {"weight_all_gather": f"lowprec fsdp_pre_all_gather e4m3 ({len(fqns)} weights)"}
+
+    def after_tensor_parallel(self, model, world_group) -> dict[str, str]:
+        # Transformer Engine's reduce_amax: data-parallel ranks see different micro-batches and TP ranks
+        # different shards, so each recorded amax is max-reduced over all ranks.
+        n = 0
+        for m in model.modules():
+            if isinstance(m, Float8Linear) and len(m.scalers):
+                m.amax_group = world_group
+                n += 1
+        return {"amax_reduction": f"delayed-scaling amax max-reduced over all ranks ({n} linears)"} if n else {}
+
+    def scaling_state_bytes(self, spec, n_fp8_linears) -> int:
+        # Per delayed role: amax_history (len) + scale (1), fp32; three roles per linear.
+        return n_fp8_linears * 3 * (spec.amax_history_len + 1) * 4 if spec.strategy == "delayed" else 0
+
+    def saved_input(self, spec, rows, in_features, device_type) -> tuple[str, int]:
+        if not spec.cache_fp8_activations:
+            return ("cast", 0)
+        return ("own", rows * in_features + _fp8_cache_scale_bytes(spec, rows, in_features))
+
+
+def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
+    if spec.strategy == "delayed":
+        return 0  # the scale saved is the module's ``scalers.input.scale`` buffer
+    if spec.strategy == "static" or spec.scaling == "tensorwise":
+        return 4
+    if spec.scaling == "rowwise":
+        return 4 * rows
+    return 4 * rows * math.ceil(in_features / 128)  # blockwise: 1x128 tiles along K
+
+
+register_fp8_backend(LowprecFloat8())

@@ -1,0 +1,38 @@
+"""``recipe.fp8.backend='te'``: Transformer Engine's ``te.Linear`` under ``te.fp8_autocast`` (GPU only; TE is
+an optional extra imported lazily by ``lowprec.float8.te``, so this module imports without it)."""
+
+from __future__ import annotations
+
+from lowprec.backends.fp8_lowprec import swap_module
+from lowprec.backends.registry import Float8Backend, register_fp8_backend
+from lowprec.float8.te import require_te, te_context, te_linear_from
+
+
+class TransformerEngineFloat8(Float8Backend):
+    name = "te"
+    scalings = ("tensorwise", "blockwise")
+    module_class = "transformer_engine.pytorch.module.linear.Linear"
+
+    def check_runtime(self, spec, device) -> None:
+        require_te()
+
+    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+        for fqn in fqns:
+            swap_module(model, fqn, te_linear_from(model.get_submodule(fqn)))
+
+    def precision_context(self, spec):
+        return te_context(spec)
+
+    def scaling_state_bytes(self, spec, n_fp8_linears) -> int:
+        # Approximate, not measured here: fp8_meta holds per linear 3 forward and 2 backward tensors, each
+        # amax_history_len history entries plus scale and scale_inv.
+        return n_fp8_linears * 5 * (spec.amax_history_len + 2) * 4 if spec.strategy == "delayed" else 0
+
+    def saved_input(self, spec, rows, in_features, device_type) -> tuple[str, int]:
+        return ("own", rows * in_features + 4)  # approximate, unverified: the FP8 input and its scale_inv
+
+    def estimate_notes(self) -> tuple[str, ...]:
+        return ("Transformer Engine figures (scaling state, saved FP8 inputs) are approximate and unmeasured",)
+
+
+register_fp8_backend(TransformerEngineFloat8())

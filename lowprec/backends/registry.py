@@ -1,0 +1,183 @@
+"""Registries of FP8 backends and optimizer implementations: one object per name owns everything lowprec
+knows about it, so a recipe's ``fp8.backend`` and ``optim.impl`` strings are looked up here and nowhere else.
+
+The pattern is torchtitan's model-converter registry (``torchtitan/protocols/model_converter.py``:
+``register_model_converter(cls, name)``): built-in entries register themselves when ``lowprec.backends``
+is imported, and a user (or a test) adds one with ``register_fp8_backend`` / ``register_optim_impl``.
+
+An object answers every question the library asks about its backend: recipe validation (``validate``),
+whether this machine can run it (``check_runtime``), module conversion (``convert``), the forward context
+(``precision_context``), hooks after the optimizer step (``register_hooks``), sharding (``check_layout``,
+``prepare_sharding``, ``finish_sharding``), what the effective-recipe inspection must find
+(``module_class``) and what the estimator predicts (``scaling_state_bytes``, ``weight_state_bytes``,
+``saved_input``). The estimator and the effective-recipe check ask the same object the run was built
+from, so prediction and run cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+from lowprec.errors import RecipeError
+
+if TYPE_CHECKING:  # type hints only: the recipe layer sits above this one
+    import torch
+    from torch import nn
+
+    from lowprec.parallel.dims import ParallelDims
+    from lowprec.recipe import CommSpec, Float8Spec
+
+
+class Float8Backend:
+    """An FP8 implementation for the linears a recipe selects. Subclass it, set the class attributes and
+    override what differs from the defaults (which do nothing), then ``register_fp8_backend(obj)``.
+
+    Attributes: ``name`` (the value of ``recipe.fp8.backend``), ``scalings`` (the ``recipe.fp8.scaling``
+    values it implements), ``enabled`` (False only for ``none``), ``module_class`` (qualified class name
+    of its FP8 linear, which the effective-recipe check counts), ``format_in_name`` (whether
+    ``fp8_format`` is a free choice and belongs in ``short_str``).
+    """
+
+    name: str = ""
+    scalings: tuple[str, ...] = ()
+    enabled: bool = True
+    module_class: str = ""
+    format_in_name: bool = True
+
+    # ---- recipe -------------------------------------------------------------------------------------
+    def validate(self, spec: Float8Spec) -> None:
+        """Refuse a ``Float8Spec`` this backend cannot honour (``RecipeError`` naming the field)."""
+        if spec.scaling not in self.scalings:
+            raise RecipeError(f"recipe.fp8.scaling={spec.scaling!r} is not one of {list(self.scalings)} "
+                              f"(recipe.fp8.backend={self.name!r})")
+
+    def supports_fp8_weight_all_gather(self, spec: Float8Spec) -> bool:
+        """Whether ``comm.weight_all_gather='fp8'`` can move this backend's weights in FP8."""
+        return False
+
+    # ---- build ----------------------------------------------------------------------------------------
+    def check_runtime(self, spec: Float8Spec, device: torch.device) -> None:
+        """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked."""
+
+    def convert(self, model: nn.Module, spec: Float8Spec, fqns: list[str], fp8_weight_all_gather: bool) -> None:
+        """Swap the linears at ``fqns`` (already selected by ``Float8Spec.selects_linear``) in place, on the
+        meta device. ``fp8_weight_all_gather``: the run gathers weights in FP8 under FSDP2."""
+        raise NotImplementedError(f"FP8 backend {self.name!r} has no converter")
+
+    def precision_context(self, spec: Float8Spec) -> Callable[[], ContextManager] | None:
+        """A factory of the context the forward runs in (Transformer Engine's ``fp8_autocast``), or None."""
+        return None
+
+    def register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer, fp8_weight_all_gather: bool) -> list[str]:
+        """Install post-optimizer-step hooks (build step 6); returns a description of each."""
+        return []
+
+    # ---- sharding -------------------------------------------------------------------------------------
+    def check_layout(self, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> None:
+        """Refuse (``RecipeError``) a layout this backend cannot shard as the recipe asks; no model needed."""
+
+    def prepare_sharding(self, model: nn.Module, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> dict[str, str]:
+        """Before TP/FSDP (on meta): wrap or check weights; returns mechanisms for the effective recipe."""
+        return {}
+
+    def after_tensor_parallel(self, model: nn.Module, world_group: Any) -> dict[str, str]:
+        """After TP, before FSDP: e.g. make delayed-scaling amaxes reduce over ``world_group``."""
+        return {}
+
+    def finish_sharding(self, model: nn.Module, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> dict[str, str]:
+        """After ``fully_shard``: communication hooks; returns mechanisms for the effective recipe."""
+        return {}
+
+    # ---- estimator ------------------------------------------------------------------------------------
+    def scaling_state_bytes(self, spec: Float8Spec, n_fp8_linears: int) -> int:
+        """Bytes of FP8 scaling buffers (amax histories, scales) per rank for ``n_fp8_linears`` linears."""
+        return 0
+
+    def weight_state_bytes(self, n_fp8_linears: int, fp8_weight_all_gather: bool) -> int:
+        """Extra bytes held inside the parameters (e.g. precomputed scales for FP8 all-gather) per rank."""
+        return 0
+
+    def saved_input(self, spec: Float8Spec, rows: int, in_features: int, device_type: str) -> tuple[str, int]:
+        """What one FP8 linear saves of its input for backward, as the estimator counts it:
+        ``("cast", 0)`` the input after the autocast cast, ``("raw", 0)`` the input as it arrives, or
+        ``("own", nbytes)`` a tensor of its own (an FP8 copy and its scales)."""
+        return ("cast", 0)
+
+    def estimate_notes(self) -> tuple[str, ...]:
+        """Caveats the estimator prints for this backend (e.g. figures never measured)."""
+        return ()
+
+
+class OptimizerImpl:
+    """An AdamW implementation. Attributes: ``name`` (``recipe.optim.impl``), ``states`` (the
+    ``recipe.optim.state`` values it provides), ``roundings`` (the ``weights.update_rounding`` values it
+    implements), ``description`` (what it is, for error messages)."""
+
+    name: str = ""
+    states: tuple[str, ...] = ()
+    roundings: tuple[str, ...] = ("nearest",)
+    description: str = ""
+
+    def build(self, groups: list[dict], *, state: str, stepped_dtype: str, update_rounding: str,
+              hparams: dict[str, Any], sharded: bool) -> torch.optim.Optimizer:
+        """The optimizer over ``groups`` (torch param groups). ``stepped_dtype``: ``fp32``/``bf16``, the
+        dtype of the tensors it steps; ``hparams``: ``lr``, ``betas``, ``eps``; ``sharded``: parameters
+        are DTensors (FSDP2/TP)."""
+        raise NotImplementedError
+
+    def is_quantized(self, state: str, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements keeps its moments in the low-bit ``state`` form."""
+        return False
+
+    def state_bytes(self, numel: int, stepped_bytes: int, state: str, kahan: bool) -> int:
+        """Optimizer-state bytes of one (local) tensor of ``numel`` elements whose stepped copy has
+        ``stepped_bytes`` per element (4 under an FP32 master)."""
+        raise NotImplementedError
+
+    def shared_state_bytes(self, any_quantized: bool) -> int:
+        """Bytes shared by all tensors (e.g. bitsandbytes' two quantization maps)."""
+        return 0
+
+
+_FP8: dict[str, Float8Backend] = {}
+_OPTIM: dict[str, OptimizerImpl] = {}
+
+
+def register_fp8_backend(backend: Float8Backend) -> Float8Backend:
+    """Add (or replace) ``backend`` under ``backend.name``; returns it."""
+    if not backend.name:
+        raise ValueError("an FP8 backend needs a name")
+    _FP8[backend.name] = backend
+    return backend
+
+
+def register_optim_impl(impl: OptimizerImpl) -> OptimizerImpl:
+    """Add (or replace) ``impl`` under ``impl.name``; returns it."""
+    if not impl.name:
+        raise ValueError("an optimizer implementation needs a name")
+    _OPTIM[impl.name] = impl
+    return impl
+
+
+def fp8_backend(name: str) -> Float8Backend:
+    """The FP8 backend registered as ``name``; ``RecipeError`` listing the registered names otherwise."""
+    try:
+        return _FP8[name]
+    except KeyError:
+        raise RecipeError(f"recipe.fp8.backend={name!r} is not one of {sorted(_FP8)}") from None
+
+
+def optim_impl(name: str) -> OptimizerImpl:
+    """The optimizer implementation registered as ``name``; ``RecipeError`` listing the names otherwise."""
+    try:
+        return _OPTIM[name]
+    except KeyError:
+        raise RecipeError(f"recipe.optim.impl={name!r} is not one of {sorted(_OPTIM)}") from None
+
+
+def fp8_backends() -> dict[str, Float8Backend]:
+    return dict(_FP8)
+
+
+def optim_impls() -> dict[str, OptimizerImpl]:
+    return dict(_OPTIM)

@@ -1,0 +1,13 @@
+"""The estimator: memory and step time of a recipe on a model, layout and device, before any run.
+
+``estimator`` (state bytes, FLOPs, MFU, throughput, the ``estimate`` entry point), ``activations`` (bytes
+saved for backward per recompute mode), ``inventory`` (parameters and linears of the real model code, with
+the FP8 selection applied), ``hardware`` (peak FLOP/s and memory of known accelerators, with sources).
+Every run logs the estimator's prediction beside its measurement (``pred_mem_*`` next to ``mem_*``).
+"""
+
+from lowprec.estimate.estimator import (Estimate, StateEstimate, estimate, estimate_all, flops_per_token, mfu,
+                                        predict_state_bytes, predict_throughput)
+
+__all__ = ["Estimate", "StateEstimate", "estimate", "estimate_all", "flops_per_token", "mfu", "predict_state_bytes",
+           "predict_throughput"]

@@ -1,0 +1,61 @@
+"""Checkpoint timing for the loop: resume at the start of a run, a checkpoint after every N-th step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowprec.errors import CheckpointError
+from lowprec.train.build import Built
+from lowprec.train.checkpoint import check_resume_recipe, load_checkpoint, save_checkpoint
+from lowprec.train.spec import TrainSpec
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: ``step`` (optimizer steps already taken), and ``recipe_change``: ``{}``, or
+    ``{"resume_recipe_change": {...}}`` when the checkpoint was written under another recipe (merged into the
+    effective recipe so the switch is recorded)."""
+
+    step: int = 0
+    recipe_change: dict[str, Any] = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Writes ``<directory>/step_<N>`` after every N-th step, N = ``spec.checkpoint_every`` (never when
+    ``directory`` is None or N is 0), and resumes a run from such a folder (``lowprec.train.checkpoint``)."""
+
+    def __init__(self, built: Built, spec: TrainSpec, directory: str | Path | None):
+        self.built, self.spec = built, spec
+        self.directory = Path(directory) if directory is not None else None
+
+    def resume(self, path: str | Path | None) -> ResumePoint:
+        """Load the checkpoint folder ``path`` into the built objects (step 0 and nothing loaded for None).
+
+        Raises ``CheckpointError`` when it was written under another recipe and ``spec.resume_recipe_change``
+        is off, when it does not load, or when its step leaves no step to run.
+        """
+        if path is None:
+            return ResumePoint()
+        b = self.built
+        change = check_resume_recipe(path, b.recipe, self.spec.resume_recipe_change)
+        step = load_checkpoint(path, b.model, b.optimizer, b.scheduler, b.loss_scaler)
+        if step >= self.spec.steps:
+            raise CheckpointError(f"checkpoint {str(path)!r} is at step {step}; train.steps={self.spec.steps} "
+                                  "leaves nothing to run")
+        return ResumePoint(step, change)
+
+    def due(self, step: int) -> bool:
+        every = self.spec.checkpoint_every
+        return self.directory is not None and every > 0 and (step + 1) % every == 0
+
+    def maybe_save(self, step: int) -> Path | None:
+        """Write the checkpoint due after step ``step`` (0-based; it records ``step + 1`` steps taken), if any;
+        returns its folder."""
+        if not self.due(step):
+            return None
+        b = self.built
+        path = self.directory / f"step_{step + 1}"
+        save_checkpoint(path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe)
+        return path

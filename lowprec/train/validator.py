@@ -1,0 +1,31 @@
+"""Validation timing: which steps are followed by a validation pass, and the last validation loss."""
+
+from __future__ import annotations
+
+from lowprec.data import TokenBatches
+from lowprec.train.build import Built
+from lowprec.train.spec import TrainSpec
+from lowprec.train.step import evaluate
+
+
+class Validator:
+    """Validates after every ``spec.val_every``-th step (never if <= 0) and after the last step, on
+    ``spec.val_batches`` fixed batches loaded once here (``evaluate``: buffers are restored after each batch,
+    so how often a run validates never changes its trajectory)."""
+
+    def __init__(self, built: Built, data: TokenBatches, spec: TrainSpec):
+        self.built, self.spec = built, spec
+        self.batches = data.val_batches(spec.val_batches)
+        #: Validation loss (nats/token) of the latest pass; NaN before the first.
+        self.last_loss = float("nan")
+
+    def due(self, step: int) -> bool:
+        every = self.spec.val_every
+        return step == self.spec.steps - 1 or (every > 0 and (step + 1) % every == 0)
+
+    def maybe_validate(self, step: int) -> dict[str, float]:
+        """``{"val_loss": loss}`` after a validation pass if one is due after ``step``, else ``{}``."""
+        if not self.due(step):
+            return {}
+        self.last_loss = evaluate(self.built, self.batches)
+        return {"val_loss": self.last_loss}

@@ -1,0 +1,129 @@
+"""The package layout is the architecture: imports point down the layers below, never up, and form no cycle.
+
+Every ``import`` / ``from ... import`` of lowprec, recipes and experiments is read with ``ast`` (imports inside
+functions count too; only ``if TYPE_CHECKING:`` blocks, which never run, are skipped), each module is placed in
+the first layer whose prefix it has (the longest prefix wins), and a module may import from its own layer or
+any layer below it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("lowprec", "recipes", "experiments")
+
+#: Bottom to top. Within a layer, modules may import each other (without a cycle).
+LAYERS: list[tuple[str, ...]] = [
+    ("lowprec.errors",),
+    ("lowprec.numerics", "lowprec.model", "lowprec.data"),
+    # Mechanisms that know nothing of recipes: FP8 linear, optimizer components, measurement, collectives.
+    ("lowprec.float8", "lowprec.optim", "lowprec.measure", "lowprec.parallel"),
+    # One object per FP8 backend / optimizer implementation, built on the mechanisms above.
+    ("lowprec.backends",),
+    ("lowprec.recipe",),
+    # Turning a recipe into mechanism, and predicting it.
+    ("lowprec.convert", "lowprec.optim.builder", "lowprec.parallel.apply", "lowprec.estimate"),
+    ("lowprec.train",),
+    ("lowprec",),
+    ("recipes",),
+    ("experiments",),
+]
+
+
+def _layer(module: str) -> int:
+    best, layer = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    assert layer is not None, f"{module} is in no layer: add it to LAYERS"
+    return layer
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+            for a in node.names:  # `from pkg import submodule` imports the submodule
+                out.add(f"{name}.{a.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        # keep only imports that name a module of ours (drop `from pkg import function`)
+        graph[name] = {m for m in _imports(path, name) if m in modules and m != name}
+    return graph
+
+
+def test_no_import_from_a_higher_layer():
+    bad = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+           for m, deps in sorted(_graph().items()) for d in sorted(deps)
+           if _layer(d) > _layer(m) and not m.startswith(d + ".")]  # a package's own __init__ is fine
+    assert not bad, "imports pointing up the layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    # A package importing its own submodules (its __init__) is not a cycle of modules.
+    edges = {m: {d for d in deps if not d.startswith(m + ".") and not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def dfs(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                dfs(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_layer_table_covers_every_module():
+    for m in _graph():
+        _layer(m)
