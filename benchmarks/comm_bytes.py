@@ -22,8 +22,14 @@ import torch  # noqa: E402
 from lowprec.parallel.spawn import run_ranks  # noqa: E402
 
 RECIPES = [
-    ("fp32", {}), ("bf16", {}), ("bf16", {"grad_reduce": "bf16"}), ("fp8_current", {}),
-    ("fp8_comm8", {}), ("fp8_tensorwise", {}), ("fp8_tensorwise_fsdp8", {}), ("fp8_blockwise", {}),
+    ("fp32", {}),
+    ("bf16", {}),
+    ("bf16", {"grad_reduce": "bf16"}),
+    ("fp8_current", {}),
+    ("fp8_comm8", {}),
+    ("fp8_tensorwise", {}),
+    ("fp8_tensorwise_fsdp8", {}),
+    ("fp8_blockwise", {}),
     ("deepseek_v3_comm8", {}),
 ]
 
@@ -40,10 +46,20 @@ def _run(recipe_name: str, comm: dict, model: str, steps: int, dims: dict | None
 
     recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
-    spec = TrainSpec(steps=steps, batch_size=8, seq_len=128, warmup_steps=1, val_every=0, val_batches=1,
-                     timing_warmup_steps=2, telemetry_every=1000, progress=False)
-    built = build(recipe, model_args(model), spec, OptimHParams(), 0, torch.device("cpu"),
-                  ParallelDims(**dims) if dims else None)
+    spec = TrainSpec(
+        steps=steps,
+        batch_size=8,
+        seq_len=128,
+        warmup_steps=1,
+        val_every=0,
+        val_batches=1,
+        timing_warmup_steps=2,
+        telemetry_every=1000,
+        progress=False,
+    )
+    built = build(
+        recipe, model_args(model), spec, OptimHParams(), 0, torch.device("cpu"), ParallelDims(**dims) if dims else None
+    )
     rows = []
 
     class Sink:
@@ -51,8 +67,11 @@ def _run(recipe_name: str, comm: dict, model: str, steps: int, dims: dict | None
             rows.append(m)
 
     run_training(built, TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0), spec, Sink())
-    return {"comm": {k: v for k, v in rows[0].items() if k.startswith("comm_")},
-            "step_times": [r["step_time_s"] for r in rows[spec.timing_warmup_steps:]], "loss": rows[-1]["loss"]}
+    return {
+        "comm": {k: v for k, v in rows[0].items() if k.startswith("comm_")},
+        "step_times": [r["step_time_s"] for r in rows[spec.timing_warmup_steps :]],
+        "loss": rows[-1]["loss"],
+    }
 
 
 def _many(rank: int, ws: int, jobs: list) -> list[dict]:
@@ -70,40 +89,63 @@ def main() -> None:
     a = ap.parse_args()
     jobs = [(name, comm, a.model, 3, {"dp_shard": 2}) for name, comm in RECIPES]
     res = run_ranks(_many, 2, jobs)[0]
-    print(f"FSDP2 world size 2, model={a.model}, 8 x 128 tokens per step; MiB per optimizer step on rank 0 "
-          "(all-gather = gathered output, reduce-scatter = full input)")
-    print(f"{'recipe':<34}{'all-gather':>11}{'  of which fp8':>15}{'reduce-scat':>12}{'  of which fp8':>15}{'all-reduce':>11}")
+    print(
+        f"FSDP2 world size 2, model={a.model}, 8 x 128 tokens per step; MiB per optimizer step on rank 0 "
+        "(all-gather = gathered output, reduce-scatter = full input)"
+    )
+    print(
+        f"{'recipe':<34}{'all-gather':>11}{'  of which fp8':>15}"
+        f"{'reduce-scat':>12}{'  of which fp8':>15}{'all-reduce':>11}"
+    )
     by = {}
     for (name, comm), r in zip(RECIPES, res):
         c = r["comm"]
         label = name + ("[" + ",".join(f"{k}={v}" for k, v in comm.items()) + "]" if comm else "")
         by[label] = c
-        print(f"{label:<34}{mib(c['comm_all_gather_bytes']):>11}{mib(c.get('comm_all_gather_fp8_bytes', 0)):>15}"
-              f"{mib(c['comm_reduce_scatter_bytes']):>12}{mib(c.get('comm_reduce_scatter_fp8_bytes', 0)):>15}"
-              f"{mib(c['comm_all_reduce_bytes']):>11}")
+        print(
+            f"{label:<34}{mib(c['comm_all_gather_bytes']):>11}{mib(c.get('comm_all_gather_fp8_bytes', 0)):>15}"
+            f"{mib(c['comm_reduce_scatter_bytes']):>12}{mib(c.get('comm_reduce_scatter_fp8_bytes', 0)):>15}"
+            f"{mib(c['comm_all_reduce_bytes']):>11}"
+        )
 
     def fp8_weight_ratio(fp8_label: str, base_label: str) -> tuple[float, float]:
         f, b = by[fp8_label], by[base_label]
         same = f.get("comm_all_gather_bfloat16_bytes", 0.0)  # weights kept in BF16 in both runs
-        return (f["comm_all_gather_bytes"] / b["comm_all_gather_bytes"],
-                (f["comm_all_gather_bytes"] - same) / (b["comm_all_gather_bytes"] - same))
+        return (
+            f["comm_all_gather_bytes"] / b["comm_all_gather_bytes"],
+            (f["comm_all_gather_bytes"] - same) / (b["comm_all_gather_bytes"] - same),
+        )
 
     print("\nratios (measured side by side in this run):")
-    for fp8, base in (("fp8_comm8", "fp8_current"), ("fp8_tensorwise_fsdp8", "fp8_tensorwise"),
-                      ("deepseek_v3_comm8", "fp8_blockwise")):
+    for fp8, base in (
+        ("fp8_comm8", "fp8_current"),
+        ("fp8_tensorwise_fsdp8", "fp8_tensorwise"),
+        ("deepseek_v3_comm8", "fp8_blockwise"),
+    ):
         tot, lin = fp8_weight_ratio(fp8, base)
-        print(f"  weight all-gather {fp8} / {base} (BF16 gather): whole model {tot:.3f}, FP8-gathered weights {lin:.3f} (target <= 0.55)")
+        print(
+            f"  weight all-gather {fp8} / {base} (BF16 gather): whole model {tot:.3f}, FP8-gathered weights "
+            f"{lin:.3f} (target <= 0.55)"
+        )
     for fp8 in ("fp8_comm8", "deepseek_v3_comm8"):
-        print(f"  reduce-scatter {fp8} / fp32: {by[fp8]['comm_reduce_scatter_bytes'] / by['fp32']['comm_reduce_scatter_bytes']:.3f} (target <= 0.30)")
-    print(f"  reduce-scatter bf16[grad_reduce=bf16] / fp32: "
-          f"{by['bf16[grad_reduce=bf16]']['comm_reduce_scatter_bytes'] / by['fp32']['comm_reduce_scatter_bytes']:.3f}")
+        print(
+            f"  reduce-scatter {fp8} / fp32: "
+            f"{by[fp8]['comm_reduce_scatter_bytes'] / by['fp32']['comm_reduce_scatter_bytes']:.3f} (target <= 0.30)"
+        )
+    print(
+        f"  reduce-scatter bf16[grad_reduce=bf16] / fp32: "
+        f"{by['bf16[grad_reduce=bf16]']['comm_reduce_scatter_bytes'] / by['fp32']['comm_reduce_scatter_bytes']:.3f}"
+    )
 
     one = _run("fp32", {}, a.model, a.steps, None)["step_times"]
     two = run_ranks(_many, 2, [("fp32", {}, a.model, a.steps, {"dp_shard": 2})])[0][0]["step_times"]
     t1, t2 = statistics.median(one), statistics.median(two)
-    print(f"\nfp32 step time (median of {len(one)} steps after warm-up, same global batch): one process {t1 * 1e3:.1f} ms, "
-          f"FSDP2 world size 2 {t2 * 1e3:.1f} ms, ratio {t2 / t1:.2f} (CPU, {os.cpu_count()} cores, gloo; "
-          "each rank has 1 thread, one process has all cores)")
+    print(
+        f"\nfp32 step time (median of {len(one)} steps after warm-up, same global batch): one process {t1 * 1e3:.1f} "
+        "ms, "
+        f"FSDP2 world size 2 {t2 * 1e3:.1f} ms, ratio {t2 / t1:.2f} (CPU, {os.cpu_count()} cores, gloo; "
+        "each rank has 1 thread, one process has all cores)"
+    )
 
 
 if __name__ == "__main__":

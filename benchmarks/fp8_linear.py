@@ -27,15 +27,17 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
 from lowprec.numerics.formats import E4M3
-from lowprec.recipe import Float8Spec
 from lowprec.numerics.scaling import quantize_operand
+from lowprec.recipe import Float8Spec
 
 LOWPREC = {
     "current tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),
     "delayed tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", strategy="delayed", fp8_format="hybrid"),
     "rowwise": Float8Spec(backend="lowprec", scaling="rowwise", fp8_format="e4m3", power_of_2_scales=True),
     "blockwise": Float8Spec(backend="lowprec", scaling="blockwise", fp8_format="e4m3"),
-    "blockwise + fp8 cache": Float8Spec(backend="lowprec", scaling="blockwise", fp8_format="e4m3", cache_fp8_activations=True),
+    "blockwise + fp8 cache": Float8Spec(
+        backend="lowprec", scaling="blockwise", fp8_format="e4m3", cache_fp8_activations=True
+    ),
 }
 
 
@@ -46,6 +48,7 @@ def fwd_bwd(mod, x, g, autocast: bool):
             y = mod(xi)
         y.backward(g)
         mod.weight.grad = None
+
     return run
 
 
@@ -79,11 +82,15 @@ def main() -> None:
     torch.manual_seed(0)
     base = torch.nn.Linear(a.dim, a.hidden, bias=False)
     x, g = torch.randn(a.tokens, a.dim), torch.randn(a.tokens, a.hidden)
-    print(f"linear {a.dim} -> {a.hidden}, {a.tokens} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"linear {a.dim} -> {a.hidden}, {a.tokens} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print("CPU timings: they say nothing about FP8 speed on a GPU.\n")
 
-    fns = {"fp32 nn.Linear": fwd_bwd(copy.deepcopy(base), x, g, False),
-           "bf16 nn.Linear (autocast)": fwd_bwd(copy.deepcopy(base), x, g.bfloat16(), True)}
+    fns = {
+        "fp32 nn.Linear": fwd_bwd(copy.deepcopy(base), x, g, False),
+        "bf16 nn.Linear (autocast)": fwd_bwd(copy.deepcopy(base), x, g.bfloat16(), True),
+    }
     for recipe in ("tensorwise", "rowwise"):
         m = torch.nn.Sequential(copy.deepcopy(base))
         convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
@@ -95,8 +102,14 @@ def main() -> None:
     t = timeit(fns, a.reps)
     print("1. fwd+bwd time (median)")
     for k, v in t.items():
-        print(f"   {k:<32} {v * 1e3:8.1f} ms   x{v / t['fp32 nn.Linear']:.2f} of fp32   x{v / t['bf16 nn.Linear (autocast)']:.2f} of bf16")
-    print(f"   ratio lowprec/torchao tensorwise: {t['lowprec current tensorwise'] / t['torchao tensorwise']:.3f} (target <= 1.1)")
+        print(
+            f"   {k:<32} {v * 1e3:8.1f} ms   x{v / t['fp32 nn.Linear']:.2f} of fp32   "
+            f"x{v / t['bf16 nn.Linear (autocast)']:.2f} of bf16"
+        )
+    print(
+        f"   ratio lowprec/torchao tensorwise: {t['lowprec current tensorwise'] / t['torchao tensorwise']:.3f} "
+        "(target <= 1.1)"
+    )
     print(f"   ratio lowprec/torchao rowwise:    {t['lowprec rowwise'] / t['torchao rowwise']:.3f}")
 
     big = torch.randn(4096, 4096)
@@ -107,7 +120,10 @@ def main() -> None:
     nbytes = big.numel() * big.element_size()
     print(f"\n2. quantization of a {tuple(big.shape)} fp32 tensor to e4m3 ({nbytes / 2**20:.0f} MiB read)")
     for k, v in tq.items():
-        print(f"   {k:<20} {nbytes / v / 1e9:7.2f} GB/s   {v * 1e3:7.1f} ms   x{v / tq['plain copy (clone)']:.1f} of a copy")
+        print(
+            f"   {k:<20} {nbytes / v / 1e9:7.2f} GB/s   {v * 1e3:7.1f} ms   x{v / tq['plain copy (clone)']:.1f} of a "
+            "copy"
+        )
 
     print("\n3. bytes saved for backward")
     for name in ("blockwise", "blockwise + fp8 cache"):
@@ -149,8 +165,17 @@ def model_saved() -> None:
 
     every = TrainSpec().telemetry_every
     batches = TokenBatches(data.train, data.val, 256, 8, 0)
-    builds = {k: build(get_recipe("fp8_current"), model_args("tiny"), replace(spec, telemetry_every=v),
-                       OptimHParams(), 0, torch.device("cpu")) for k, v in (("off", 0), ("every step", 1))}
+    builds = {
+        k: build(
+            get_recipe("fp8_current"),
+            model_args("tiny"),
+            replace(spec, telemetry_every=v),
+            OptimHParams(),
+            0,
+            torch.device("cpu"),
+        )
+        for k, v in (("off", 0), ("every step", 1))
+    }
 
     def stepper(b):
         state = {"step": 0}
@@ -163,13 +188,17 @@ def model_saved() -> None:
             for h in b.after_step:
                 h(s, b)
             state["step"] += 1
+
         return run
 
     t = timeit({k: stepper(b) for k, b in builds.items()}, 6)
     extra = t["every step"] / t["off"] - 1
     print("\n4. FP8 telemetry cost, tiny Llama fp8_current step (8 x 256 tokens)")
-    print(f"   off {t['off'] * 1e3:.0f} ms, sampled {t['every step'] * 1e3:.0f} ms: +{100 * extra:.1f}% on a sampled step, "
-          f"+{100 * extra / every:.2f}% amortized at telemetry_every={every} (target < 5%)")
+    print(
+        f"   off {t['off'] * 1e3:.0f} ms, sampled {t['every step'] * 1e3:.0f} ms: +{100 * extra:.1f}% on a sampled "
+        "step, "
+        f"+{100 * extra / every:.2f}% amortized at telemetry_every={every} (target < 5%)"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,15 @@ def plain_loop(args, hp: OptimHParams, spec: TrainSpec):
     materialize(model, torch.device("cpu"), 0)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, spec.warmup_steps, spec.steps, spec.min_lr_ratio))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=hp.lr,
+        betas=(hp.beta1, hp.beta2),
+        eps=hp.eps,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: warmup_cosine(s, spec.warmup_steps, spec.steps, spec.min_lr_ratio)
+    )
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -85,11 +91,15 @@ def main() -> None:
                 losses[which].append(loss)
         step += a.block
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model={a.model} ({args.num_params():,} params), batch {spec.batch_size} x seq {spec.seq_len}, "
-          f"{a.steps} measured steps each, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"model={a.model} ({args.num_params():,} params), batch {spec.batch_size} x seq {spec.seq_len}, "
+        f"{a.steps} measured steps each, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     for k in ("plain", "lowprec"):
-        print(f"  {k:<8} median step {med[k] * 1e3:8.1f} ms   mean {statistics.fmean(times[k]) * 1e3:8.1f} ms   "
-              f"{spec.tokens_per_step / med[k]:8.0f} tokens/s")
+        print(
+            f"  {k:<8} median step {med[k] * 1e3:8.1f} ms   mean {statistics.fmean(times[k]) * 1e3:8.1f} ms   "
+            f"{spec.tokens_per_step / med[k]:8.0f} tokens/s"
+        )
     same = all(abs(p - q) < 1e-4 for p, q in zip(losses["plain"], losses["lowprec"]))
     print(f"  losses identical between the loops: {same}")
     print(f"ratio lowprec/plain (median step time): {med['lowprec'] / med['plain']:.3f}  (target <= 1.05)")

@@ -17,11 +17,10 @@ import time
 
 import torch
 
+from lowprec.backends.optimizers import MIN_8BIT_NUMEL
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams, build_optimizer
-from lowprec.backends.optimizers import MIN_8BIT_NUMEL
-from lowprec.optim.builder import _param_groups
+from lowprec.optim.builder import OptimHParams, _param_groups, build_optimizer
 from lowprec.train.build import build_model_meta, cast_weights, materialize
 from recipes import get_recipe
 
@@ -64,9 +63,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     hp = OptimHParams()
-    names = ["fp32", "bf16_pure", "bf16_master", "bf16_sr", "bf16_moments", "bf16_adamw8bit", "bf16_adamw8bit_ao",
-             "bf16_adamw4bit", "fp8_msamp_o2"]
-    print(f"model={a.model} parameters, random gradients, median of {a.reps} interleaved steps, torch {torch.__version__}")
+    names = [
+        "fp32",
+        "bf16_pure",
+        "bf16_master",
+        "bf16_sr",
+        "bf16_moments",
+        "bf16_adamw8bit",
+        "bf16_adamw8bit_ao",
+        "bf16_adamw4bit",
+        "fp8_msamp_o2",
+    ]
+    print(
+        f"model={a.model} parameters, random gradients, median of {a.reps} interleaved steps, torch {torch.__version__}"
+    )
     print(f"{'recipe':<18} {'lowprec ms':>10} {'direct ms':>10} {'ratio':>6}  {'state B/param':>13}  reference")
     for name in names:
         recipe, m1 = make_model(name, a.model)
@@ -87,8 +97,10 @@ def main() -> None:
         bpp = measure_state_bytes(m1, o1, getattr(o1, "master_params", [])).per_param
         r = statistics.median(t1) / statistics.median(t2)
         tag = "(target <= 1.1)" if name in LIBRARY_ONLY else "(no library equivalent: information)"
-        print(f"{name:<18} {statistics.median(t1) * 1e3:10.1f} {statistics.median(t2) * 1e3:10.1f} {r:6.2f}  "
-              f"{bpp:13.2f}  {label} {tag}")
+        print(
+            f"{name:<18} {statistics.median(t1) * 1e3:10.1f} {statistics.median(t2) * 1e3:10.1f} {r:6.2f}  "
+            f"{bpp:13.2f}  {label} {tag}"
+        )
 
 
 if __name__ == "__main__":

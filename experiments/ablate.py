@@ -9,18 +9,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from experiments.config import flat_params
+from experiments.preflight import preflight
+from experiments.report import build_report
+from experiments.run import RunOutcome, run_one
+from experiments.startup import prepare_data, start_parallel
+from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from lowprec.data import check_vocab_fits
-from lowprec.parallel.runtime import is_rank0
 from lowprec.errors import ConfigError
+from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
 from recipes import get_recipe
-from experiments.config import flat_params
-from experiments.preflight import preflight
-from experiments.startup import prepare_data, start_parallel
-from experiments.report import build_report
-from experiments.run import RunOutcome, run_one
-from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 
 
 @dataclass
@@ -71,24 +71,29 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    parent = tracker.start_run(ablation_id, {
-        ABLATION_TAG: ablation_id,
-        "lowprec.kind": "ablation",
-        "experiment": str(cfg.get("name", "")),
-        "recipes": dumps(names),
-        "seeds": dumps(seeds),
-        "control": control,
-        "model": cfg.model.name,
-        "corpus_fingerprint": data.fingerprint,
-        "corpus": data.description,
-        "parallel": dims.short(),
-        "world_size": str(dims.world_size),
-        **provenance_tags(device),
-    })
+    parent = tracker.start_run(
+        ablation_id,
+        {
+            ABLATION_TAG: ablation_id,
+            "lowprec.kind": "ablation",
+            "experiment": str(cfg.get("name", "")),
+            "recipes": dumps(names),
+            "seeds": dumps(seeds),
+            "control": control,
+            "model": cfg.model.name,
+            "corpus_fingerprint": data.fingerprint,
+            "corpus": data.description,
+            "parallel": dims.short(),
+            "world_size": str(dims.world_size),
+            **provenance_tags(device),
+        },
+    )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
     out = AblationOutcome(ablation_id, parent)
-    echo(f"ablation {ablation_id}: {len(recipes)} recipes x {len(seeds)} seeds on model={cfg.model.name}, "
-         f"{cfg.train.steps} steps each; layout {dims.short()}; data: {data.description}")
+    echo(
+        f"ablation {ablation_id}: {len(recipes)} recipes x {len(seeds)} seeds on model={cfg.model.name}, "
+        f"{cfg.train.steps} steps each; layout {dims.short()}; data: {data.description}"
+    )
     try:
         for recipe in recipes:
             for seed in seeds:
@@ -96,8 +101,10 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
                 out.runs.append(o)
                 if o.status == "FINISHED":
                     s = o.summary
-                    echo(f"  {recipe.name:<16} seed {seed}: val_loss {s['final_val_loss']:.4f}  "
-                         f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param")
+                    echo(
+                        f"  {recipe.name:<16} seed {seed}: val_loss {s['final_val_loss']:.4f}  "
+                        f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
+                    )
                 else:
                     echo(f"  {recipe.name:<16} seed {seed}: FAILED ({o.reason})")
     except KeyboardInterrupt:

@@ -10,33 +10,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-from lowprec.errors import UserError
-from hydra.errors import MissingConfigException
+import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from experiments.config import CONF_DIR, register_configs
-from lowprec.data import check_vocab_fits
-from lowprec.parallel.runtime import is_rank0
-from experiments.config import recipe_from_cfg
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments.ablate import ablate, ablation_recipes
+from experiments.config import CONF_DIR, parallel_from_cfg, recipe_from_cfg, register_configs
+from experiments.estimate import estimate_main
+from experiments.launch import spawn_torchrun, under_torchrun
 from experiments.preflight import preflight
+from experiments.report import build_report
 from experiments.run import run_one
 from experiments.startup import prepare_data, start_parallel
-from experiments.tracking import make_tracker
-from experiments.ablate import ablation_recipes
-import hydra
-from experiments.launch import spawn_torchrun, under_torchrun
-from experiments.config import parallel_from_cfg
-from pathlib import Path
-from experiments.report import build_report
-from experiments.tracking import Tracker
+from experiments.tracking import Tracker, make_tracker
+from lowprec.data import check_vocab_fits
+from lowprec.errors import UserError
+from lowprec.parallel.runtime import is_rank0
 from recipes import CATALOG
-from experiments.estimate import estimate_main
-from experiments.ablate import ablate
 
 USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
 
@@ -44,8 +40,10 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N] [key=value ...]
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]
   lowprec recipes [--json]
-  lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME] [batch=N] [seq=N] [--json]
+  lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
+                   [batch=N] [seq=N] [--json]
 """
+
 
 # Errors a user can cause with a bad value print as one line (exit 2). Anything else is a bug and keeps its
 # traceback: a ValueError or KeyError raised inside lowprec is not taken for a user's mistake.
@@ -63,7 +61,11 @@ def one_line(e: BaseException) -> str:
             line = msg.splitlines()[0]
             if isinstance(e, MissingConfigException) and getattr(e, "options", None):
                 line += f"; known: {', '.join(e.options)}"
-            elif isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None) and not line.startswith(f"{e.full_key}:"):
+            elif (
+                isinstance(e, OmegaConfBaseException)
+                and getattr(e, "full_key", None)
+                and not line.startswith(f"{e.full_key}:")
+            ):
                 line = f"{e.full_key}: {line}"  # OmegaConf names the key on a later line, which one line drops
             parts.append(line)
         e = e.__cause__
@@ -87,13 +89,17 @@ def train_main(cfg: DictConfig, echo=print):
     tracker = make_tracker(cfg)
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
-    echo(f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed {cfg.seed}"
-         + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else ""))
+    echo(
+        f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "
+        f"{cfg.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")
+    )
     o = run_one(cfg, recipe, int(cfg.seed), data, tracker)
     if o.status == "FINISHED":
         s = o.summary
-        echo(f"FINISHED run {o.run_id}: val_loss {s['final_val_loss']:.4f}, {s['mean_tokens_per_s']:.0f} tokens/s, "
-             f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}")
+        echo(
+            f"FINISHED run {o.run_id}: val_loss {s['final_val_loss']:.4f}, {s['mean_tokens_per_s']:.0f} tokens/s, "
+            f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}"
+        )
     else:
         echo(f"FAILED run {o.run_id}: {o.reason}")
         if o.traceback:  # not a user error: a bug, whose traceback is also the run's failure_traceback.txt artifact
@@ -124,7 +130,9 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
             # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
 
             preflight(cfg, _recipes_of(config_name, cfg))
-            print(f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True)
+            print(
+                f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True
+            )
             return spawn_torchrun(dims.world_size, [config_name, *argv])
         result = task(cfg)
     except _user_errors() as e:
@@ -155,7 +163,11 @@ def _recipes(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     args = p.parse_args(argv)
     if args.json:
-        print(json.dumps({n: {"short": r.short_str(), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1))
+        print(
+            json.dumps(
+                {n: {"short": r.short_str(), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1
+            )
+        )
         return 0
     width = max(map(len, CATALOG))
     for n, r in CATALOG.items():

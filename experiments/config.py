@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, Container, DictConfig, OmegaConf
@@ -57,9 +57,9 @@ class FaultsConfig:
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
     ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path)."""
 
-    recipe: Optional[str] = None
-    crash_at_step: Optional[int] = None
-    nan_at_step: Optional[int] = None
+    recipe: str | None = None
+    crash_at_step: int | None = None
+    nan_at_step: int | None = None
 
 
 @dataclass
@@ -81,7 +81,7 @@ class RunConfig:
     parallel: ParallelDims = MISSING  # group: parallel/single
     seed: int = 0
     device: str = "auto"
-    resume: Optional[str] = None
+    resume: str | None = None
     train: TrainSpec = field(default_factory=TrainSpec)
     paths: PathsConfig = field(default_factory=PathsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
@@ -101,7 +101,7 @@ class AblateConfig(RunConfig):
 
     control: str = "bf16"
     name: str = MISSING
-    recipes: List[str] = MISSING
+    recipes: list[str] = MISSING
     seeds: int = 1
 
 
@@ -196,7 +196,13 @@ def typed(cls: type, node, prefix: str) -> dict:
     return OmegaConf.to_container(merged, resolve=True)
 
 
-_RECIPE_GROUPS = {"weights": WeightSpec, "compute": ComputeSpec, "fp8": Float8Spec, "optim": OptimSpec, "comm": CommSpec}
+_RECIPE_GROUPS = {
+    "weights": WeightSpec,
+    "compute": ComputeSpec,
+    "fp8": Float8Spec,
+    "optim": OptimSpec,
+    "comm": CommSpec,
+}
 
 
 def recipe_from_cfg(node) -> Recipe:

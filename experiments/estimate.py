@@ -16,16 +16,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from lowprec.recipe import Recipe
-from recipes import CATALOG, get_recipe
+
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
-from lowprec.recipe import RecipeError
+from lowprec.recipe import Recipe, RecipeError
+from recipes import CATALOG, get_recipe
 
-USAGE = ("usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
-         "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] "
-         "[model.<field>=V] [recipe.<group>.<field>=V] [--json]")
+USAGE = (
+    "usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
+    "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] "
+    "[model.<field>=V] [recipe.<group>.<field>=V] [--json]"
+)
 _KEYS = ("model", "recipe", "parallel.dp_shard", "parallel.tp", "hardware", "batch", "seq", "efficiency", "recompute")
 _INTS = ("parallel.dp_shard", "parallel.tp", "batch", "seq")
 
@@ -82,7 +84,9 @@ def parse_args(argv: list[str]) -> dict:
             else:
                 out[key] = val
         else:
-            raise EstimateArgError(f"unknown key {key!r}; known: {', '.join(_KEYS)}, model.<field>, recipe.<group>.<field>")
+            raise EstimateArgError(
+                f"unknown key {key!r}; known: {', '.join(_KEYS)}, model.<field>, recipe.<group>.<field>"
+            )
     for req in ("model", "recipe"):
         if req not in out:
             raise EstimateArgError(f"{req}= is required")
@@ -118,8 +122,7 @@ def format_one(e, args, model_name: str, unsharded) -> str:
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
-        f"model={model_name}: {s.n_params:,} parameters ({s.n_tensors} tensors); "
-        f"recipe={e.recipe} ({e.short})",
+        f"model={model_name}: {s.n_params:,} parameters ({s.n_tensors} tensors); recipe={e.recipe} ({e.short})",
         f"layout: parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}; batch={e.batch} x seq={e.seq} per "
         f"data-parallel rank; figures are per GPU (rank 0)",
         "",
@@ -132,39 +135,60 @@ def format_one(e, args, model_name: str, unsharded) -> str:
         _row("model + optimizer state", s.model_and_optimizer, f"{s.per_param:.2f} bytes/parameter"),
     ]
     if e.dp_shard > 1 or e.tp > 1:
-        lines.append(_row("  (unsharded, one GPU)", unsharded.model_and_optimizer,
-                          f"{unsharded.model_and_optimizer / 1e9:.1f} GB unsharded; this GPU holds "
-                          f"{s.model_and_optimizer / unsharded.model_and_optimizer:.4f} of it"))
+        lines.append(
+            _row(
+                "  (unsharded, one GPU)",
+                unsharded.model_and_optimizer,
+                f"{unsharded.model_and_optimizer / 1e9:.1f} GB unsharded; this GPU holds "
+                f"{s.model_and_optimizer / unsharded.model_and_optimizer:.4f} of it",
+            )
+        )
     else:
         lines.append(f"  {'':<40} {'':>19} {'':>10}  = {s.model_and_optimizer / 1e9:.1f} GB unsharded")
     if e.fsdp_buffers:
         lines.append(_row("FSDP2 unsharded params (transient)", e.fsdp_buffers, "root + 2 blocks, compute dtype"))
     for m in ("none", "selective", "full"):
-        lines.append(_row(f"activations, recompute {m}", a.recompute[m],
-                          f"incl. {_gb(a.weight_copies)} GB weight casts saved by autocast"
-                          if m == "none" and a.weight_copies >= 5e6 else ""))
+        lines.append(
+            _row(
+                f"activations, recompute {m}",
+                a.recompute[m],
+                f"incl. {_gb(a.weight_copies)} GB weight casts saved by autocast"
+                if m == "none" and a.weight_copies >= 5e6
+                else "",
+            )
+        )
     lines.append(_row("loss transient (backward)", a.loss_transient))
     lines.append(_row("reference: Korthikanti no recompute", a.korthikanti, "16-bit, stores s x s scores"))
     lines.append(_row("reference: Korthikanti selective", a.korthikanti_selective))
     lines.append("")
     for m in ("none", "selective", "full"):
-        fit = "" if hw is None else (f"vs {hw.memory_bytes / 1e9:.0f} GB on {hw.name}: "
-                                     + ("fits" if e.fits(m) else "does NOT fit"))
+        fit = (
+            ""
+            if hw is None
+            else (f"vs {hw.memory_bytes / 1e9:.0f} GB on {hw.name}: " + ("fits" if e.fits(m) else "does NOT fit"))
+        )
         lines.append(_row(f"total, recompute {m}", e.totals[m], fit))
     lines.append("")
     fl = e.flops
-    lines.append(f"FLOPs/token {fl.flops_per_token / 1e9:,.4g} G = 6*N + 12*L*dim*seq, N = {fl.n_flop_params:,} "
-                 f"(all but the token embedding); FP8 share {100 * fl.fp8_fraction:.0f}%")
+    lines.append(
+        f"FLOPs/token {fl.flops_per_token / 1e9:,.4g} G = 6*N + 12*L*dim*seq, N = {fl.n_flop_params:,} "
+        f"(all but the token embedding); FP8 share {100 * fl.fp8_fraction:.0f}%"
+    )
     t = e.throughput
     if t is not None:
-        lines.append(f"predicted step {t.step_time_s:.4g} s, {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
-                     f"{100 * t.efficiency:.0f}% MFU of {t.peak.label} peak {t.peak.tflops:,.0f} TFLOP/s "
-                     f"({t.peak.hardware}); communication not modelled")
+        lines.append(
+            f"predicted step {t.step_time_s:.4g} s, {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
+            f"{100 * t.efficiency:.0f}% MFU of {t.peak.label} peak {t.peak.tflops:,.0f} TFLOP/s "
+            f"({t.peak.hardware}); communication not modelled"
+        )
     pub = published_for(e, model_name)
     if pub is not None and t is not None:
-        lines.append(f"published ({pub['source']}): {pub['tokens_per_s_per_gpu']:,} tokens/s/GPU, "
-                     f"{pub['memory_gib']} GiB; lowprec's prediction is {100 * (t.tokens_per_s_per_gpu / pub['tokens_per_s_per_gpu'] - 1):+.0f}% "
-                     "on tokens/s (measured on a GPU by them, predicted here, never measured by lowprec)")
+        lines.append(
+            f"published ({pub['source']}): {pub['tokens_per_s_per_gpu']:,} tokens/s/GPU, "
+            f"{pub['memory_gib']} GiB; lowprec's prediction is "
+            f"{100 * (t.tokens_per_s_per_gpu / pub['tokens_per_s_per_gpu'] - 1):+.0f}% "
+            "on tokens/s (measured on a GPU by them, predicted here, never measured by lowprec)"
+        )
     for n in e.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -172,11 +196,16 @@ def format_one(e, args, model_name: str, unsharded) -> str:
 
 #: Published measurements to print beside a matching estimate (torchtitan and torchao benchmark tables).
 PUBLISHED = {
-    ("llama3_8b", "bf16", 8): {"source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile",
-                               "tokens_per_s_per_gpu": 6667, "memory_gib": 77.0},
-    ("llama3_8b", "fp8_tensorwise", 8): {"source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile, float8 "
-                                                   "tensorwise + FP8 all-gather", "tokens_per_s_per_gpu": 8532,
-                                         "memory_gib": 76.8},
+    ("llama3_8b", "bf16", 8): {
+        "source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile",
+        "tokens_per_s_per_gpu": 6667,
+        "memory_gib": 77.0,
+    },
+    ("llama3_8b", "fp8_tensorwise", 8): {
+        "source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile, float8 tensorwise + FP8 all-gather",
+        "tokens_per_s_per_gpu": 8532,
+        "memory_gib": 76.8,
+    },
 }
 
 
@@ -192,11 +221,15 @@ def format_ranking(r, model_name: str) -> str:
     """The ``recipe=all`` table of a ``lowprec.estimate.Ranking``."""
     e0 = r.rows[0]
     hw = e0.hardware
-    head = (f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, batch={e0.batch} x "
-            f"seq={e0.seq}, hardware={hw.name if hw else 'none'}; per GPU, ranked by total with recompute={r.recompute}")
+    head = (
+        f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, batch={e0.batch} x "
+        f"seq={e0.seq}, hardware={hw.name if hw else 'none'}; per GPU, ranked by total with recompute={r.recompute}"
+    )
     eff = next((x.throughput.efficiency for x in r.rows if x.throughput), None)
-    cols = (f"{'mem':>3} {'recipe':<15} {'state GB':>9} {'act GB':>8} {'total GB':>9} {'fits':>4} "
-            f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}  peak")
+    cols = (
+        f"{'mem':>3} {'recipe':<15} {'state GB':>9} {'act GB':>8} {'total GB':>9} {'fits':>4} "
+        f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}  peak"
+    )
     lines = [head, "", cols]
     for e in r.rows:
         t = e.throughput
@@ -205,7 +238,8 @@ def format_ranking(r, model_name: str) -> str:
             f"{r.rank_memory[e.recipe]:>3} {e.recipe:<15} {_gb(e.state.total):>9} "
             f"{_gb(e.activations.recompute[r.recompute]):>8} {_gb(e.totals[r.recompute]):>9} {fits:>4} "
             f"{(f'{t.step_time_s:.4g}' if t else '-'):>8} {(f'{t.tokens_per_s_per_gpu:,.0f}' if t else '-'):>10} "
-            f"{r.rank_time[e.recipe]:>4}  {t.peak.label if t else 'no prediction (see notes)'}")
+            f"{r.rank_time[e.recipe]:>4}  {t.peak.label if t else 'no prediction (see notes)'}"
+        )
     if eff is not None:
         lines.append(f"\nstep time at {100 * eff:.0f}% MFU of each recipe's peak; communication not modelled")
     notes = [f"note: {e.recipe}: {n}" for e in r.rows for n in e.notes]
@@ -219,9 +253,14 @@ def run(opts: dict) -> str:
     except TypeError as e:
         raise EstimateArgError(f"bad model.<field> override: {e}") from None
     hw = get_hardware(opts.get("hardware", "h100_sxm"))
-    kw = dict(dp_shard=opts.get("parallel.dp_shard", 1), tp=opts.get("parallel.tp", 1),
-              batch=opts.get("batch", 1), seq=opts.get("seq"), hardware=hw,
-              efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY))
+    kw = dict(
+        dp_shard=opts.get("parallel.dp_shard", 1),
+        tp=opts.get("parallel.tp", 1),
+        batch=opts.get("batch", 1),
+        seq=opts.get("seq"),
+        hardware=hw,
+        efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
+    )
     recipes = _recipes(opts["recipe"], opts["recipe_over"])
     model_info = {"name": opts["model"], **dataclasses.asdict(args)}
     if opts["recipe"] == "all":

@@ -16,8 +16,16 @@ def under_torchrun() -> bool:
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """The single-machine torchrun command line that runs ``python -m experiments <argv>`` on ``nproc`` ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "experiments", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "experiments",
+        *argv,
+    ]
 
 
 def spawn_torchrun(nproc: int, argv: list[str]) -> int:

@@ -10,8 +10,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COMPONENT_LABELS = {
-    "mem_params_bytes": "parameters", "mem_grads_bytes": "gradients",
-    "mem_master_bytes": "master weights", "mem_optim_states_bytes": "optimizer states",
+    "mem_params_bytes": "parameters",
+    "mem_grads_bytes": "gradients",
+    "mem_master_bytes": "master weights",
+    "mem_optim_states_bytes": "optimizer states",
 }
 
 
@@ -65,12 +67,21 @@ def loss_gap(runs, order, control, path: Path) -> Path:
         cl = dict(c.curves["loss"])
         pts = [(s, v) for s, v in r.curves["loss"] if s in cl]
         mine, ref = _ema([v for _, v in pts]), _ema([cl[s] for s, _ in pts])
-        a.plot([r.tokens(s) for s, _ in pts], [100 * (m / f - 1) for m, f in zip(mine, ref)],
-               color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
+        a.plot(
+            [r.tokens(s) for s, _ in pts],
+            [100 * (m / f - 1) for m, f in zip(mine, ref)],
+            color=col[r.recipe],
+            label=f"{r.recipe} s{r.seed}",
+        )
         cv = dict(c.curves["val_loss"])
         vpts = [(s, v) for s, v in r.curves["val_loss"] if s in cv]
-        b.plot([r.tokens(s) for s, _ in vpts], [100 * (v / cv[s] - 1) for s, v in vpts], "o-",
-               color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
+        b.plot(
+            [r.tokens(s) for s, _ in vpts],
+            [100 * (v / cv[s] - 1) for s, v in vpts],
+            "o-",
+            color=col[r.recipe],
+            label=f"{r.recipe} s{r.seed}",
+        )
     a.set(title=f"training loss gap vs {control} (EMA, same batches)", xlabel="tokens", ylabel="relative gap (%)")
     b.set(title=f"validation loss gap vs {control}", xlabel="tokens", ylabel="relative gap (%)")
     for ax in (a, b):
@@ -93,14 +104,21 @@ def memory_bars(rows, runs, order, path: Path) -> Path:
         a.bar(names, vals, bottom=bottom, label=label)
         bottom = [x + y for x, y in zip(bottom, vals)]
     for i, n in enumerate(names):
-        a.text(i, bottom[i], f"{first[n].metrics['state_bytes_per_param']:.2f} B/p", ha="center", va="bottom", fontsize=8)
+        a.text(
+            i, bottom[i], f"{first[n].metrics['state_bytes_per_param']:.2f} B/p", ha="center", va="bottom", fontsize=8
+        )
     a.set(title="training state by component (exact bytes)", ylabel="MiB")
     a.legend(fontsize=8)
     peak = {row["recipe"]: row["peak_bytes"] / 2**20 for row in rows}
     growth = {row["recipe"]: row["peak_growth_bytes"] / 2**20 for row in rows}
     b.bar(names, [peak[n] - growth[n] for n in names], color="lightgray", label="resident at run start")
-    b.bar(names, [growth[n] for n in names], bottom=[peak[n] - growth[n] for n in names], color="gray",
-          label="growth during the run")
+    b.bar(
+        names,
+        [growth[n] for n in names],
+        bottom=[peak[n] - growth[n] for n in names],
+        color="gray",
+        label="growth during the run",
+    )
     b.set(title="peak memory of the run", ylabel="MiB")
     b.legend(fontsize=8)
     for ax in (a, b):
@@ -136,8 +154,16 @@ def comm_bars(runs, order, kinds, path: Path) -> Path:
             for dt, color in dtype_colors.items():
                 v = m.get(f"comm_{kind}_{dt}_bytes", 0.0) / 2**20
                 if v:
-                    ax.bar(ni + ki * width, v, width, bottom=bottom, color=color, edgecolor="black", linewidth=0.3,
-                           label=dt if dt not in seen else None)
+                    ax.bar(
+                        ni + ki * width,
+                        v,
+                        width,
+                        bottom=bottom,
+                        color=color,
+                        edgecolor="black",
+                        linewidth=0.3,
+                        label=dt if dt not in seen else None,
+                    )
                     seen.add(dt)
                     bottom += v
     ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(names))], names, rotation=30)
@@ -151,8 +177,13 @@ def grad_norm_curves(runs, order, path: Path) -> Path:
     col = _colors(order)
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
-        ax.plot([r.tokens(s) for s, _ in r.curves["grad_norm"]], [v for _, v in r.curves["grad_norm"]],
-                color=col[r.recipe], lw=1, label=f"{r.recipe} s{r.seed}")
+        ax.plot(
+            [r.tokens(s) for s, _ in r.curves["grad_norm"]],
+            [v for _, v in r.curves["grad_norm"]],
+            color=col[r.recipe],
+            lw=1,
+            label=f"{r.recipe} s{r.seed}",
+        )
     ax.set(title="gradient norm before clipping", xlabel="tokens", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -164,7 +195,7 @@ def telemetry_heatmap(run, panels, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5), squeeze=False)
     for ax, (role, stat) in zip(axes[0], panels):
         keys = [k for k in run.telemetry if k.endswith(f"/{role}/{stat}")]
-        layers = sorted({k[len("fp8/"):-len(f"/{role}/{stat}")] for k in keys}, key=_layer_order)
+        layers = sorted({k[len("fp8/") : -len(f"/{role}/{stat}")] for k in keys}, key=_layer_order)
         steps = sorted({s for k in keys for s, _ in run.telemetry[k]})
         grid = [[float("nan")] * len(steps) for _ in layers]
         for i, layer in enumerate(layers):
@@ -198,10 +229,21 @@ def predicted_vs_measured(runs, order, components, path: Path) -> Path:
         for k, c in enumerate(components):
             x = k + (2 * j) * width - 0.4
             ax.bar(x, m.get(c, 0) / 2**20, width, color=col[n], label=n if k == 0 else None)
-            ax.bar(x + width, m.get(f"pred_{c}", 0) / 2**20, width, color=col[n], alpha=0.45, hatch="//",
-                   label=f"{n} (predicted)" if k == 0 else None)
-    ax.set_xticks(range(len(components)), [c.removeprefix("mem_").removesuffix("_bytes") for c in components],
-                  rotation=20, fontsize=8)
+            ax.bar(
+                x + width,
+                m.get(f"pred_{c}", 0) / 2**20,
+                width,
+                color=col[n],
+                alpha=0.45,
+                hatch="//",
+                label=f"{n} (predicted)" if k == 0 else None,
+            )
+    ax.set_xticks(
+        range(len(components)),
+        [c.removeprefix("mem_").removesuffix("_bytes") for c in components],
+        rotation=20,
+        fontsize=8,
+    )
     ax.set(title="memory by component: measured (solid) vs predicted (hatched)", ylabel="MiB")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=6, ncol=4)

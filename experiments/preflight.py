@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from experiments.config import data_from_cfg, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.model import ModelArgs
@@ -21,7 +22,6 @@ from lowprec.recipe import Recipe
 from lowprec.train.build import build_model_meta, check_runtime, resolve_device
 from lowprec.train.checkpoint import check_resume_recipe
 from lowprec.train.spec import TrainSpec
-from experiments.config import data_from_cfg, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,10 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     data_from_cfg(cfg)
     device = resolve_device(cfg.device)
     if spec.seq_len > args.max_seq_len:
-        raise ConfigError(f"train.seq_len={spec.seq_len} exceeds model.max_seq_len={args.max_seq_len}; "
-                          "lower train.seq_len or raise model.max_seq_len")
+        raise ConfigError(
+            f"train.seq_len={spec.seq_len} exceeds model.max_seq_len={args.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len"
+        )
     if dims.enabled:
         dims.check(batch_size=spec.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
     meta = build_model_meta(args)

@@ -14,19 +14,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from experiments import plots
-from lowprec.errors import UserError
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
+from lowprec.errors import UserError
 
 if TYPE_CHECKING:  # experiments.tracking sets MLflow's environment before mlflow is first imported
     from mlflow.entities import Run
 
 CURVES = ("loss", "val_loss", "grad_norm")
 #: (role or GEMM, stat) drawn as heatmaps over layers x steps.
-TELEMETRY_PANELS = [["output", "sqnr_db"], ["grad_input", "sqnr_db"], ["grad_output", "underflow"],
-                    ["input", "overflow"]]
+TELEMETRY_PANELS = [
+    ["output", "sqnr_db"],
+    ["grad_input", "sqnr_db"],
+    ["grad_output", "underflow"],
+    ["input", "overflow"],
+]
 #: Components drawn measured vs predicted (``pred_<name>`` is the estimator's figure for ``<name>``).
-MEM_COMPONENTS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optim_states_bytes",
-                  "mem_fp8_scaling_state_bytes", "mem_saved_activations_bytes", "mem_saved_weight_copies_bytes")
+MEM_COMPONENTS = (
+    "mem_params_bytes",
+    "mem_grads_bytes",
+    "mem_master_bytes",
+    "mem_optim_states_bytes",
+    "mem_fp8_scaling_state_bytes",
+    "mem_saved_activations_bytes",
+    "mem_saved_weight_copies_bytes",
+)
 
 
 class ReportError(UserError, RuntimeError):
@@ -72,11 +83,17 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
         tags, params = r.data.tags, r.data.params
         tps = int(params["train.batch_size"]) * int(params["train.grad_accum"]) * int(params["train.seq_len"])
         rd = RunData(
-            run_id=r.info.run_id, recipe=tags["recipe"], seed=int(tags["seed"]), status=r.info.status,
+            run_id=r.info.run_id,
+            recipe=tags["recipe"],
+            seed=int(tags["seed"]),
+            status=r.info.status,
             reason=tags.get("failure_reason", ""),
             comparable=r.info.status == "FINISHED" and tags.get("effective_matches") == "true",
-            short=tags.get("recipe_short", ""), effective=json.loads(tags.get("effective_recipe", "{}")),
-            metrics=dict(r.data.metrics), tokens_per_step=tps, layout=tags.get("parallel", "single"),
+            short=tags.get("recipe_short", ""),
+            effective=json.loads(tags.get("effective_recipe", "{}")),
+            metrics=dict(r.data.metrics),
+            tokens_per_step=tps,
+            layout=tags.get("parallel", "single"),
         )
         for key in CURVES:
             hist = tracker.client.get_metric_history(r.info.run_id, key)
@@ -122,22 +139,24 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
         ok = [r for r in rs if r.comparable]
         vals = [r.metrics["final_val_loss"] for r in ok]
         gaps = [100 * (r.metrics["final_val_loss"] / ctrl[r.seed] - 1) for r in ok if ctrl.get(r.seed)]
-        rows.append({
-            "recipe": name,
-            "short": rs[0].short if rs else "",
-            "status": "FINISHED" if rs and len(ok) == len(rs) else f"{len(rs) - len(ok)}/{len(rs)} FAILED",
-            "val_loss": _mean(vals),
-            "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else math.nan,
-            "gap_pct": _mean(gaps),
-            "tokens_per_s": _mean([r.metrics["mean_tokens_per_s"] for r in ok]),
-            "bytes_per_param": _mean([r.metrics["state_bytes_per_param"] for r in ok]),
-            "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
-            "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
-            "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
-            "max_grad_norm": _mean([_late_max(r.curves["grad_norm"]) for r in ok]),
-            "m_rel_err": _mean([_m_rel_err(r.metrics) for r in ok]),
-            "n_ok": len(ok),
-        })
+        rows.append(
+            {
+                "recipe": name,
+                "short": rs[0].short if rs else "",
+                "status": "FINISHED" if rs and len(ok) == len(rs) else f"{len(rs) - len(ok)}/{len(rs)} FAILED",
+                "val_loss": _mean(vals),
+                "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else math.nan,
+                "gap_pct": _mean(gaps),
+                "tokens_per_s": _mean([r.metrics["mean_tokens_per_s"] for r in ok]),
+                "bytes_per_param": _mean([r.metrics["state_bytes_per_param"] for r in ok]),
+                "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
+                "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
+                "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
+                "max_grad_norm": _mean([_late_max(r.curves["grad_norm"]) for r in ok]),
+                "m_rel_err": _mean([_m_rel_err(r.metrics) for r in ok]),
+                "n_ok": len(ok),
+            }
+        )
     return rows
 
 
@@ -182,7 +201,9 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
         *_reconcile_table(ok, order),
         *_comm_section(ok, order, out),
         *_effective_section(ok, order),
-        "", f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`", "",
+        "",
+        f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`",
+        "",
     ]
     path = out / "report.md"
     path.write_text("\n".join(lines))
@@ -206,8 +227,11 @@ def _figures(rows: list[dict], ok: list[RunData], order: list[str], control: str
 def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
     """One FP8 telemetry heatmap per recipe that logged telemetry (its first seed), in ``order``."""
     first = _first_per_recipe([r for r in ok if r.telemetry])
-    return {name: plots.telemetry_heatmap(first[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
-            for name in order if name in first}
+    return {
+        name: plots.telemetry_heatmap(first[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
+        for name in order
+        if name in first
+    }
 
 
 def _header_section(ablation_id: str, parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
@@ -241,8 +265,19 @@ def _cpu_timing_warning(on_cpu: bool) -> list[str]:
     ]
 
 
-SUMMARY_COLUMNS = ("recipe", "what it is", "status", "val loss", "gap vs control", "tokens/s", "state B/param",
-                   "AdamW m error", "peak memory", "loss spikes", "max grad norm")
+SUMMARY_COLUMNS = (
+    "recipe",
+    "what it is",
+    "status",
+    "val loss",
+    "gap vs control",
+    "tokens/s",
+    "state B/param",
+    "AdamW m error",
+    "peak memory",
+    "loss spikes",
+    "max grad norm",
+)
 
 
 def _summary_section(rows: list[dict], control: str, on_cpu: bool) -> list[str]:
@@ -267,9 +302,17 @@ def _summary_row(row: dict) -> str:
     std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
     peak = f"{_fmt_bytes(row['peak_bytes'])} (+{_fmt_bytes(row['peak_growth_bytes'])})" if row["n_ok"] else "n/a"
     cells = [
-        f"`{row['recipe']}`", f"`{row['short']}`", row["status"], f"{_num(row['val_loss'], '.4f')}{std}",
-        f"{_num(row['gap_pct'], '+.2f')}%", _num(row["tokens_per_s"], ",.0f"), _num(row["bytes_per_param"], ".2f"),
-        _num(row["m_rel_err"], ".2%"), peak, _num(row["spikes"], ".0f"), _num(row["max_grad_norm"], ".3f"),
+        f"`{row['recipe']}`",
+        f"`{row['short']}`",
+        row["status"],
+        f"{_num(row['val_loss'], '.4f')}{std}",
+        f"{_num(row['gap_pct'], '+.2f')}%",
+        _num(row["tokens_per_s"], ",.0f"),
+        _num(row["bytes_per_param"], ".2f"),
+        _num(row["m_rel_err"], ".2%"),
+        peak,
+        _num(row["spikes"], ".0f"),
+        _num(row["max_grad_norm"], ".3f"),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -280,18 +323,29 @@ def _failed_section(runs: list[RunData]) -> list[str]:
     if not failed:
         return []
     return [
-        "", "## Failed or excluded runs", "",
-        "These runs are left out of every comparison; the reason is the one recorded in MLflow.", "",
-        *(f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} "
-          f"(run `{r.run_id}`)" for r in failed),
+        "",
+        "## Failed or excluded runs",
+        "",
+        "These runs are left out of every comparison; the reason is the one recorded in MLflow.",
+        "",
+        *(
+            f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} "
+            f"(run `{r.run_id}`)"
+            for r in failed
+        ),
     ]
 
 
 def _figure_sections(figs: dict[str, Path], control: str) -> list[str]:
     """One section per comparison plot, in the order they were drawn."""
-    titles = {"loss": "Training and validation loss", "gap": f"Loss gap against `{control}`",
-              "memory": "Memory by component", "throughput": "Throughput", "grad_norm": "Gradient norm",
-              "reconcile": "Memory: predicted (lowprec estimate) vs measured"}
+    titles = {
+        "loss": "Training and validation loss",
+        "gap": f"Loss gap against `{control}`",
+        "memory": "Memory by component",
+        "throughput": "Throughput",
+        "grad_norm": "Gradient norm",
+        "reconcile": "Memory: predicted (lowprec estimate) vs measured",
+    }
     lines: list[str] = []
     for key, path in figs.items():
         lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
@@ -302,11 +356,15 @@ def _telemetry_section(heatmaps: dict[str, Path]) -> list[str]:
     """The FP8 numerics heatmaps (recipe -> PNG) and how to read them (nothing without telemetry)."""
     if not heatmaps:
         return []
-    lines = ["", "## FP8 numerics telemetry", "",
-             "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
-             "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
-             "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
-             "saturate (overflow)."]
+    lines = [
+        "",
+        "## FP8 numerics telemetry",
+        "",
+        "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
+        "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
+        "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
+        "saturate (overflow).",
+    ]
     for name, path in heatmaps.items():
         lines += ["", f"### `{name}`", "", f"![telemetry {name}]({path.name})"]
     return lines
@@ -319,10 +377,16 @@ def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
     if not names or not any(f"pred_{MEM_COMPONENTS[0]}" in first[n].metrics for n in names):
         return []
     short = {c: c.removeprefix("mem_").removesuffix("_bytes") for c in MEM_COMPONENTS}
-    lines = ["", "### Predicted vs measured bytes", "",
-             "Each cell: measured / predicted by `lowprec estimate` for this run's model, recipe, batch and "
-             "sequence (exact where equal; saved activations counted once per storage).", "",
-             "| recipe | " + " | ".join(short.values()) + " |", "|---" * (len(MEM_COMPONENTS) + 1) + "|"]
+    lines = [
+        "",
+        "### Predicted vs measured bytes",
+        "",
+        "Each cell: measured / predicted by `lowprec estimate` for this run's model, recipe, batch and "
+        "sequence (exact where equal; saved activations counted once per storage).",
+        "",
+        "| recipe | " + " | ".join(short.values()) + " |",
+        "|---" * (len(MEM_COMPONENTS) + 1) + "|",
+    ]
     for n in names:
         m = first[n].metrics
         cells = [_reconcile_cell(m.get(c), m.get(f"pred_{c}")) for c in MEM_COMPONENTS]
@@ -358,18 +422,28 @@ def _comm_table(runs: list[RunData], order: list[str]) -> list[str]:
     names = [n for n in order if n in first and any(k.startswith("comm_") for k in first[n].metrics)]
     if not names:
         return []
-    lines = ["", "## Communication per step", "",
-             "Bytes per optimizer step on rank 0, counted by `lowprec.parallel.comm_meter` at the process-group "
-             "call (all-gather: gathered output; reduce-scatter: full input; all-reduce: the tensor). FP8 payloads "
-             "move as uint8 views and are listed as fp8. `wire` is the effective recipe's record of the dtypes "
-             "that moved weights and gradients under FSDP2.", "",
-             "| recipe | layout | " + " | ".join(k.replace("_", "-") for k in COMM_KINDS) + " | wire |",
-             "|---" * (len(COMM_KINDS) + 3) + "|"]
+    lines = [
+        "",
+        "## Communication per step",
+        "",
+        "Bytes per optimizer step on rank 0, counted by `lowprec.parallel.comm_meter` at the process-group "
+        "call (all-gather: gathered output; reduce-scatter: full input; all-reduce: the tensor). FP8 payloads "
+        "move as uint8 views and are listed as fp8. `wire` is the effective recipe's record of the dtypes "
+        "that moved weights and gradients under FSDP2.",
+        "",
+        "| recipe | layout | " + " | ".join(k.replace("_", "-") for k in COMM_KINDS) + " | wire |",
+        "|---" * (len(COMM_KINDS) + 3) + "|",
+    ]
     for n in names:
         cells = [_comm_cell(first[n].metrics, kind) for kind in COMM_KINDS]
         wire = first[n].effective.get("comm") or {}
-        lines.append(f"| `{n}` | {first[n].layout} | " + " | ".join(cells) + " | "
-                     + (", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a") + " |")
+        lines.append(
+            f"| `{n}` | {first[n].layout} | "
+            + " | ".join(cells)
+            + " | "
+            + (", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a")
+            + " |"
+        )
     return lines
 
 
@@ -377,8 +451,14 @@ def _comm_cell(metrics: dict[str, float], kind: str) -> str:
     """Total bytes of collective ``kind`` per step, then its non-zero parts by wire dtype, largest first."""
     total = metrics.get(f"comm_{kind}_bytes", 0.0)
     prefix = f"comm_{kind}_"
-    parts = sorted(((k.removeprefix(prefix).removesuffix("_bytes"), v) for k, v in metrics.items()
-                    if k.startswith(prefix) and k != f"comm_{kind}_bytes" and v), key=lambda kv: -kv[1])
+    parts = sorted(
+        (
+            (k.removeprefix(prefix).removesuffix("_bytes"), v)
+            for k, v in metrics.items()
+            if k.startswith(prefix) and k != f"comm_{kind}_bytes" and v
+        ),
+        key=lambda kv: -kv[1],
+    )
     if not parts:
         return _fmt_bytes(total)
     return _fmt_bytes(total) + " (" + ", ".join(f"{d} {_fmt_bytes(v)}" for d, v in parts) + ")"
@@ -390,15 +470,27 @@ EFFECTIVE_COLUMNS = ("recipe", "params", "grads", "linear outputs", "FP8 linears
 def _effective_section(ok: list[RunData], order: list[str]) -> list[str]:
     """What each recipe ran as (first seed): element counts per dtype, FP8 linears, optimizer class."""
     first = _first_per_recipe(ok)
-    lines = ["", "## Effective recipes", "",
-             "Read from the built objects after the first optimizer step (element counts per dtype).", "",
-             "| " + " | ".join(EFFECTIVE_COLUMNS) + " |", "|---" * len(EFFECTIVE_COLUMNS) + "|"]
+    lines = [
+        "",
+        "## Effective recipes",
+        "",
+        "Read from the built objects after the first optimizer step (element counts per dtype).",
+        "",
+        "| " + " | ".join(EFFECTIVE_COLUMNS) + " |",
+        "|---" * len(EFFECTIVE_COLUMNS) + "|",
+    ]
     for name in (n for n in order if n in first):
         e = first[name].effective
         fp8 = sum((e.get("fp8_linears") or {}).values())
-        cells = [f"`{first[name].recipe}`", _dtypes(e.get("param_dtype")), _dtypes(e.get("grad_dtype")),
-                 _dtypes(e.get("linear_output_dtype")), f"{fp8}/{e.get('linears')}", _dtypes(e.get("moment_dtype")),
-                 f"`{e.get('optimizer')}`"]
+        cells = [
+            f"`{first[name].recipe}`",
+            _dtypes(e.get("param_dtype")),
+            _dtypes(e.get("grad_dtype")),
+            _dtypes(e.get("linear_output_dtype")),
+            f"{fp8}/{e.get('linears')}",
+            _dtypes(e.get("moment_dtype")),
+            f"`{e.get('optimizer')}`",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

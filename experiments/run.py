@@ -8,24 +8,22 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
+from experiments.config import flat_params, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
+from experiments.faults import fault_hooks
+from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import UserError
+from lowprec.estimate.activations import predict_saved_activations
+from lowprec.estimate.estimator import flops_per_token, mfu, predict_state_bytes
+from lowprec.estimate.hardware import hardware_from_device_name
+from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
 from lowprec.train.loop import run_training
-from experiments.config import flat_params, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
-from experiments.faults import fault_hooks
-from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, dumps, provenance_tags
-from lowprec.estimate.estimator import flops_per_token, mfu
-from lowprec.estimate.hardware import hardware_from_device_name
-from experiments.tracking import device_name
-from lowprec.estimate.estimator import predict_state_bytes
-from lowprec.estimate.activations import predict_saved_activations
-from lowprec.parallel import ParallelDims
-import torch.distributed as dist
 
 
 def release_memory() -> None:
@@ -43,8 +41,10 @@ def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float)
     table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU."""
     hw = hardware_from_device_name(device_name(device)) if device.type == "cuda" else None
     m = mfu(args, recipe, spec.seq_len, tokens_per_s, hw)
-    out = {"model_flops_per_token": flops_per_token(args, spec.seq_len, recipe).flops_per_token,
-           "achieved_tflops": m.achieved_tflops}
+    out = {
+        "model_flops_per_token": flops_per_token(args, spec.seq_len, recipe).flops_per_token,
+        "achieved_tflops": m.achieved_tflops,
+    }
     if m.mfu is not None:
         out["mfu"] = m.mfu
     return out
@@ -55,8 +55,15 @@ def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str
     logged beside the measured ``mem_*``."""
     dims = dims or ParallelDims()
     st = predict_state_bytes(args, recipe, dims.dp_shard, dims.tp)
-    act = predict_saved_activations(args, recipe, spec.batch_size // dims.dp, spec.seq_len, device_type=device.type,
-                                    dp_shard=dims.dp_shard, tp=dims.tp)
+    act = predict_saved_activations(
+        args,
+        recipe,
+        spec.batch_size // dims.dp,
+        spec.seq_len,
+        device_type=device.type,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+    )
     return {
         "pred_mem_params_bytes": st.params,
         "pred_mem_grads_bytes": st.grads,
@@ -72,7 +79,9 @@ def _effective_tags(eff: dict) -> dict[str, str]:
     tags = {"effective_recipe": dumps(eff)}
     if "resume_recipe_change" in eff:
         c = eff["resume_recipe_change"]
-        tags["resume_recipe_change"] = f"{c['from']} ({c['from_hash']}) -> {c['to']} ({c['to_hash']}) at step {c['at_step']}"
+        tags["resume_recipe_change"] = (
+            f"{c['from']} ({c['from_hash']}) -> {c['to']} ({c['to_hash']}) at step {c['at_step']}"
+        )
     return tags
 
 
@@ -98,8 +107,13 @@ class RunOutcome:
 
 
 def run_one(
-    cfg: DictConfig, recipe: Recipe, seed: int, data: TokenData, tracker: Tracker,
-    parent_id: str | None = None, ablation_id: str | None = None,
+    cfg: DictConfig,
+    recipe: Recipe,
+    seed: int,
+    data: TokenData,
+    tracker: Tracker,
+    parent_id: str | None = None,
+    ablation_id: str | None = None,
 ) -> RunOutcome:
     """Train ``recipe`` with ``seed`` on ``data`` under ``cfg`` and record it as an MLflow run.
 
@@ -137,12 +151,19 @@ def run_one(
         if built.parallel is not None:
             tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
-        ckpt_dir = Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id) if spec.checkpoint_every > 0 else None
+        ckpt_dir = (
+            Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id) if spec.checkpoint_every > 0 else None
+        )
         resume = cfg.get("resume")
         if ckpt_dir or resume:
-            tracker.set_tags(run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v})
+            tracker.set_tags(
+                run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v}
+            )
         result = run_training(
-            built, batches, spec, sink,
+            built,
+            batches,
+            spec,
+            sink,
             before_step=fault_hooks(cfg.faults, recipe.name),
             on_effective=lambda eff: tracker.set_tags(run_id, _effective_tags(eff)),
             checkpoint_dir=ckpt_dir,
@@ -151,9 +172,14 @@ def run_one(
         sink.flush()
         if not result.effective_checked:  # a loop that skipped the check must not produce a comparable run
             raise EffectiveRecipeError("the effective recipe was never inspected and checked")
-        sink.log_metrics({**result.summary, **predicted_metrics(args, recipe, spec, device, dims),
-                          **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"])},
-                         spec.steps)
+        sink.log_metrics(
+            {
+                **result.summary,
+                **predicted_metrics(args, recipe, spec, device, dims),
+                **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"]),
+            },
+            spec.steps,
+        )
         sink.flush()
         tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
         tracker.end_run(run_id, "FINISHED")
@@ -170,6 +196,6 @@ def run_one(
         tb = traceback.format_exc()
         tracker.log_text(run_id, tb, "failure_traceback.txt")
         tracker.end_run(run_id, "FAILED", reason)
-        return RunOutcome(run_id, recipe.name, seed, "FAILED", reason=reason,
-                          traceback=None if isinstance(e, UserError) else tb)
-
+        return RunOutcome(
+            run_id, recipe.name, seed, "FAILED", reason=reason, traceback=None if isinstance(e, UserError) else tb
+        )

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from experiments.config import data_from_cfg, parallel_from_cfg
 from lowprec.data import prepare
 from lowprec.parallel import ParallelError
 from lowprec.parallel.runtime import init_distributed
 from lowprec.train.build import resolve_device
-from experiments.config import data_from_cfg, parallel_from_cfg
 
 
 def prepare_data(cfg: DictConfig):
@@ -30,5 +30,6 @@ def start_parallel(cfg: DictConfig):
         raise ParallelError(
             f"parallel layout {dims.short()} needs {dims.world_size} processes: a plain `lowprec train/ablate` "
             f"launches torchrun itself; with Hydra's -m run `torchrun --nproc_per_node={dims.world_size} -m "
-            "experiments train -m ...`")
+            "experiments train -m ...`"
+        )
     return dims

@@ -12,13 +12,14 @@ from pathlib import Path
 # MLflow 3 prints a deprecation banner for some stores and tries to reach the network for nothing we use.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
+import bitsandbytes
 import mlflow  # noqa: E402
+import torch
+import torchao
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+
 from lowprec.parallel.runtime import is_rank0
-import torch
-import bitsandbytes
-import torchao
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
@@ -28,11 +29,11 @@ def resolve_uri(uri: str) -> str:
     """Make a relative ``sqlite:///`` path absolute and create its folder (MLflow needs both)."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = Path(uri[len(prefix):]).resolve()
+        path = Path(uri[len(prefix) :]).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(path)
     if uri.startswith(prefix + "/"):
-        Path(uri[len(prefix):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
     return uri
 
 
@@ -99,7 +100,7 @@ class NullTracker:
     def log_batch(self, run_id: str, **kwargs) -> None: ...
 
 
-def make_tracker(cfg) -> "Tracker | NullTracker":
+def make_tracker(cfg) -> Tracker | NullTracker:
     """``Tracker`` on rank 0 (or one process), ``NullTracker`` on the other ranks."""
     return Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs) if is_rank0() else NullTracker()
 
@@ -132,8 +133,12 @@ def git_sha() -> str:
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if sha.returncode:
             return "unknown"
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

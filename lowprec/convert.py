@@ -13,14 +13,18 @@ from torch import nn
 from lowprec.backends import fp8_backend
 from lowprec.recipe import Float8Spec, RecipeError
 
+
 def fp8_candidate_fqns(model: nn.Module, spec: Float8Spec) -> list[str]:
     """FQNs of the ``nn.Linear`` modules the spec puts in FP8 (``Float8Spec.selects_linear``; empty when
     FP8 is off)."""
     if not spec.enabled:
         return []
     n_blocks = len(getattr(model, "layers", []))
-    return [fqn for fqn, m in model.named_modules()
-            if isinstance(m, nn.Linear) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)]
+    return [
+        fqn
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)
+    ]
 
 
 def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
@@ -35,7 +39,8 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
         raise RecipeError(
             f"recipe.fp8.backend={spec.backend!r} asks for FP8 but its filters select no linear of this model "
             f"(keep_hp_fqns={list(spec.keep_hp_fqns)}, hp_first_blocks={spec.hp_first_blocks}, "
-            f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none")
+            f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none"
+        )
     return fqns
 
 

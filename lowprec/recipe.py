@@ -28,7 +28,6 @@ import torch
 from lowprec.backends import fp8_backend, optim_impl, optim_impls
 from lowprec.errors import RecipeError
 
-
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,8 +45,10 @@ def _refuse_inert(spec: Any, cls: type, group: str, names: tuple[str, ...], beca
         default = defaults[name]
         default = tuple(default) if isinstance(default, (list, tuple)) else default
         if getattr(spec, name) != default:
-            raise RecipeError(f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}."
-                              f"{because}; remove the override (or enable the feature it belongs to)")
+            raise RecipeError(
+                f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}."
+                f"{because}; remove the override (or enable the feature it belongs to)"
+            )
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,16 @@ class WeightSpec:
         _check_choice("weights", "master_dtype", self.master_dtype, ("none", "fp32"))
         _check_choice("weights", "update_rounding", self.update_rounding, ("nearest", "stochastic", "kahan"))
         if self.master_dtype == "fp32" and self.param_dtype == "fp32":
-            raise RecipeError("recipe.weights.master_dtype='fp32' conflicts with recipe.weights.param_dtype='fp32': "
-                              "FP32 parameters are their own master")
+            raise RecipeError(
+                "recipe.weights.master_dtype='fp32' conflicts with recipe.weights.param_dtype='fp32': "
+                "FP32 parameters are their own master"
+            )
         if self.update_rounding != "nearest" and (self.param_dtype != "bf16" or self.master_dtype != "none"):
             raise RecipeError(
                 f"recipe.weights.update_rounding={self.update_rounding!r} conflicts with recipe.weights.param_dtype="
                 f"{self.param_dtype!r} / master_dtype={self.master_dtype!r}: it rounds updates into BF16 weights "
-                "that have no master")
+                "that have no master"
+            )
 
 
 @dataclass(frozen=True)
@@ -97,20 +101,25 @@ class ComputeSpec:
         _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16", "fp16"))
         _check_choice("compute", "loss_scaling", self.loss_scaling, ("none", "dynamic"))
         if not (0 < self.init_scale < float("inf")) or self.growth_interval < 1:
-            raise RecipeError(f"recipe.compute.init_scale={self.init_scale} must be finite and > 0 and "
-                              f"recipe.compute.growth_interval={self.growth_interval} >= 1")
+            raise RecipeError(
+                f"recipe.compute.init_scale={self.init_scale} must be finite and > 0 and "
+                f"recipe.compute.growth_interval={self.growth_interval} >= 1"
+            )
         if self.loss_scaling == "none":
             _refuse_inert(self, ComputeSpec, "compute", ("init_scale", "growth_interval"), "loss_scaling='none'")
         if self.loss_scaling == "dynamic" and self.autocast_dtype != "fp16":
-            raise RecipeError(f"recipe.compute.loss_scaling='dynamic' conflicts with recipe.compute.autocast_dtype="
-                              f"{self.autocast_dtype!r}: loss scaling exists for FP16's narrow exponent range")
+            raise RecipeError(
+                f"recipe.compute.loss_scaling='dynamic' conflicts with recipe.compute.autocast_dtype="
+                f"{self.autocast_dtype!r}: loss scaling exists for FP16's narrow exponent range"
+            )
 
 
 @dataclass(frozen=True)
 class Float8Spec:
     """FP8 GEMMs: which linears, which kernels, how they are scaled.
 
-    ``backend``: ``none``; ``torchao`` (``torchao.float8.Float8Linear``); ``lowprec`` (``lowprec.float8.Float8Linear``, runs on CPU and CUDA);
+    ``backend``: a name registered in ``lowprec.backends``: ``none``; ``torchao`` (``torchao.float8.Float8Linear``);
+    ``lowprec`` (``lowprec.float8.Float8Linear``, runs on CPU and CUDA);
     ``te`` (Transformer Engine ``te.Linear``; CUDA only).
     ``scaling``: ``tensorwise`` (one scale per tensor), ``rowwise`` (one per row of each GEMM operand),
     ``blockwise`` (DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights),
@@ -155,15 +164,20 @@ class Float8Spec:
         _check_choice("fp8", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         _check_choice("fp8", "gemm_backend", self.gemm_backend, ("scaled_mm", "emulated"))
         if len(self.static_scales) != 3:
-            raise RecipeError(f"recipe.fp8.static_scales needs 3 values (input, weight, grad_output), got {self.static_scales}")
+            raise RecipeError(
+                f"recipe.fp8.static_scales needs 3 values (input, weight, grad_output), got {self.static_scales}"
+            )
         if self.amax_history_len < 1 or self.margin < 0:
-            raise RecipeError(f"recipe.fp8.amax_history_len={self.amax_history_len} must be >= 1 and "
-                              f"recipe.fp8.margin={self.margin} >= 0")
+            raise RecipeError(
+                f"recipe.fp8.amax_history_len={self.amax_history_len} must be >= 1 and "
+                f"recipe.fp8.margin={self.margin} >= 0"
+            )
         if self.accum_mantissa_bits is not None and not 0 < self.accum_mantissa_bits < 23:
             raise RecipeError(f"recipe.fp8.accum_mantissa_bits={self.accum_mantissa_bits} must be in 1..22")
         if not all(0 < s < float("inf") for s in self.static_scales):
-            raise RecipeError(f"recipe.fp8.static_scales={list(self.static_scales)} must be finite and > 0 "
-                              "(fp8 = hp * scale)")
+            raise RecipeError(
+                f"recipe.fp8.static_scales={list(self.static_scales)} must be finite and > 0 (fp8 = hp * scale)"
+            )
         if self.promotion_interval is not None and self.promotion_interval < 1:
             raise RecipeError(f"recipe.fp8.promotion_interval={self.promotion_interval} must be >= 1 (or null)")
         for name in ("hp_first_blocks", "hp_last_blocks", "min_features"):
@@ -174,8 +188,13 @@ class Float8Spec:
             backend.validate(self)  # ``none`` refuses FP8 fields that would be inert
             return
         if self.strategy != "delayed":
-            _refuse_inert(self, Float8Spec, "fp8", ("amax_history_len", "amax_compute_algo", "margin"),
-                          f"strategy={self.strategy!r} (they are delayed-scaling settings)")
+            _refuse_inert(
+                self,
+                Float8Spec,
+                "fp8",
+                ("amax_history_len", "amax_compute_algo", "margin"),
+                f"strategy={self.strategy!r} (they are delayed-scaling settings)",
+            )
         if self.strategy != "static":
             _refuse_inert(self, Float8Spec, "fp8", ("static_scales",), f"strategy={self.strategy!r}")
         if self.strategy != "current" and self.scaling != "tensorwise":
@@ -309,12 +328,15 @@ class Recipe:
             raise RecipeError(
                 f"recipe.comm.weight_all_gather='fp8' conflicts with recipe.fp8.backend={f8.backend!r} / "
                 f"scaling={f8.scaling!r}: FP8 weight all-gather needs FP8 linears from backend=lowprec, or "
-                "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)")
+                "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)"
+            )
         rounding = self.weights.update_rounding
         if rounding not in optim_impl(self.optim.impl).roundings:
             able = [n for n, i in optim_impls().items() if rounding in i.roundings]
-            raise RecipeError(f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
-                              f"{self.optim.impl!r}: use impl in {able}")
+            raise RecipeError(
+                f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
+                f"{self.optim.impl!r}: use impl in {able}"
+            )
 
     # ---- derived facts (what the build must produce) -------------------------------------------
     @property
@@ -329,10 +351,17 @@ class Recipe:
     def short_str(self) -> str:
         """One-line summary, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
         w, c = self.weights, self.compute
-        ws = w.param_dtype + ("+master32" if w.master_dtype == "fp32" else "") + (
-            f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
+        ws = (
+            w.param_dtype
+            + ("+master32" if w.master_dtype == "fp32" else "")
+            + (f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
+        )
         ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
-        opt = "param" if (self.optim.state, self.optim.impl) == ("param", "torch") else f"{self.optim.state}:{self.optim.impl}"
+        opt = (
+            "param"
+            if (self.optim.state, self.optim.impl) == ("param", "torch")
+            else f"{self.optim.state}:{self.optim.impl}"
+        )
         comm = self.comm.short()
         return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}" + (f" comm={comm}" if comm else "")
 
@@ -348,7 +377,7 @@ class Recipe:
         d.pop("name"), d.pop("description")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
-    def with_fields(self, group: str, **fields: Any) -> "Recipe":
+    def with_fields(self, group: str, **fields: Any) -> Recipe:
         """A copy with ``recipe.<group>.<field>`` replaced (validated again), e.g.
         ``r.with_fields("comm", grad_reduce="fp8")``. Raises ``RecipeError`` as ``from_dict`` does."""
         d = self.to_dict()
@@ -356,9 +385,15 @@ class Recipe:
         return Recipe.from_dict(d)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Recipe":
+    def from_dict(cls, d: dict[str, Any]) -> Recipe:
         """Build from a plain (e.g. Hydra) mapping. Unknown keys raise ``RecipeError`` naming them."""
-        groups = {"weights": WeightSpec, "compute": ComputeSpec, "fp8": Float8Spec, "optim": OptimSpec, "comm": CommSpec}
+        groups = {
+            "weights": WeightSpec,
+            "compute": ComputeSpec,
+            "fp8": Float8Spec,
+            "optim": OptimSpec,
+            "comm": CommSpec,
+        }
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - top)
         if unknown:

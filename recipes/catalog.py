@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 
@@ -34,7 +34,9 @@ def fp8_tensorwise() -> Recipe:
     return replace(
         bf16(),
         name="fp8_tensorwise",
-        description="bf16 + torchao Float8Linear, dynamic tensorwise scaling; tok_embeddings and output stay high precision.",
+        description=(
+            "bf16 + torchao Float8Linear, dynamic tensorwise scaling; tok_embeddings and output stay high precision."
+        ),
         fp8=Float8Spec(backend="torchao", scaling="tensorwise"),
     )
 
@@ -70,7 +72,10 @@ def fp8_rowwise() -> Recipe:
     return replace(
         fp8_current(),
         name="fp8_rowwise",
-        description="bf16 + lowprec FP8 linears, rowwise scaling of every GEMM operand, all e4m3, power-of-2 scales (torchao's rowwise recipe).",
+        description=(
+            "bf16 + lowprec FP8 linears, rowwise scaling of every GEMM operand, all e4m3, power-of-2 "
+            "scales (torchao's rowwise recipe)."
+        ),
         fp8=Float8Spec(backend="lowprec", scaling="rowwise", fp8_format="e4m3", power_of_2_scales=True),
     )
 
@@ -79,10 +84,17 @@ def fp8_blockwise() -> Recipe:
     return replace(
         fp8_current(),
         name="fp8_blockwise",
-        description="DeepSeek-V3 GEMM numerics: e4m3 everywhere, 1x128 activation/gradient tiles, 128x128 weight blocks, "
-                    "FP32 promotion every 128 (N_C), FP8-cached activations.",
-        fp8=Float8Spec(backend="lowprec", scaling="blockwise", fp8_format="e4m3", promotion_interval=128,
-                       cache_fp8_activations=True),
+        description=(
+            "DeepSeek-V3 GEMM numerics: e4m3 everywhere, 1x128 activation/gradient tiles, 128x128 weight "
+            "blocks, FP32 promotion every 128 (N_C), FP8-cached activations."
+        ),
+        fp8=Float8Spec(
+            backend="lowprec",
+            scaling="blockwise",
+            fp8_format="e4m3",
+            promotion_interval=128,
+            cache_fp8_activations=True,
+        ),
     )
 
 
@@ -108,7 +120,10 @@ def bf16_master() -> Recipe:
     return replace(
         bf16_pure(),
         name="bf16_master",
-        description="BF16 weights and gradients with an explicit FP32 master copy (Megatron/DeepSpeed style); FP32 AdamW states.",
+        description=(
+            "BF16 weights and gradients with an explicit FP32 master copy (Megatron/DeepSpeed style); "
+            "FP32 AdamW states."
+        ),
         weights=WeightSpec(param_dtype="bf16", master_dtype="fp32"),
     )
 
@@ -118,7 +133,7 @@ def bf16_sr() -> Recipe:
         bf16_pure(),
         name="bf16_sr",
         description="BF16 weights and moments, no master; updates written with stochastic rounding "
-                    "(torchao's bf16_stochastic_round).",
+        "(torchao's bf16_stochastic_round).",
         weights=WeightSpec(param_dtype="bf16", update_rounding="stochastic"),
         optim=OptimSpec(state="param", impl="torchao"),
     )
@@ -156,7 +171,7 @@ def fp8_msamp_o2() -> Recipe:
         fp8_current(),
         name="fp8_msamp_o2",
         description="fp8_current GEMMs + MS-AMP O2 optimizer states: FP8 e4m3 first moment, FP16 second moment, "
-                    "per-tensor scales (FP32 weights; no FP8 gradients or all-reduce).",
+        "per-tensor scales (FP32 weights; no FP8 gradients or all-reduce).",
         optim=OptimSpec(state="fp8_fp16", impl="lowprec"),
     )
 
@@ -165,7 +180,9 @@ def fp16_amp() -> Recipe:
     return replace(
         bf16(),
         name="fp16_amp",
-        description="FP16 autocast with dynamic loss scaling (GradScaler semantics), FP32 weights: the historical baseline.",
+        description=(
+            "FP16 autocast with dynamic loss scaling (GradScaler semantics), FP32 weights: the historical baseline."
+        ),
         compute=ComputeSpec(autocast_dtype="fp16", loss_scaling="dynamic"),
     )
 
@@ -183,7 +200,9 @@ def deepseek_v3() -> Recipe:
     return replace(
         fp8_blockwise(),
         name="deepseek_v3",
-        description="DeepSeek-V3 (arXiv 2412.19437 section 3.3): fp8_blockwise GEMMs, FP32 master weights, BF16 AdamW moments.",
+        description=(
+            "DeepSeek-V3 (arXiv 2412.19437 section 3.3): fp8_blockwise GEMMs, FP32 master weights, BF16 AdamW moments."
+        ),
         optim=OptimSpec(state="bf16", impl="lowprec"),
     )
 
@@ -193,7 +212,7 @@ def fp8_tensorwise_fsdp8() -> Recipe:
         fp8_tensorwise(),
         name="fp8_tensorwise_fsdp8",
         description="torchtitan's float8 recipe: fp8_tensorwise with torchao's FSDP2 FP8 weight all-gather "
-                    "(scales precomputed after each optimizer step).",
+        "(scales precomputed after each optimizer step).",
         comm=CommSpec(weight_all_gather="fp8"),
     )
 
@@ -203,7 +222,7 @@ def fp8_comm8() -> Recipe:
         fp8_current(),
         name="fp8_comm8",
         description="fp8_current with FP8 on the wire both ways under FSDP2: e4m3 weight all-gather (lowprec "
-                    "fsdp_pre_all_gather) and MS-AMP-style FP8 gradient reduce-scatter (128-element blocks, FP32 sum).",
+        "fsdp_pre_all_gather) and MS-AMP-style FP8 gradient reduce-scatter (128-element blocks, FP32 sum).",
         comm=CommSpec(weight_all_gather="fp8", grad_reduce="fp8"),
     )
 
@@ -212,16 +231,37 @@ def deepseek_v3_comm8() -> Recipe:
     return replace(
         deepseek_v3(),
         name="deepseek_v3_comm8",
-        description="deepseek_v3 with FP8 weight all-gather (per-row scales on the wire) and FP8 gradient reduce-scatter.",
+        description=(
+            "deepseek_v3 with FP8 weight all-gather (per-row scales on the wire) and FP8 gradient reduce-scatter."
+        ),
         comm=CommSpec(weight_all_gather="fp8", grad_reduce="fp8"),
     )
 
 
 _BUILDERS: list[Callable[[], Recipe]] = [
-    fp32, bf16, bf16_pure, fp8_tensorwise, bf16_adamw8bit,
-    fp8_current, fp8_delayed, fp8_rowwise, fp8_blockwise, te_delayed, te_blockwise,
-    bf16_master, bf16_sr, bf16_moments, bf16_adamw8bit_ao, bf16_adamw4bit, fp8_msamp_o2, fp16_amp, fp16_noscale,
-    deepseek_v3, fp8_tensorwise_fsdp8, fp8_comm8, deepseek_v3_comm8,
+    fp32,
+    bf16,
+    bf16_pure,
+    fp8_tensorwise,
+    bf16_adamw8bit,
+    fp8_current,
+    fp8_delayed,
+    fp8_rowwise,
+    fp8_blockwise,
+    te_delayed,
+    te_blockwise,
+    bf16_master,
+    bf16_sr,
+    bf16_moments,
+    bf16_adamw8bit_ao,
+    bf16_adamw4bit,
+    fp8_msamp_o2,
+    fp16_amp,
+    fp16_noscale,
+    deepseek_v3,
+    fp8_tensorwise_fsdp8,
+    fp8_comm8,
+    deepseek_v3_comm8,
 ]
 
 #: name -> Recipe, in catalog order.

@@ -80,13 +80,21 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "formats": (["lowprec/formats.py"], NUMERICS),
     "scaling": (["lowprec/scaling.py"], NUMERICS + ["tests/numerics/test_telemetry.py"]),
     "float8": (["lowprec/float8/*.py"], NUMERICS + ["tests/numerics/test_telemetry.py"]),
-    "loss_scale": (["lowprec/optim/loss_scale.py"],
-                   ["tests/unit/test_optim_components.py", "tests/unit/test_loss_scale.py"]),
+    "loss_scale": (
+        ["lowprec/optim/loss_scale.py"],
+        ["tests/unit/test_optim_components.py", "tests/unit/test_loss_scale.py"],
+    ),
     "master": (["lowprec/optim/master.py"], ["tests/unit/test_optim_components.py"]),
     # three recipes compile kernels (torch.compile / torchao) for ~2.5 min between them; the other 15 cover
     # the same effective-recipe code paths
-    "effective": (["lowprec/train/effective.py"], ["tests/unit/test_state_after_one_step.py", "-k",
-                                                   "not bf16_adamw8bit_ao and not bf16_sr and not bf16_adamw4bit"]),
+    "effective": (
+        ["lowprec/train/effective.py"],
+        [
+            "tests/unit/test_state_after_one_step.py",
+            "-k",
+            "not bf16_adamw8bit_ao and not bf16_sr and not bf16_adamw4bit",
+        ],
+    ),
 }
 for _files, _tests in GROUPS.values():
     _tests.insert(0, GAPS)
@@ -106,13 +114,19 @@ def _kind(status: str) -> str:
 
 # ---- scratch copy ---------------------------------------------------------------------------------------
 
+
 def make_copy(dest: Path, from_worktree: bool) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     if from_worktree:
-        files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
-                               check=True, capture_output=True).stdout.decode().split("\0")
+        files = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"], check=True, capture_output=True
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         for f in filter(None, files):
             src = ROOT / f
             if src.is_file():
@@ -142,10 +156,13 @@ def unwrap_no_grad(path: Path) -> int:
             head = []
             if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
                 head = [body.pop(0)]  # keep the docstring
-            with_ = cst.With(items=[cst.WithItem(cst.parse_expression("torch.no_grad()"))],
-                             body=cst.IndentedBlock(body=body))
-            return node.with_changes(decorators=[d for d in node.decorators if not m.matches(d, no_grad)],
-                                     body=node.body.with_changes(body=[*head, with_]))
+            with_ = cst.With(
+                items=[cst.WithItem(cst.parse_expression("torch.no_grad()"))], body=cst.IndentedBlock(body=body)
+            )
+            return node.with_changes(
+                decorators=[d for d in node.decorators if not m.matches(d, no_grad)],
+                body=node.body.with_changes(body=[*head, with_]),
+            )
 
     tree = cst.parse_module(path.read_text())
     path.write_text(tree.visit(T()).code)
@@ -174,6 +191,7 @@ def mutmut_config(files: list[str], tests: list[str], work: Path) -> str:
 
 # ---- running --------------------------------------------------------------------------------------------
 
+
 def ensure_mutmut() -> None:
     try:
         import mutmut  # noqa: F401
@@ -189,8 +207,9 @@ def mutmut(work: Path, *args: str, log=None, minutes: float | None = None) -> su
     cmd = [sys.executable, "-m", "mutmut", *args]
     if log is None:
         return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         rc = proc.wait(timeout=None if minutes is None else minutes * 60)
     except subprocess.TimeoutExpired:
@@ -217,8 +236,16 @@ def _resolve(work: Path, path: str) -> str:
     return moved if not any(work.glob(path)) and any(work.glob(moved)) else path
 
 
-def run_group(name: str, scratch: Path, from_worktree: bool, jobs: int, sample: float, seed: int,
-              progress: Path, max_minutes: float | None = None) -> tuple[dict[str, str], float]:
+def run_group(
+    name: str,
+    scratch: Path,
+    from_worktree: bool,
+    jobs: int,
+    sample: float,
+    seed: int,
+    progress: Path,
+    max_minutes: float | None = None,
+) -> tuple[dict[str, str], float]:
     work = scratch / name
     make_copy(work, from_worktree)
     files = [_resolve(work, f) for f in GROUPS[name][0]]
@@ -234,8 +261,13 @@ def run_group(name: str, scratch: Path, from_worktree: bool, jobs: int, sample: 
     with open(work / "pyproject.toml", "a") as f:
         f.write(mutmut_config(files, tests, work))
     # The copy's lowprec must be what the tests import (lowprec is installed editable from the real tree).
-    probe = subprocess.run([sys.executable, "-c", "import lowprec; print(lowprec.__file__)"], cwd=work,
-                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import lowprec; print(lowprec.__file__)"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=""),
+    )
     if not probe.stdout.strip().startswith(str(work)):
         raise SystemExit(f"{name}: lowprec imports from {probe.stdout.strip()!r}, not the scratch copy {work}")
     t0 = time.time()
@@ -246,8 +278,11 @@ def run_group(name: str, scratch: Path, from_worktree: bool, jobs: int, sample: 
         # mutmut generates every mutant and records the test map before it filters by name: a run filtered on a
         # name that matches nothing does just that, then the sampled names run (the test map is reused)
         mutmut(work, "run", "--max-children", str(jobs), "__no_such_mutant__", log=log)
-        names = sorted(k for meta in (work / "mutants").rglob("*.py.meta")
-                       for k in json.loads(meta.read_text())["exit_code_by_key"])
+        names = sorted(
+            k
+            for meta in (work / "mutants").rglob("*.py.meta")
+            for k in json.loads(meta.read_text())["exit_code_by_key"]
+        )
         chosen = sorted(random.Random(seed).sample(names, max(1, round(sample * len(names)))))
         log.write(f"# sampled {len(chosen)} of {len(names)} mutants (seed {seed})\n")
         log.flush()
@@ -270,9 +305,12 @@ def run_group(name: str, scratch: Path, from_worktree: bool, jobs: int, sample: 
     with open(progress, "a") as f:
         for line in table(res, header=False):
             f.write(line + "\n")
-        f.write(f"# group {name}: {len(res)} mutants" + (f" (random {sample:.0%} sample)" if sample < 1 else "")
-                + (f", stopped with {n_all - len(res)} unchecked" if n_all > len(res) else "")
-                + f" in {wall / 60:.1f} min (rc {r.returncode})\n")
+        f.write(
+            f"# group {name}: {len(res)} mutants"
+            + (f" (random {sample:.0%} sample)" if sample < 1 else "")
+            + (f", stopped with {n_all - len(res)} unchecked" if n_all > len(res) else "")
+            + f" in {wall / 60:.1f} min (rc {r.returncode})\n"
+        )
     return res, wall
 
 
@@ -285,25 +323,45 @@ def table(res: dict[str, str], header: bool = True) -> list[str]:
         lines.append("module | mutants | killed | survived | timeout/suspicious | no tests")
     for mod in sorted(by_mod):
         c = by_mod[mod]
-        lines.append(f"{mod} | {sum(c.values())} | {c['killed']} | {c['survived']} | {c['timeout/suspicious']} | "
-                     f"{c['no tests']}" + (f" | other {c['other']}" if c["other"] else ""))
+        lines.append(
+            f"{mod} | {sum(c.values())} | {c['killed']} | {c['survived']} | {c['timeout/suspicious']} | "
+            f"{c['no tests']}" + (f" | other {c['other']}" if c["other"] else "")
+        )
     return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("groups", nargs="*", choices=[[], *GROUPS], default=[], metavar="GROUP",
-                    help=f"groups to run (default all): {', '.join(GROUPS)}")
+    ap.add_argument(
+        "groups",
+        nargs="*",
+        choices=[[], *GROUPS],
+        default=[],
+        metavar="GROUP",
+        help=f"groups to run (default all): {', '.join(GROUPS)}",
+    )
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/lowprec-mutation"))
-    ap.add_argument("--progress", type=Path, default=None, help="per-module rows appended as groups finish "
-                    "(default <scratch>/progress.txt)")
+    ap.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        help="per-module rows appended as groups finish (default <scratch>/progress.txt)",
+    )
     ap.add_argument("--from-worktree", action="store_true", help="copy the working tree, not HEAD")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--sample", default="1.0", help="share of each group's mutants to run: 0.5, or per group "
-                    "as float8=0.5,effective=0.5 (the others run in full)")
+    ap.add_argument(
+        "--sample",
+        default="1.0",
+        help="share of each group's mutants to run: 0.5, or per group "
+        "as float8=0.5,effective=0.5 (the others run in full)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-minutes", type=float, default=None,
-                    help="stop each group's mutant run after this long and report the mutants checked so far")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop each group's mutant run after this long and report the mutants checked so far",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     a = ap.parse_args()
     groups = a.groups or list(GROUPS)
@@ -312,8 +370,10 @@ def main() -> int:
     progress = a.progress or a.scratch / "progress.txt"
     (a.scratch / "survivors.txt").touch()
     with open(progress, "a") as f:
-        f.write(f"# mutation run {time.strftime('%Y-%m-%d %H:%M:%S')} groups={groups} sample={a.sample}\n"
-                "module | mutants | killed | survived | timeout/suspicious | no tests\n")
+        f.write(
+            f"# mutation run {time.strftime('%Y-%m-%d %H:%M:%S')} groups={groups} sample={a.sample}\n"
+            "module | mutants | killed | survived | timeout/suspicious | no tests\n"
+        )
     all_res: dict[str, str] = {}
     t0 = time.time()
     if "=" in a.sample:

@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import lowprec, torch, torchao, bitsandbytes, hydra, mlflow, tokenizers, matplotlib, tqdm, pytest" 2>/dev/null; then
+if ! .venv/bin/python -c "import lowprec, torch, torchao, bitsandbytes, hydra, mlflow, tokenizers, matplotlib, tqdm, pytest" 2>/dev/null \
+    || [ ! -x .venv/bin/ruff ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
     # No GPU: the CPU build of torch (on the lab's CPU machines a local wheel; ~20 s).

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the test suite. pytest's exit code 5 (no tests collected) fails.
+# Set up (scripts/setup.sh), lint (ruff) and run the test suite. pytest's exit code 5 (no tests collected) fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# Lint and format (settings in pyproject.toml) before the tests, so CI keeps them.
+.venv/bin/ruff check . || exit 1
+.venv/bin/ruff format --check . || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi

@@ -6,9 +6,24 @@ MX/NVFP4 backends (torchao MX, Transformer Engine MXFP8/NVFP4) go here as new fi
 """
 
 from lowprec.backends import fp8_lowprec, fp8_none, fp8_te, fp8_torchao, optimizers  # noqa: F401 (registration)
-from lowprec.backends.registry import (Float8Backend, OptimizerImpl, fp8_backend, fp8_backends, optim_impl,
-                                       optim_impls, register_fp8_backend,
-                                       register_optim_impl)
+from lowprec.backends.registry import (
+    Float8Backend,
+    OptimizerImpl,
+    fp8_backend,
+    fp8_backends,
+    optim_impl,
+    optim_impls,
+    register_fp8_backend,
+    register_optim_impl,
+)
 
-__all__ = ["Float8Backend", "OptimizerImpl", "fp8_backend", "fp8_backends", "optim_impl", "optim_impls",
-           "register_fp8_backend", "register_optim_impl"]
+__all__ = [
+    "Float8Backend",
+    "OptimizerImpl",
+    "fp8_backend",
+    "fp8_backends",
+    "optim_impl",
+    "optim_impls",
+    "register_fp8_backend",
+    "register_optim_impl",
+]

@@ -29,8 +29,10 @@ class LowprecFloat8(Float8Backend):
         super().validate(spec)
         if spec.scaling == "blockwise" and spec.promotion_interval not in (None, 128):
             raise RecipeError(
-                f"recipe.fp8.promotion_interval={spec.promotion_interval} conflicts with recipe.fp8.scaling='blockwise': "
-                "its scales change every 128 elements of K, so partial sums are promoted every 128")
+                f"recipe.fp8.promotion_interval={spec.promotion_interval} conflicts with "
+                "recipe.fp8.scaling='blockwise': "
+                "its scales change every 128 elements of K, so partial sums are promoted every 128"
+            )
 
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return True
@@ -56,8 +58,10 @@ class LowprecFloat8(Float8Backend):
 
     def check_layout(self, spec, comm, dims) -> None:
         if comm.weight_all_gather == "fp8" and dims.tp > 1:
-            raise RecipeError("recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
-                              "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute")
+            raise RecipeError(
+                "recipe.comm.weight_all_gather='fp8' with backend=lowprec is not supported together "
+                "with parallel.tp > 1 yet; use tp=1 or weight_all_gather=compute"
+            )
 
     def prepare_sharding(self, model, spec, comm, dims) -> dict[str, str]:
         if comm.weight_all_gather != "fp8":

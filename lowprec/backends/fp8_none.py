@@ -21,8 +21,10 @@ class NoFloat8(Float8Backend):
                 continue
             default = tuple(f.default) if isinstance(f.default, (list, tuple)) else f.default
             if getattr(spec, f.name) != default:
-                raise RecipeError(f"recipe.fp8.{f.name}={getattr(spec, f.name)!r} has no effect with recipe.fp8.backend="
-                                  "'none'; remove the override (or enable the feature it belongs to)")
+                raise RecipeError(
+                    f"recipe.fp8.{f.name}={getattr(spec, f.name)!r} has no effect with recipe.fp8.backend="
+                    "'none'; remove the override (or enable the feature it belongs to)"
+                )
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
         pass

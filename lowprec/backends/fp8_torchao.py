@@ -16,8 +16,13 @@ from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
 #: torchao recipe name -> the FP8 format it implies (HYBRID for tensorwise, all-e4m3 for rowwise).
 _IMPLIED_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3"}
 #: Float8Spec fields only lowprec's own linear implements, with their neutral values.
-_LOWPREC_ONLY = {"gemm_backend": "scaled_mm", "promotion_interval": None, "accum_mantissa_bits": None,
-                 "cache_fp8_activations": False, "power_of_2_scales": False}
+_LOWPREC_ONLY = {
+    "gemm_backend": "scaled_mm",
+    "promotion_interval": None,
+    "accum_mantissa_bits": None,
+    "cache_fp8_activations": False,
+    "power_of_2_scales": False,
+}
 
 
 class TorchaoFloat8(Float8Backend):
@@ -29,17 +34,23 @@ class TorchaoFloat8(Float8Backend):
     def validate(self, spec) -> None:
         super().validate(spec)
         if spec.strategy != "current":
-            raise RecipeError(f"recipe.fp8.strategy={spec.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
-                              "removed delayed scaling in 2025 and has no static scaling; use backend=lowprec")
+            raise RecipeError(
+                f"recipe.fp8.strategy={spec.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
+                "removed delayed scaling in 2025 and has no static scaling; use backend=lowprec"
+            )
         implied = _IMPLIED_FORMAT[spec.scaling]
         if spec.fp8_format != implied:
-            raise RecipeError(f"recipe.fp8.fp8_format={spec.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
-                              f"recipe.fp8.scaling={spec.scaling!r}, whose torchao recipe uses {implied!r}; "
-                              f"set recipe.fp8.fp8_format={implied}")
+            raise RecipeError(
+                f"recipe.fp8.fp8_format={spec.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
+                f"recipe.fp8.scaling={spec.scaling!r}, whose torchao recipe uses {implied!r}; "
+                f"set recipe.fp8.fp8_format={implied}"
+            )
         bad = [k for k, v in _LOWPREC_ONLY.items() if getattr(spec, k) != v]
         if bad:
-            raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with "
-                              "recipe.fp8.backend='torchao' (use backend=lowprec)")
+            raise RecipeError(
+                f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with "
+                "recipe.fp8.backend='torchao' (use backend=lowprec)"
+            )
 
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return spec.scaling == "tensorwise"  # torchao's only FSDP float8 all-gather
@@ -48,15 +59,18 @@ class TorchaoFloat8(Float8Backend):
         if spec.scaling != "tensorwise" and device.type == "cuda":
             cap = torch.cuda.get_device_capability(device)
             if cap < (8, 9):
-                raise RecipeError(f"recipe.fp8.scaling={spec.scaling!r} with torchao needs SM89+; "
-                                  f"this GPU is SM{cap[0]}{cap[1]}")
+                raise RecipeError(
+                    f"recipe.fp8.scaling={spec.scaling!r} with torchao needs SM89+; this GPU is SM{cap[0]}{cap[1]}"
+                )
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
         modules = dict(model.named_modules())
         bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
         if bad:
-            raise RecipeError(f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
-                              "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns")
+            raise RecipeError(
+                f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
+                "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns"
+            )
         config = Float8LinearConfig.from_recipe_name(spec.scaling)
         if fp8_weight_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -95,13 +109,16 @@ class TorchaoFloat8(Float8Backend):
 def _check_even(model, dp_shard: int) -> None:
     """torchao's FSDP2 float8 all-gather breaks when a weight's rows do not split evenly over the shards
     (pytorch/ao#3982: a collective size mismatch; measured here at dp_shard=3). Refuse before training."""
-    uneven = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear" and m.weight.shape[0] % dp_shard]
+    uneven = [
+        n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear" and m.weight.shape[0] % dp_shard
+    ]
     if uneven:
         raise RecipeError(
             f"recipe.comm.weight_all_gather='fp8' with backend=torchao needs every FP8 weight's rows divisible by "
             f"parallel.dp_shard={dp_shard} (torchao's float8 all-gather fails on uneven shards, pytorch/ao#3982); "
             f"{len(uneven)} are not, e.g. {uneven[0]}. Use backend=lowprec (e.g. recipe=fp8_comm8), whose FP8 "
-            "all-gather handles uneven shards, or a dp_shard that divides the weights")
+            "all-gather handles uneven shards, or a dp_shard that divides the weights"
+        )
 
 
 register_fp8_backend(TorchaoFloat8())

@@ -16,7 +16,9 @@ from, so prediction and run cannot drift apart.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from lowprec.errors import RecipeError
 
@@ -48,8 +50,10 @@ class Float8Backend:
     def validate(self, spec: Float8Spec) -> None:
         """Refuse a ``Float8Spec`` this backend cannot honour (``RecipeError`` naming the field)."""
         if spec.scaling not in self.scalings:
-            raise RecipeError(f"recipe.fp8.scaling={spec.scaling!r} is not one of {list(self.scalings)} "
-                              f"(recipe.fp8.backend={self.name!r})")
+            raise RecipeError(
+                f"recipe.fp8.scaling={spec.scaling!r} is not one of {list(self.scalings)} "
+                f"(recipe.fp8.backend={self.name!r})"
+            )
 
     def supports_fp8_weight_all_gather(self, spec: Float8Spec) -> bool:
         """Whether ``comm.weight_all_gather='fp8'`` can move this backend's weights in FP8."""
@@ -64,11 +68,13 @@ class Float8Backend:
         meta device. ``fp8_weight_all_gather``: the run gathers weights in FP8 under FSDP2."""
         raise NotImplementedError(f"FP8 backend {self.name!r} has no converter")
 
-    def precision_context(self, spec: Float8Spec) -> Callable[[], ContextManager] | None:
+    def precision_context(self, spec: Float8Spec) -> Callable[[], AbstractContextManager] | None:
         """A factory of the context the forward runs in (Transformer Engine's ``fp8_autocast``), or None."""
         return None
 
-    def register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer, fp8_weight_all_gather: bool) -> list[str]:
+    def register_hooks(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, fp8_weight_all_gather: bool
+    ) -> list[str]:
         """Install post-optimizer-step hooks (build step 6); returns a description of each."""
         return []
 
@@ -76,7 +82,9 @@ class Float8Backend:
     def check_layout(self, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> None:
         """Refuse (``RecipeError``) a layout this backend cannot shard as the recipe asks; no model needed."""
 
-    def prepare_sharding(self, model: nn.Module, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> dict[str, str]:
+    def prepare_sharding(
+        self, model: nn.Module, spec: Float8Spec, comm: CommSpec, dims: ParallelDims
+    ) -> dict[str, str]:
         """Before TP/FSDP (on meta): wrap or check weights; returns mechanisms for the effective recipe."""
         return {}
 
@@ -118,8 +126,16 @@ class OptimizerImpl:
     roundings: tuple[str, ...] = ("nearest",)
     description: str = ""
 
-    def build(self, groups: list[dict], *, state: str, stepped_dtype: str, update_rounding: str,
-              hparams: dict[str, Any], sharded: bool) -> torch.optim.Optimizer:
+    def build(
+        self,
+        groups: list[dict],
+        *,
+        state: str,
+        stepped_dtype: str,
+        update_rounding: str,
+        hparams: dict[str, Any],
+        sharded: bool,
+    ) -> torch.optim.Optimizer:
         """The optimizer over ``groups`` (torch param groups). ``stepped_dtype``: ``fp32``/``bf16``, the
         dtype of the tensors it steps; ``hparams``: ``lr``, ``betas``, ``eps``; ``sharded``: parameters
         are DTensors (FSDP2/TP)."""

@@ -38,8 +38,7 @@ def is_val(rel_path: str, val_fraction: float) -> bool:
 
 def _collect(root: Path, pattern: str) -> list[Path]:
     files = [
-        p for p in root.glob(pattern)
-        if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+        p for p in root.glob(pattern) if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
     ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -14,7 +15,6 @@ from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
 from lowprec.data.errors import DataError
 from lowprec.data.shards import open_split, read_meta, write_shards
 from lowprec.data.tokenizer import EOT, load_tokenizer, train_bpe
-import hashlib
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,13 @@ def _tokenize_corpus(corpus: Corpus, vocab_size: int, out_dir: Path, shard_token
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
         tok.save(str(tmp / "tokenizer.json"))
-        write_shards(tmp, splits, tok.get_vocab_size(), shard_tokens,
-                     {"fingerprint": corpus.fingerprint, "corpus": corpus.name, "root": str(corpus.root)})
+        write_shards(
+            tmp,
+            splits,
+            tok.get_vocab_size(),
+            shard_tokens,
+            {"fingerprint": corpus.fingerprint, "corpus": corpus.name, "root": str(corpus.root)},
+        )
         os.replace(tmp, out_dir)  # atomic: a crashed build never leaves a half-written cache behind
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,7 +40,9 @@ def write_shards(out_dir: Path, splits: dict[str, np.ndarray], vocab_size: int, 
         for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
             path = out_dir / f"{split}_{i:03d}.bin"
             tokens[start : start + shard_tokens].astype(TOKEN_DTYPE).tofile(path)
-            entries.append({"file": path.name, "tokens": int(min(shard_tokens, len(tokens) - start)), "sha256": _sha256(path)})
+            entries.append(
+                {"file": path.name, "tokens": int(min(shard_tokens, len(tokens) - start)), "sha256": _sha256(path)}
+            )
         meta["splits"][split] = entries
     (out_dir / META).write_text(json.dumps(meta, indent=1))
 
@@ -62,8 +64,9 @@ def read_meta(shard_dir: Path) -> dict:
     if missing:
         raise DataError(f"{str(path)!r} has no {missing[0]!r} key; {fix}")
     if not isinstance(meta["splits"], dict) or not all(
-            isinstance(es, list) and all(isinstance(e, dict) and {"file", "tokens", "sha256"} <= set(e) for e in es)
-            for es in meta["splits"].values()):
+        isinstance(es, list) and all(isinstance(e, dict) and {"file", "tokens", "sha256"} <= set(e) for e in es)
+        for es in meta["splits"].values()
+    ):
         raise DataError(f"{str(path)!r}: 'splits' must map each split to a list of {{file, tokens, sha256}}; {fix}")
     return meta
 
@@ -82,7 +85,9 @@ def open_split(shard_dir: Path, split: str, verify: bool = True) -> list[np.memm
         if not path.exists():
             raise DataError(f"token shard {str(path)!r} is missing")
         if path.stat().st_size != 2 * e["tokens"]:
-            raise DataError(f"token shard {str(path)!r} is corrupt: {path.stat().st_size} bytes, expected {2 * e['tokens']}")
+            raise DataError(
+                f"token shard {str(path)!r} is corrupt: {path.stat().st_size} bytes, expected {2 * e['tokens']}"
+            )
         if verify and _sha256(path) != e["sha256"]:
             raise DataError(f"token shard {str(path)!r} is corrupt: sha256 mismatch")
         if e["tokens"]:

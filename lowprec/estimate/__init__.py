@@ -6,8 +6,24 @@ the FP8 selection applied), ``hardware`` (peak FLOP/s and memory of known accele
 Every run logs the estimator's prediction beside its measurement (``pred_mem_*`` next to ``mem_*``).
 """
 
-from lowprec.estimate.estimator import (Estimate, StateEstimate, estimate, estimate_all, flops_per_token, mfu,
-                                        predict_state_bytes, predict_throughput)
+from lowprec.estimate.estimator import (
+    Estimate,
+    StateEstimate,
+    estimate,
+    estimate_all,
+    flops_per_token,
+    mfu,
+    predict_state_bytes,
+    predict_throughput,
+)
 
-__all__ = ["Estimate", "StateEstimate", "estimate", "estimate_all", "flops_per_token", "mfu", "predict_state_bytes",
-           "predict_throughput"]
+__all__ = [
+    "Estimate",
+    "StateEstimate",
+    "estimate",
+    "estimate_all",
+    "flops_per_token",
+    "mfu",
+    "predict_state_bytes",
+    "predict_throughput",
+]

@@ -44,7 +44,6 @@ head tensor is divided by ``tp`` (rounded up); token ids, targets and the RoPE t
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch

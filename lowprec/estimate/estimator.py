@@ -44,14 +44,14 @@ communication is not modelled. Under ``tp`` each GPU does ``1/tp`` of its group'
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
-from lowprec.measure.accounting import StateBytes
 from lowprec.backends import fp8_backend, optim_impl
 from lowprec.estimate.activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
 from lowprec.estimate.hardware import Hardware
 from lowprec.estimate.inventory import fsdp_local_numel, inventory, tp_local_shape
+from lowprec.measure.accounting import StateBytes
 from lowprec.model import ModelArgs
 from lowprec.recipe import Float8Spec, Recipe
 
@@ -68,11 +68,13 @@ def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
     if dp_shard < 1 or tp < 1:
         raise ValueError(f"parallel.dp_shard={dp_shard} and parallel.tp={tp} must be >= 1")
     if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ValueError(f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and "
-                         f"model.n_kv_heads={args.n_kv_heads}")
+        raise ValueError(
+            f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and model.n_kv_heads={args.n_kv_heads}"
+        )
 
 
 # ---- training state -------------------------------------------------------------------------------------
+
 
 def predict_fp8_scaling_bytes(args: ModelArgs, recipe: Recipe) -> int:
     """Bytes of FP8 scaling buffers per rank (replicated, never sharded).
@@ -126,12 +128,21 @@ class StateEstimate:
 
     def as_state_bytes(self) -> StateBytes:
         """The ``StateBytes`` that ``measure_state_bytes`` should report (single process)."""
-        return StateBytes(n_params=self.n_local_params, params=self.params, grads=self.grads,
-                          master=self.master, optim_states=self.optim_states)
+        return StateBytes(
+            n_params=self.n_local_params,
+            params=self.params,
+            grads=self.grads,
+            master=self.master,
+            optim_states=self.optim_states,
+        )
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "model_and_optimizer": self.model_and_optimizer, "total": self.total,
-                "per_param": self.per_param}
+        return {
+            **asdict(self),
+            "model_and_optimizer": self.model_and_optimizer,
+            "total": self.total,
+            "per_param": self.per_param,
+        }
 
 
 def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: int = 1) -> StateEstimate:
@@ -161,9 +172,17 @@ def predict_state_bytes(args: ModelArgs, recipe: Recipe, dp_shard: int = 1, tp: 
     scales = backend.weight_state_bytes(n_fp8, recipe.comm.weight_all_gather == "fp8" and dp_shard > 1)
     notes = list(backend.estimate_notes())
     return StateEstimate(
-        n_params=inv.n_params, n_local_params=n_local, n_tensors=len(inv.params), params=params + scales, grads=params,
-        master=4 * n_local if has_master else 0, optim_states=optim, fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
-        dp_shard=dp_shard, tp=tp, notes=tuple(notes),
+        n_params=inv.n_params,
+        n_local_params=n_local,
+        n_tensors=len(inv.params),
+        params=params + scales,
+        grads=params,
+        master=4 * n_local if has_master else 0,
+        optim_states=optim,
+        fp8_scaling_state=predict_fp8_scaling_bytes(args, recipe),
+        dp_shard=dp_shard,
+        tp=tp,
+        notes=tuple(notes),
     )
 
 
@@ -176,12 +195,14 @@ def predict_fsdp_buffers(args: ModelArgs, recipe: Recipe, dp_shard: int, tp: int
     cs = 4 if recipe.compute_dtype.itemsize == 4 else 2
     local = {fqn: math.prod(tp_local_shape(fqn, s, tp)) for fqn, s in inv.params}
     root = sum(n for fqn, n in local.items() if not fqn.startswith("layers."))
-    block = max((sum(n for fqn, n in local.items() if fqn.startswith(f"layers.{i}.")) for i in range(args.n_layers)),
-                default=0)
+    block = max(
+        (sum(n for fqn, n in local.items() if fqn.startswith(f"layers.{i}.")) for i in range(args.n_layers)), default=0
+    )
     return cs * (root + min(2, args.n_layers) * block)
 
 
 # ---- FLOPs, MFU, predicted time -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class FlopsEstimate:
@@ -214,8 +235,13 @@ def flops_per_token(args: ModelArgs, seq: int, recipe: Recipe | None = None) -> 
     inv = inventory(args, recipe.fp8 if recipe is not None else Float8Spec())
     n = inv.n_params - inv.n_embedding
     total = 6 * n + 12 * args.n_layers * args.dim * seq
-    return FlopsEstimate(seq=seq, n_flop_params=n, n_fp8_params=inv.n_fp8_linear,
-                         flops_per_token=total, fp8_flops_per_token=6 * inv.n_fp8_linear)
+    return FlopsEstimate(
+        seq=seq,
+        n_flop_params=n,
+        n_fp8_params=inv.n_fp8_linear,
+        flops_per_token=total,
+        fp8_flops_per_token=6 * inv.n_fp8_linear,
+    )
 
 
 @dataclass(frozen=True)
@@ -288,8 +314,15 @@ class ThroughputEstimate:
         return {**asdict(self), "peak": self.peak.to_dict()}
 
 
-def predict_throughput(args: ModelArgs, recipe: Recipe, batch: int, seq: int, hardware: Hardware,
-                       efficiency: float = DEFAULT_EFFICIENCY, tp: int = 1) -> ThroughputEstimate:
+def predict_throughput(
+    args: ModelArgs,
+    recipe: Recipe,
+    batch: int,
+    seq: int,
+    hardware: Hardware,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    tp: int = 1,
+) -> ThroughputEstimate:
     """Step time = FLOPs per step per GPU / (peak * efficiency); communication is not modelled.
 
     Raises ``ValueError`` for ``efficiency`` outside (0, 1], a bad size, or a peak the hardware lacks.
@@ -306,6 +339,7 @@ def predict_throughput(args: ModelArgs, recipe: Recipe, batch: int, seq: int, ha
 
 
 # ---- everything together -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -341,11 +375,17 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return {
-            "recipe": self.recipe, "short": self.short, "batch": self.batch, "seq": self.seq,
-            "dp_shard": self.dp_shard, "tp": self.tp,
+            "recipe": self.recipe,
+            "short": self.short,
+            "batch": self.batch,
+            "seq": self.seq,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
             "hardware": self.hardware.to_dict() if self.hardware else None,
-            "state": self.state.to_dict(), "activations": self.activations.to_dict(),
-            "fsdp_buffers": self.fsdp_buffers, "totals": dict(self.totals),
+            "state": self.state.to_dict(),
+            "activations": self.activations.to_dict(),
+            "fsdp_buffers": self.fsdp_buffers,
+            "totals": dict(self.totals),
             "fits": {m: self.fits(m) for m in RECOMPUTE_MODES},
             "flops": self.flops.to_dict(),
             "throughput": self.throughput.to_dict() if self.throughput else None,
@@ -353,9 +393,18 @@ class Estimate:
         }
 
 
-def estimate(args: ModelArgs, recipe: Recipe, *, dp_shard: int = 1, tp: int = 1, batch: int = 1,
-             seq: int | None = None, hardware: Hardware | None = None, efficiency: float = DEFAULT_EFFICIENCY,
-             device_type: str = "cuda") -> Estimate:
+def estimate(
+    args: ModelArgs,
+    recipe: Recipe,
+    *,
+    dp_shard: int = 1,
+    tp: int = 1,
+    batch: int = 1,
+    seq: int | None = None,
+    hardware: Hardware | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    device_type: str = "cuda",
+) -> Estimate:
     """Everything for one recipe on rank 0 of the layout. ``seq`` defaults to ``args.max_seq_len``.
 
     Raises ``ValueError`` for a bad layout, size or efficiency; a hardware that cannot run the recipe (FP8 on A100)
@@ -376,8 +425,22 @@ def estimate(args: ModelArgs, recipe: Recipe, *, dp_shard: int = 1, tp: int = 1,
         except ValueError as e:
             notes.append(str(e))
     totals = {m: state.total + fsdp + acts.recompute[m] + acts.loss_transient for m in RECOMPUTE_MODES}
-    return Estimate(recipe.name, recipe.short_str(), batch, seq, dp_shard, tp, hardware, state, acts, fsdp,
-                    flops_per_token(args, seq, recipe), thr, tuple(notes), totals)
+    return Estimate(
+        recipe.name,
+        recipe.short_str(),
+        batch,
+        seq,
+        dp_shard,
+        tp,
+        hardware,
+        state,
+        acts,
+        fsdp,
+        flops_per_token(args, seq, recipe),
+        thr,
+        tuple(notes),
+        totals,
+    )
 
 
 @dataclass(frozen=True)
@@ -392,8 +455,12 @@ class Ranking:
     rank_time: dict[str, int]
 
     def to_dict(self) -> dict:
-        return {"recompute": self.recompute, "rank_memory": dict(self.rank_memory),
-                "rank_time": dict(self.rank_time), "rows": [r.to_dict() for r in self.rows]}
+        return {
+            "recompute": self.recompute,
+            "rank_memory": dict(self.rank_memory),
+            "rank_time": dict(self.rank_time),
+            "rows": [r.to_dict() for r in self.rows],
+        }
 
 
 def estimate_all(args: ModelArgs, recipes: Iterable[Recipe], *, recompute: str = "none", **kw) -> Ranking:
@@ -404,5 +471,9 @@ def estimate_all(args: ModelArgs, recipes: Iterable[Recipe], *, recompute: str =
     ests = [estimate(args, r, **kw) for r in recipes]
     by_mem = sorted(ests, key=lambda e: e.totals[recompute])
     by_time = sorted(ests, key=lambda e: (e.throughput is None, e.throughput.step_time_s if e.throughput else 0))
-    return Ranking(recompute, tuple(by_mem), {e.recipe: i + 1 for i, e in enumerate(by_mem)},
-                   {e.recipe: i + 1 for i, e in enumerate(by_time)})
+    return Ranking(
+        recompute,
+        tuple(by_mem),
+        {e.recipe: i + 1 for i, e in enumerate(by_mem)},
+        {e.recipe: i + 1 for i, e in enumerate(by_time)},
+    )

@@ -39,8 +39,12 @@ class Hardware:
 
         Raises ``ValueError`` if the part has no such units (e.g. FP8 on A100) or the dtype is unknown.
         """
-        value = {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops, "fp8": self.fp8_tflops,
-                 "fp32": self.fp32_tflops}.get(dtype, "unknown")
+        value = {
+            "bf16": self.bf16_tflops,
+            "fp16": self.bf16_tflops,
+            "fp8": self.fp8_tflops,
+            "fp32": self.fp32_tflops,
+        }.get(dtype, "unknown")
         if value == "unknown":
             raise ValueError(f"unknown compute dtype {dtype!r}; known: bf16, fp16, fp8, fp32")
         if value is None:
@@ -55,22 +59,57 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware("h100_sxm", 80 * 10**9, 989.0, 1979.0,
-                 "NVIDIA H100 SXM5 80GB HBM3 datasheet, dense (sparse figures / 2); FP32 67 TFLOP/s", 67.0),
-        Hardware("h100_pcie", 80 * 10**9, 756.0, 1513.0,
-                 "NVIDIA H100 PCIe 80GB datasheet, dense (sparse figures / 2); FP32 51 TFLOP/s", 51.0),
-        Hardware("h200", 141 * 10**9, 989.0, 1979.0,
-                 "NVIDIA H200 SXM 141GB HBM3e datasheet: H100 SXM compute, dense; FP32 67 TFLOP/s", 67.0),
-        Hardware("a100_80gb", 80 * 10**9, 312.0, None,
-                 "NVIDIA A100 80GB SXM datasheet, dense; no FP8 tensor cores (SM80); FP32 19.5 TFLOP/s", 19.5),
-        Hardware("b200", 192 * 10**9, 2250.0, 4500.0,
-                 "NVIDIA HGX B200 datasheet per GPU, approximate (~2.25 PF bf16, ~4.5 PF fp8 dense); "
-                 "some documents list 180 GB; FP32 ~75 TFLOP/s", 75.0),
+        Hardware(
+            "h100_sxm",
+            80 * 10**9,
+            989.0,
+            1979.0,
+            "NVIDIA H100 SXM5 80GB HBM3 datasheet, dense (sparse figures / 2); FP32 67 TFLOP/s",
+            67.0,
+        ),
+        Hardware(
+            "h100_pcie",
+            80 * 10**9,
+            756.0,
+            1513.0,
+            "NVIDIA H100 PCIe 80GB datasheet, dense (sparse figures / 2); FP32 51 TFLOP/s",
+            51.0,
+        ),
+        Hardware(
+            "h200",
+            141 * 10**9,
+            989.0,
+            1979.0,
+            "NVIDIA H200 SXM 141GB HBM3e datasheet: H100 SXM compute, dense; FP32 67 TFLOP/s",
+            67.0,
+        ),
+        Hardware(
+            "a100_80gb",
+            80 * 10**9,
+            312.0,
+            None,
+            "NVIDIA A100 80GB SXM datasheet, dense; no FP8 tensor cores (SM80); FP32 19.5 TFLOP/s",
+            19.5,
+        ),
+        Hardware(
+            "b200",
+            192 * 10**9,
+            2250.0,
+            4500.0,
+            "NVIDIA HGX B200 datasheet per GPU, approximate (~2.25 PF bf16, ~4.5 PF fp8 dense); "
+            "some documents list 180 GB; FP32 ~75 TFLOP/s",
+            75.0,
+        ),
     )
 }
 
-ALIASES = {"h100": "h100_sxm", "h100-sxm": "h100_sxm", "h100-pcie": "h100_pcie", "a100": "a100_80gb",
-           "a100-80gb": "a100_80gb"}
+ALIASES = {
+    "h100": "h100_sxm",
+    "h100-sxm": "h100_sxm",
+    "h100-pcie": "h100_pcie",
+    "a100": "a100_80gb",
+    "a100-80gb": "a100_80gb",
+}
 
 
 def get_hardware(name: str) -> Hardware:

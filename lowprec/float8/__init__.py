@@ -1,4 +1,5 @@
 """lowprec's FP8 linear: per-role formats and scalings, GEMM backends, FP8 activation caching."""
+
 from lowprec.float8.config import LinearFP8Config, RoleConfig
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.float8.linear import Float8Linear

@@ -50,17 +50,23 @@ class LinearFP8Config:
     cache_fp8_activations: bool = False
 
     @classmethod
-    def from_spec(cls, spec) -> "LinearFP8Config":
+    def from_spec(cls, spec) -> LinearFP8Config:
         grans = SCALING_PRESETS[spec.scaling]
         fmts = FORMAT_PRESETS[spec.fp8_format]
         roles = [
-            RoleConfig(get_format(f), g, spec.strategy, float(s))
-            for f, g, s in zip(fmts, grans, spec.static_scales)
+            RoleConfig(get_format(f), g, spec.strategy, float(s)) for f, g, s in zip(fmts, grans, spec.static_scales)
         ]
-        return cls(*roles, power_of_2=spec.power_of_2_scales, amax_history_len=spec.amax_history_len,
-                   amax_compute_algo=spec.amax_compute_algo, margin=spec.margin, gemm_backend=spec.gemm_backend,
-                   promotion_interval=spec.promotion_interval, accum_mantissa_bits=spec.accum_mantissa_bits,
-                   cache_fp8_activations=spec.cache_fp8_activations)
+        return cls(
+            *roles,
+            power_of_2=spec.power_of_2_scales,
+            amax_history_len=spec.amax_history_len,
+            amax_compute_algo=spec.amax_compute_algo,
+            margin=spec.margin,
+            gemm_backend=spec.gemm_backend,
+            promotion_interval=spec.promotion_interval,
+            accum_mantissa_bits=spec.accum_mantissa_bits,
+            cache_fp8_activations=spec.cache_fp8_activations,
+        )
 
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)

@@ -4,7 +4,8 @@
   (a tensorwise scale is broadcast to a per-row one when the other operand is rowwise). Tile (1x128) and
   block (128x128) operands run as a loop over 128-wide K chunks of rowwise ``_scaled_mm`` whose FP32
   partial results are summed in FP32: DeepSeek-V3's promotion to FP32 every N_C = 128 elements
-  (arXiv 2412.19437 section 3.3.2), since CPU ``_scaled_mm`` rejects blockwise scales (docs/architecture.md, "Platform facts").
+  (arXiv 2412.19437 section 3.3.2), since CPU ``_scaled_mm`` rejects blockwise scales
+  (docs/architecture.md, "Platform facts").
 - ``emulated``: dequantize both operands, FP32 matmul. The reference.
 
 ``promotion_interval`` (N_C) splits K into chunks whose partial sums are promoted to FP32;
@@ -42,7 +43,7 @@ def _per_row_scale(q: QTensor, k0: int, k1: int) -> torch.Tensor:
         return q.scale.reshape(1, 1).expand(r, 1)
     if q.granularity == "rowwise":
         return q.scale.reshape(r, 1)
-    return expand_scale(q.scale, q.granularity, q.shape)[:, k0:k0 + 1]
+    return expand_scale(q.scale, q.granularity, q.shape)[:, k0 : k0 + 1]
 
 
 def _chunk_bounds(k: int, a: QTensor, bt: QTensor, promotion_interval: int | None) -> list[tuple[int, int]]:
@@ -58,13 +59,18 @@ def _chunk_bounds(k: int, a: QTensor, bt: QTensor, promotion_interval: int | Non
 
 def _scaled_mm(a: torch.Tensor, bt: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype) -> torch.Tensor:
     # _scaled_mm wants a row-major, b column-major, and *dequantization* scales (1 / scale).
-    return torch._scaled_mm(a.contiguous(), bt.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
-                            out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a.contiguous(), bt.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype
+    )
 
 
 def fp8_gemm(
-    a: QTensor, bt: QTensor, out_dtype: torch.dtype, backend: str = "scaled_mm",
-    promotion_interval: int | None = None, accum_mantissa_bits: int | None = None,
+    a: QTensor,
+    bt: QTensor,
+    out_dtype: torch.dtype,
+    backend: str = "scaled_mm",
+    promotion_interval: int | None = None,
+    accum_mantissa_bits: int | None = None,
 ) -> torch.Tensor:
     """``a @ bt.T`` -> (M, N) in ``out_dtype``. Raises ``ValueError`` for an unknown backend, mismatched
     K, or a promotion interval the scaling cannot honour."""
@@ -92,8 +98,13 @@ def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks) -> 
         return _scaled_mm(a.data, bt.data, _per_row_scale(a, 0, k), _per_row_scale(bt, 0, k).reshape(1, n), out_dtype)
     out = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     for k0, k1 in chunks:
-        out += _scaled_mm(a.data[:, k0:k1], bt.data[:, k0:k1], _per_row_scale(a, k0, k1),
-                          _per_row_scale(bt, k0, k1).reshape(1, n), torch.float32)
+        out += _scaled_mm(
+            a.data[:, k0:k1],
+            bt.data[:, k0:k1],
+            _per_row_scale(a, k0, k1),
+            _per_row_scale(bt, k0, k1).reshape(1, n),
+            torch.float32,
+        )
     return out.to(out_dtype)
 
 

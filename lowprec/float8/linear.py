@@ -35,23 +35,39 @@ class Float8Linear(nn.Linear):
     ``lowprec.measure.telemetry`` on sampled steps.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: LinearFP8Config, device=None, dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, config: LinearFP8Config, device=None, dtype=None
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_config = config
-        self.scalers = nn.ModuleDict({
-            role: DelayedScaler(config.role(role).fmt, config.amax_history_len, config.amax_compute_algo,
-                                config.margin, config.power_of_2)
-            for role in ROLES if config.role(role).strategy == "delayed"
-        })
+        self.scalers = nn.ModuleDict(
+            {
+                role: DelayedScaler(
+                    config.role(role).fmt,
+                    config.amax_history_len,
+                    config.amax_compute_algo,
+                    config.margin,
+                    config.power_of_2,
+                )
+                for role in ROLES
+                if config.role(role).strategy == "delayed"
+            }
+        )
         self.telemetry = None
         #: Process group over which delayed-scaling amaxes are max-reduced (set when the model is sharded).
         self.amax_group = None
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> "Float8Linear":
+    def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> Float8Linear:
         """Swap for ``mod`` sharing its parameters (works on the meta device)."""
-        new = cls(mod.in_features, mod.out_features, mod.bias is not None, config,
-                  device=mod.weight.device, dtype=mod.weight.dtype)
+        new = cls(
+            mod.in_features,
+            mod.out_features,
+            mod.bias is not None,
+            config,
+            device=mod.weight.device,
+            dtype=mod.weight.dtype,
+        )
         new.weight = mod.weight
         if mod.bias is not None:
             new.bias = mod.bias

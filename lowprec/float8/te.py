@@ -8,7 +8,8 @@ every entry point raises ``RecipeError`` before training; there is no fallback t
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -39,8 +40,12 @@ def te_fp8_recipe(spec):
     if spec.scaling == "blockwise":
         return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     if spec.strategy == "delayed":
-        return te_recipe.DelayedScaling(fp8_format=fmt, amax_history_len=spec.amax_history_len,
-                                        amax_compute_algo=spec.amax_compute_algo, margin=spec.margin)
+        return te_recipe.DelayedScaling(
+            fp8_format=fmt,
+            amax_history_len=spec.amax_history_len,
+            amax_compute_algo=spec.amax_compute_algo,
+            margin=spec.margin,
+        )
     if spec.strategy == "current":
         return te_recipe.Float8CurrentScaling(fp8_format=fmt)
     raise RecipeError(f"recipe.fp8.strategy={spec.strategy!r} has no Transformer Engine recipe")
@@ -49,11 +54,16 @@ def te_fp8_recipe(spec):
 def te_linear_from(mod: nn.Linear) -> nn.Module:
     """A ``te.Linear`` with ``mod``'s shape, dtype and device (``meta`` is deferred-init in TE)."""
     te = require_te()
-    return te.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                     params_dtype=mod.weight.dtype, device=mod.weight.device)
+    return te.Linear(
+        mod.in_features,
+        mod.out_features,
+        bias=mod.bias is not None,
+        params_dtype=mod.weight.dtype,
+        device=mod.weight.device,
+    )
 
 
-def te_context(spec) -> Callable[[], ContextManager]:
+def te_context(spec) -> Callable[[], AbstractContextManager]:
     te = require_te()
     fp8_recipe = te_fp8_recipe(spec)
     return lambda: te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)

@@ -8,9 +8,9 @@ so quantization constants (block absmax, qmaps) are included and shared tensors 
 from __future__ import annotations
 
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -21,18 +21,28 @@ buffers (views and repeats counted each time), for comparison with tools that co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
+
 from lowprec.measure.accounting import _leaf_tensors
 
 #: Autograd nodes that only cast or re-view their single input: walked through when deciding whether a
 #: saved tensor is a copy of a parameter.
 _CAST_OR_VIEW = {
-    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "UnsafeViewBackward0",
-    "ExpandBackward0", "PermuteBackward0", "AliasBackward0", "ReshapeAliasBackward0", "CloneBackward0",
+    "ToCopyBackward0",
+    "TBackward0",
+    "ViewBackward0",
+    "TransposeBackward0",
+    "UnsafeViewBackward0",
+    "ExpandBackward0",
+    "PermuteBackward0",
+    "AliasBackward0",
+    "ReshapeAliasBackward0",
+    "CloneBackward0",
 }
 
 
@@ -90,7 +100,9 @@ def measure_saved_bytes(fn: Callable[[], Any], module: nn.Module) -> SavedBytes:
     The forward's outputs are returned by ``fn`` and dropped here; nothing is backpropagated. Runs on
     any device; the saved tensors are released when this returns.
     """
-    state = {_storage_key(leaf) for t in (*module.parameters(), *module.buffers()) for leaf in _leaves(t) if leaf.numel()}
+    state = {
+        _storage_key(leaf) for t in (*module.parameters(), *module.buffers()) for leaf in _leaves(t) if leaf.numel()
+    }
     saved: list[tuple[torch.Tensor, bool]] = []
     # Parameters swapped in while the forward runs (FSDP2's unsharded parameters, gathered just before their
     # module runs and freed after it), keyed by storage; checked when a tensor is saved, while they are alive,
@@ -153,4 +165,3 @@ def measure_fp8_scaling_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += b.numel() * b.element_size()
     return total
-

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowprec.float8.linear import Float8Linear
 from lowprec.numerics.formats import sqnr_db
 from lowprec.numerics.scaling import QTensor, expand_scale
-from lowprec.float8.linear import Float8Linear
 
 
 class FP8Telemetry:
@@ -59,16 +59,19 @@ class FP8Telemetry:
         t32 = t.float()
         scale = expand_scale(q.scale, q.granularity, q.shape)
         nonzero = t32 != 0
-        self._metrics.update({
-            prefix + "amax": float(t32.abs().max()),
-            prefix + "scale": float(q.scale.float().mean()),
-            prefix + "overflow": float(((t32 * scale).abs() > q.fmt.max).float().mean()),
-            prefix + "underflow": float((nonzero & (q.data.float() == 0)).sum() / nonzero.sum().clamp(min=1)),
-        })
+        self._metrics.update(
+            {
+                prefix + "amax": float(t32.abs().max()),
+                prefix + "scale": float(q.scale.float().mean()),
+                prefix + "overflow": float(((t32 * scale).abs() > q.fmt.max).float().mean()),
+                prefix + "underflow": float((nonzero & (q.data.float() == 0)).sum() / nonzero.sum().clamp(min=1)),
+            }
+        )
 
     @torch.no_grad()
-    def observe_gemm(self, mod: nn.Module, gemm: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                     transpose_b: bool = True) -> None:
+    def observe_gemm(
+        self, mod: nn.Module, gemm: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transpose_b: bool = True
+    ) -> None:
         """``gemm`` = ``output`` (out = a @ b.T) or ``grad_input`` (out = a @ b, ``transpose_b=False``)."""
         key = f"fp8/{self.names[mod]}/{gemm}/sqnr_db"
         if key in self._metrics:

@@ -46,9 +46,7 @@ class ModelArgs:
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
-            )
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
             raise ConfigError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
 
@@ -82,16 +80,37 @@ LLAMA_CONFIGS: dict[str, ModelArgs] = {
     "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim_multiplier=1.3, multiple_of=256),
     "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim_multiplier=1.3, multiple_of=256),
     "llama3_1b": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB,
-        ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000.0, max_seq_len=8192,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
     "llama3_8b": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB,
-        ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0, max_seq_len=8192,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
     "llama3_70b": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=LLAMA3_VOCAB,
-        ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
 }
 
@@ -219,7 +238,7 @@ class Transformer(nn.Module):
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
-        std = self.args.dim ** -0.5
+        std = self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
 
-    def t(self) -> "QTensor":
+    def t(self) -> QTensor:
         """Transpose; only scalings symmetric under transposition (tensorwise, 128x128 blocks) allow it."""
         if self.granularity not in ("tensorwise", "block128x128"):
             raise ValueError(f"a {self.granularity} operand cannot be transposed without requantizing")
@@ -124,7 +124,9 @@ class DelayedScaler(nn.Module):
       finite; then the history rolls by one and slot 0 is zeroed.
     """
 
-    def __init__(self, fmt: Format, amax_history_len: int, amax_compute_algo: str, margin: int, power_of_2: bool = False):
+    def __init__(
+        self, fmt: Format, amax_history_len: int, amax_compute_algo: str, margin: int, power_of_2: bool = False
+    ):
         super().__init__()
         if amax_history_len < 1:
             raise ValueError(f"amax_history_len={amax_history_len} must be >= 1")

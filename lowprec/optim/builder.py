@@ -21,6 +21,7 @@ from lowprec.errors import ConfigError
 from lowprec.optim.master import MasterWeightOptimizer
 from lowprec.recipe import Recipe
 
+
 @dataclass(frozen=True)
 class OptimHParams:
     """AdamW hyper-parameters (not precision): lr (peak), betas, eps, weight decay (2-D weights only).
@@ -35,9 +36,13 @@ class OptimHParams:
     weight_decay: float = 0.1
 
     def __post_init__(self) -> None:
-        checks = {"lr": (self.lr > 0, "> 0"), "beta1": (0 <= self.beta1 < 1, "in [0, 1)"),
-                  "beta2": (0 <= self.beta2 < 1, "in [0, 1)"), "eps": (self.eps > 0, "> 0"),
-                  "weight_decay": (self.weight_decay >= 0, ">= 0")}
+        checks = {
+            "lr": (self.lr > 0, "> 0"),
+            "beta1": (0 <= self.beta1 < 1, "in [0, 1)"),
+            "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
+            "eps": (self.eps > 0, "> 0"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+        }
         for name, (ok, rule) in checks.items():
             if not ok or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"optim.{name}={getattr(self, name)} must be finite and {rule}")
@@ -57,8 +62,13 @@ def _has_dtensor(groups: list[dict]) -> bool:
 
 def _adamw(groups: list[dict], recipe: Recipe, hp: OptimHParams, stepped_dtype: str) -> torch.optim.Optimizer:
     return optim_impl(recipe.optim.impl).build(
-        groups, state=recipe.optim.state, stepped_dtype=stepped_dtype, update_rounding=recipe.weights.update_rounding,
-        hparams=dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps), sharded=_has_dtensor(groups))
+        groups,
+        state=recipe.optim.state,
+        stepped_dtype=stepped_dtype,
+        update_rounding=recipe.weights.update_rounding,
+        hparams=dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps),
+        sharded=_has_dtensor(groups),
+    )
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, hp: OptimHParams) -> torch.optim.Optimizer:

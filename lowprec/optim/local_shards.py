@@ -1,10 +1,11 @@
 """Run an optimizer that cannot take DTensors (bitsandbytes) on each rank's local shards under FSDP2/TP.
 
 bitsandbytes' 8-bit kernels receive the DTensor parameter and a plain state tensor and fail ("mixed
-torch.Tensor and DTensor"; bitsandbytes#1633). The fix verified on the lab's machines (docs/architecture.md, "Platform facts"): give the optimizer plain leaf
-tensors that alias each DTensor's local shard (same storage, so the update lands in the parameter with no
-copy), and hand it the local shard of each gradient before every step. Block-wise 8-bit states are then per
-local shard, which is what bitsandbytes does on one device for a tensor of that size.
+torch.Tensor and DTensor"; bitsandbytes#1633). The fix verified on the lab's machines (docs/architecture.md,
+"Platform facts"): give the optimizer plain leaf tensors that alias each DTensor's local shard (same storage,
+so the update lands in the parameter with no copy), and hand it the local shard of each gradient before every
+step. Block-wise 8-bit states are then per local shard, which is what bitsandbytes does on one device for a
+tensor of that size.
 
 ``LocalShardOptimizer`` reuses ``MasterWeightOptimizer``'s machinery (groups, LR sync, state view keyed by
 the model parameters) with aliasing views in place of FP32 copies: it adds no memory.
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lowprec.errors import CheckpointError
 from lowprec.optim.master import MasterWeightOptimizer, MasterWeights
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import DTensor, Shard
 
 
 def _local(t: Tensor) -> Tensor:
@@ -108,7 +108,8 @@ def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:
         raise CheckpointError(
             f"a parameter of shape {tuple(p.shape)} is unevenly sharded over {tuple(mesh.shape)}: the local-shard "
             "optimizer states (bitsandbytes, lowprec) cannot be checkpointed for it; use a layout that divides "
-            "every dim 0, or optim.impl=torchao / torch")
+            "every dim 0, or optim.impl=torchao / torch"
+        )
     if v.dim() and v.shape == p._local_tensor.shape:
         return DTensor.from_local(v, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     rows = v.reshape((1,) * mesh.ndim + (-1,))

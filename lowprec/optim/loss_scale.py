@@ -47,11 +47,19 @@ class DynamicLossScaler:
     ``loss_scale``.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
         if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
-            raise ValueError(f"invalid loss-scaler arguments init_scale={init_scale} growth_factor={growth_factor} "
-                             f"backoff_factor={backoff_factor} growth_interval={growth_interval}")
+            raise ValueError(
+                f"invalid loss-scaler arguments init_scale={init_scale} growth_factor={growth_factor} "
+                f"backoff_factor={backoff_factor} growth_interval={growth_interval}"
+            )
         self.enabled = enabled
         self._scale = float(init_scale) if enabled else 1.0
         self.growth_factor = float(growth_factor)
@@ -150,15 +158,25 @@ class DynamicLossScaler:
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Scale, factors, growth tracker and counters (plain Python numbers)."""
-        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "growth_tracker": self._growth_tracker,
-                "skipped_steps": self.skipped_steps, "steps": self.steps, "growths": self.growths,
-                "backoffs": self.backoffs, "enabled": self.enabled}
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "growth_tracker": self._growth_tracker,
+            "skipped_steps": self.skipped_steps,
+            "steps": self.steps,
+            "growths": self.growths,
+            "backoffs": self.backoffs,
+            "enabled": self.enabled,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``; raises ``ValueError`` when enabled-ness differs."""
         if bool(state.get("enabled", True)) != self.enabled:
-            raise ValueError(f"loss-scaler state was saved with enabled={state.get('enabled')}, this one is {self.enabled}")
+            raise ValueError(
+                f"loss-scaler state was saved with enabled={state.get('enabled')}, this one is {self.enabled}"
+            )
         self._scale = float(state["scale"])
         self.growth_factor = float(state["growth_factor"])
         self.backoff_factor = float(state["backoff_factor"])

@@ -28,7 +28,7 @@ Low-precision (BF16) parameters without a master copy are updated in FP32 and wr
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -86,7 +86,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         if update_rounding not in UPDATE_ROUNDINGS:
             raise ValueError(f"update_rounding={update_rounding!r} is not one of {list(UPDATE_ROUNDINGS)}")
         if _scalar(lr) < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
+            raise ValueError(
+                f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}"
+            )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
         self.update_rounding = update_rounding
@@ -94,9 +96,16 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.power_of_2_scales = power_of_2_scales
         self.generator = generator
         if update_rounding == "stochastic":
-            bad = {p.dtype for g in self.param_groups for p in g["params"] if p.dtype not in (torch.float32, torch.bfloat16)}
+            bad = {
+                p.dtype
+                for g in self.param_groups
+                for p in g["params"]
+                if p.dtype not in (torch.float32, torch.bfloat16)
+            }
             if bad:
-                raise ValueError(f"update_rounding='stochastic' is implemented for bfloat16 parameters; got {sorted(map(str, bad))}")
+                raise ValueError(
+                    f"update_rounding='stochastic' is implemented for bfloat16 parameters; got {sorted(map(str, bad))}"
+                )
 
     # ---- state layout ----------------------------------------------------------------------------
     def formats_for(self, p: Tensor) -> tuple[torch.dtype | Format, torch.dtype | Format]:
@@ -202,7 +211,26 @@ class KahanAdamW(LowBitAdamW):
     compensation buffer per parameter (Zamirai et al., "Revisiting BFloat16 Training", 2020). Same arguments
     as ``LowBitAdamW`` except ``update_rounding``."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, state_dtype="fp32",
-                 min_lowbit_numel=0, power_of_2_scales=False) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, state_dtype=state_dtype, update_rounding="kahan",
-                         min_lowbit_numel=min_lowbit_numel, power_of_2_scales=power_of_2_scales)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        state_dtype="fp32",
+        min_lowbit_numel=0,
+        power_of_2_scales=False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            state_dtype=state_dtype,
+            update_rounding="kahan",
+            min_lowbit_numel=min_lowbit_numel,
+            power_of_2_scales=power_of_2_scales,
+        )

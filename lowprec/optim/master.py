@@ -26,8 +26,7 @@ listed in ``master_params``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -42,8 +41,9 @@ class MasterWeights:
     costs ``4 * numel`` bytes); by default they are freed in ``after_step``.
     """
 
-    def __init__(self, params: Iterable[Tensor], master_dtype: torch.dtype = torch.float32,
-                 keep_master_grads: bool = False) -> None:
+    def __init__(
+        self, params: Iterable[Tensor], master_dtype: torch.dtype = torch.float32, keep_master_grads: bool = False
+    ) -> None:
         self.params: list[Tensor] = list(params)
         self.master_dtype = master_dtype
         self.keep_master_grads = keep_master_grads
@@ -145,8 +145,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     parameters.
     """
 
-    def __init__(self, params, inner_factory: Callable[[list[dict]], torch.optim.Optimizer], *,
-                 master_dtype: torch.dtype = torch.float32, keep_master_grads: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        inner_factory: Callable[[list[dict]], torch.optim.Optimizer],
+        *,
+        master_dtype: torch.dtype = torch.float32,
+        keep_master_grads: bool = False,
+    ) -> None:
         params = list(params)
         if not params:
             raise ValueError("MasterWeightOptimizer got an empty parameter list")
@@ -162,8 +168,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         inner_flat = [p for g in self.inner.param_groups for p in g["params"]]
         if len(inner_flat) != len(flat) or any(a is not b for a, b in zip(inner_flat, self.master.masters)):
             raise ValueError("the inner optimizer must keep the parameter groups and their order")
-        wrapper_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
-                          for g, ig in zip(groups, self.inner.param_groups)]
+        wrapper_groups = [
+            {**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
+            for g, ig in zip(groups, self.inner.param_groups)
+        ]
         super().__init__(wrapper_groups, dict(self.inner.defaults))
         self.state = _MasterStateView(self.inner, flat, self.master.masters)  # type: ignore[assignment]
 
@@ -214,7 +222,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "inner", None) is not None and len(self.param_groups) >= len(self.inner.param_groups):
-            raise ValueError("MasterWeightOptimizer takes its parameter groups at construction; add_param_group after it is refused")
+            raise ValueError(
+                "MasterWeightOptimizer takes its parameter groups at construction; add_param_group after it is refused"
+            )
         super().add_param_group(param_group)
 
     def _load_group_hparams(self, saved_groups: list[dict]) -> None:
@@ -235,8 +245,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 s["master"] = m
             if s:
                 state[i] = s
-        groups = [{**{k: v for k, v in wg.items() if k != "params"}, "params": ig["params"]}
-                  for wg, ig in zip(self.param_groups, inner_sd["param_groups"])]
+        groups = [
+            {**{k: v for k, v in wg.items() if k != "params"}, "params": ig["params"]}
+            for wg, ig in zip(self.param_groups, inner_sd["param_groups"])
+        ]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -256,8 +268,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 masters[pid] = s.pop("master")
             if s:
                 inner_state[pid] = s
-        missing = [pid for pid, (p, m) in zip(saved_ids, zip(self.master.params, self.master.masters))
-                   if m is not p and pid not in masters]
+        missing = [
+            pid
+            for pid, (p, m) in zip(saved_ids, zip(self.master.params, self.master.masters))
+            if m is not p and pid not in masters
+        ]
         if missing:
             raise ValueError(f"loaded state dict has no master weights for parameter ids {missing[:5]}")
         self.inner.load_state_dict({"state": inner_state, "param_groups": saved_groups})

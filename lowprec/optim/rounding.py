@@ -55,8 +55,13 @@ def kahan_update_(param: Tensor, comp: Tensor, new_value: Tensor) -> None:
     param.copy_(new)
 
 
-def write_update_(param: Tensor, new_value: Tensor, rounding: str, comp: Tensor | None = None,
-                  generator: torch.Generator | None = None) -> None:
+def write_update_(
+    param: Tensor,
+    new_value: Tensor,
+    rounding: str,
+    comp: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
     """Store the FP32 ``new_value`` into ``param`` with ``rounding`` (one of ``UPDATE_ROUNDINGS``), in place.
 
     FP32 parameters (``new_value is param``) need nothing. ``stochastic`` needs a bf16 ``param``; ``kahan``

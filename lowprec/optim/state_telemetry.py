@@ -24,11 +24,11 @@ after clipping, as the optimizer sees them.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
+import bitsandbytes.functional as bnbF
 import torch
 from torch import Tensor
-import bitsandbytes.functional as bnbF
 
 
 def _local(t: Tensor) -> Tensor:
@@ -65,8 +65,10 @@ def dequantized_moments(optimizer: torch.optim.Optimizer, p: Tensor) -> tuple[Te
     if "state1" in state:  # bitsandbytes
         s1, s2 = state["state1"], state["state2"]
         if s1.dtype == torch.uint8:
-            return (_bnb_dequantize(s1, state["absmax1"], state["qmap1"]).reshape(shape),
-                    _bnb_dequantize(s2, state["absmax2"], state["qmap2"]).reshape(shape))
+            return (
+                _bnb_dequantize(s1, state["absmax1"], state["qmap1"]).reshape(shape),
+                _bnb_dequantize(s2, state["absmax2"], state["qmap2"]).reshape(shape),
+            )
         return s1.float().reshape(shape), s2.float().reshape(shape)
     raise KeyError(f"unknown optimizer state layout with keys {sorted(state)}")
 
@@ -105,12 +107,16 @@ class OptimStateTelemetry:
     dequantized moments, so the error measures drift since then.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params_sample: Mapping[str, Tensor] | Iterable[Tensor],
-                 every: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, params_sample: Mapping[str, Tensor] | Iterable[Tensor], every: int
+    ) -> None:
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
-        items = params_sample.items() if isinstance(params_sample, Mapping) else (
-            (f"p{i}", p) for i, p in enumerate(params_sample))
+        items = (
+            params_sample.items()
+            if isinstance(params_sample, Mapping)
+            else ((f"p{i}", p) for i, p in enumerate(params_sample))
+        )
         self.optimizer = optimizer
         self.every = every
         self.params: dict[str, Tensor] = dict(items)

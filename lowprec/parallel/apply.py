@@ -1,6 +1,7 @@
 """Build step 3: turn a recipe's communication intent and a ``ParallelDims`` into a sharded model.
 
-Order (docs/architecture.md, "Build order"; torchtitan): FP8 weight all-gather wrappers (they must exist before sharding), TP, then
+Order (docs/architecture.md, "Build order"; torchtitan): FP8 weight all-gather wrappers (they must exist
+before sharding), TP, then
 FSDP2 ``fully_shard`` per block and root with the recipe's ``MixedPrecisionPolicy``, then communication
 hooks (FP8 reduce-scatter, the uint8 all-gather that lets torchao's float8 all-gather run on gloo).
 Everything here works on the meta device; parameters are materialised afterwards.
@@ -58,20 +59,24 @@ def check_layout(recipe: Recipe, dims: ParallelDims) -> None:
     """
     comm = recipe.comm
     if not dims.fsdp and (comm.weight_all_gather == "fp8" or comm.grad_reduce != "fp32"):
-        raise RecipeError(f"recipe {recipe.name}: recipe.comm.weight_all_gather={comm.weight_all_gather!r} / "
-                          f"grad_reduce={comm.grad_reduce!r} need FSDP (parallel.dp_shard > 1); this layout is "
-                          f"{dims.short()}: add parallel.dp_shard=N or choose a recipe without FP8 communication")
+        raise RecipeError(
+            f"recipe {recipe.name}: recipe.comm.weight_all_gather={comm.weight_all_gather!r} / "
+            f"grad_reduce={comm.grad_reduce!r} need FSDP (parallel.dp_shard > 1); this layout is "
+            f"{dims.short()}: add parallel.dp_shard=N or choose a recipe without FP8 communication"
+        )
     if comm.activation_all_gather == "fp8" and dims.tp == 1:
-        raise RecipeError(f"recipe {recipe.name}: recipe.comm.activation_all_gather='fp8' needs tensor parallelism "
-                          "(parallel.tp > 1)")
+        raise RecipeError(
+            f"recipe {recipe.name}: recipe.comm.activation_all_gather='fp8' needs tensor parallelism (parallel.tp > 1)"
+        )
     try:
         fp8_backend(recipe.fp8.backend).check_layout(recipe.fp8, comm, dims)
     except RecipeError as e:
         raise RecipeError(f"recipe {recipe.name}: {e}") from None
 
 
-def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: DeviceMesh,
-                mp_policy: MixedPrecisionPolicy | None) -> ParallelPlan:
+def parallelize(
+    model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None
+) -> ParallelPlan:
     """Apply TP and FSDP2 to ``model`` (on meta, already converted) as ``dims`` and ``recipe.comm`` say.
 
     Raises ``RecipeError`` for a communication dtype that this layout cannot honour (no silent fallback):
@@ -85,7 +90,9 @@ def parallelize(model: nn.Module, recipe: Recipe, dims: ParallelDims, mesh: Devi
     plan.mechanisms.update(backend.prepare_sharding(model, recipe.fp8, comm, dims))
     if dims.tp > 1:
         apply_tp(model, plan.tp_mesh, activation_all_gather=comm.activation_all_gather)
-        plan.mechanisms["tp"] = f"torchtitan plan, sequence parallel, activation all-gather {comm.activation_all_gather}"
+        plan.mechanisms["tp"] = (
+            f"torchtitan plan, sequence parallel, activation all-gather {comm.activation_all_gather}"
+        )
     plan.mechanisms.update(backend.after_tensor_parallel(model, dist.group.WORLD))
     if dims.fsdp or dims.dp_replicate > 1:
         plan.fsdp_modules = apply_fsdp(model, _fsdp_mesh(mesh, dims), mp_policy)

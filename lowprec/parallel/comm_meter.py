@@ -8,7 +8,8 @@
 - ``_c10d_functional``: the functional collectives DTensor issues when it redistributes (tensor parallel).
 
 Patching ``torch.distributed.*`` instead would miss DTensor, which calls the functional ops directly
-(docs/architecture.md, "Platform facts"); ``torch.distributed.tensor.debug.CommDebugMode`` sees both but only counts calls.
+(docs/architecture.md, "Platform facts"); ``torch.distributed.tensor.debug.CommDebugMode`` sees both but only
+counts calls.
 
 Byte convention: the size in bytes of the full buffer the collective operates on, seen from the calling rank
 (``numel * element_size``), independent of the algorithm a backend uses to move it:
@@ -35,14 +36,15 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["KINDS", "CommMeter", "comm_label", "current_comm_label"]
 

@@ -10,7 +10,7 @@ the effective recipe's ``comm`` entry (1-byte payloads, float8 moved as uint8 vi
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 from lowprec.parallel.comm_meter import CommMeter
 
@@ -32,7 +32,7 @@ class StepCommMetrics:
         self._metered: int | None = None
         self._any = False
 
-    def context(self, step: int) -> ContextManager:
+    def context(self, step: int) -> AbstractContextManager:
         if self._any and (self.every <= 0 or step % self.every):
             return contextlib.nullcontext()
         self.meter.reset()
@@ -65,4 +65,3 @@ def observed_comm_dtypes(by_kind_dtype: dict[str, dict[str, int]]) -> dict[str, 
         if merged:
             out[kind] = "fp8" if "fp8" in merged else max(merged, key=merged.get)
     return out
-

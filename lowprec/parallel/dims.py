@@ -52,17 +52,24 @@ class ParallelDims:
         return self.dp_shard > 1
 
     def short(self) -> str:
-        parts = [f"{n}{getattr(self, k)}" for k, n in (("dp_replicate", "rep"), ("dp_shard", "fsdp"), ("tp", "tp"))
-                 if getattr(self, k) > 1]
+        parts = [
+            f"{n}{getattr(self, k)}"
+            for k, n in (("dp_replicate", "rep"), ("dp_shard", "fsdp"), ("tp", "tp"))
+            if getattr(self, k) > 1
+        ]
         return "x".join(parts) or "single"
 
     def check(self, *, batch_size: int, n_heads: int, n_kv_heads: int) -> None:
         """Raise ``ParallelError`` if the global batch does not split over ``dp`` or heads over ``tp``."""
         if batch_size % self.dp:
-            raise ParallelError(f"train.batch_size={batch_size} is not divisible by the data-parallel degree {self.dp} "
-                                "(dp_replicate x dp_shard): every rank takes an equal slice of the global batch")
+            raise ParallelError(
+                f"train.batch_size={batch_size} is not divisible by the data-parallel degree {self.dp} "
+                "(dp_replicate x dp_shard): every rank takes an equal slice of the global batch"
+            )
         if n_kv_heads % self.tp or n_heads % self.tp:
-            raise ParallelError(f"parallel.tp={self.tp} must divide model.n_heads={n_heads} and model.n_kv_heads={n_kv_heads}")
+            raise ParallelError(
+                f"parallel.tp={self.tp} must divide model.n_heads={n_heads} and model.n_kv_heads={n_kv_heads}"
+            )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world's DeviceMesh with dims ``(dp_replicate, dp_shard, tp)`` and the flattened ``dp`` dim.
@@ -71,9 +78,12 @@ class ParallelDims:
         """
         ws = dist.get_world_size() if dist.is_initialized() else 1
         if ws != self.world_size:
-            raise ParallelError(f"dp_replicate x dp_shard x tp = {self.world_size} but the process group has {ws} ranks")
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+            raise ParallelError(
+                f"dp_replicate x dp_shard x tp = {self.world_size} but the process group has {ws} ranks"
+            )
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
 

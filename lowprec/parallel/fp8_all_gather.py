@@ -37,22 +37,21 @@ survives ``to_empty`` + in-place init). ``install_fp8_safe_all_gather`` makes to
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._prims_common import suggest_memory_format
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+from torch.distributed.tensor import DTensor
 
+from lowprec.float8.linear import Float8Linear
 from lowprec.numerics.formats import E4M3, amax_to_scale, quantize
 from lowprec.parallel.comm_meter import comm_label
-from torch.distributed.tensor import DTensor
-from lowprec.float8.linear import Float8Linear
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-from torch.distributed.fsdp import FSDPModule
 
 WIRE_GRANULARITIES = ("tensorwise", "rowwise")
 _WIRE_DTYPE = E4M3.dtype
@@ -128,9 +127,15 @@ class Float8AllGatherWeight(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda x: cls(x, granularity), out)
         # In-place ops (normal_, mul_, add_, ... from init and optimizers) return their wrapped self argument.
         schema = func._schema
-        if (args and isinstance(args[0], cls) and schema.arguments and schema.arguments[0].alias_info is not None
-                and schema.arguments[0].alias_info.is_write and len(schema.returns) == 1
-                and schema.returns[0].alias_info is not None):
+        if (
+            args
+            and isinstance(args[0], cls)
+            and schema.arguments
+            and schema.arguments[0].alias_info is not None
+            and schema.arguments[0].alias_info.is_write
+            and len(schema.returns) == 1
+            and schema.returns[0].alias_info is not None
+        ):
             return args[0]
         return out
 
@@ -176,7 +181,7 @@ class Float8AllGatherWeight(torch.Tensor):
             payload[:rows] = data.view(torch.uint8).view(rows, *x.shape[1:])
         return (payload,), meta
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out: torch.Tensor | None = None):
         (payload,) = all_gather_outputs
         scale, rows = metadata
         data = payload.view(_WIRE_DTYPE)[:rows]  # drop the padding rows of the last ranks
@@ -199,7 +204,7 @@ class Float8AllGatherWeight(torch.Tensor):
 
 
 def enable_fp8_weight_all_gather(
-    model: nn.Module, granularity_for: Callable[[str, nn.Module], Optional[str]]
+    model: nn.Module, granularity_for: Callable[[str, nn.Module], str | None]
 ) -> list[str]:
     """Wrap the ``weight`` of every module for which ``granularity_for(fqn, module)`` returns ``tensorwise`` or
     ``rowwise`` in a ``Float8AllGatherWeight``; returns the wrapped parameters' FQNs (``<module fqn>.weight``).
@@ -236,7 +241,7 @@ def enable_fp8_weight_all_gather(
     return wrapped
 
 
-def lowprec_wire_granularity(fqn: str, module: nn.Module) -> Optional[str]:
+def lowprec_wire_granularity(fqn: str, module: nn.Module) -> str | None:
     """``granularity_for`` for lowprec's ``Float8Linear``: ``tensorwise`` wire scaling for tensorwise (and
     delayed / static, which are tensorwise) weight casts, ``rowwise`` for rowwise and 128x128 blockwise ones;
     ``None`` (not wrapped) for any other module, torchao's ``Float8Linear`` included (it has its own)."""
@@ -263,13 +268,19 @@ def _byte_view_all_gather_cls():
         """FSDP2's default all-gather, moving 1-byte float buffers (float8) as ``uint8`` views (gloo cannot
         move float8 dtypes; the bytes are identical)."""
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     async_op: bool = False):
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ):
             if output_tensor.dtype.is_floating_point and output_tensor.element_size() == 1:
                 output_tensor = output_tensor.view(torch.uint8)
                 input_tensor = input_tensor.view(torch.uint8)
-            return super().__call__(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
-                                    async_op=async_op)
+            return super().__call__(
+                output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op
+            )
 
     return ByteViewAllGather
 

@@ -32,7 +32,7 @@ vs the fp32 reduce-scatter: 43-46 dB e4m3, 37-41 dB e5m2 at world sizes 2-3 (tes
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

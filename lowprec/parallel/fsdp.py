@@ -13,8 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool = True) -> list[FSDPModule]:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True
+) -> list[FSDPModule]:
     """Shard ``model`` (a ``lowprec.model.Transformer``) over ``dp_mesh`` in place; returns the FSDP modules,
     blocks first and the root last.
 
@@ -24,8 +25,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     modules: list[FSDPModule] = []
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+        )
         modules.append(block)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     modules.append(model)

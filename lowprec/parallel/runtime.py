@@ -4,7 +4,7 @@ gradient clipping. The loop calls the same methods on one process and on many.""
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

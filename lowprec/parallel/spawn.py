@@ -11,8 +11,9 @@ import pickle
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,13 @@ import torch.multiprocessing as mp
 def _worker(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # Ranks share inductor's on-disk cache otherwise, which broke torchao's compiled optimizer step (docs/architecture.md, "Platform facts").
+    # Ranks share inductor's on-disk cache otherwise, which broke torchao's compiled optimizer step
+    # (docs/architecture.md, "Platform facts").
     os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+    )
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     result: Any
     try:
@@ -47,7 +50,9 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: s
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 600) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 600
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in one process group.
 
     ``fn`` must be a module-level function (it is pickled); its return values must pickle. Returns the
@@ -55,8 +60,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     """
     with tempfile.TemporaryDirectory(prefix="lowprec-ranks-") as tmp:
         init_file = str(Path(tmp) / "init")
-        ctx = mp.start_processes(_worker, args=(fn, world_size, init_file, tmp, backend, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, init_file, tmp, backend, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         try:
             while not ctx.join(timeout=timeout_s):
                 pass

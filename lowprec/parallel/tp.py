@@ -23,13 +23,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lowprec.float8 import Float8Linear
 from lowprec.numerics.formats import amax_to_scale, dequantize, get_format, quantize
 from lowprec.parallel.comm_meter import comm_label
-from lowprec.float8 import Float8Linear
 
 _E4M3 = get_format("e4m3")
 
@@ -81,7 +86,7 @@ class _Fp8SequenceAllGather(torch.autograd.Function):
             with _label("reduce_scatter"):
                 dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=mesh.get_group())
         else:
-            out = g[:, rank * s_local:(rank + 1) * s_local].contiguous()
+            out = g[:, rank * s_local : (rank + 1) * s_local].contiguous()
         return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
 
 
@@ -129,28 +134,40 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: st
     biased = [n for n, m in model.named_modules() if isinstance(m, Float8Linear) and m.bias is not None]
     if biased:
         raise ValueError(f"tensor parallelism supports lowprec FP8 linears without bias; {biased[0]} has one")
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     fp8 = activation_all_gather == "fp8"
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": Float8SequenceAllGather() if fp8 else PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": _Colwise(),
-            "attention.wk": _Colwise(),
-            "attention.wv": _Colwise(),
-            "attention.wo": _Rowwise(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": Float8SequenceAllGather() if fp8 else PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": _Colwise(),
-            "feed_forward.w2": _Rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": _Colwise(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": Float8SequenceAllGather()
+                if fp8
+                else PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": _Colwise(),
+                "attention.wk": _Colwise(),
+                "attention.wv": _Colwise(),
+                "attention.wo": _Rowwise(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": Float8SequenceAllGather()
+                if fp8
+                else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": _Colwise(),
+                "feed_forward.w2": _Rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": _Colwise(),
+            },
+        )
     _plain_scaling_buffers(model)
 
 

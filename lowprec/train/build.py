@@ -1,6 +1,7 @@
 """Build step: turn (recipe, model shape, hyper-parameters) into the objects the loop runs.
 
-Named builders in a fixed order (docs/architecture.md, "Build order"): 1 model on meta, 2 converters, 3 parallelize (TP, FSDP2,
+Named builders in a fixed order (docs/architecture.md, "Build order"): 1 model on meta, 2 converters,
+3 parallelize (TP, FSDP2,
 communication hooks; ``lowprec.parallel``), 4 ``to_empty`` + ``init_weights``, 5 optimizer, 6
 post-optimizer hooks, 7 effective recipe (inspected after the first step by ``lowprec.train.effective``).
 The mixed-precision mechanism is chosen here and only here (``choose_precision``): FSDP2's
@@ -10,33 +11,30 @@ The mixed-precision mechanism is chosen here and only here (``choose_precision``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from lowprec.backends import fp8_backend
 from lowprec.convert import convert_fp8
 from lowprec.errors import ConfigError
-from lowprec.model import ModelArgs, Transformer
-from lowprec.optim.builder import OptimHParams, build_optimizer
-from lowprec.parallel.dims import ParallelDims
-from lowprec.parallel.runtime import DistContext
-from lowprec.recipe import DTYPES, Recipe, RecipeError
-from lowprec.train.schedule import build_scheduler
-from lowprec.train.spec import TrainSpec
-from lowprec.parallel.apply import mixed_precision_policy
 from lowprec.float8 import Float8Linear
 from lowprec.measure.telemetry import FP8Telemetry
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from lowprec.parallel.apply import check_layout
-from lowprec.parallel.apply import ParallelPlan, parallelize
-from lowprec.parallel.dims import dp_coordinate
-from lowprec.parallel.comm_metrics import StepCommMetrics
-from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler
-from lowprec.optim.loss_scale import grad_underflow_share
+from lowprec.model import ModelArgs, Transformer
+from lowprec.optim.builder import OptimHParams, build_optimizer
+from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
 from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
+from lowprec.parallel.apply import ParallelPlan, check_layout, mixed_precision_policy, parallelize
+from lowprec.parallel.comm_metrics import StepCommMetrics
+from lowprec.parallel.dims import ParallelDims, dp_coordinate
+from lowprec.parallel.runtime import DistContext
+from lowprec.recipe import DTYPES, Recipe
+from lowprec.train.schedule import build_scheduler
+from lowprec.train.spec import TrainSpec
 
 
 @dataclass
@@ -47,14 +45,14 @@ class Built:
     model: Transformer
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    precision: Callable[[], ContextManager]
+    precision: Callable[[], AbstractContextManager]
     device: torch.device
     fp8_fqns: list[str] = field(default_factory=list)
     master_params: list[torch.Tensor] = field(default_factory=list)
     loss_scaler: DynamicLossScaler = field(default_factory=NoLossScaler)
     #: Called before / after every optimizer step (telemetry); ``after`` hooks return metrics to log.
-    before_step: list[Callable[[int, "Built"], None]] = field(default_factory=list)
-    after_step: list[Callable[[int, "Built"], dict]] = field(default_factory=list)
+    before_step: list[Callable[[int, Built], None]] = field(default_factory=list)
+    after_step: list[Callable[[int, Built], dict]] = field(default_factory=list)
     #: Batch slicing, metric averaging and clipping for this process's place in the layout.
     dist: DistContext = field(default_factory=DistContext)
     #: ``lowprec.parallel.apply.ParallelPlan`` when the model is sharded, else ``None``.
@@ -62,7 +60,7 @@ class Built:
     #: ``lowprec.parallel.comm_metrics.StepCommMetrics`` when sharded (meters sampled steps), else ``None``.
     comm_metrics: StepCommMetrics | None = None
 
-    def step_context(self, step: int) -> ContextManager:
+    def step_context(self, step: int) -> AbstractContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
         return self.comm_metrics.context(step) if self.comm_metrics is not None else contextlib.nullcontext()
 
@@ -124,10 +122,12 @@ def choose_precision(recipe: Recipe, device: torch.device, dims: ParallelDims):
     return build_precision_context(recipe, device), None
 
 
-def build_precision_context(recipe: Recipe, device: torch.device, autocast: bool = True) -> Callable[[], ContextManager]:
+def build_precision_context(
+    recipe: Recipe, device: torch.device, autocast: bool = True
+) -> Callable[[], AbstractContextManager]:
     """A factory of the forward-pass context: ``torch.autocast`` in the recipe's dtype (or nothing), plus
     Transformer Engine's ``fp8_autocast`` for ``te`` recipes."""
-    contexts: list[Callable[[], ContextManager]] = []
+    contexts: list[Callable[[], AbstractContextManager]] = []
     if autocast and recipe.compute.autocast_dtype != "none":
         dtype = DTYPES[recipe.compute.autocast_dtype]
         contexts.append(lambda: torch.autocast(device_type=device.type, dtype=dtype))
@@ -174,7 +174,12 @@ def materialize_sharded(model: nn.Module, args: ModelArgs, recipe: Recipe, devic
 
 
 def build(
-    recipe: Recipe, args: ModelArgs, train: TrainSpec, hp: OptimHParams, seed: int, device: torch.device,
+    recipe: Recipe,
+    args: ModelArgs,
+    train: TrainSpec,
+    hp: OptimHParams,
+    seed: int,
+    device: torch.device,
     parallel: ParallelDims | None = None,
 ) -> Built:
     """Run the build steps in order. Raises ``ValueError``/``RuntimeError``/``ImportError`` before training
@@ -192,7 +197,6 @@ def build(
     precision, mp_policy = choose_precision(recipe, device, dims)
     plan, dctx = None, DistContext()
     if dims.enabled:  # 3
-
         dims.check(batch_size=train.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
         mesh = dims.build_mesh(device.type)
         cast_weights(model, recipe)
@@ -255,7 +259,9 @@ def underflow_probe(model: nn.Module, every: int):
 def build_state_telemetry(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, every: int):
     """Relative error of quantized/low-precision AdamW moments against an FP32 shadow on a few sampled
     tensors, every ``every`` steps; ``None`` for FP32 moments or ``every`` <= 0."""
-    full = recipe.optim.state in ("param", "fp32") and (recipe.param_dtype == torch.float32 or recipe.weights.master_dtype == "fp32")
+    full = recipe.optim.state in ("param", "fp32") and (
+        recipe.param_dtype == torch.float32 or recipe.weights.master_dtype == "fp32"
+    )
     if every <= 0 or full:
         return None
     return OptimStateTelemetry(optimizer, default_sample(model), every)

@@ -25,8 +25,15 @@ from lowprec.parallel.fp8_all_gather import register_safe_globals
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    scheduler=None, loss_scaler=None, recipe=None) -> None:
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    scheduler=None,
+    loss_scaler=None,
+    recipe=None,
+) -> None:
     """Write everything the next step needs to the folder ``path`` (created if needed).
 
     ``step``: the number of optimizer steps taken (the resumed run starts at this step index).
@@ -53,8 +60,9 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         dist.barrier()
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler=None, loss_scaler=None) -> int:
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None, loss_scaler=None
+) -> int:
     """Load the folder ``path`` into the given objects in place; returns the saved step.
 
     Raises ``CheckpointError`` for a missing folder or file, a corrupt trainer state, or a checkpoint
@@ -117,18 +125,27 @@ def check_resume_recipe(path: str | Path, recipe, allow_change: bool) -> dict:
     trainer = read_trainer_state(path)
     saved = trainer.get("recipe_hash")
     if saved is None:
-        warnings.warn(f"checkpoint {str(path)!r} records no recipe hash (written by an older lowprec); "
-                      "cannot verify that it was trained with this recipe", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {str(path)!r} records no recipe hash (written by an older lowprec); "
+            "cannot verify that it was trained with this recipe",
+            stacklevel=2,
+        )
         return {}
     if saved == recipe.hash():
         return {}
-    change = {"from": trainer.get("recipe_name"), "from_hash": saved, "to": recipe.name, "to_hash": recipe.hash(),
-              "at_step": int(trainer["step"])}
+    change = {
+        "from": trainer.get("recipe_name"),
+        "from_hash": saved,
+        "to": recipe.name,
+        "to_hash": recipe.hash(),
+        "at_step": int(trainer["step"]),
+    }
     if not allow_change:
         raise CheckpointError(
             f"checkpoint {str(path)!r} was written under recipe {change['from']} (hash {saved}); this run is "
             f"{recipe.name} (hash {recipe.hash()}): resume with the same recipe, or set "
-            "train.resume_recipe_change=true to switch recipes at this step")
+            "train.resume_recipe_change=true to switch recipes at this step"
+        )
     return {"resume_recipe_change": change}
 
 

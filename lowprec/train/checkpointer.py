@@ -42,8 +42,9 @@ class Checkpointer:
         change = check_resume_recipe(path, b.recipe, self.spec.resume_recipe_change)
         step = load_checkpoint(path, b.model, b.optimizer, b.scheduler, b.loss_scaler)
         if step >= self.spec.steps:
-            raise CheckpointError(f"checkpoint {str(path)!r} is at step {step}; train.steps={self.spec.steps} "
-                                  "leaves nothing to run")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is at step {step}; train.steps={self.spec.steps} leaves nothing to run"
+            )
         return ResumePoint(step, change)
 
     def due(self, step: int) -> bool:

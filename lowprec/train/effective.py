@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from lowprec.optim.builder import moment_kind
 from lowprec.backends import fp8_backend, fp8_backends, optim_impl
-from lowprec.train.build import Built
+from lowprec.optim.builder import moment_kind
 from lowprec.parallel.comm_metrics import observed_comm_dtypes
+from lowprec.train.build import Built
 
 
 class EffectiveRecipeError(RuntimeError):
@@ -127,8 +127,11 @@ def expected_fp8_fqns(model: nn.Module, spec) -> list[str]:
     """The linears ``spec`` puts in FP8, from the recipe's filters applied to the built model's linears
     (whatever class they have now), independently of what the converter reported doing."""
     n_blocks = len(getattr(model, "layers", []))
-    return [fqn for fqn, m in model.named_modules()
-            if _is_linear(m) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)]
+    return [
+        fqn
+        for fqn, m in model.named_modules()
+        if _is_linear(m) and spec.selects_linear(fqn, m.in_features, m.out_features, n_blocks)
+    ]
 
 
 def _count(params, key) -> Counter:
@@ -164,8 +167,11 @@ def expected_effective(built: Built) -> dict:
         "fp8_linears": {fp8_backend(r.fp8.backend).module_class: len(fp8)} if fp8 else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),
-        "master": "explicit" if r.weights.master_dtype != "none"
-        else "params_are_master" if r.param_dtype == torch.float32 else "none",
+        "master": "explicit"
+        if r.weights.master_dtype != "none"
+        else "params_are_master"
+        if r.param_dtype == torch.float32
+        else "none",
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
     }
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from lowprec.train.build import Built
-from lowprec.train.effective import (EffectiveRecipeError, check_effective, expected_effective, inspect_effective,
-                                     record_linear_output_dtypes)
+from lowprec.train.effective import (
+    EffectiveRecipeError,
+    check_effective,
+    expected_effective,
+    inspect_effective,
+    record_linear_output_dtypes,
+)
 
 Effective = dict[str, Any]
 """``inspect_effective``'s summary of what ran (JSON-like: dtype -> element count maps, names, counts)."""
@@ -55,4 +61,5 @@ class EffectiveInspector:
         if not self.checked:
             raise EffectiveRecipeError(
                 f"no optimizer step ran in steps {steps.start}..{steps.stop - 1} (the loss scaler skipped every "
-                "one), so the effective recipe could not be inspected")
+                "one), so the effective recipe could not be inspected"
+            )

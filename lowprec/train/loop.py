@@ -6,9 +6,10 @@ Precision reaches the loop only as objects made by ``lowprec.train.build``; noth
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from tqdm.auto import tqdm
 
@@ -24,8 +25,16 @@ from lowprec.train.validator import Validator
 # The step functions and their types are imported from here by experiments, tests and benchmarks;
 # ``_loss`` is the name tests/distributed use for ``forward_loss``.
 _loss = forward_loss
-__all__ = ["MetricSink", "NonFiniteError", "RunResult", "StepHook", "StepResult", "evaluate", "run_training",
-           "train_step"]
+__all__ = [
+    "MetricSink",
+    "NonFiniteError",
+    "RunResult",
+    "StepHook",
+    "StepResult",
+    "evaluate",
+    "run_training",
+    "train_step",
+]
 
 StepHook = Callable[[int, Built], None]
 """Called with (step, built) before each optimizer step."""
@@ -79,8 +88,13 @@ def run_training(
     validator = Validator(built, data, spec)  # after meter.start(): its val batches are part of the run's memory
     meter.probe_saved_bytes(data.train_batch(start, 0))
     history: list[dict[str, float]] = []
-    bar = tqdm(range(start, spec.steps), desc=built.recipe.name, disable=None if spec.progress else True,
-               leave=False, dynamic_ncols=True)
+    bar = tqdm(
+        range(start, spec.steps),
+        desc=built.recipe.name,
+        disable=None if spec.progress else True,
+        leave=False,
+        dynamic_ncols=True,
+    )
     for step in bar:
         for hook in (*built.before_step, *before_step):
             hook(step, built)
@@ -100,5 +114,10 @@ def run_training(
     bar.close()
     inspector.finish(range(start, spec.steps))
     summary = {"final_loss": history[-1]["loss"], "final_val_loss": validator.last_loss, **meter.summary()}
-    return RunResult(effective=inspector.effective, summary=summary, peak_kind=meter.peak_kind, history=history,
-                     effective_checked=inspector.checked)
+    return RunResult(
+        effective=inspector.effective,
+        summary=summary,
+        peak_kind=meter.peak_kind,
+        history=history,
+        effective_checked=inspector.checked,
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from lowprec.measure.accounting import PeakMemory, StateBytes, measure_state_bytes
 from lowprec.measure.saved_tensors import SavedBytes, measure_fp8_scaling_bytes, measure_saved_bytes
@@ -43,8 +43,9 @@ class RunMeter:
         built = self.built
         x, y = built.dist.shard_batch(*batch)
         with preserve_buffers(built.model):
-            self.saved = measure_saved_bytes(lambda: forward_loss(built, x.to(built.device), y.to(built.device)),
-                                             built.model)
+            self.saved = measure_saved_bytes(
+                lambda: forward_loss(built, x.to(built.device), y.to(built.device)), built.model
+            )
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -64,8 +65,11 @@ class RunMeter:
         if step - self.first_step >= spec.timing_warmup_steps:
             self._timed_s += dt
             self._timed_steps += 1
-        return {"step_time_s": dt, "tokens_per_s": spec.tokens_per_step / dt,
-                "tokens": (step + 1) * spec.tokens_per_step}
+        return {
+            "step_time_s": dt,
+            "tokens_per_s": spec.tokens_per_step / dt,
+            "tokens": (step + 1) * spec.tokens_per_step,
+        }
 
     @property
     def peak_kind(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from lowprec.errors import ConfigError
@@ -42,10 +41,14 @@ class TrainSpec:
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
         if not (self.grad_clip > 0):  # also refuses NaN
-            raise ConfigError(f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "
-                              "use inf to turn clipping off)")
+            raise ConfigError(
+                f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "
+                "use inf to turn clipping off)"
+            )
         if not (0.0 <= self.min_lr_ratio <= 1.0):
-            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final LR as a fraction of the peak)")
+            raise ConfigError(
+                f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final LR as a fraction of the peak)"
+            )
         if self.timing_warmup_steps >= self.steps:
             raise ConfigError(
                 f"train.timing_warmup_steps={self.timing_warmup_steps} must be below train.steps={self.steps}"

@@ -9,8 +9,16 @@ from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
 
-DEBUG = ["model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64", "train.val_every=0",
-         "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1"]
+DEBUG = [
+    "model=debug",
+    "train.steps=4",
+    "train.batch_size=2",
+    "train.seq_len=64",
+    "train.val_every=0",
+    "train.val_batches=1",
+    "train.warmup_steps=1",
+    "train.timing_warmup_steps=1",
+]
 
 
 def _tokens_without_splits(tmp_path: Path) -> str:
@@ -30,10 +38,15 @@ BAD = [
     (["train", "optim.lr=-1"], "optim.lr=-1"),
     (["train", "optim.beta2=1.0"], "optim.beta2=1.0"),
     (["train", "recipe=fp16_amp", "recipe.compute.init_scale=-1"], "recipe.compute.init_scale=-1"),
-    (["train", "recipe=fp8_current", "recipe.fp8.strategy=static", "recipe.fp8.static_scales=[0,0,0]"],
-     "recipe.fp8.static_scales=[0.0, 0.0, 0.0] must be finite and > 0"),
+    (
+        ["train", "recipe=fp8_current", "recipe.fp8.strategy=static", "recipe.fp8.static_scales=[0,0,0]"],
+        "recipe.fp8.static_scales=[0.0, 0.0, 0.0] must be finite and > 0",
+    ),
     (["train", "train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len=512"),
-    (["train", "recipe=fp32", "recipe.fp8.margin=2"], "recipe.fp8.margin=2 has no effect with recipe.fp8.backend='none'"),
+    (
+        ["train", "recipe=fp32", "recipe.fp8.margin=2"],
+        "recipe.fp8.margin=2 has no effect with recipe.fp8.backend='none'",
+    ),
     (["train", "recipe=fp8_current", "recipe.fp8.amax_history_len=64"], "recipe.fp8.amax_history_len=64 has no effect"),
     (["train", "recipe=bf16", "recipe.compute.growth_interval=10"], "recipe.compute.growth_interval=10 has no effect"),
     (["train", "train.steps=abc"], "train.steps: Value 'abc'"),

@@ -16,8 +16,20 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from experiments.config import (
-    CONF_DIR, DATA_SOURCES, GROUPS, SCHEMAS, AblateConfig, RunConfig, TrainConfig, data_from_cfg, model_from_cfg,
-    optim_from_cfg, parallel_from_cfg, recipe_from_cfg, register_configs, train_from_cfg,
+    CONF_DIR,
+    DATA_SOURCES,
+    GROUPS,
+    SCHEMAS,
+    AblateConfig,
+    RunConfig,
+    TrainConfig,
+    data_from_cfg,
+    model_from_cfg,
+    optim_from_cfg,
+    parallel_from_cfg,
+    recipe_from_cfg,
+    register_configs,
+    train_from_cfg,
 )
 from lowprec.data import DataSpec
 from lowprec.model import LLAMA_CONFIGS, ModelArgs
@@ -38,8 +50,12 @@ EXTRA_KEYS = {ModelArgs: {"name"}}
 PRIMARY = {"base.yaml": RunConfig, "train.yaml": TrainConfig, "ablate.yaml": AblateConfig}
 GLOBAL_GROUPS = {"experiment": AblateConfig}
 #: The options of every group registered from Python tables, and those added as yaml files (none today).
-REGISTERED = {"model": sorted(LLAMA_CONFIGS), "recipe": sorted(CATALOG), "data": sorted(DATA_SOURCES),
-              **{g: sorted(opts) for g, opts in GROUPS.items()}}
+REGISTERED = {
+    "model": sorted(LLAMA_CONFIGS),
+    "recipe": sorted(CATALOG),
+    "data": sorted(DATA_SOURCES),
+    **{g: sorted(opts) for g, opts in GROUPS.items()},
+}
 YAML_OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in REGISTERED}
 OPTIONS = {g: sorted({*REGISTERED[g], *YAML_OPTIONS[g]}) for g in REGISTERED}
 
@@ -82,8 +98,11 @@ def _body(path: Path) -> dict:
 
 def _default_of(cls: type):
     """An instance holding ``cls``'s defaults (fields without a default read ``'???'``)."""
-    kw = {f.name: "???" for f in dataclasses.fields(cls)
-          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    kw = {
+        f.name: "???"
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     return cls(**kw)
 
 
@@ -121,18 +140,29 @@ def test_every_yaml_key_names_a_field_and_restates_no_default(path):
     cls, prefix = schema_of(path)
     unknown, restated = check_yaml(cls, _body(path), prefix)
     assert not unknown, f"{path.relative_to(CONF)}: keys that name no dataclass field: {unknown}"
-    assert not restated, (f"{path.relative_to(CONF)} restates dataclass defaults (one source: the dataclass): "
-                          f"{restated}")
+    assert not restated, f"{path.relative_to(CONF)} restates dataclass defaults (one source: the dataclass): {restated}"
 
 
 def test_the_checker_sees_unknown_and_restated_keys():
-    unknown, restated = check_yaml(AblateConfig, {"seeds": 1, "train": {"stepz": 3, "steps": 200, "seq_len": 64},
-                                                  "optim": {"lr": OptimHParams().lr}, "model": {"name": "x", "dimm": 1},
-                                                  "recipe": {"fp8": {"scalingg": "rowwise"}}})
-    assert sorted(unknown) == ["model.dimm (no field 'dimm' in ModelArgs)", "recipe (no field 'recipe' in AblateConfig)",
-                               "train.stepz (no field 'stepz' in TrainSpec)"]
+    unknown, restated = check_yaml(
+        AblateConfig,
+        {
+            "seeds": 1,
+            "train": {"stepz": 3, "steps": 200, "seq_len": 64},
+            "optim": {"lr": OptimHParams().lr},
+            "model": {"name": "x", "dimm": 1},
+            "recipe": {"fp8": {"scalingg": "rowwise"}},
+        },
+    )
+    assert sorted(unknown) == [
+        "model.dimm (no field 'dimm' in ModelArgs)",
+        "recipe (no field 'recipe' in AblateConfig)",
+        "train.stepz (no field 'stepz' in TrainSpec)",
+    ]
     assert sorted(restated) == ["optim.lr: 0.003", "seeds: 1", "train.steps: 200"]
-    assert check_yaml(TrainConfig, {"recipe": {"fp8": {"scalingg": 1}}})[0] == ["recipe.fp8.scalingg (no field 'scalingg' in Float8Spec)"]
+    assert check_yaml(TrainConfig, {"recipe": {"fp8": {"scalingg": 1}}})[0] == [
+        "recipe.fp8.scalingg (no field 'scalingg' in Float8Spec)"
+    ]
 
 
 def _hydra(fn):
@@ -159,7 +189,9 @@ def test_hydra_sees_every_registered_option_and_no_yaml_shadows_one():
 def option_node(group: str, option: str):
     """What the option ``group/option`` holds: the registered node, or a yaml option over its dataclass."""
     if option in YAML_OPTIONS[group]:
-        return OmegaConf.merge(OmegaConf.structured(_field_type(TrainConfig, group)), _body(CONF / group / f"{option}.yaml"))
+        return OmegaConf.merge(
+            OmegaConf.structured(_field_type(TrainConfig, group)), _body(CONF / group / f"{option}.yaml")
+        )
     if group == "model":
         return OmegaConf.create({"name": option, **dataclasses.asdict(LLAMA_CONFIGS[option])})
     if group == "recipe":
@@ -190,7 +222,10 @@ def test_every_group_option_composes_into_its_objects(i, tmp_path):
     assert recipe_from_cfg(cfg.recipe) == Recipe.from_dict(plain["recipe"])
     assert dataclasses.asdict(optim_from_cfg(cfg)) == plain["optim"]
     assert dataclasses.asdict(parallel_from_cfg(cfg)) == plain["parallel"]
-    assert dataclasses.asdict(data_from_cfg(cfg)) == plain["data"] and plain["data"]["cache_dir"] == plain["paths"]["cache"]
+    assert (
+        dataclasses.asdict(data_from_cfg(cfg)) == plain["data"]
+        and plain["data"]["cache_dir"] == plain["paths"]["cache"]
+    )
     assert train_from_cfg(cfg) == TrainSpec()
     if row["model"] in LLAMA_CONFIGS and row["recipe"] in CATALOG:
         assert model_from_cfg(cfg.model) == LLAMA_CONFIGS[row["model"]]
@@ -250,7 +285,10 @@ def test_defaults_come_from_the_dataclasses():
     assert optim_from_cfg(cfg) == OptimHParams() and OptimHParams().lr == 3e-3  # the LR the runs have always used
     assert train_from_cfg(cfg) == _default_of(TrainConfig).train
     raw = OmegaConf.to_container(cfg, resolve=False)
-    assert raw["paths"]["cache"] == "${oc.env:LOWPREC_CACHE,'~/.cache/lowprec'}" and raw["data"]["cache_dir"] == "${paths.cache}"
+    assert (
+        raw["paths"]["cache"] == "${oc.env:LOWPREC_CACHE,'~/.cache/lowprec'}"
+        and raw["data"]["cache_dir"] == "${paths.cache}"
+    )
     assert raw["tracking"]["uri"] == "sqlite:///${paths.runs}/mlflow.db"
     ablate = compose("ablate", [])
     assert ablate.control == AblateConfig.control and ablate.seeds == AblateConfig.seeds and ablate.name == "default"

@@ -21,8 +21,18 @@ def test_train_defaults_compose():
 
 
 def test_every_recipe_field_is_overridable():
-    cfg = compose("train", ["recipe=fp8_tensorwise", "recipe.fp8.scaling=rowwise", "recipe.fp8.fp8_format=e4m3", "model=debug", "model.n_layers=3",
-                            "train.steps=7", "seed=5"])
+    cfg = compose(
+        "train",
+        [
+            "recipe=fp8_tensorwise",
+            "recipe.fp8.scaling=rowwise",
+            "recipe.fp8.fp8_format=e4m3",
+            "model=debug",
+            "model.n_layers=3",
+            "train.steps=7",
+            "seed=5",
+        ],
+    )
     r = recipe_from_cfg(cfg.recipe)
     assert r.fp8.scaling == "rowwise" and r.fp8.backend == "torchao" and r.name == "fp8_tensorwise"
     assert model_from_cfg(cfg.model).n_layers == 3 and cfg.train.steps == 7 and cfg.seed == 5
@@ -42,26 +52,35 @@ def test_invalid_recipe_override_fails_in_validation():
         recipe_from_cfg(cfg.recipe)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train", "train.stepz=3"], "stepz"),
-    (["train", "recipe=fp7"], "fp7"),
-    (["train", "recipe.optim.state=int8", "train.steps=2"], "recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'"),
-    (["train", "recipe.fp8.backend=te"], "recipe.fp8.backend='te'"),
-    (["ablate", "recipes=[fp32,nope]"], "unknown recipe 'nope'"),
-    (["train", "data=text", "data.path=/no/such/dir"], "does not exist"),
-    (["train", "train.steps=0"], "train.steps=0"),
-    (["train", "recipe=te_delayed"], "recipe.fp8.backend='te' needs a CUDA GPU"),
-    (["ablate", "recipes=[fp32,te_blockwise]"], "recipe.fp8.backend='te' needs a CUDA GPU"),
-    (["train", "recipe=fp8_delayed", "recipe.fp8.scaling=rowwise"], "recipe.fp8.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'"),
-    (["train", "recipe=fp8_tensorwise", "recipe.fp8.strategy=delayed"], "torchao removed delayed scaling"),
-    (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
-    # the schemas registered from the dataclasses type-check while composing, before anything runs
-    (["train", "seed=abc"], "seed=abc"),
-    (["train", "faults.crash_at_step=x"], "faults.crash_at_step=x"),
-    (["ablate", "recipes=fp32"], "recipes=fp32"),
-    (["train", "optim.foo=1"], "Key 'foo' not in 'OptimHParams'"),
-    (["train", "data=text"], "data.path"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "train.stepz=3"], "stepz"),
+        (["train", "recipe=fp7"], "fp7"),
+        (
+            ["train", "recipe.optim.state=int8", "train.steps=2"],
+            "recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'",
+        ),
+        (["train", "recipe.fp8.backend=te"], "recipe.fp8.backend='te'"),
+        (["ablate", "recipes=[fp32,nope]"], "unknown recipe 'nope'"),
+        (["train", "data=text", "data.path=/no/such/dir"], "does not exist"),
+        (["train", "train.steps=0"], "train.steps=0"),
+        (["train", "recipe=te_delayed"], "recipe.fp8.backend='te' needs a CUDA GPU"),
+        (["ablate", "recipes=[fp32,te_blockwise]"], "recipe.fp8.backend='te' needs a CUDA GPU"),
+        (
+            ["train", "recipe=fp8_delayed", "recipe.fp8.scaling=rowwise"],
+            "recipe.fp8.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'",
+        ),
+        (["train", "recipe=fp8_tensorwise", "recipe.fp8.strategy=delayed"], "torchao removed delayed scaling"),
+        (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
+        # the schemas registered from the dataclasses type-check while composing, before anything runs
+        (["train", "seed=abc"], "seed=abc"),
+        (["train", "faults.crash_at_step=x"], "faults.crash_at_step=x"),
+        (["ablate", "recipes=fp32"], "recipes=fp32"),
+        (["train", "optim.foo=1"], "Key 'foo' not in 'OptimHParams'"),
+        (["train", "data=text"], "data.path"),
+    ],
+)
 def test_bad_input_gives_one_clear_line(args, needle, capsys, run_dirs):
     assert main(args + run_dirs) == 2
     err = capsys.readouterr().err.strip()

@@ -8,12 +8,11 @@ import threading
 import pytest
 import torch
 from torch import nn
+from toy_models import DIMS
+from toy_models import mlp as _model
 
 from lowprec.parallel.comm_meter import KINDS, CommMeter, comm_label, current_comm_label
 from lowprec.parallel.spawn import run_ranks
-
-from toy_models import DIMS
-from toy_models import mlp as _model
 
 
 def _padded_numel(model: nn.Module, ws: int) -> int:
@@ -105,9 +104,15 @@ def _tp(rank: int, ws: int) -> dict:
 
     # Sequence parallel: activations all-gathered into the colwise layer, reduce-scattered out of the rowwise one.
     sp = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16))
-    parallelize_module(sp, mesh, {"0": SequenceParallel(sequence_dim=0),
-                                  "1": ColwiseParallel(input_layouts=Shard(0)),
-                                  "2": RowwiseParallel(output_layouts=Shard(0))})
+    parallelize_module(
+        sp,
+        mesh,
+        {
+            "0": SequenceParallel(sequence_dim=0),
+            "1": ColwiseParallel(input_layouts=Shard(0)),
+            "2": RowwiseParallel(output_layouts=Shard(0)),
+        },
+    )
     meter.reset()
     with meter:
         sp(torch.randn(3, 16)).sum().backward()  # local sequence shard of 3 rows

@@ -62,10 +62,14 @@ class _Meters:
 
     def summary(self) -> dict:
         b = self.project.bytes_by_kind()
-        return {"local_all_gather": self.local.all_gather, "local_all_reduce": self.local.all_reduce,
-                "itemsizes": sorted(self.local.all_gather_itemsizes),
-                "all_gather": b["all_gather"], "all_reduce": b["all_reduce"],
-                "dtypes": sorted(self.project.bytes_by_kind_dtype()["all_gather"])}
+        return {
+            "local_all_gather": self.local.all_gather,
+            "local_all_reduce": self.local.all_reduce,
+            "itemsizes": sorted(self.local.all_gather_itemsizes),
+            "all_gather": b["all_gather"],
+            "all_reduce": b["all_reduce"],
+            "dtypes": sorted(self.project.bytes_by_kind_dtype()["all_gather"]),
+        }
 
 
 def _model(seed: int, bias: bool = True, device: str | None = None, dims=DIMS) -> nn.Sequential:
@@ -166,8 +170,11 @@ def _train(rank, world_size, gran, reshard_after_forward, steps=2, meta_init=Fal
     models = {True: build(True), False: build(False)}
     # SGD keeps weight differences proportional to gradient differences (Adam's normalized updates would
     # amplify FP8 noise in near-zero gradients); AdamW checks that the optimizer's in-place ops keep the wrapper.
-    make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optim == "sgd" else (
-        lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    make = (
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        if optim == "sgd"
+        else (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    )
     opts = {k: make(v.parameters()) for k, v in models.items()}
     for step in range(steps):
         grads = {}
@@ -178,8 +185,12 @@ def _train(rank, world_size, gran, reshard_after_forward, steps=2, meta_init=Fal
             grads[fp8] = [p.grad.full_tensor() for p in m.parameters()]
             if fp8:
                 for p in m.parameters():
-                    ok = (isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32
-                          and p.grad._local_tensor.shape == p._local_tensor.shape)
+                    ok = (
+                        isinstance(p, DTensor)
+                        and isinstance(p.grad, DTensor)
+                        and p.grad.dtype == torch.float32
+                        and p.grad._local_tensor.shape == p._local_tensor.shape
+                    )
                     out["grad_ok"].append(ok)
             opts[fp8].step()
             opts[fp8].zero_grad()
@@ -188,8 +199,9 @@ def _train(rank, world_size, gran, reshard_after_forward, steps=2, meta_init=Fal
         out["type_ok"] &= isinstance(lin.weight._local_tensor, Float8AllGatherWeight)
         out["type_ok"] &= lin.weight.dtype == torch.float32
     # weights moved identically up to FP8 noise in the gradients
-    out["weight_sqnr"] = min(sqnr_db(a.full_tensor(), b.full_tensor())
-                             for a, b in zip(models[False].parameters(), models[True].parameters()))
+    out["weight_sqnr"] = min(
+        sqnr_db(a.full_tensor(), b.full_tensor()) for a, b in zip(models[False].parameters(), models[True].parameters())
+    )
     return out
 
 
@@ -281,12 +293,15 @@ def _lowprec_linear(rank, world_size):
     from lowprec.float8.config import LinearFP8Config, RoleConfig
     from lowprec.float8.linear import Float8Linear
     from lowprec.numerics.formats import E4M3, E5M2
-    from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
     from lowprec.numerics.scaling import quantize_operand
+    from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
 
     res = {}
-    for recipe, (ag, wg) in {"tensorwise": ("tensorwise", "tensorwise"), "rowwise": ("rowwise", "rowwise"),
-                             "blockwise": ("tile1x128", "block128x128")}.items():
+    for recipe, (ag, wg) in {
+        "tensorwise": ("tensorwise", "tensorwise"),
+        "rowwise": ("rowwise", "rowwise"),
+        "blockwise": ("tile1x128", "block128x128"),
+    }.items():
         cfg = LinearFP8Config(RoleConfig(E4M3, ag), RoleConfig(E4M3, wg), RoleConfig(E5M2, ag))
         torch.manual_seed(0)
         m = nn.Sequential(*[Float8Linear.from_linear(nn.Linear(i, o), cfg) for i, o in zip(DIMS[:-2], DIMS[1:-1])])
@@ -301,8 +316,12 @@ def _lowprec_linear(rank, world_size):
             b = quantize_operand(w, E4M3, wg).data.view(torch.uint8)
             same.append((a == b).float().mean().item())
             lin.reshard()
-        res[recipe] = {"wrapped": wrapped, "wire": [lin.weight._local_tensor._granularity for lin in m],
-                       "same_codes": same, "grads": all(p.grad is not None for p in m.parameters())}
+        res[recipe] = {
+            "wrapped": wrapped,
+            "wire": [lin.weight._local_tensor._granularity for lin in m],
+            "same_codes": same,
+            "grads": all(p.grad is not None for p in m.parameters()),
+        }
     return res
 
 

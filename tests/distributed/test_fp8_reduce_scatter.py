@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from toy_models import DIMS
+from toy_models import mlp as _model
 
 from lowprec.numerics.formats import get_format, sqnr_db
 from lowprec.parallel.comm_meter import CommMeter
@@ -20,9 +22,6 @@ from lowprec.parallel.fp8_reduce_scatter import (
     quantize_blocks,
 )
 from lowprec.parallel.spawn import run_ranks
-
-from toy_models import DIMS
-from toy_models import mlp as _model
 
 
 def _shard(model: nn.Module, mesh) -> nn.Module:
@@ -102,7 +101,7 @@ def _direct(rank: int, ws: int) -> dict:
             outs[str(op)] = out
         s, a = outs[str(dist.ReduceOp.SUM)], outs[str(dist.ReduceOp.AVG)]
         # Same quantization applied locally to every rank's chunk, dequantized and summed in fp32 in rank order.
-        rows = [x.view(ws, chunk)[rank:rank + 1] for x in inputs]
+        rows = [x.view(ws, chunk)[rank : rank + 1] for x in inputs]
         emulated = torch.cat([dequantize_blocks(*quantize_blocks(r, fmt, 128), 128) for r in rows]).sum(0)
         # Per element, per contribution: relative rounding of a normal (eps/2) and absolute rounding of a
         # subnormal (min_subnormal/2 in scaled units, amax/fmt.max per unit).
@@ -154,8 +153,10 @@ def test_fsdp2_fp8_reduce_scatter_gradients_and_bytes(ws):
             assert ratio >= 0.25  # 1 byte per element plus the scales
             assert b[name]["all_gather"] == b["fp32"]["all_gather"]  # parameters untouched
     b0 = results[0]["bytes"]
-    print(f"ws={ws}: gradient SQNR dB {results[0]['sqnr']}, e4m3 byte ratio "
-          f"{sum(b0['e4m3']['reduce_scatter'].values()) / sum(b0['fp32']['reduce_scatter'].values()):.4f}")
+    print(
+        f"ws={ws}: gradient SQNR dB {results[0]['sqnr']}, e4m3 byte ratio "
+        f"{sum(b0['e4m3']['reduce_scatter'].values()) / sum(b0['fp32']['reduce_scatter'].values()):.4f}"
+    )
 
 
 @pytest.mark.parametrize("ws", [2, 3])

@@ -11,15 +11,25 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-QUICK = ["model=debug", "train.steps=4", "train.batch_size=4", "train.seq_len=64", "train.val_every=0",
-         "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.telemetry_every=2",
-         "train.progress=false"]
+QUICK = [
+    "model=debug",
+    "train.steps=4",
+    "train.batch_size=4",
+    "train.seq_len=64",
+    "train.val_every=0",
+    "train.val_batches=1",
+    "train.warmup_steps=1",
+    "train.timing_warmup_steps=1",
+    "train.telemetry_every=2",
+    "train.progress=false",
+]
 
 
 def _lowprec(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "experiments", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "experiments", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_train_with_dp_shard_runs_under_torchrun_and_rank0_logs(tmp_path, token_data):

@@ -14,9 +14,19 @@ from lowprec.parallel.spawn import run_ranks
 STEPS_FP8 = 50
 
 
-def _train(recipe_name: str, dims: dict | None, steps: int, *, batch_size: int = 4, seq_len: int = 64,
-           comm: dict | None = None, checkpoint_dir=None, checkpoint_every: int = 0, resume_from=None,
-           telemetry_every: int = 0) -> dict:
+def _train(
+    recipe_name: str,
+    dims: dict | None,
+    steps: int,
+    *,
+    batch_size: int = 4,
+    seq_len: int = 64,
+    comm: dict | None = None,
+    checkpoint_dir=None,
+    checkpoint_every: int = 0,
+    resume_from=None,
+    telemetry_every: int = 0,
+) -> dict:
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.optim.builder import OptimHParams
@@ -28,11 +38,27 @@ def _train(recipe_name: str, dims: dict | None, steps: int, *, batch_size: int =
 
     recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
-    spec = TrainSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, warmup_steps=2, val_every=0, val_batches=1,
-                     timing_warmup_steps=1, telemetry_every=telemetry_every, checkpoint_every=checkpoint_every,
-                     progress=False)
-    built = build(recipe, model_args("debug"), spec, OptimHParams(lr=3e-3), 0, torch.device("cpu"),
-                  ParallelDims(**dims) if dims else None)
+    spec = TrainSpec(
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        warmup_steps=2,
+        val_every=0,
+        val_batches=1,
+        timing_warmup_steps=1,
+        telemetry_every=telemetry_every,
+        checkpoint_every=checkpoint_every,
+        progress=False,
+    )
+    built = build(
+        recipe,
+        model_args("debug"),
+        spec,
+        OptimHParams(lr=3e-3),
+        0,
+        torch.device("cpu"),
+        ParallelDims(**dims) if dims else None,
+    )
 
     class Sink:
         rows: list[dict] = []
@@ -42,10 +68,20 @@ def _train(recipe_name: str, dims: dict | None, steps: int, *, batch_size: int =
 
     sink = Sink()
     sink.rows = []
-    res = run_training(built, TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0), spec, sink,
-                       checkpoint_dir=checkpoint_dir, resume_from=resume_from)
-    return {"losses": [r["loss"] for r in sink.rows], "effective": res.effective, "rows": sink.rows,
-            "summary": res.summary}
+    res = run_training(
+        built,
+        TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0),
+        spec,
+        sink,
+        checkpoint_dir=checkpoint_dir,
+        resume_from=resume_from,
+    )
+    return {
+        "losses": [r["loss"] for r in sink.rows],
+        "effective": res.effective,
+        "rows": sink.rows,
+        "summary": res.summary,
+    }
 
 
 def _train_many(rank: int, ws: int, jobs: list[tuple[str, dict | None, int, dict]]) -> list[dict]:
@@ -83,7 +119,12 @@ def test_fp8_all_gather_and_reduce_scatter_bytes_and_effective_recipe(token_data
     reduce-scatter <= 0.30x the FP32 one, and the effective recipe records the wire dtypes."""
     jobs = [
         ("fp8_current", {"dp_shard": 2}, 3, {"telemetry_every": 1}),
-        ("fp8_current", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8", "grad_reduce": "fp8"}}),
+        (
+            "fp8_current",
+            {"dp_shard": 2},
+            3,
+            {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8", "grad_reduce": "fp8"}},
+        ),
         ("fp8_tensorwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
         ("fp8_rowwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
     ]
@@ -118,8 +159,10 @@ def _torchao_uneven(rank: int, ws: int) -> str:
 
 def test_fp8_all_gather_at_world_size_3(token_data):
     """Uneven shards: the debug model's dims (16, 32, 96, 8192 rows) do not divide by 3."""
-    jobs = [(r, {"dp_shard": 3}, 3, {"batch_size": 6, "comm": {"weight_all_gather": "fp8"}})
-            for r in ("fp8_current", "fp8_blockwise")]
+    jobs = [
+        (r, {"dp_shard": 3}, 3, {"batch_size": 6, "comm": {"weight_all_gather": "fp8"}})
+        for r in ("fp8_current", "fp8_blockwise")
+    ]
     outs = run_ranks(_train_many, 3, jobs)[0]
     for (name, *_), out in zip(jobs, outs):
         single = _train(name, None, 3, batch_size=6)["losses"]
@@ -135,7 +178,9 @@ def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
     by DCP, on one process and under TP 2 within 1e-6 relative (measured: 2.0e-7, 2 ulps of a loss near 9.4,
     the same on both; the reduction order differs)."""
     ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"checkpoint_dir": ckpt, "checkpoint_every": 3})])[0][0]
+    full = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"checkpoint_dir": ckpt, "checkpoint_every": 3})])[
+        0
+    ][0]
     step3 = str(tmp_path / "ckpt" / "step_3")
     one = _train("fp32", None, 6, resume_from=step3)["losses"]
     fsdp = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"resume_from": step3})])[0][0]["losses"]
@@ -152,8 +197,9 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
     names = ["bf16_adamw8bit", "fp8_delayed"]
     jobs = [(n, {"dp_shard": 2}, 6, {"checkpoint_dir": str(tmp_path / n), "checkpoint_every": 3}) for n in names]
     full = run_ranks(_train_many, 2, jobs)[0]
-    resumed = run_ranks(_train_many, 2, [(n, {"dp_shard": 2}, 6, {"resume_from": str(tmp_path / n / "step_3")})
-                                         for n in names])[0]
+    resumed = run_ranks(
+        _train_many, 2, [(n, {"dp_shard": 2}, 6, {"resume_from": str(tmp_path / n / "step_3")}) for n in names]
+    )[0]
     for n, f, r in zip(names, full, resumed):
         assert r["losses"] == f["losses"][3:], n
     from lowprec.train.checkpoint import CheckpointError
@@ -174,8 +220,15 @@ def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Te
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(steps=2, batch_size=4, seq_len=64, timing_warmup_steps=1, progress=False)
-    b = build(get_recipe("bf16").with_fields("comm", grad_reduce=grad_reduce), model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"),
-              ParallelDims(dp_shard=ws))
+    b = build(
+        get_recipe("bf16").with_fields("comm", grad_reduce=grad_reduce),
+        model_args("debug"),
+        spec,
+        OptimHParams(),
+        0,
+        torch.device("cpu"),
+        ParallelDims(dp_shard=ws),
+    )
     x, y = b.dist.shard_batch(*TokenBatches(data.train, data.val, 64, 4, 0).train_batch(0, 0))
     _loss(b, x, y).backward()
     return torch.cat([p.grad.full_tensor().flatten().float() for p in b.model.parameters()])
@@ -193,8 +246,10 @@ def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_da
 def test_fp8_sequence_parallel_all_gather_under_tp(token_data):
     """recipe.comm.activation_all_gather=fp8: the SP all-gathers of attention/feed_forward inputs move e4m3 plus
     one fp32 scale per token; the run tracks one process and the effective recipe records it."""
-    jobs = [("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1}),
-            ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}})]
+    jobs = [
+        ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1}),
+        ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}}),
+    ]
     hp, f8 = run_ranks(_train_many, 2, jobs)[0]
     single = _train("fp8_rowwise", None, 6)["losses"]
     # Measured over the 6 steps: 3.2e-5 relative with the FP8 all-gather, 2.0e-5 without it (TP alone: its FP8

@@ -16,23 +16,26 @@ NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
 
 
 def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]:
-    from lowprec.measure.accounting import measure_state_bytes
     from lowprec.data import DataSpec, TokenBatches, prepare
+    from lowprec.estimate.activations import predict_saved_activations
     from lowprec.estimate.estimator import predict_state_bytes
+    from lowprec.measure.accounting import measure_state_bytes
+    from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
     from lowprec.model import model_args
     from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
-    from lowprec.estimate.activations import predict_saved_activations
-    from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
-    from lowprec.train.loop import _loss
     from lowprec.train.build import build
-    from lowprec.train.loop import train_step
+    from lowprec.train.loop import _loss, train_step
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe
 
-    torch.compile = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)  # torchao's step, eagerly: same states
+    torch.compile = lambda fn=None, **kw: (
+        fn if fn is not None else (lambda f: f)
+    )  # torchao's step, eagerly: same states
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
-    spec = TrainSpec(steps=2, batch_size=2, seq_len=32, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
+    spec = TrainSpec(
+        steps=2, batch_size=2, seq_len=32, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False
+    )
     batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0)
     out = []
     for name in names:
@@ -45,10 +48,17 @@ def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]
         act = predict_saved_activations(model_args(size), recipe, x.shape[0], spec.seq_len, "cpu", dp_shard=ws)
         p = predict_state_bytes(model_args(size), recipe, dp_shard=ws).as_state_bytes()
         fields = ("n_params", "params", "grads", "master", "optim_states")
-        out.append((name, {f: (getattr(p, f), getattr(m, f)) for f in fields},
-                    (predict_state_bytes(model_args(size), recipe, dp_shard=ws).fp8_scaling_state,
-                     measure_fp8_scaling_bytes(b.model)),
-                    (act.total, saved.total)))
+        out.append(
+            (
+                name,
+                {f: (getattr(p, f), getattr(m, f)) for f in fields},
+                (
+                    predict_state_bytes(model_args(size), recipe, dp_shard=ws).fp8_scaling_state,
+                    measure_fp8_scaling_bytes(b.model),
+                ),
+                (act.total, saved.total),
+            )
+        )
 
     return out
 

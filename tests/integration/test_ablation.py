@@ -4,8 +4,7 @@ import re
 
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.cli import compose
+from experiments.cli import compose, main
 
 SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
 
@@ -20,7 +19,9 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     abl = _ablation_id(out)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
-    (parent,) = client.search_runs([exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'")
+    (parent,) = client.search_runs(
+        [exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
+    )
     children = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.data.tags["recipe"] for c in children) == sorted(SMOKE)
     assert all(c.info.status == "FINISHED" for c in children)
@@ -43,14 +44,24 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
 
 
 def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_path, capsys):
-    args = ["ablate", "experiment=smoke", "recipes=[fp32,bf16,bf16_pure]", "train.steps=4", "train.val_every=2",
-            "faults.recipe=bf16", "faults.crash_at_step=2"]
+    args = [
+        "ablate",
+        "experiment=smoke",
+        "recipes=[fp32,bf16,bf16_pure]",
+        "train.steps=4",
+        "train.val_every=2",
+        "faults.recipe=bf16",
+        "faults.crash_at_step=2",
+    ]
     assert main(args + run_dirs) == 0
     abl = _ablation_id(capsys.readouterr().out)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
-    runs = {r.data.tags["recipe"]: r for r in client.search_runs([exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}'")
-            if r.data.tags.get("lowprec.kind") != "ablation"}
+    runs = {
+        r.data.tags["recipe"]: r
+        for r in client.search_runs([exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}'")
+        if r.data.tags.get("lowprec.kind") != "ablation"
+    }
     assert runs["bf16"].info.status == "FAILED"
     assert runs["bf16"].data.tags["failure_reason"].startswith("InjectedCrash: injected crash before step 2")
     assert runs["fp32"].info.status == "FINISHED" and runs["bf16_pure"].info.status == "FINISHED"

@@ -55,8 +55,18 @@ def test_every_cpu_catalog_recipe_is_covered():
 @pytest.mark.parametrize("case", list(CASES))
 def test_resumed_run_continues_bit_identically(case, token_data, tmp_path, no_compile):
     recipe = CASES[case]
-    spec = TrainSpec(steps=15, batch_size=2, seq_len=64, warmup_steps=3, val_every=0, val_batches=1,
-                     timing_warmup_steps=1, telemetry_every=0, checkpoint_every=5, progress=False)
+    spec = TrainSpec(
+        steps=15,
+        batch_size=2,
+        seq_len=64,
+        warmup_steps=3,
+        val_every=0,
+        val_batches=1,
+        timing_warmup_steps=1,
+        telemetry_every=0,
+        checkpoint_every=5,
+        progress=False,
+    )
     full = _run(recipe, token_data, spec, 1234, checkpoint_dir=tmp_path)
     assert (tmp_path / "step_5" / ".metadata").exists()
     resumed = _run(recipe, token_data, spec, 999, resume_from=tmp_path / "step_5")  # another RNG state

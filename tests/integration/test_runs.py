@@ -15,8 +15,16 @@ from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
 from recipes import get_recipe
 
-QUICK = ["model=debug", "train.steps=6", "train.batch_size=2", "train.seq_len=64", "train.val_every=3",
-         "train.val_batches=1", "train.warmup_steps=2", "train.timing_warmup_steps=1"]
+QUICK = [
+    "model=debug",
+    "train.steps=6",
+    "train.batch_size=2",
+    "train.seq_len=64",
+    "train.val_every=3",
+    "train.val_batches=1",
+    "train.warmup_steps=2",
+    "train.timing_warmup_steps=1",
+]
 
 
 class ListSink:
@@ -28,7 +36,9 @@ class ListSink:
 
 
 def _losses(recipe, token_data, seed):
-    spec = TrainSpec(steps=5, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False)
+    spec = TrainSpec(
+        steps=5, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False
+    )
     b = build(get_recipe(recipe), model_args("debug"), spec, OptimHParams(), seed, torch.device("cpu"))
     res = run_training(b, TokenBatches(token_data.train, token_data.val, 64, 2, seed), spec, ListSink())
     return [h["loss"] for h in res.history], res
@@ -52,8 +62,17 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     run = client.get_run(o.run_id)
     t = run.data.tags
-    for key in ("recipe_hash", "recipe_short", "effective_recipe", "git_sha", "torch_version", "torchao_version",
-                "bitsandbytes_version", "device", "corpus_fingerprint"):
+    for key in (
+        "recipe_hash",
+        "recipe_short",
+        "effective_recipe",
+        "git_sha",
+        "torch_version",
+        "torchao_version",
+        "bitsandbytes_version",
+        "device",
+        "corpus_fingerprint",
+    ):
         assert t.get(key), key
     assert t["effective_matches"] == "true"
     assert json.loads(t["effective_recipe"])["fp8_linears"] == {"torchao.float8.float8_linear.Float8Linear": 14}
@@ -61,8 +80,19 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
     assert "mfu" not in run.data.metrics  # no MFU on a CPU
     assert [m.step for m in client.get_metric_history(o.run_id, "loss")] == list(range(6))
     assert len(client.get_metric_history(o.run_id, "val_loss")) == 2
-    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_states_bytes", "mem_peak_bytes", "tokens_per_s",
-                "step_time_s", "grad_norm", "lr", "state_bytes_per_param", "achieved_tflops", "model_flops_per_token"):
+    for key in (
+        "mem_params_bytes",
+        "mem_grads_bytes",
+        "mem_optim_states_bytes",
+        "mem_peak_bytes",
+        "tokens_per_s",
+        "step_time_s",
+        "grad_norm",
+        "lr",
+        "state_bytes_per_param",
+        "achieved_tflops",
+        "model_flops_per_token",
+    ):
         assert key in run.data.metrics, key
 
 
@@ -103,7 +133,9 @@ def test_a_converter_that_converts_nothing_makes_the_run_failed(run_dirs, tmp_pa
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["effective_matches"] == "false"
-    assert "fp8_linears: requested {'lowprec.float8.linear.Float8Linear': 14}, ran {}" in run.data.tags["failure_reason"]
+    assert (
+        "fp8_linears: requested {'lowprec.float8.linear.Float8Linear': 14}, ran {}" in run.data.tags["failure_reason"]
+    )
 
 
 def test_resume_under_another_recipe_needs_consent_and_is_recorded(run_dirs, tmp_path, capsys):
@@ -117,10 +149,13 @@ def test_resume_under_another_recipe_needs_consent_and_is_recorded(run_dirs, tmp
     err = capsys.readouterr().err
     assert "written under recipe fp32" in err and "train.resume_recipe_change=true" in err
     assert len(client.search_runs([exp])) == 1  # refused before a run was created
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}",
-                                                 "train.resume_recipe_change=true"]) == 0
+    assert (
+        main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}", "train.resume_recipe_change=true"])
+        == 0
+    )
     second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
     assert second.info.status == "FINISHED"
     change = json.loads(second.data.tags["effective_recipe"])["resume_recipe_change"]
     assert change["from"] == "fp32" and change["to"] == "fp8_current" and change["at_step"] == 3
     assert second.data.tags["resume_recipe_change"].startswith("fp32 (")
+

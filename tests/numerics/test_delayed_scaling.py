@@ -14,8 +14,11 @@ from lowprec.float8 import Float8Linear, LinearFP8Config
 from recipes import get_recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-FMT = {"input": (torch.float8_e4m3fn, E4M3_MAX), "weight": (torch.float8_e4m3fn, E4M3_MAX),
-       "grad_output": (torch.float8_e5m2, E5M2_MAX)}  # the HYBRID format of fp8_delayed
+FMT = {
+    "input": (torch.float8_e4m3fn, E4M3_MAX),
+    "weight": (torch.float8_e4m3fn, E4M3_MAX),
+    "grad_output": (torch.float8_e5m2, E5M2_MAX),
+}  # the HYBRID format of fp8_delayed
 K, N, M = 64, 32, 16
 HISTORY = 16
 
@@ -177,4 +180,4 @@ def test_input_scale_follows_the_amax_history_window(algo):
         lin.update_scales()
     # the window really moved: the outlier's scale held for 16 steps (max) and was then replaced
     if algo == "max":
-        assert _scale_from(amaxes[1:HISTORY + 1], "input") != _scale_from(amaxes[:HISTORY], "input")
+        assert _scale_from(amaxes[1 : HISTORY + 1], "input") != _scale_from(amaxes[:HISTORY], "input")

@@ -45,9 +45,15 @@ def test_scale_direction_multiplies():
     assert amax_to_scale(torch.tensor(0.004), E4M3, margin=2).item() == pytest.approx(448 / 0.004 / 4)
 
 
-@pytest.mark.parametrize("gran, shape", [
-    ("tensorwise", ()), ("rowwise", (200, 1)), ("tile1x128", (200, 3)), ("block128x128", (2, 3)),
-])
+@pytest.mark.parametrize(
+    "gran, shape",
+    [
+        ("tensorwise", ()),
+        ("rowwise", (200, 1)),
+        ("tile1x128", (200, 3)),
+        ("block128x128", (2, 3)),
+    ],
+)
 def test_scale_shapes_and_round_trip(gran, shape):
     x = torch.randn(200, 300)
     q = quantize_operand(x, E4M3, gran)

@@ -9,8 +9,8 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from lowprec.float8 import Float8Linear, LinearFP8Config, fp8_gemm
 from lowprec.float8.gemm import round_mantissa
 from lowprec.numerics.formats import E4M3, sqnr_db
-from lowprec.recipe import Float8Spec
 from lowprec.numerics.scaling import quantize_operand
+from lowprec.recipe import Float8Spec
 
 SPECS = {
     "tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),
@@ -82,7 +82,9 @@ def test_bf16_inputs_under_autocast_give_bf16_outputs_and_fp32_weight_grads():
 def test_fp8_activation_cache_saves_a_quarter_of_the_bytes_and_the_same_grads():
     _, _, plain, x, g = _pair("blockwise")
     cached = copy.deepcopy(plain)
-    cached.fp8_config = LinearFP8Config.from_spec(Float8Spec(**{**SPECS["blockwise"].__dict__, "cache_fp8_activations": True}))
+    cached.fp8_config = LinearFP8Config.from_spec(
+        Float8Spec(**{**SPECS["blockwise"].__dict__, "cache_fp8_activations": True})
+    )
     saved = {}
     for name, mod in (("plain", plain), ("cached", cached)):
         sizes = []

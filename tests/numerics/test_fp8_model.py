@@ -15,8 +15,16 @@ from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
 from recipes import get_recipe
 
-SPEC = TrainSpec(steps=6, batch_size=2, seq_len=64, val_every=0, val_batches=1, timing_warmup_steps=1,
-                 telemetry_every=0, progress=False)
+SPEC = TrainSpec(
+    steps=6,
+    batch_size=2,
+    seq_len=64,
+    val_every=0,
+    val_batches=1,
+    timing_warmup_steps=1,
+    telemetry_every=0,
+    progress=False,
+)
 
 
 def test_layer_filters():

@@ -1,13 +1,11 @@
 """FP8 telemetry: sampled steps only, real overflow/underflow/SQNR figures."""
 
-import copy
-
 import pytest
 import torch
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
-from lowprec.recipe import Float8Spec
 from lowprec.measure.telemetry import FP8Telemetry
+from lowprec.recipe import Float8Spec
 
 
 def _model(strategy="current"):

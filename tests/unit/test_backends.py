@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.backends import Float8Backend, fp8_backends, optim_impls, register_fp8_backend
-from lowprec.backends import registry
+from lowprec.backends import Float8Backend, fp8_backends, optim_impls, register_fp8_backend, registry
 from lowprec.data import TokenBatches
 from lowprec.estimate import predict_state_bytes
 from lowprec.model import model_args
@@ -42,8 +41,9 @@ class DummyFloat8(Float8Backend):
     def convert(self, model, spec, fqns, fp8_weight_all_gather):
         for fqn in fqns:
             old = model.get_submodule(fqn)
-            new = FakeQuantLinear(old.in_features, old.out_features, bias=False, device=old.weight.device,
-                                  dtype=old.weight.dtype)
+            new = FakeQuantLinear(
+                old.in_features, old.out_features, bias=False, device=old.weight.device, dtype=old.weight.dtype
+            )
             new.weight = old.weight
             parent, _, child = fqn.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
@@ -59,10 +59,24 @@ def dummy_backend():
 def test_a_backend_defined_in_a_test_trains_and_is_inspected(dummy_backend, token_data):
     recipe = Recipe(name="dummy8", compute=ComputeSpec(autocast_dtype="bf16"), fp8=Float8Spec(backend="dummy"))
     assert recipe.fp8.enabled and "fp8=dummy:tensorwise" in recipe.short_str()
-    spec = TrainSpec(steps=2, batch_size=2, seq_len=64, warmup_steps=1, val_every=0, val_batches=1,
-                     timing_warmup_steps=1, telemetry_every=0, progress=False)
+    spec = TrainSpec(
+        steps=2,
+        batch_size=2,
+        seq_len=64,
+        warmup_steps=1,
+        val_every=0,
+        val_batches=1,
+        timing_warmup_steps=1,
+        telemetry_every=0,
+        progress=False,
+    )
     b = build(recipe, model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))
-    res = run_training(b, TokenBatches(token_data.train, token_data.val, 64, 2, 0), spec, type("S", (), {"log_metrics": lambda *a: None})())
+    res = run_training(
+        b,
+        TokenBatches(token_data.train, token_data.val, 64, 2, 0),
+        spec,
+        type("S", (), {"log_metrics": lambda *a: None})(),
+    )
     assert res.effective_checked
     assert res.effective["fp8_linears"] == {DummyFloat8.module_class: 14}  # 2 blocks x 7 linears
     assert all(math.isfinite(h["loss"]) for h in res.history) and len(res.history) == 2
@@ -79,6 +93,9 @@ def test_a_backend_validates_its_own_fields(dummy_backend):
 def test_builtin_registries():
     assert set(fp8_backends()) >= {"none", "lowprec", "torchao", "te"}
     assert set(optim_impls()) == {"torch", "lowprec", "bitsandbytes", "torchao"}
-    with pytest.raises(RecipeError, match=r"recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'.*"
-                                          r"use impl in \['bitsandbytes', 'torchao'\]"):
+    with pytest.raises(
+        RecipeError,
+        match=r"recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'.*"
+        r"use impl in \['bitsandbytes', 'torchao'\]",
+    ):
         Recipe(name="x", optim=__import__("lowprec.recipe", fromlist=["OptimSpec"]).OptimSpec(state="int8"))

@@ -44,14 +44,22 @@ def _text_corpus(tmp_path, n=40):
     root = tmp_path / "corpus"
     root.mkdir()
     for i in range(n):
-        (root / f"doc{i:03d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i))
+        (root / f"doc{i:03d}.txt").write_text(
+            f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i)
+        )
     return root
 
 
 def test_user_text_corpus_and_its_cache(tmp_path):
     root = _text_corpus(tmp_path)
-    spec = DataSpec(source="text", path=str(root), pattern="*.txt", vocab_size=300, val_fraction=0.2,
-                    cache_dir=str(tmp_path / "cache"))
+    spec = DataSpec(
+        source="text",
+        path=str(root),
+        pattern="*.txt",
+        vocab_size=300,
+        val_fraction=0.2,
+        cache_dir=str(tmp_path / "cache"),
+    )
     d = prepare(spec)
     assert d.vocab_size == 300 and d.n_train_tokens > 1000
     again = prepare(spec)
@@ -71,8 +79,14 @@ def test_missing_and_empty_corpus_raise(tmp_path):
 
 
 def test_corrupt_shard_is_detected(tmp_path):
-    spec = DataSpec(source="text", path=str(_text_corpus(tmp_path)), pattern="*.txt", vocab_size=300,
-                    val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+    spec = DataSpec(
+        source="text",
+        path=str(_text_corpus(tmp_path)),
+        pattern="*.txt",
+        vocab_size=300,
+        val_fraction=0.2,
+        cache_dir=str(tmp_path / "cache"),
+    )
     d = prepare(spec)
     shard = d.shard_dir / "train_000.bin"
     raw = bytearray(shard.read_bytes())
@@ -87,8 +101,13 @@ def test_corrupt_shard_is_detected(tmp_path):
 
 def test_pretokenized_shards(tmp_path):
     rng = np.random.default_rng(0)
-    write_shards(tmp_path / "tok", {"train": rng.integers(0, 500, 5000), "val": rng.integers(0, 500, 1000)},
-                 vocab_size=512, shard_tokens=2000, extra={})
+    write_shards(
+        tmp_path / "tok",
+        {"train": rng.integers(0, 500, 5000), "val": rng.integers(0, 500, 1000)},
+        vocab_size=512,
+        shard_tokens=2000,
+        extra={},
+    )
     d = prepare(DataSpec(source="tokens", path=str(tmp_path / "tok")))
     assert d.vocab_size == 512 and d.n_train_tokens == 5000 and len(d.train) == 3
     x, y = TokenBatches(d.train, d.val, 100, 8, 0).train_batch(0)

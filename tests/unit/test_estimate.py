@@ -8,19 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from experiments.estimate import estimate_main
-from lowprec.measure.accounting import measure_state_bytes
 from lowprec.data import TokenBatches
-from lowprec.estimate.estimator import estimate, estimate_all, flops_per_token, mfu, predict_state_bytes, predict_throughput
 from lowprec.estimate.activations import predict_saved_activations
+from lowprec.estimate.estimator import (
+    estimate,
+    estimate_all,
+    flops_per_token,
+    mfu,
+    predict_state_bytes,
+    predict_throughput,
+)
 from lowprec.estimate.hardware import HARDWARE, get_hardware
+from lowprec.measure.accounting import measure_state_bytes
+from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.model import model_args
 from lowprec.optim.builder import OptimHParams
-from lowprec.recipe import OptimSpec
-from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
+from lowprec.recipe import CommSpec, OptimSpec
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
-from lowprec.recipe import CommSpec
 from recipes import CATALOG, get_recipe
 
 CPU = torch.device("cpu")
@@ -64,13 +70,17 @@ def test_torchao_adamw8bit_state_bytes_are_exact(batches, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     recipe = replace(get_recipe("bf16_adamw8bit"), name="ao8", optim=OptimSpec(state="int8", impl="torchao"))
     b = _after_one_step(recipe, "debug", batches)
-    assert measure_state_bytes(b.model, b.optimizer) == predict_state_bytes(model_args("debug"), recipe).as_state_bytes()
+    assert (
+        measure_state_bytes(b.model, b.optimizer) == predict_state_bytes(model_args("debug"), recipe).as_state_bytes()
+    )
 
 
 # Every non-te recipe matches to the byte on debug and tiny at seq 256 and 128 (checked while writing this);
 # the tiny cases here are a few, to keep this file fast on a 2-core machine.
-ACT_CASES = ([("debug", n, s) for n in NON_TE for s in (256, 128)]
-             + [("tiny", "bf16", 256), ("tiny", "fp8_blockwise", 128)])
+ACT_CASES = [("debug", n, s) for n in NON_TE for s in (256, 128)] + [
+    ("tiny", "bf16", 256),
+    ("tiny", "fp8_blockwise", 128),
+]
 
 
 @pytest.mark.parametrize("size, name, seq", ACT_CASES)
@@ -94,8 +104,13 @@ def test_saved_activation_prediction_equals_measurement(size, name, seq):
 def test_fp8_activation_cache_saves_memory_in_the_prediction():
     args = model_args("tiny")
     cached = predict_saved_activations(args, get_recipe("fp8_blockwise"), 8, 256, "cpu")
-    plain = predict_saved_activations(args, replace(get_recipe("fp8_blockwise"), fp8=replace(
-        get_recipe("fp8_blockwise").fp8, cache_fp8_activations=False)), 8, 256, "cpu")
+    plain = predict_saved_activations(
+        args,
+        replace(get_recipe("fp8_blockwise"), fp8=replace(get_recipe("fp8_blockwise").fp8, cache_fp8_activations=False)),
+        8,
+        256,
+        "cpu",
+    )
     assert cached.activations < plain.activations
 
 
@@ -145,7 +160,9 @@ def test_flops_mfu_and_predicted_time():
 
 def test_estimate_all_ranks_every_recipe():
     r = estimate_all(model_args("llama3_8b"), CATALOG.values(), dp_shard=8, hardware=get_hardware("h100_sxm"))
-    assert sorted(r.rank_memory) == sorted(CATALOG) and sorted(r.rank_memory.values()) == list(range(1, len(CATALOG) + 1))
+    assert sorted(r.rank_memory) == sorted(CATALOG) and sorted(r.rank_memory.values()) == list(
+        range(1, len(CATALOG) + 1)
+    )
     totals = [e.totals["none"] for e in r.rows]
     assert totals == sorted(totals)
     assert r.rows[0].recipe == "bf16_pure"
@@ -168,11 +185,20 @@ def test_cli_reports_8b_bf16(capsys):
     assert len(json.loads(capsys.readouterr().out)["rows"]) == len(CATALOG)
 
 
-@pytest.mark.parametrize("argv", [
-    ["model=llama3_8b"], ["model=nope", "recipe=bf16"], ["model=tiny", "recipe=nope"], ["model=tiny", "recipe=bf16", "batch=x"],
-    ["model=tiny", "recipe=bf16", "foo=1"], ["model=tiny", "recipe=bf16", "parallel.tp=3"],
-    ["model=tiny", "recipe=bf16", "hardware=tpu"], ["model=tiny", "recipe=bf16", "efficiency=2"], ["model=tiny", "bare"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["model=llama3_8b"],
+        ["model=nope", "recipe=bf16"],
+        ["model=tiny", "recipe=nope"],
+        ["model=tiny", "recipe=bf16", "batch=x"],
+        ["model=tiny", "recipe=bf16", "foo=1"],
+        ["model=tiny", "recipe=bf16", "parallel.tp=3"],
+        ["model=tiny", "recipe=bf16", "hardware=tpu"],
+        ["model=tiny", "recipe=bf16", "efficiency=2"],
+        ["model=tiny", "bare"],
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert estimate_main(argv) == 2
     err = capsys.readouterr().err.strip()

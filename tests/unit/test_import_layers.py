@@ -52,7 +52,8 @@ def _module_name(path: Path) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(path: Path, module: str) -> set[str]:
@@ -93,16 +94,21 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_no_import_from_a_higher_layer():
-    bad = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
-           for m, deps in sorted(_graph().items()) for d in sorted(deps)
-           if _layer(d) > _layer(m) and not m.startswith(d + ".")]  # a package's own __init__ is fine
+    bad = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in sorted(_graph().items())
+        for d in sorted(deps)
+        if _layer(d) > _layer(m) and not m.startswith(d + ".")
+    ]  # a package's own __init__ is fine
     assert not bad, "imports pointing up the layers:\n" + "\n".join(bad)
 
 
 def test_no_import_cycle():
     graph = _graph()
     # A package importing its own submodules (its __init__) is not a cycle of modules.
-    edges = {m: {d for d in deps if not d.startswith(m + ".") and not m.startswith(d + ".")} for m, deps in graph.items()}
+    edges = {
+        m: {d for d in deps if not d.startswith(m + ".") and not m.startswith(d + ".")} for m, deps in graph.items()
+    }
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -112,7 +118,7 @@ def test_no_import_cycle():
         stack.append(m)
         for d in sorted(edges.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 dfs(d)
         stack.pop()

@@ -58,6 +58,7 @@ def _assert_unchanged(params, opt, snap):
 
 # ---- (a) one non-finite gradient among several skips the step ---------------------------------------------------
 
+
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("bad_param", [0, 2, 3])  # first, middle and last parameter: no position is special
 @pytest.mark.parametrize("explicit_unscale", [True, False])
@@ -136,8 +137,22 @@ def test_fp16_overflow_in_one_parameter_skips_the_step():
 #   C C: tracker 1, 2 (no growth yet); O: halve, tracker 0; C C: tracker 1, 2 -> NO growth although 4 clean
 #   steps were taken since the start; C: tracker 3 -> grow; C C C -> grow again; O O: halve twice; C C C -> grow.
 EVENTS = "CCOCCCCCCOOCCC"
-EXPECTED_SCALES = [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10, 2.0**10, 2.0**10, 2.0**11,
-                   2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10]
+EXPECTED_SCALES = [
+    2.0**10,
+    2.0**10,
+    2.0**9,
+    2.0**9,
+    2.0**9,
+    2.0**10,
+    2.0**10,
+    2.0**10,
+    2.0**11,
+    2.0**10,
+    2.0**9,
+    2.0**9,
+    2.0**9,
+    2.0**10,
+]
 
 
 def _reference_scales(events: str, init: float, interval: int, growth: float = 2.0, backoff: float = 0.5):
@@ -187,6 +202,7 @@ def test_growth_tracker_resets_after_a_growth():
 
 # ---- (c) the scaler state through a checkpoint ------------------------------------------------------------------
 
+
 def _moved_scaler() -> DynamicLossScaler:
     """A scaler whose scale, growth tracker and counters all differ from a fresh one's."""
     params = _model()
@@ -206,9 +222,18 @@ def test_loss_scaler_state_round_trips_through_save_and_load_checkpoint(tmp_path
     # independent expectation: O -> 2**9, C C C -> 2**10 (growth), O -> 2**9, C C -> tracker 2
     assert scaler.get_scale() == 2.0**9
     saved = scaler.state_dict()
-    assert saved == {"scale": 2.0**9, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
-                     "growth_tracker": 2, "skipped_steps": 2, "steps": 7, "growths": 1, "backoffs": 2,
-                     "enabled": True}
+    assert saved == {
+        "scale": 2.0**9,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 3,
+        "growth_tracker": 2,
+        "skipped_steps": 2,
+        "steps": 7,
+        "growths": 1,
+        "backoffs": 2,
+        "enabled": True,
+    }
 
     model = nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -247,8 +272,18 @@ class AllMetrics:
         self.steps[step] = dict(m)
 
 
-SPEC = TrainSpec(steps=12, batch_size=2, seq_len=64, warmup_steps=2, val_every=0, val_batches=1,
-                 timing_warmup_steps=1, telemetry_every=0, checkpoint_every=5, progress=False)
+SPEC = TrainSpec(
+    steps=12,
+    batch_size=2,
+    seq_len=64,
+    warmup_steps=2,
+    val_every=0,
+    val_batches=1,
+    timing_warmup_steps=1,
+    telemetry_every=0,
+    checkpoint_every=5,
+    progress=False,
+)
 # Debug model, batch 2 x 64: FP16 gradients overflow from a loss scale of about 2**20. Starting at 2**18 with a
 # growth interval of 2, the scale grows at steps 1 and 3 (2**19, 2**20), overflows at step 4 (skipped, back to
 # 2**19), so the checkpoint after step 5 holds a scale that moved both ways and is not the initial one.
@@ -297,8 +332,17 @@ def test_fp16_resume_restores_a_moving_loss_scale(token_data, tmp_path):
 def test_skipped_first_steps_defer_the_effective_inspection(token_data):
     """FP16 overflow at the initial scale is common: the first steps are skipped and create no optimizer state,
     so the effective recipe is inspected after the first step whose update ran, and the run finishes."""
-    spec = TrainSpec(steps=10, batch_size=2, seq_len=64, warmup_steps=2, val_every=0, val_batches=1,
-                     timing_warmup_steps=1, telemetry_every=0, progress=False)
+    spec = TrainSpec(
+        steps=10,
+        batch_size=2,
+        seq_len=64,
+        warmup_steps=2,
+        val_every=0,
+        val_batches=1,
+        timing_warmup_steps=1,
+        telemetry_every=0,
+        progress=False,
+    )
     recipe = get_recipe("fp16_amp").with_fields("compute", init_scale=2.0**24)
     b = build(recipe, model_args("debug"), spec, OptimHParams(lr=3e-3), 0, torch.device("cpu"))
     sink = AllMetrics()

@@ -29,9 +29,18 @@ def test_named_sizes():
 
 def test_torchtitan_module_names():
     names = {n for n, _ in build_model_meta(LLAMA_CONFIGS["debug"]).named_parameters()}
-    for n in ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.attention.wo.weight",
-              "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
-              "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight", "output.weight"]:
+    for n in [
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "layers.1.attention.wo.weight",
+        "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.feed_forward.w3.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+        "norm.weight",
+        "output.weight",
+    ]:
         assert n in names
 
 

@@ -61,6 +61,7 @@ def eager_compile(monkeypatch):
 
 # ---- LowBitAdamW --------------------------------------------------------------------------------
 
+
 def test_lowbit_fp32_state_matches_torch_adamw_bit_for_bit():
     ref_p, our_p = _params(), _params()
     ref = torch.optim.AdamW(ref_p, foreach=False, **HP)
@@ -78,10 +79,13 @@ def test_lowbit_fp32_state_matches_torch_adamw_bit_for_bit():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("state_dtype, m_dtype, v_dtype, tol", [
-    ("bf16", torch.bfloat16, torch.bfloat16, 5e-3),
-    ("fp8_fp16", torch.float8_e4m3fn, torch.float16, 0.05),
-])
+@pytest.mark.parametrize(
+    "state_dtype, m_dtype, v_dtype, tol",
+    [
+        ("bf16", torch.bfloat16, torch.bfloat16, 5e-3),
+        ("fp8_fp16", torch.float8_e4m3fn, torch.float16, 0.05),
+    ],
+)
 def test_lowbit_states_have_their_dtypes_and_stay_close_to_fp32(state_dtype, m_dtype, v_dtype, tol):
     p0 = _params()
     ref_p, our_p = _clone(p0), _clone(p0)
@@ -110,6 +114,7 @@ def test_lowbit_state_bytes_are_counted_exactly():
 
 
 # ---- BF16 resolution: where an update below half an ulp goes -------------------------------------
+
 
 def _ones_bf16(n=4096):
     return nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
@@ -164,8 +169,13 @@ def test_stochastic_rounding_moves_bf16_weights_in_expectation(eager_compile):
     assert abs(sr.mean().item() - (1 - lr)) < 0.1 * lr
 
     ours = _ones_bf16(n)
-    _const_grad_steps(LowBitAdamW([ours], lr=lr, weight_decay=0.0, update_rounding="stochastic",
-                                  generator=torch.Generator().manual_seed(1)), ours, 1)
+    _const_grad_steps(
+        LowBitAdamW(
+            [ours], lr=lr, weight_decay=0.0, update_rounding="stochastic", generator=torch.Generator().manual_seed(1)
+        ),
+        ours,
+        1,
+    )
     assert abs(ours.float().mean().item() - (1 - lr)) < 0.1 * lr
 
     from torchao.optim import _AdamW
@@ -182,12 +192,13 @@ def test_stochastic_rounding_moves_bf16_weights_in_expectation(eager_compile):
 
 # ---- MasterWeightOptimizer integration -----------------------------------------------------------
 
+
 def test_master_optimizer_accounting_state_view_scheduler_and_hooks():
     params = _params(torch.bfloat16)
     model = nn.ParameterList(params)
     n, t = sum(p.numel() for p in params), len(params)
     opt = MasterWeightOptimizer(params, lambda g: torch.optim.AdamW(g, **HP))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     calls = []
     opt.register_step_post_hook(lambda o, a, k: calls.append(o.master_params[0].grad is None))
     _train(opt, params, 1)
@@ -230,8 +241,9 @@ def test_master_optimizer_state_dict_round_trip_is_bit_identical(inner):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("state_dtype, rounding", [("fp32", "nearest"), ("bf16", "nearest"),
-                                                   ("fp8_fp16", "nearest"), ("bf16", "kahan")])
+@pytest.mark.parametrize(
+    "state_dtype, rounding", [("fp32", "nearest"), ("bf16", "nearest"), ("fp8_fp16", "nearest"), ("bf16", "kahan")]
+)
 def test_lowbit_state_dict_round_trip_is_bit_identical(state_dtype, rounding):
     params = _params(torch.bfloat16)
     opt = LowBitAdamW(params, state_dtype=state_dtype, update_rounding=rounding, **HP)
@@ -273,6 +285,7 @@ def test_master_optimizer_dcp_checkpoint_round_trip(tmp_path):
 
 
 # ---- loss scaling --------------------------------------------------------------------------------
+
 
 def _scaled_backward(scaler, w, x):
     w.grad = None
@@ -334,6 +347,7 @@ def test_fp16_gradients_underflow_without_scaling():
 
 
 # ---- optimizer-state telemetry -------------------------------------------------------------------
+
 
 def _telemetry_errors(make_opt, steps=6):
     params = _params(shapes=((64, 128), (128, 64)))

@@ -29,19 +29,28 @@ def test_hash_ignores_name_but_not_numerics():
     assert Recipe.from_dict(d).hash() != a.hash()
 
 
-@pytest.mark.parametrize("patch, words", [
-    ({"optim": {"state": "int8", "impl": "torch"}}, ["recipe.optim.state", "recipe.optim.impl"]),
-    ({"optim": {"state": "param", "impl": "bitsandbytes"}}, ["recipe.optim.impl", "recipe.optim.state"]),
-    ({"weights": {"param_dtype": "fp8"}}, ["recipe.weights.param_dtype"]),
-    ({"fp8": {"backend": "transformer_engine"}}, ["recipe.fp8.backend"]),
-    ({"fp8": {"backend": "torchao", "scaling": "blockwise"}}, ["recipe.fp8.scaling"]),
-    ({"fp8": {"backend": "lowprec", "strategy": "delayed", "scaling": "rowwise"}}, ["recipe.fp8.strategy", "recipe.fp8.scaling"]),
-    ({"fp8": {"backend": "torchao", "scaling": "rowwise"}}, ["recipe.fp8.fp8_format", "recipe.fp8.backend"]),
-    ({"fp8": {"backend": "lowprec", "scaling": "blockwise", "promotion_interval": 256}}, ["recipe.fp8.promotion_interval"]),
-    ({"fp8": {"backend": "torchao", "cache_fp8_activations": True}}, ["recipe.fp8.cache_fp8_activations"]),
-    ({"fp8": {"scalling": "rowwise"}}, ["fp8.scalling"]),
-    ({"colour": "red"}, ["colour"]),
-])
+@pytest.mark.parametrize(
+    "patch, words",
+    [
+        ({"optim": {"state": "int8", "impl": "torch"}}, ["recipe.optim.state", "recipe.optim.impl"]),
+        ({"optim": {"state": "param", "impl": "bitsandbytes"}}, ["recipe.optim.impl", "recipe.optim.state"]),
+        ({"weights": {"param_dtype": "fp8"}}, ["recipe.weights.param_dtype"]),
+        ({"fp8": {"backend": "transformer_engine"}}, ["recipe.fp8.backend"]),
+        ({"fp8": {"backend": "torchao", "scaling": "blockwise"}}, ["recipe.fp8.scaling"]),
+        (
+            {"fp8": {"backend": "lowprec", "strategy": "delayed", "scaling": "rowwise"}},
+            ["recipe.fp8.strategy", "recipe.fp8.scaling"],
+        ),
+        ({"fp8": {"backend": "torchao", "scaling": "rowwise"}}, ["recipe.fp8.fp8_format", "recipe.fp8.backend"]),
+        (
+            {"fp8": {"backend": "lowprec", "scaling": "blockwise", "promotion_interval": 256}},
+            ["recipe.fp8.promotion_interval"],
+        ),
+        ({"fp8": {"backend": "torchao", "cache_fp8_activations": True}}, ["recipe.fp8.cache_fp8_activations"]),
+        ({"fp8": {"scalling": "rowwise"}}, ["fp8.scalling"]),
+        ({"colour": "red"}, ["colour"]),
+    ],
+)
 def test_invalid_recipes_name_the_conflicting_fields(patch, words):
     d = get_recipe("bf16").to_dict()
     for k, v in patch.items():

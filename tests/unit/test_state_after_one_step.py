@@ -1,4 +1,4 @@
-"""After one optimizer step, each recipe's dtypes and exact state bytes match the memory accounting of docs/architecture.md and the README."""
+"""After one optimizer step, each recipe's dtypes and exact state bytes match the README's memory accounting."""
 
 import math
 
@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from lowprec.data import TokenBatches
+from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
 from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
-from lowprec.train.effective import (EffectiveRecipeError, check_effective, expected_effective, inspect_effective,
-                                     record_linear_output_dtypes)
-from lowprec.measure.accounting import measure_state_bytes
+from lowprec.train.effective import (
+    EffectiveRecipeError,
+    check_effective,
+    expected_effective,
+    inspect_effective,
+    record_linear_output_dtypes,
+)
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
 from recipes import get_recipe
