@@ -206,6 +206,10 @@ def build(
     else:
         materialize(model, device, seed)  # 4
         cast_weights(model, recipe)
+    # The process-global RNGs feed stochastic rounding (torchao's bf16_stochastic_round, lowprec's SR). torch
+    # seeds them randomly per process, so without this a run's losses would change from one process to the
+    # next and with whatever earlier runs of an ablation consumed; checkpoints save and restore them.
+    torch.manual_seed(seed)
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     fp8_backend(recipe.fp8.backend).register_hooks(model, optimizer, fp8_gather)  # 6

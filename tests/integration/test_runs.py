@@ -159,3 +159,14 @@ def test_resume_under_another_recipe_needs_consent_and_is_recorded(run_dirs, tmp
     assert change["from"] == "fp32" and change["to"] == "fp8_current" and change["at_step"] == 3
     assert second.data.tags["resume_recipe_change"].startswith("fp32 (")
 
+
+def test_stochastic_rounding_runs_are_reproducible_whatever_the_global_rng(token_data, monkeypatch):
+    """Stochastic rounding draws from the process-global RNG, which torch seeds randomly per process: the build
+    seeds it from the run's seed, so the same recipe and seed give the same losses in any process and after
+    any earlier run of an ablation."""
+    monkeypatch.setattr(torch, "compile", lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f))
+    runs = []
+    for outside in (1, 2):
+        torch.manual_seed(outside)  # what another process, or an earlier run, left in the global RNG
+        runs.append(_losses("bf16_sr", token_data, 0)[0])
+    assert runs[0] == runs[1]
