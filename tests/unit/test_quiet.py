@@ -1,0 +1,21 @@
+"""Exactly the two known third-party import warnings are silenced; other messages of those loggers still show."""
+
+import logging
+import subprocess
+import sys
+
+
+def test_known_noise_is_dropped_and_other_messages_are_kept(caplog):
+    import lowprec  # noqa: F401  (installs the filters)
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torchao").warning("Failed to load something else")
+        logging.getLogger("torch.utils._pytree").warning("X is an Enum subclass and is now natively supported by ...")
+        logging.getLogger("torch.utils._pytree").warning("another pytree warning")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load something else", "another pytree warning"]
+
+
+def test_importing_lowprec_prints_nothing():
+    p = subprocess.run([sys.executable, "-c", "import lowprec.train.build, recipes"], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr
