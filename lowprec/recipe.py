@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lowprec.backends import fp8_backend, optim_impl, optim_impls
+from lowprec.backends.registry import refuse_inert
 from lowprec.errors import RecipeError
 
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
@@ -36,19 +37,6 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 def _check_choice(group: str, name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise RecipeError(f"recipe.{group}.{name}={value!r} is not one of {list(choices)}")
-
-
-def _refuse_inert(spec: Any, cls: type, group: str, names: tuple[str, ...], because: str) -> None:
-    """Refuse fields that would have no effect: they would change the recipe's hash without changing what runs."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name in names:
-        default = defaults[name]
-        default = tuple(default) if isinstance(default, (list, tuple)) else default
-        if getattr(spec, name) != default:
-            raise RecipeError(
-                f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}."
-                f"{because}; remove the override (or enable the feature it belongs to)"
-            )
 
 
 @dataclass(frozen=True)
@@ -106,7 +94,7 @@ class ComputeSpec:
                 f"recipe.compute.growth_interval={self.growth_interval} >= 1"
             )
         if self.loss_scaling == "none":
-            _refuse_inert(self, ComputeSpec, "compute", ("init_scale", "growth_interval"), "loss_scaling='none'")
+            refuse_inert(self, "compute", ("init_scale", "growth_interval"), "loss_scaling='none'")
         if self.loss_scaling == "dynamic" and self.autocast_dtype != "fp16":
             raise RecipeError(
                 f"recipe.compute.loss_scaling='dynamic' conflicts with recipe.compute.autocast_dtype="
@@ -188,15 +176,14 @@ class Float8Spec:
             backend.validate(self)  # ``none`` refuses FP8 fields that would be inert
             return
         if self.strategy != "delayed":
-            _refuse_inert(
+            refuse_inert(
                 self,
-                Float8Spec,
                 "fp8",
                 ("amax_history_len", "amax_compute_algo", "margin"),
                 f"strategy={self.strategy!r} (they are delayed-scaling settings)",
             )
         if self.strategy != "static":
-            _refuse_inert(self, Float8Spec, "fp8", ("static_scales",), f"strategy={self.strategy!r}")
+            refuse_inert(self, "fp8", ("static_scales",), f"strategy={self.strategy!r}")
         if self.strategy != "current" and self.scaling != "tensorwise":
             raise RecipeError(
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowprec.backends.registry import Float8Backend, register_fp8_backend
-from lowprec.errors import RecipeError
+from lowprec.backends.registry import Float8Backend, refuse_inert, register_fp8_backend
 
 
 class NoFloat8(Float8Backend):
@@ -16,15 +15,8 @@ class NoFloat8(Float8Backend):
     enabled = False
 
     def validate(self, spec) -> None:
-        for f in dataclasses.fields(spec):
-            if f.name == "backend":
-                continue
-            default = tuple(f.default) if isinstance(f.default, (list, tuple)) else f.default
-            if getattr(spec, f.name) != default:
-                raise RecipeError(
-                    f"recipe.fp8.{f.name}={getattr(spec, f.name)!r} has no effect with recipe.fp8.backend="
-                    "'none'; remove the override (or enable the feature it belongs to)"
-                )
+        names = tuple(f.name for f in dataclasses.fields(spec) if f.name != "backend")
+        refuse_inert(spec, "fp8", names, "backend='none'")
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
         pass

@@ -16,6 +16,8 @@ from, so prediction and run cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,21 @@ if TYPE_CHECKING:  # type hints only: the recipe layer sits above this one
     from lowprec.recipe import CommSpec, Float8Spec
 
 
-class Float8Backend:
+def refuse_inert(spec: Any, group: str, names: tuple[str, ...], because: str) -> None:
+    """Refuse fields of the dataclass ``spec`` that differ from their defaults but would have no effect: they
+    would change the recipe's hash without changing what runs. Raises ``RecipeError`` naming the first one."""
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    for name in names:
+        default = defaults[name]
+        default = tuple(default) if isinstance(default, (list, tuple)) else default
+        if getattr(spec, name) != default:
+            raise RecipeError(
+                f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}.{because}; "
+                "remove the override (or enable the feature it belongs to)"
+            )
+
+
+class Float8Backend(ABC):
     """An FP8 implementation for the linears a recipe selects. Subclass it, set the class attributes and
     override what differs from the defaults (which do nothing), then ``register_fp8_backend(obj)``.
 
@@ -63,10 +79,10 @@ class Float8Backend:
     def check_runtime(self, spec: Float8Spec, device: torch.device) -> None:
         """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked."""
 
+    @abstractmethod
     def convert(self, model: nn.Module, spec: Float8Spec, fqns: list[str], fp8_weight_all_gather: bool) -> None:
         """Swap the linears at ``fqns`` (already selected by ``Float8Spec.selects_linear``) in place, on the
         meta device. ``fp8_weight_all_gather``: the run gathers weights in FP8 under FSDP2."""
-        raise NotImplementedError(f"FP8 backend {self.name!r} has no converter")
 
     def precision_context(self, spec: Float8Spec) -> Callable[[], AbstractContextManager] | None:
         """A factory of the context the forward runs in (Transformer Engine's ``fp8_autocast``), or None."""
@@ -116,7 +132,7 @@ class Float8Backend:
         return ()
 
 
-class OptimizerImpl:
+class OptimizerImpl(ABC):
     """An AdamW implementation. Attributes: ``name`` (``recipe.optim.impl``), ``states`` (the
     ``recipe.optim.state`` values it provides), ``roundings`` (the ``weights.update_rounding`` values it
     implements), ``description`` (what it is, for error messages)."""
@@ -126,6 +142,7 @@ class OptimizerImpl:
     roundings: tuple[str, ...] = ("nearest",)
     description: str = ""
 
+    @abstractmethod
     def build(
         self,
         groups: list[dict],
@@ -139,16 +156,15 @@ class OptimizerImpl:
         """The optimizer over ``groups`` (torch param groups). ``stepped_dtype``: ``fp32``/``bf16``, the
         dtype of the tensors it steps; ``hparams``: ``lr``, ``betas``, ``eps``; ``sharded``: parameters
         are DTensors (FSDP2/TP)."""
-        raise NotImplementedError
 
     def is_quantized(self, state: str, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements keeps its moments in the low-bit ``state`` form."""
         return False
 
+    @abstractmethod
     def state_bytes(self, numel: int, stepped_bytes: int, state: str, kahan: bool) -> int:
         """Optimizer-state bytes of one (local) tensor of ``numel`` elements whose stepped copy has
         ``stepped_bytes`` per element (4 under an FP32 master)."""
-        raise NotImplementedError
 
     def shared_state_bytes(self, any_quantized: bool) -> int:
         """Bytes shared by all tensors (e.g. bitsandbytes' two quantization maps)."""
