@@ -66,7 +66,9 @@ class FaultsConfig:
 class RunConfig:
     """The keys shared by ``lowprec train`` and ``lowprec ablate`` (conf/base.yaml picks the group options).
 
-    ``device``: auto | cpu | cuda | cuda:N. ``resume``: a checkpoint folder
+    ``device``: auto | cpu | cuda | cuda:N. ``cpu_kernels``: auto | native | emulated, which kernels run the
+    low-precision GEMMs and attention on a CPU (``lowprec.kernels.policy``; never the numerics; a GPU run
+    ignores it). ``resume``: a checkpoint folder
     (``${paths.runs}/checkpoints/<run id>/step_<N>``) to continue from; ``train.resume_recipe_change=true``
     allows one written under another recipe (recorded). ``train.checkpoint_every=N`` writes one every N steps.
     """
@@ -81,6 +83,7 @@ class RunConfig:
     parallel: ParallelDims = MISSING  # group: parallel/single
     seed: int = 0
     device: str = "auto"
+    cpu_kernels: str = "auto"
     resume: str | None = None
     train: TrainSpec = field(default_factory=TrainSpec)
     paths: PathsConfig = field(default_factory=PathsConfig)

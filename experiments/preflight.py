@@ -7,6 +7,7 @@ recipe) ends here in one ``UserError`` line, so no MLflow run is ever created fo
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -14,12 +15,13 @@ from omegaconf import DictConfig
 from experiments.config import data_from_cfg, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
+from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.model import ModelArgs
 from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
-from lowprec.train.build import build_model_meta, check_runtime, resolve_device
+from lowprec.train.build import build_model_meta, check_compile, check_runtime, resolve_device
 from lowprec.train.checkpoint import check_resume_recipe
 from lowprec.train.spec import TrainSpec
 
@@ -46,6 +48,11 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     dims = parallel_from_cfg(cfg)
     data_from_cfg(cfg)
     device = resolve_device(cfg.device)
+    check_cpu_kernels(cfg.cpu_kernels)
+    if device.type == "cpu" and cfg.cpu_kernels == "native":
+        warning = resolve_kernels("native", device).warning  # allowed, but said (and tagged on the run)
+        if warning:
+            print(f"lowprec: warning: {warning}", file=sys.stderr)
     if spec.seq_len > args.max_seq_len:
         raise ConfigError(
             f"train.seq_len={spec.seq_len} exceeds model.max_seq_len={args.max_seq_len}; "
@@ -56,6 +63,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     meta = build_model_meta(args)
     for r in recipes:
         check_runtime(r, device)
+        check_compile(r, spec)
         require_fp8_selection(meta, r.fp8)
         check_layout(r, dims)
     resume = cfg.get("resume")

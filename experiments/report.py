@@ -57,6 +57,10 @@ class RunData:
     metrics: dict[str, float]
     tokens_per_step: int
     layout: str = "single"
+    #: ``train.ac``: the activation checkpointing the run's saved-activation bytes were measured under.
+    ac: str = "none"
+    #: ``cpu_kernels`` as the run resolved it, with the CPU that decided it (empty on older runs).
+    kernels: str = ""
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     telemetry: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
@@ -94,6 +98,8 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             metrics=dict(r.data.metrics),
             tokens_per_step=tps,
             layout=tags.get("parallel", "single"),
+            ac=params.get("train.ac", "none"),
+            kernels=_kernels_line(tags),
         )
         for key in CURVES:
             hist = tracker.client.get_metric_history(r.info.run_id, key)
@@ -247,10 +253,20 @@ def _header_section(ablation_id: str, parent: Run, ok: list[RunData], control: s
         f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, "
         f"torchao {ptags.get('torchao_version')}, bitsandbytes {ptags.get('bitsandbytes_version')}; "
         f"git `{ptags.get('git_sha')}`",
+        *[f"- kernels: {k}" for k in sorted({r.kernels for r in ok if r.kernels})],
         f"- control recipe: `{control}`; tracking store: `{uri}` (MLflow run `{parent.info.run_id}`)",
         f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
         "",
     ]
+
+
+def _kernels_line(tags: dict) -> str:
+    if "cpu_kernels" not in tags:
+        return ""
+    line = f"cpu_kernels={tags['cpu_kernels']} (BF16/FP16: {tags['cpu_kernels_bf16']}, FP8: {tags['cpu_kernels_fp8']})"
+    if "cpu_model" in tags:
+        line += f" on {tags['cpu_model']} [{tags.get('cpu_isa', '')}]"
+    return line
 
 
 def _cpu_timing_warning(on_cpu: bool) -> list[str]:
@@ -259,8 +275,9 @@ def _cpu_timing_warning(on_cpu: bool) -> list[str]:
         return []
     return [
         "> **These timings were measured on a CPU.** They say nothing about FP8 or BF16 speed on a GPU: "
-        "on this CPU, BF16 and FP8 GEMMs are slower than FP32. Read the tokens/s column as the cost of "
-        "emulation here, never as a speedup or slowdown you would see on an H100.",
+        "they depend on this CPU's kernels (the kernels line above; emulated kernels compute BF16/FP8 GEMMs in "
+        "FP32). Read the tokens/s column as the cost of these kernels here, never as a speedup or slowdown you "
+        "would see on an H100.",
         "",
     ]
 
@@ -382,16 +399,25 @@ def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
         "### Predicted vs measured bytes",
         "",
         "Each cell: measured / predicted by `lowprec estimate` for this run's model, recipe, batch and "
-        "sequence (exact where equal; saved activations counted once per storage).",
+        "sequence (exact where equal; saved activations counted once per storage, under the run's activation "
+        "checkpointing `ac`: what the forward keeps plus the largest block recomputed).",
         "",
-        "| recipe | " + " | ".join(short.values()) + " |",
-        "|---" * (len(MEM_COMPONENTS) + 1) + "|",
+        "| recipe | ac | " + " | ".join(short.values()) + " |",
+        "|---" * (len(MEM_COMPONENTS) + 2) + "|",
     ]
     for n in names:
         m = first[n].metrics
-        cells = [_reconcile_cell(m.get(c), m.get(f"pred_{c}")) for c in MEM_COMPONENTS]
-        lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
+        cells = [_reconcile_cell(m.get(c), m.get(_predicted_name(c), m.get(f"pred_{c}"))) for c in MEM_COMPONENTS]
+        lines.append(f"| `{n}` | {first[n].ac} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _predicted_name(component: str) -> str:
+    """The metric holding the estimator's figure for ``component``: the run logs the saved-activation estimate
+    under its activation checkpointing as ``mem_saved_activations_estimate_bytes`` (older runs: ``pred_*``)."""
+    if component == "mem_saved_activations_bytes":
+        return "mem_saved_activations_estimate_bytes"
+    return f"pred_{component}"
 
 
 def _reconcile_cell(measured: float | None, predicted: float | None) -> str:

@@ -36,11 +36,14 @@ def release_memory() -> None:
         pass
 
 
-def utilization_metrics(args, recipe: Recipe, spec, device, tokens_per_s: float) -> dict[str, float]:
-    """``model_flops_per_token`` (6N + 12·L·dim·seq), ``achieved_tflops`` and, on a GPU of the hardware
-    table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU."""
+def utilization_metrics(
+    args, recipe: Recipe, spec, device, tokens_per_s: float, world_size: int = 1
+) -> dict[str, float]:
+    """``model_flops_per_token`` (6N + 12·L·dim·seq), ``achieved_tflops`` per device and, on a GPU of the hardware
+    table, ``mfu`` against the peak of the dtype that ran (blended by the FP8 share of FLOPs); no MFU on CPU.
+    ``tokens_per_s`` is the run's (global) throughput; each of the ``world_size`` devices does 1/world_size of it."""
     hw = hardware_from_device_name(device_name(device)) if device.type == "cuda" else None
-    m = mfu(args, recipe, spec.seq_len, tokens_per_s, hw)
+    m = mfu(args, recipe, spec.seq_len, tokens_per_s / world_size, hw)
     out = {
         "model_flops_per_token": flops_per_token(args, spec.seq_len, recipe).flops_per_token,
         "achieved_tflops": m.achieved_tflops,
@@ -70,8 +73,9 @@ def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str
         "pred_mem_master_bytes": st.master,
         "pred_mem_optim_states_bytes": st.optim_states,
         "pred_mem_fp8_scaling_state_bytes": st.fp8_scaling_state,
-        "pred_mem_saved_activations_bytes": act.activations,
-        "pred_mem_saved_weight_copies_bytes": act.weight_copies,
+        # under the run's activation checkpointing (train.ac), as the run measures them
+        "pred_mem_saved_activations_bytes": act.recompute_activations[spec.ac],
+        "pred_mem_saved_weight_copies_bytes": act.recompute[spec.ac] - act.recompute_activations[spec.ac],
     }
 
 
@@ -147,7 +151,8 @@ def run_one(
         args = model_from_cfg(cfg.model)
         check_vocab_fits(data, args.vocab_size)
         spec = train_from_cfg(cfg)
-        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims)
+        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims, cfg.cpu_kernels)
+        tracker.set_tags(run_id, built.kernels.tags())
         if built.parallel is not None:
             tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
@@ -176,7 +181,7 @@ def run_one(
             {
                 **result.summary,
                 **predicted_metrics(args, recipe, spec, device, dims),
-                **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"]),
+                **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"], dims.world_size),
             },
             spec.steps,
         )

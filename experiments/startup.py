@@ -14,11 +14,14 @@ from lowprec.train.build import resolve_device
 
 
 def prepare_data(cfg: DictConfig):
-    """``lowprec.data.prepare`` on rank 0 first (it may tokenize and write the cache), then on the others."""
+    """``lowprec.data.prepare`` on rank 0 first (it may tokenize and write the cache), then on the others.
+
+    With ``train.progress``, rank 0 shows a cold build's phases on stderr; a warm cache prints nothing."""
     spec = data_from_cfg(cfg)
+    progress = bool(cfg.train.progress)
     if not dist.is_initialized():
-        return prepare(spec)
-    data = prepare(spec) if dist.get_rank() == 0 else None
+        return prepare(spec, progress=progress)
+    data = prepare(spec, progress=progress) if dist.get_rank() == 0 else None
     dist.barrier()
     return data if data is not None else prepare(spec)
 

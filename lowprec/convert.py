@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from lowprec.backends import fp8_backend
+from lowprec.kernels import EmulatedLinear, KernelPolicy, emulated_sdpa
 from lowprec.recipe import Float8Spec, RecipeError
 
 
@@ -44,15 +45,36 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
     return fqns
 
 
-def convert_fp8(model: nn.Module, spec: Float8Spec, fp8_weight_all_gather: bool = False) -> list[str]:
+def convert_fp8(
+    model: nn.Module, spec: Float8Spec, fp8_weight_all_gather: bool = False, fp8_kernel: str = "native"
+) -> list[str]:
     """Swap the selected linears for FP8 linears of ``spec.backend`` in place; returns the swapped FQNs.
 
     The selection is ``Float8Spec.selects_linear`` (an empty one is refused: ``require_fp8_selection``);
     the swap is the backend object's (``lowprec.backends``: lowprec's ``Float8Linear``, torchao's
     ``convert_to_float8_training``, Transformer Engine's ``te.Linear``). ``fp8_weight_all_gather``: the run
-    gathers weights in FP8 under FSDP2 (torchao chooses its weight wrapper at conversion).
+    gathers weights in FP8 under FSDP2 (torchao chooses its weight wrapper at conversion). ``fp8_kernel``:
+    ``native`` | ``emulated`` (``KernelPolicy.fp8``).
     """
     fqns = require_fp8_selection(model, spec)
     if fqns:
-        fp8_backend(spec.backend).convert(model, spec, fqns, fp8_weight_all_gather)
+        fp8_backend(spec.backend).convert(model, spec, fqns, fp8_weight_all_gather, fp8_kernel)
     return fqns
+
+
+def convert_kernels(model: nn.Module, policy: KernelPolicy) -> list[str]:
+    """Apply ``policy.bf16 == "emulated"`` in place (after ``convert_fp8``): every plain ``nn.Linear`` left
+    becomes an ``EmulatedLinear`` (same parameters and FQNs) and every attention's ``sdpa`` kernel slot
+    ``emulated_sdpa``; returns the swapped linears' FQNs. FP8 linears got their kernel at conversion. A no-op
+    for ``native``."""
+    if policy.bf16 != "emulated":
+        return []
+    swapped = []
+    for fqn, m in list(model.named_modules()):
+        if type(m) is nn.Linear:
+            parent, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(parent), name, EmulatedLinear.from_linear(m))
+            swapped.append(fqn)
+        elif hasattr(m, "sdpa"):
+            m.sdpa = emulated_sdpa
+    return swapped

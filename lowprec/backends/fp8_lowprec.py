@@ -37,10 +37,23 @@ class LowprecFloat8(Float8Backend):
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return True
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         cfg = LinearFP8Config.from_spec(spec)
         for fqn in fqns:
-            swap_module(model, fqn, Float8Linear.from_linear(model.get_submodule(fqn), cfg))
+            new = Float8Linear.from_linear(model.get_submodule(fqn), cfg)
+            new.fp8_kernel = fp8_kernel
+            swap_module(model, fqn, new)
+
+    def compile_blocker(self, spec, telemetry_every) -> str | None:
+        if telemetry_every > 0:
+            return (
+                f"lowprec FP8 telemetry (train.telemetry_every={telemetry_every}) computes data-dependent "
+                "statistics that cannot be traced; set train.telemetry_every=0 to compile"
+            )
+        return None
+
+    def kernel_of(self, module) -> str:
+        return module.fp8_kernel
 
     def register_hooks(self, model, optimizer, fp8_weight_all_gather) -> list[str]:
         # Delayed scaling: after every optimizer step, roll each linear's amax histories and compute the next

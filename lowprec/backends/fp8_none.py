@@ -18,7 +18,7 @@ class NoFloat8(Float8Backend):
         names = tuple(f.name for f in dataclasses.fields(spec) if f.name != "backend")
         refuse_inert(spec, "fp8", names, "backend='none'")
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         pass
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lowprec.backends.fp8_lowprec import swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
+from lowprec.errors import RecipeError
 from lowprec.float8.te import require_te, te_context, te_linear_from
 
 
@@ -16,7 +17,12 @@ class TransformerEngineFloat8(Float8Backend):
     def check_runtime(self, spec, device) -> None:
         require_te()
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+    def compile_blocker(self, spec, telemetry_every) -> str | None:
+        return "Transformer Engine's te.Linear runs its own kernels outside torch.compile (use train.compile=false)"
+
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
+        if fp8_kernel != "native":  # TE runs on CUDA only, and a GPU never emulates (lowprec.kernels.policy)
+            raise RecipeError(f"recipe.fp8.backend='te' has no emulated kernels (cpu_kernels gave {fp8_kernel!r})")
         for fqn in fqns:
             swap_module(model, fqn, te_linear_from(model.get_submodule(fqn)))
 

@@ -63,7 +63,7 @@ class TorchaoFloat8(Float8Backend):
                     f"recipe.fp8.scaling={spec.scaling!r} with torchao needs SM89+; this GPU is SM{cap[0]}{cap[1]}"
                 )
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather) -> None:
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         modules = dict(model.named_modules())
         bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
         if bad:
@@ -74,8 +74,16 @@ class TorchaoFloat8(Float8Backend):
         config = Float8LinearConfig.from_recipe_name(spec.scaling)
         if fp8_weight_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        if fp8_kernel == "emulated":
+            # torchao's own emulation (Float8LinearConfig.emulate, torchao/float8/float8_ops.py): dequantize each
+            # operand in FP32 (x_fp8 / scale), FP32 matmul, one rounding to the output dtype. It divides before
+            # accumulating where _scaled_mm scales after, so results can differ in the last FP32 bit.
+            config = dataclasses.replace(config, emulate=True)
         selected = set(fqns)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in selected)
+
+    def kernel_of(self, module) -> str:
+        return "emulated" if module.config.emulate else "native"
 
     def register_hooks(self, model, optimizer, fp8_weight_all_gather) -> list[str]:
         if not fp8_weight_all_gather:

@@ -79,10 +79,19 @@ class Float8Backend(ABC):
     def check_runtime(self, spec: Float8Spec, device: torch.device) -> None:
         """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked."""
 
+    def compile_blocker(self, spec: Float8Spec, telemetry_every: int) -> str | None:
+        """Why this backend's linears cannot run inside a ``torch.compile``d block (``train.compile``) with
+        FP8 telemetry sampled every ``telemetry_every`` steps, or ``None`` when they can."""
+        return None
+
     @abstractmethod
-    def convert(self, model: nn.Module, spec: Float8Spec, fqns: list[str], fp8_weight_all_gather: bool) -> None:
+    def convert(
+        self, model: nn.Module, spec: Float8Spec, fqns: list[str], fp8_weight_all_gather: bool, fp8_kernel: str
+    ) -> None:
         """Swap the linears at ``fqns`` (already selected by ``Float8Spec.selects_linear``) in place, on the
-        meta device. ``fp8_weight_all_gather``: the run gathers weights in FP8 under FSDP2."""
+        meta device. ``fp8_weight_all_gather``: the run gathers weights in FP8 under FSDP2. ``fp8_kernel``:
+        ``native`` or ``emulated`` (``lowprec.kernels``: the run's scaled matmuls as exact FP32 arithmetic);
+        a backend that cannot emulate raises ``RecipeError`` for ``emulated``."""
 
     def precision_context(self, spec: Float8Spec) -> Callable[[], AbstractContextManager] | None:
         """A factory of the context the forward runs in (Transformer Engine's ``fp8_autocast``), or None."""
@@ -111,6 +120,11 @@ class Float8Backend(ABC):
     def finish_sharding(self, model: nn.Module, spec: Float8Spec, comm: CommSpec, dims: ParallelDims) -> dict[str, str]:
         """After ``fully_shard``: communication hooks; returns mechanisms for the effective recipe."""
         return {}
+
+    def kernel_of(self, module: nn.Module) -> str:
+        """``native`` or ``emulated``: how this backend's converted ``module`` runs its scaled matmuls (read
+        from the module, for the effective recipe)."""
+        return "native"
 
     # ---- estimator ------------------------------------------------------------------------------------
     def scaling_state_bytes(self, spec: Float8Spec, n_fp8_linears: int) -> int:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
 from lowprec.data.errors import DataError
+from lowprec.data.progress import BuildProgress
 from lowprec.data.shards import open_split, read_meta, write_shards
 from lowprec.data.tokenizer import EOT, load_tokenizer, train_bpe
 
@@ -54,14 +56,43 @@ class TokenData:
         return sum(len(s) for s in self.val)
 
 
-def _tokenize_corpus(corpus: Corpus, vocab_size: int, out_dir: Path, shard_tokens: int) -> None:
-    train_texts = [read_text(p) for p in corpus.train_files]
-    tok = train_bpe(train_texts, vocab_size)
+def _tokenize_corpus(
+    corpus: Corpus, vocab_size: int, out_dir: Path, shard_tokens: int, progress: BuildProgress
+) -> None:
+    files = {"train": corpus.train_files, "val": corpus.val_files}
+    paths = corpus.train_files + corpus.val_files
+    size = {p: p.stat().st_size for p in paths}
+    progress.start(
+        f"first use of corpus {corpus.name} ({len(paths)} files, {corpus.n_bytes / 1e6:.1f} MB): "
+        f"building {out_dir} (cached for later runs)"
+    )
+    read = progress.track(1, f"reading {len(paths)} corpus files", map(read_text, paths), [size[p] for p in paths])
+    texts = dict(zip(paths, list(read)))  # list(): runs the generator to its end, which closes the bar
+
+    def training_feed() -> Iterator[str]:
+        # The trainer counts words while it takes the texts; then it computes merges, which report no progress.
+        what = f"training BPE vocab {vocab_size}"
+        train = corpus.train_files
+        yield from progress.track(
+            2, f"{what}: counting words in {len(train)} files", (texts[p] for p in train), [size[p] for p in train]
+        )
+        progress.phase(2, f"{what}: computing merges")
+
+    tok = train_bpe(training_feed(), vocab_size)
+    progress.done()
     eot = tok.token_to_id(EOT)
     splits = {}
-    for split, texts in (("train", train_texts), ("val", [read_text(p) for p in corpus.val_files])):
-        ids = [e.ids + [eot] for e in tok.encode_batch(texts)]
-        splits[split] = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
+    with progress.bar(3, f"tokenizing {len(paths)} files -> uint16 shards", sum(size[p] for p in paths)) as bar:
+        for split, fs in files.items():
+            chunks = [np.zeros(0, dtype=np.int64)]
+            for start in range(0, len(fs), _ENCODE_CHUNK):
+                batch = fs[start : start + _ENCODE_CHUNK]
+                ids = [e.ids + [eot] for e in tok.encode_batch([texts[p] for p in batch])]
+                chunks.append(np.fromiter((i for doc in ids for i in doc), dtype=np.int64))
+                bar.update(sum(size[p] for p in batch))
+            splits[split] = np.concatenate(chunks)
+    counts = " + ".join(f"{len(t):,} {split}" for split, t in splits.items())
+    progress.phase(4, f"writing {counts} tokens")
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
         tok.save(str(tmp / "tokenizer.json"))
@@ -75,12 +106,20 @@ def _tokenize_corpus(corpus: Corpus, vocab_size: int, out_dir: Path, shard_token
         os.replace(tmp, out_dir)  # atomic: a crashed build never leaves a half-written cache behind
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress.done()
+    progress.finish(f"{corpus.name} ready")
 
 
-def prepare(spec: DataSpec) -> TokenData:
+#: Files per ``encode_batch`` call while tokenizing (one progress update each; the ids do not depend on it).
+_ENCODE_CHUNK = 64
+
+
+def prepare(spec: DataSpec, progress: bool = False) -> TokenData:
     """Tokens for training, building and caching the tokenizer and shards on first use.
 
     The cache key is the corpus fingerprint and the vocab size, so a changed corpus rebuilds.
+    With ``progress``, a cold build says on stderr which phase runs, with counts and an ETA where the total
+    is known (``lowprec.data.progress``); a warm cache prints nothing either way.
     Raises ``DataError`` for a missing path, an empty corpus or a corrupt cache/shard.
     """
     if spec.source == "tokens":
@@ -103,7 +142,7 @@ def prepare(spec: DataSpec) -> TokenData:
         cache.mkdir(parents=True, exist_ok=True)
         shard_dir = cache / f"{corpus.fingerprint[:16]}-bpe{spec.vocab_size}"
         if not shard_dir.exists():
-            _tokenize_corpus(corpus, spec.vocab_size, shard_dir, spec.shard_tokens)
+            _tokenize_corpus(corpus, spec.vocab_size, shard_dir, spec.shard_tokens, BuildProgress(progress))
         load_tokenizer(shard_dir / "tokenizer.json")  # fails loudly if the cached tokenizer is corrupt
         meta = read_meta(shard_dir)
         desc = f"{corpus.name}: {len(corpus.train_files)} train / {len(corpus.val_files)} val files under {corpus.root}"

@@ -31,12 +31,16 @@ sets it; under FSDP2 (``dp_shard > 1``) it is ``MixedPrecisionPolicy(param_dtype
 forward sees compute-dtype weights, a compute-dtype residual stream and no autocast casts (the FSDP
 all-gather buffers are state, estimated in ``lowprec.estimate``).
 
-Recompute (activation checkpointing per transformer block, torchtitan's modes):
-``none`` is the ledger above. ``full`` keeps each block's input (``r*T*D``) plus, during backward, one
-block's full set (the block being recomputed). ``selective`` is torchtitan's op-level SAC policy: per block
-the input, SDPA's output and logsumexp, and the outputs of every other matmul in call order (``wq``, ``wv``,
-``w1``, ``w2``; FP8 GEMMs treated as matmuls), plus one block's full set during backward. Head, loss and
-globals are never recomputed.
+Recompute (activation checkpointing per transformer block, torchtitan's modes, ``lowprec.train.ac``):
+``none`` is the ledger above. ``full`` keeps each block's input (``r*T*D``); ``selective`` is torchtitan's
+op-level SAC policy: per block the input, SDPA's output and logsumexp, and the outputs of every other matmul
+in call order (``wq``, ``wv``, ``w1``, ``w2``, each ``c*T*out``; an FP8 linear is one matmul). Both add,
+during backward, the block being recomputed: its ledger entries that are not already kept. That is not
+the block's whole ledger: with an FP32 residual the norm saves the block's input itself, and under
+``selective`` SDPA's output and logsumexp, ``w1``'s output (the SiLU input) and, without GQA, ``wv``'s
+output are the cached storages (measured: counting them twice overstated ``full`` by the block input and
+``selective`` by about a quarter of a block). Head, loss and globals are never recomputed. Under ``tp > 1``
+the reduce-scatter outputs torchtitan's policy also keeps (sequence parallelism) are not included.
 
 Tensor parallel (``tp > 1``, torchtitan's plan with sequence parallel and loss parallel): every block and
 head tensor is divided by ``tp`` (rounded up); token ids, targets and the RoPE tables are not.
@@ -105,13 +109,20 @@ class _Ledger:
     def save_t(self, t: _T, scope: str) -> None:
         self.save(t.key, t.numel * _size(t.dtype), scope)
 
-    def total(self, scope_prefix: str = "", kind: str | None = None, tp: int = 1, exact: bool = False) -> int:
+    def total(
+        self,
+        scope_prefix: str = "",
+        kind: str | None = None,
+        tp: int = 1,
+        exact: bool = False,
+        exclude: frozenset[str] = frozenset(),
+    ) -> int:
         """Bytes (rank 0's share under ``tp``) of the entries whose scope starts with (or, with ``exact``,
-        equals) ``scope_prefix`` and whose kind is ``kind`` (any when ``None``)."""
+        equals) ``scope_prefix``, whose kind is ``kind`` (any when ``None``) and whose key is not in ``exclude``."""
         out = 0
-        for e in self.entries.values():
+        for key, e in self.entries.items():
             in_scope = e.scope == scope_prefix if exact else e.scope.startswith(scope_prefix)
-            if in_scope and (kind is None or e.kind == kind):
+            if in_scope and (kind is None or e.kind == kind) and key not in exclude:
                 out += -(-e.nbytes // tp) if e.tp_divides else e.nbytes
         return out
 
@@ -180,13 +191,19 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
     return _T(f"{pre}.out", h.dtype, rows * a.dim)
 
 
-def _selective_keep(inv: Inventory, p: _Precision, batch: int, seq: int, residual: torch.dtype) -> int:
-    """Bytes one block keeps under torchtitan's op-level SAC (see module doc)."""
-    a, rows = inv.args, batch * seq
-    cs = _size(p.compute)
-    kept = rows * a.dim * _size(residual)  # checkpoint input
-    kept += cs * rows * a.n_heads * a.head_dim + 4 * batch * a.n_heads * seq  # SDPA out + logsumexp
-    kept += cs * rows * (a.n_heads * a.head_dim + a.n_kv_heads * a.head_dim + a.ffn_hidden + a.dim)  # wq wv w1 w2
+def _kept(inv: Inventory, p: _Precision, batch: int, seq: int, mode: str) -> dict[str, int]:
+    """Ledger key -> bytes of what a checkpointed forward keeps per block under ``mode`` (see module doc)."""
+    a, rows, cs = inv.args, batch * seq, _size(p.compute)
+    kept: dict[str, int] = {}
+    for i in range(a.n_layers):
+        pre = f"layers.{i}"
+        kept["embedding.out" if i == 0 else f"layers.{i - 1}.out"] = rows * a.dim * _size(p.residual)
+        if mode != "selective":
+            continue
+        kept[f"{pre}.sdpa_out"] = cs * rows * a.n_heads * a.head_dim
+        kept[f"{pre}.sdpa_logsumexp"] = 4 * batch * a.n_heads * seq
+        for name in ("attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"):
+            kept[f"{pre}.{name}.out"] = cs * rows * inv.linears[f"{pre}.{name}"].out_features
     return kept
 
 
@@ -198,12 +215,14 @@ class ActivationEstimate:
     ``lowprec.measure.saved_tensors.measure_saved_bytes`` counts (equal to it on one device, ``tp == 1``).
     ``by_scope``: no-recompute bytes of ``blocks`` (all layers), ``head`` (final norm, output, loss) and
     ``globals`` (token ids, RoPE tables). ``recompute``: ``none`` / ``selective`` / ``full`` totals (weight
-    copies included). ``loss_transient``: not saved but alive at the loss during backward: the gradient of
-    the fp32 ``log_softmax`` output and of its input, ``8 * T * vocab`` (divided by ``tp``), an estimate not
-    checked by measurement. ``korthikanti``: the reference ``L*s*b*h*(34 + 5*a*s/h)`` bytes (Korthikanti et al.
-    2022, 16-bit, no recompute, the ``s x s`` attention scores stored, i.e. no flash attention), and
-    ``korthikanti_selective`` ``L*s*b*h*34`` (scores recomputed); both ignore the head, the loss and the
-    recipe's dtypes.
+    copies included): what the forward keeps plus the largest block being recomputed, counted as
+    ``measure_saved_bytes`` counts under ``lowprec.train.ac``; ``recompute_activations``: the same without
+    the weight copies (what a run logs as ``mem_saved_activations_bytes``). ``loss_transient``: not saved
+    but alive at the loss during backward: the gradient of the fp32 ``log_softmax`` output and of its input,
+    ``8 * T * vocab`` (divided by ``tp``), an estimate not checked by measurement. ``korthikanti``: the
+    reference ``L*s*b*h*(34 + 5*a*s/h)`` bytes (Korthikanti et al. 2022, 16-bit, no recompute, the ``s x s``
+    attention scores stored, i.e. no flash attention), and ``korthikanti_selective`` ``L*s*b*h*34`` (scores
+    recomputed); both ignore the head, the loss and the recipe's dtypes.
     """
 
     batch: int
@@ -212,6 +231,7 @@ class ActivationEstimate:
     weight_copies: int
     by_scope: dict[str, int]
     recompute: dict[str, int]
+    recompute_activations: dict[str, int]
     loss_transient: int
     korthikanti: int
     korthikanti_selective: int
@@ -265,21 +285,29 @@ def predict_saved_activations(
 
     blocks = led.total("block.", tp=tp)
     head, glob = led.total("head", tp=tp), led.total("global", tp=tp)
-    one_block = max((led.total(f"block.{i}", tp=tp, exact=True) for i in range(args.n_layers)), default=0)
-    block_in = -(-rows * args.dim * _size(p.residual) // tp)
-    keep = -(-_selective_keep(inv, p, batch, seq, p.residual) // tp)
-    L = args.n_layers
+    recompute = {"none": blocks + head + glob}
+    recompute_acts = {"none": led.total(kind="act", tp=tp)}
+    for mode in ("selective", "full"):
+        kept = _kept(inv, p, batch, seq, mode)
+        keys = frozenset(kept)
+        kept_bytes = sum(-(-n // tp) for n in kept.values())
+        # the block being recomputed: its ledger entries that are not kept storages (all blocks are alike;
+        # the largest is taken)
+        i = max(range(args.n_layers), key=lambda i: led.total(f"block.{i}", tp=tp, exact=True, exclude=keys))
+        extra = led.total(f"block.{i}", tp=tp, exact=True, exclude=keys)
+        extra_acts = led.total(f"block.{i}", kind="act", tp=tp, exact=True, exclude=keys)
+        recompute[mode] = kept_bytes + extra + head + glob
+        recompute_acts[mode] = (
+            kept_bytes + extra_acts + led.total("head", kind="act", tp=tp) + led.total("global", kind="act", tp=tp)
+        )
     return ActivationEstimate(
         batch=batch,
         seq=seq,
         activations=led.total(kind="act", tp=tp),
         weight_copies=led.total(kind="weight", tp=tp),
         by_scope={"blocks": blocks, "head": head, "globals": glob},
-        recompute={
-            "none": blocks + head + glob,
-            "selective": L * keep + one_block + head + glob,
-            "full": L * block_in + one_block + head + glob,
-        },
+        recompute=recompute,
+        recompute_activations=recompute_acts,
         loss_transient=-(-8 * rows * args.vocab_size // tp),
         korthikanti=korthikanti_bytes(args, batch, seq, tp),
         korthikanti_selective=korthikanti_bytes(args, batch, seq, tp, selective=True),

@@ -1,11 +1,15 @@
 """FP8 GEMM backends: ``out = a @ bt.T`` for quantized operands ``a`` (M, K) and ``bt`` (N, K).
 
-- ``scaled_mm``: ``torch._scaled_mm`` (CPU and CUDA). Tensorwise and rowwise operands run as one call
-  (a tensorwise scale is broadcast to a per-row one when the other operand is rowwise). Tile (1x128) and
-  block (128x128) operands run as a loop over 128-wide K chunks of rowwise ``_scaled_mm`` whose FP32
-  partial results are summed in FP32: DeepSeek-V3's promotion to FP32 every N_C = 128 elements
-  (arXiv 2412.19437 section 3.3.2), since CPU ``_scaled_mm`` rejects blockwise scales
-  (docs/architecture.md, "Platform facts").
+- ``scaled_mm``: scaled FP8 matmuls (``lowprec.kernels.scaled_mm``: torch's public
+  ``torch.nn.functional.scaled_mm`` where it exists, ``torch._scaled_mm`` otherwise). Tensorwise and rowwise
+  operands run as one call (a tensorwise scale is broadcast to a per-row one when the other operand is
+  rowwise). Tile (1x128) and block (128x128) operands run as one native ``BlockWise1x128``/``BlockWise128x128``
+  call where the device has that kernel (sm90, CUDA 12.9+), and elsewhere as a loop over 128-wide K chunks of
+  rowwise calls whose FP32 partial results are summed in FP32: both are DeepSeek-V3's promotion to FP32 every
+  N_C = 128 elements (arXiv 2412.19437 section 3.3.2); CPU ``_scaled_mm`` rejects blockwise scales
+  (docs/architecture.md, "Platform facts"). ``kernel`` says whether each call runs on the device's kernel
+  (``native``) or as exact FP32 arithmetic (``emulated``, for CPUs whose FP8 kernel is slow; same numerics up
+  to FP32 accumulation order).
 - ``emulated``: dequantize both operands, FP32 matmul. The reference.
 
 ``promotion_interval`` (N_C) splits K into chunks whose partial sums are promoted to FP32;
@@ -19,6 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.kernels.scaled_mm import (
+    SCALED_MM_KERNELS,
+    ScaledMMCall,
+    blockwise_scale_operand,
+    native_blockwise_supported,
+)
 from lowprec.numerics.scaling import BLOCK, QTensor, expand_scale
 
 BACKENDS = ("scaled_mm", "emulated")
@@ -43,6 +53,9 @@ def _per_row_scale(q: QTensor, k0: int, k1: int) -> torch.Tensor:
         return q.scale.reshape(1, 1).expand(r, 1)
     if q.granularity == "rowwise":
         return q.scale.reshape(r, 1)
+    if k0 % BLOCK == 0:  # a chunk on the 128-grid: read its scale column without expanding the whole tensor
+        col = q.scale[:, k0 // BLOCK : k0 // BLOCK + 1]
+        return col if q.granularity == "tile1x128" else col.repeat_interleave(BLOCK, dim=0)[:r]
     return expand_scale(q.scale, q.granularity, q.shape)[:, k0 : k0 + 1]
 
 
@@ -57,11 +70,76 @@ def _chunk_bounds(k: int, a: QTensor, bt: QTensor, promotion_interval: int | Non
     return [(k0, min(k0 + step, k)) for k0 in range(0, k, step)]
 
 
-def _scaled_mm(a: torch.Tensor, bt: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype) -> torch.Tensor:
-    # _scaled_mm wants a row-major, b column-major, and *dequantization* scales (1 / scale).
-    return torch._scaled_mm(
-        a.contiguous(), bt.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype
+def _call(a: torch.Tensor, bt: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, recipe: str, out_dtype):
+    # Row-major a, column-major b, and *decoding* scales (1 / scale), as the kernels want.
+    return ScaledMMCall(
+        a.contiguous(), bt.contiguous().t(), sa.reciprocal(), recipe, sb.reciprocal(), recipe, out_dtype
     )
+
+
+_NATIVE_BLOCKWISE_PAIRS = {
+    ("tile1x128", "block128x128"): ("BlockWise1x128", "BlockWise128x128"),
+    ("tile1x128", "tile1x128"): ("BlockWise1x128", "BlockWise1x128"),
+}
+
+
+def _native_blockwise_call(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> ScaledMMCall | None:
+    """One native blockwise call for ``a @ bt.T``, or ``None`` when the pair or the shapes do not fit the kernel
+    (K and the block operand's rows multiples of 128, every dim a multiple of 16)."""
+    recipes = _NATIVE_BLOCKWISE_PAIRS.get((a.granularity, bt.granularity))
+    (m, k), n = a.shape, bt.shape[0]
+    if recipes is None or k % BLOCK or m % 16 or n % 16 or (bt.granularity == "block128x128" and n % BLOCK):
+        return None
+    return ScaledMMCall(
+        a.data.contiguous(),
+        bt.data.contiguous().t(),
+        blockwise_scale_operand(a.scale, a.granularity, m, k, "a"),
+        recipes[0],
+        blockwise_scale_operand(bt.scale, bt.granularity, n, k, "b"),
+        recipes[1],
+        out_dtype,
+    )
+
+
+def scaled_mm_calls(
+    a: QTensor,
+    bt: QTensor,
+    out_dtype: torch.dtype,
+    promotion_interval: int | None = None,
+    native_blockwise: bool = False,
+) -> list[ScaledMMCall]:
+    """The scaled matmul calls that compute ``a @ bt.T`` (the ``scaled_mm`` backend, module doc): one call, or
+    one FP32-output call per K chunk whose results are summed in FP32 and rounded to ``out_dtype`` once.
+    ``native_blockwise``: use one ``BlockWise*`` call for tile/block operands where the shapes allow it. These
+    are exactly the arguments the kernels receive (a CPU test checks them against CUDA's contract)."""
+    return _calls(a, bt, out_dtype, _chunk_bounds(a.shape[1], a, bt, promotion_interval), native_blockwise)
+
+
+def _calls(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, native_blockwise: bool) -> list[ScaledMMCall]:
+    k, n = a.shape[1], bt.shape[0]
+    if len(chunks) == 1 and a.granularity == bt.granularity == "tensorwise":
+        return [_call(a.data, bt.data, a.scale, bt.scale, "TensorWise", out_dtype)]
+    if len(chunks) == 1:
+        return [
+            _call(
+                a.data, bt.data, _per_row_scale(a, 0, k), _per_row_scale(bt, 0, k).reshape(1, n), "RowWise", out_dtype
+            )
+        ]
+    if native_blockwise:
+        call = _native_blockwise_call(a, bt, out_dtype)
+        if call is not None:
+            return [call]
+    return [
+        _call(
+            a.data[:, k0:k1],
+            bt.data[:, k0:k1],
+            _per_row_scale(a, k0, k1),
+            _per_row_scale(bt, k0, k1).reshape(1, n),
+            "RowWise",
+            torch.float32,
+        )
+        for k0, k1 in chunks
+    ]
 
 
 def fp8_gemm(
@@ -71,41 +149,65 @@ def fp8_gemm(
     backend: str = "scaled_mm",
     promotion_interval: int | None = None,
     accum_mantissa_bits: int | None = None,
+    kernel: str = "native",
 ) -> torch.Tensor:
-    """``a @ bt.T`` -> (M, N) in ``out_dtype``. Raises ``ValueError`` for an unknown backend, mismatched
-    K, or a promotion interval the scaling cannot honour."""
+    """``a @ bt.T`` -> (M, N) in ``out_dtype``. ``kernel`` (``native`` | ``emulated``) runs the ``scaled_mm``
+    backend's calls on the device's kernel or as exact FP32 arithmetic (``lowprec.kernels``). Raises
+    ``ValueError`` for an unknown backend or kernel, mismatched K, or a promotion interval the scaling cannot
+    honour."""
     (_, k), (_, k2) = a.shape, bt.shape
     if k != k2:
         raise ValueError(f"contraction dims differ: a is {a.shape}, bt is {bt.shape}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown GEMM backend {backend!r}; known: {BACKENDS}")
+    if kernel not in SCALED_MM_KERNELS:
+        raise ValueError(f"unknown FP8 GEMM kernel {kernel!r}; known: {tuple(SCALED_MM_KERNELS)}")
     chunks = _chunk_bounds(k, a, bt, promotion_interval)
     if accum_mantissa_bits is not None:
         return _limited_accumulation(a, bt, chunks, accum_mantissa_bits).to(out_dtype)
-    return _GEMMS[backend](a, bt, out_dtype, chunks)
+    return _GEMMS[backend](a, bt, out_dtype, chunks, kernel)
 
 
-def _emulated_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks) -> torch.Tensor:
+def _emulated_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, kernel) -> torch.Tensor:
     # The reference: dequantize exactly, one FP32 matmul (FP32 accumulation over all of K).
     return (a.dequantize() @ bt.dequantize().t()).to(out_dtype)
 
 
-def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks) -> torch.Tensor:
-    (m, k), n = a.shape, bt.shape[0]
-    if len(chunks) == 1 and a.granularity == bt.granularity == "tensorwise":
-        return _scaled_mm(a.data, bt.data, a.scale, bt.scale, out_dtype)
-    if len(chunks) == 1:
-        return _scaled_mm(a.data, bt.data, _per_row_scale(a, 0, k), _per_row_scale(bt, 0, k).reshape(1, n), out_dtype)
-    out = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
-    for k0, k1 in chunks:
-        out += _scaled_mm(
-            a.data[:, k0:k1],
-            bt.data[:, k0:k1],
-            _per_row_scale(a, k0, k1),
-            _per_row_scale(bt, k0, k1).reshape(1, n),
-            torch.float32,
-        )
+def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, kernel) -> torch.Tensor:
+    run = SCALED_MM_KERNELS[kernel]
+    if kernel == "emulated" and len(chunks) > 1:
+        return _emulated_chunked(a, bt, out_dtype)
+    native_blockwise = kernel == "native" and native_blockwise_supported(a.data.device)
+    calls = _calls(a, bt, out_dtype, chunks, native_blockwise)
+    if len(calls) == 1:
+        return run(calls[0])
+    out = torch.zeros(a.shape[0], bt.shape[0], dtype=torch.float32, device=a.data.device)
+    for call in calls:
+        out += run(call)
     return out.to(out_dtype)
+
+
+def _decoded(q: QTensor) -> torch.Tensor:
+    """``q``'s values times their decoding scale (``data * (1 / scale)``), float32 (R, K): one FP32 rounding per
+    element, the scale broadcast block by block where the dims allow it."""
+    dec = q.scale.float().reciprocal()
+    data = q.data.float()
+    r, k = q.shape
+    if q.granularity == "tile1x128" and k % BLOCK == 0:
+        return (data.view(r, k // BLOCK, BLOCK) * dec[:, :, None]).view(r, k)
+    if q.granularity == "block128x128" and k % BLOCK == 0 and r % BLOCK == 0:
+        return (data.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK) * dec[:, None, :, None]).view(r, k)
+    return data * expand_scale(dec, q.granularity, q.shape)
+
+
+def _emulated_chunked(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The K-chunked calls of ``_calls`` emulated in one FP32 matmul: each 128-wide chunk's decoding scales are
+    folded into its operands (one FP32 rounding per element) and all of K is accumulated in FP32 at once. The
+    chunked kernel accumulates each chunk's exact products and scales the FP32 partial sum; with an FP32
+    accumulator the promotion itself changes nothing, so the two differ by FP32 roundings (of the folded
+    products, and the summation order), the size of an accumulation reorder. One pass over the operands instead
+    of one (M, N) accumulator per chunk: on a 2-core AVX2 CPU the per-chunk form cost 2.7x an FP32 step."""
+    return (_decoded(a) @ _decoded(bt).t()).to(out_dtype)
 
 
 #: ``recipe.fp8.gemm_backend`` -> the GEMM that runs it.

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
+from lowprec.kernels import recompute
 from lowprec.numerics.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
 
 _TRANSPOSABLE = ("tensorwise", "block128x128")
@@ -56,6 +57,9 @@ class Float8Linear(nn.Linear):
         self.telemetry = None
         #: Process group over which delayed-scaling amaxes are max-reduced (set when the model is sharded).
         self.amax_group = None
+        #: ``native`` | ``emulated``: how the scaled matmuls run (``lowprec.kernels``; set at build from the
+        #: run's ``cpu_kernels``; never changes the numerics beyond FP32 accumulation order).
+        self.fp8_kernel = "native"
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> Float8Linear:
@@ -91,22 +95,27 @@ class Float8Linear(nn.Linear):
             q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2)
         elif rc.strategy == "delayed":
             scaler = self.scalers[role]
-            amax = compute_amax(t, "tensorwise")
-            if self.amax_group is not None:
-                # Transformer Engine's reduce_amax: every rank records the global amax, so histories and
-                # scales are identical across ranks and equal those of one process on the global batch.
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
-            scaler.record(amax)
+            # A checkpointed block's recompute casts with the same scale and must not record its amax again
+            # (nor all-reduce it): the forward did (lowprec.kernels.recompute).
+            if not recompute.in_recompute():
+                amax = compute_amax(t, "tensorwise")
+                if self.amax_group is not None:
+                    # Transformer Engine's reduce_amax: every rank records the global amax, so histories and
+                    # scales are identical across ranks and equal those of one process on the global batch.
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
+                scaler.record(amax)
             q = quantize_operand(t, rc.fmt, "tensorwise", scale=scaler.scale)
         else:
             q = quantize_operand(t, rc.fmt, "tensorwise", scale=torch.tensor(rc.static_scale, device=t.device))
-        if self.telemetry is not None:
+        if self.telemetry is not None and not recompute.in_recompute():
             self.telemetry.observe_cast(self, role, t, q)
         return q
 
     def gemm(self, a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
         cfg = self.fp8_config
-        return fp8_gemm(a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits)
+        return fp8_gemm(
+            a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits, self.fp8_kernel
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
@@ -144,18 +153,28 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.fp8_config
         roles = ", ".join(f"{r}={c.role(r).fmt.name}/{c.role(r).granularity}/{c.role(r).strategy}" for r in ROLES)
-        return f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, fp8_cache={c.cache_fp8_activations}"
+        return (
+            f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
+            f"fp8_cache={c.cache_fp8_activations}"
+        )
 
 
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: Float8Linear) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            qx = mod.quantize("input", x)
-            qw = mod.quantize("weight", weight)
-            out = mod.gemm(qx, qw, x.dtype)
-        if mod.telemetry is not None:
-            mod.telemetry.observe_gemm(mod, "output", x, weight, out)
+        cache = mod.fp8_config.cache_fp8_activations
+        # One matmul for activation checkpointing's selective policy; the forward GEMM's output may be
+        # served from its cache during a recompute (lowprec.kernels.recompute).
+        with recompute.matmul_unit() as unit, torch.autocast(x.device.type, enabled=False):
+            qx = mod.quantize("input", x) if cache else None
+
+            def gemm() -> torch.Tensor:
+                qin = qx if qx is not None else mod.quantize("input", x)
+                return mod.gemm(qin, mod.quantize("weight", weight), x.dtype)
+
+            out = unit.output(gemm)
+            if mod.telemetry is not None and not recompute.in_recompute():
+                mod.telemetry.observe_gemm(mod, "output", x, weight, out)
         ctx.mod, ctx.x_dtype = mod, x.dtype
         if mod.fp8_config.cache_fp8_activations:
             ctx.q_meta = (qx.granularity, qx.fmt)

@@ -73,7 +73,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     taken in float32 whatever ``x``'s dtype, as torchao's ``hp_tensor_and_scale_to_float8`` does.
     """
     y = x.to(torch.float32) * scale
-    return y.clamp(min=-fmt.max, max=fmt.max).to(fmt.dtype)
+    return y.clamp_(min=-fmt.max, max=fmt.max).to(fmt.dtype)  # in place: y is a fresh product
 
 
 def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -85,6 +85,9 @@ class QTensor:
         return tuple(self.data.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        blocked = _blocked_views(self.data, self.scale, self.granularity)
+        if blocked is not None:
+            return dequantize(*blocked, dtype).view(self.shape)
         return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
 
     def t(self) -> QTensor:
@@ -106,8 +109,25 @@ def quantize_operand(
     otherwise the given compact scale is used (delayed or static strategies)."""
     if scale is None:
         scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2)
-    data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
+    blocked = _blocked_views(x, scale, granularity)
+    if blocked is not None:  # the same products, without materialising an (R, K) scale
+        data = quantize(*blocked, fmt).view(x.shape)
+    else:
+        data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
     return QTensor(data, scale, granularity, fmt)
+
+
+def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
+    """``(x, scale)`` as views that broadcast block by block, for tile/block scaling of an operand whose dims
+    are multiples of 128; ``None`` otherwise (the caller expands the scale)."""
+    r, k = x.shape
+    if k % BLOCK or not x.is_contiguous():
+        return None
+    if granularity == "tile1x128":
+        return x.view(r, k // BLOCK, BLOCK), scale[:, :, None]
+    if granularity == "block128x128" and r % BLOCK == 0:
+        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None]
+    return None
 
 
 class DelayedScaler(nn.Module):

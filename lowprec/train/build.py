@@ -16,13 +16,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from lowprec.backends import fp8_backend
-from lowprec.convert import convert_fp8
+from lowprec.convert import convert_fp8, convert_kernels
 from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
+from lowprec.kernels import KernelPolicy, resolve_kernels
 from lowprec.measure.telemetry import FP8Telemetry
 from lowprec.model import ModelArgs, Transformer
 from lowprec.optim.builder import OptimHParams, build_optimizer
@@ -32,7 +34,9 @@ from lowprec.parallel.apply import ParallelPlan, check_layout, mixed_precision_p
 from lowprec.parallel.comm_metrics import StepCommMetrics
 from lowprec.parallel.dims import ParallelDims, dp_coordinate
 from lowprec.parallel.runtime import DistContext
-from lowprec.recipe import DTYPES, Recipe
+from lowprec.recipe import DTYPES, Recipe, RecipeError
+from lowprec.train.ac import apply_ac
+from lowprec.train.compile import apply_compile
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
 
@@ -59,6 +63,11 @@ class Built:
     parallel: ParallelPlan | None = None
     #: ``lowprec.parallel.comm_metrics.StepCommMetrics`` when sharded (meters sampled steps), else ``None``.
     comm_metrics: StepCommMetrics | None = None
+    #: Which kernels run the low-precision GEMMs and attention (``cpu_kernels`` resolved for this device).
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
+    #: ``train.ac`` and ``train.compile`` as built (every block checkpointed / compiled accordingly).
+    ac: str = "none"
+    compiled: bool = False
 
     def step_context(self, step: int) -> AbstractContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
@@ -102,6 +111,16 @@ def check_runtime(recipe: Recipe, device: torch.device) -> None:
     """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback):
     the FP8 backend's own check (``Float8Backend.check_runtime``). Raises ``RecipeError``."""
     fp8_backend(recipe.fp8.backend).check_runtime(recipe.fp8, device)
+
+
+def check_compile(recipe: Recipe, train: TrainSpec) -> None:
+    """With ``train.compile``, refuse before training a recipe whose blocks cannot be compiled whole (no
+    silent fallback to eager): ``Float8Backend.compile_blocker``. Raises ``RecipeError`` naming the part."""
+    if not train.compile:
+        return
+    reason = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, train.telemetry_every)
+    if reason:
+        raise RecipeError(f"train.compile=true cannot compile recipe {recipe.name!r}: {reason}")
 
 
 def cast_weights(model: Transformer, recipe: Recipe) -> None:
@@ -181,11 +200,21 @@ def build(
     seed: int,
     device: torch.device,
     parallel: ParallelDims | None = None,
+    cpu_kernels: str = "auto",
 ) -> Built:
     """Run the build steps in order. Raises ``ValueError``/``RuntimeError``/``ImportError`` before training
     if the recipe cannot run as asked (no silent fallback). ``parallel`` (world size > 1) needs an
-    initialised process group whose size is its world size."""
+    initialised process group whose size is its world size. ``cpu_kernels``: ``auto`` | ``native`` |
+    ``emulated`` (``lowprec.kernels.policy``; ignored on CUDA, which never emulates)."""
     check_runtime(recipe, device)
+    check_compile(recipe, train)
+    kernels = resolve_kernels(cpu_kernels, device)
+    if dist.is_available() and dist.is_initialized():
+        # One decision for every rank (rank 0's probe): ranks that timed the kernels differently must not run
+        # different kernels on the shards of one model.
+        box = [kernels]
+        dist.broadcast_object_list(box, src=0)
+        kernels = box[0]
     dims = parallel or ParallelDims()
 
     check_layout(recipe, dims)
@@ -193,7 +222,11 @@ def build(
     # FP8 weight all-gather: some backends choose it at conversion (torchao's weight wrapper) and need a hook
     # after each optimizer step (step 6).
     fp8_gather = dims.fsdp and recipe.comm.weight_all_gather == "fp8"
-    fp8_fqns = convert_fp8(model, recipe.fp8, fp8_weight_all_gather=fp8_gather)  # 2
+    fp8_fqns = convert_fp8(model, recipe.fp8, fp8_weight_all_gather=fp8_gather, fp8_kernel=kernels.fp8)  # 2
+    convert_kernels(model, kernels)
+    apply_ac(model, train.ac)  # activation checkpointing per block, before sharding (torchtitan's order)
+    if train.compile:
+        apply_compile(model)  # after AC, before sharding (torchtitan's order)
     precision, mp_policy = choose_precision(recipe, device, dims)
     plan, dctx = None, DistContext()
     if dims.enabled:  # 3
@@ -242,6 +275,9 @@ def build(
         dist=dctx,
         parallel=plan,
         comm_metrics=comm_metrics,
+        kernels=kernels,
+        ac=train.ac,
+        compiled=train.compile,
     )
 
 

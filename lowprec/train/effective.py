@@ -15,9 +15,12 @@ import torch
 from torch import nn
 
 from lowprec.backends import fp8_backend, fp8_backends, optim_impl
+from lowprec.kernels import EmulatedLinear, emulated_sdpa
 from lowprec.optim.builder import moment_kind
 from lowprec.parallel.comm_metrics import observed_comm_dtypes
+from lowprec.train.ac import is_checkpointed
 from lowprec.train.build import Built
+from lowprec.train.compile import is_compiled
 
 
 class EffectiveRecipeError(RuntimeError):
@@ -41,6 +44,34 @@ def _fp8_modules(model: nn.Module) -> dict[str, int]:
     classes = _fp8_module_classes()
     kinds = Counter(_qualname(m) for m in model.modules() if _qualname(m) in classes)
     return dict(kinds)
+
+
+def _observed_kernels(model: nn.Module) -> dict[str, str]:
+    """Which kernels the built model runs: ``bf16`` from its high-precision linears and attention slots
+    (``emulated``, ``native`` or ``mixed``), ``fp8`` from its FP8 linears (absent when there are none)."""
+    backends = {b.module_class: b for b in fp8_backends().values() if b.module_class}
+    hp, fp8 = set(), set()
+    for m in model.modules():
+        if _qualname(m) in backends:
+            fp8.add(backends[_qualname(m)].kernel_of(m))
+        elif isinstance(m, nn.Linear):
+            hp.add("emulated" if isinstance(m, EmulatedLinear) else "native")
+        if hasattr(m, "sdpa"):
+            hp.add("emulated" if m.sdpa is emulated_sdpa else "native")
+    out = {"bf16": hp.pop() if len(hp) == 1 else "mixed"}
+    if fp8:
+        out["fp8"] = fp8.pop() if len(fp8) == 1 else "mixed"
+    return out
+
+
+def _observed_blocks(model: nn.Module) -> dict[str, int]:
+    """How many transformer blocks there are, and how many are checkpointed (``train.ac``) and compiled."""
+    blocks = list(model.layers.values())
+    return {
+        "n": len(blocks),
+        "checkpointed": sum(is_checkpointed(b) for b in blocks),
+        "compiled": sum(is_compiled(b) for b in blocks),
+    }
 
 
 def _is_linear(m: nn.Module) -> bool:
@@ -86,6 +117,8 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
         "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
         "moment_dtype": dict(_count(params, lambda p: moment_kind(opt, p))),
         "master": "explicit" if built.master_params else "params_are_master" if _all_fp32(params) else "none",
+        "kernels": _observed_kernels(built.model),
+        "blocks": _observed_blocks(built.model),
         **({"comm": _observed_comm(built)} if built.parallel is not None else {}),
     }
 
@@ -172,6 +205,12 @@ def expected_effective(built: Built) -> dict:
         else "params_are_master"
         if r.param_dtype == torch.float32
         else "none",
+        "kernels": {"bf16": built.kernels.bf16, **({"fp8": built.kernels.fp8} if fp8 else {})},
+        "blocks": {
+            "n": len(built.model.layers),
+            "checkpointed": 0 if built.ac == "none" else len(built.model.layers),
+            "compiled": len(built.model.layers) if built.compiled else 0,
+        },
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
     }
 

@@ -8,9 +8,13 @@ import math
 import time
 from collections.abc import Iterator
 
+import torch
+
+from lowprec.estimate.activations import predict_saved_activations
 from lowprec.measure.accounting import PeakMemory, StateBytes, measure_state_bytes
 from lowprec.measure.saved_tensors import SavedBytes, measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.train.build import Built
+from lowprec.train.compile import compile_time_now
 from lowprec.train.guards import preserve_buffers
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import Batch, forward_loss
@@ -27,48 +31,75 @@ class RunMeter:
         self.built, self.spec, self.first_step = built, spec, start
         self.peak = PeakMemory(built.device)
         self.saved: SavedBytes | None = None
+        #: ``lowprec estimate``'s saved-activation bytes for the probed batch under the run's ``train.ac``.
+        self.saved_estimate: int | None = None
         #: Measured after the first step whose update ran: a skipped step has created no optimizer state.
         self.state: StateBytes | None = None
-        #: Wall time of the last ``timed()`` block (s).
+        #: Wall time of the last ``timed()`` block (s), and the part of it spent compiling (``train.compile``).
         self.last_step_s = math.nan
+        self.last_compile_s = 0.0
         self._timed_s, self._timed_steps = 0.0, 0
+        self._compile_start = 0.0
 
     def start(self) -> None:
-        """Set the peak-memory baseline: what is resident now is not the run's growth."""
+        """Set the peak-memory baseline (what is resident now is not the run's growth) and the compile-time
+        baseline."""
         self.peak.reset()
+        self._compile_start = compile_time_now()
 
     def probe_saved_bytes(self, batch: Batch) -> None:
         """Measure the bytes autograd saves for backward with one extra forward on ``batch`` (the first step's
-        first micro-batch). It runs under ``preserve_buffers``: delayed-scaling histories never see it."""
+        first micro-batch), under the run's activation checkpointing (what the forward keeps plus the largest
+        block recomputed, ``lowprec.measure.saved_tensors``), and the estimator's figure for the same. It runs
+        under ``preserve_buffers``: delayed-scaling histories never see it. Compiled blocks (``train.compile``)
+        run it in eager (``force_eager``): the figure is the eager ledger the estimator models; what a compiled
+        graph saves is AOTAutograd's partitioner's choice and is not measured."""
         built = self.built
         x, y = built.dist.shard_batch(*batch)
-        with preserve_buffers(built.model):
+        with preserve_buffers(built.model), torch.compiler.set_stance("force_eager"):
             self.saved = measure_saved_bytes(
                 lambda: forward_loss(built, x.to(built.device), y.to(built.device)), built.model
             )
+        dims = built.parallel.dims if built.parallel is not None else None
+        est = predict_saved_activations(
+            built.model.args,
+            built.recipe,
+            x.shape[0],
+            x.shape[1],
+            device_type=built.device.type,
+            dp_shard=dims.dp_shard if dims else 1,
+            tp=dims.tp if dims else 1,
+        )
+        self.saved_estimate = est.recompute_activations[self.spec.ac]
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
-        """Time the block (one optimizer step) into ``last_step_s``; an exception leaves it unchanged."""
-        t0 = time.perf_counter()
+        """Time the block (one optimizer step) into ``last_step_s`` and the compilation inside it into
+        ``last_compile_s``; an exception leaves them unchanged."""
+        t0, c0 = time.perf_counter(), compile_time_now()
         yield
         self.last_step_s = time.perf_counter() - t0
+        self.last_compile_s = compile_time_now() - c0
 
     def after_step(self, step: int) -> dict[str, float]:
         """The step's metrics: ``step_time_s`` (s), ``tokens_per_s`` and ``tokens`` (consumed after this step).
 
-        Steps from ``spec.timing_warmup_steps`` after the first count towards the summary's means.
+        Steps from ``spec.timing_warmup_steps`` after the first count towards the summary's means, except a step
+        that compiled (``train.compile``: a first step, or a recompile): compile time is ``compile_time_s``, never
+        throughput. Such a step's metrics add ``step_compile_s``.
         """
         built, spec, dt = self.built, self.spec, self.last_step_s
         if self.state is None and not built.loss_scaler.last_step_skipped:
             self.state = measure_state_bytes(built.model, built.optimizer, built.master_params)
-        if step - self.first_step >= spec.timing_warmup_steps:
+        compiled = self.last_compile_s > 0
+        if step - self.first_step >= spec.timing_warmup_steps and not compiled:
             self._timed_s += dt
             self._timed_steps += 1
         return {
             "step_time_s": dt,
             "tokens_per_s": spec.tokens_per_step / dt,
             "tokens": (step + 1) * spec.tokens_per_step,
+            **({"step_compile_s": self.last_compile_s} if compiled else {}),
         }
 
     @property
@@ -78,18 +109,21 @@ class RunMeter:
 
     def summary(self) -> dict[str, float]:
         """Means over the timed steps (``mean_step_time_s`` in s, ``mean_tokens_per_s``; NaN with none), peak
-        memory and its growth since ``start()``, saved-for-backward bytes, FP8 scaling-state bytes and the
-        state bytes (``StateBytes.as_metrics``), all in bytes. Needs a step whose update ran."""
+        memory and its growth since ``start()``, saved-for-backward bytes (measured under ``train.ac``, and
+        ``mem_saved_activations_estimate_bytes``, the estimator's for the same mode), FP8 scaling-state bytes
+        and the state bytes (``StateBytes.as_metrics``), all in bytes. Needs a step whose update ran."""
         if self.saved is None or self.state is None:
             raise RuntimeError("RunMeter.summary needs probe_saved_bytes and a step whose update ran")
         timed_s, n = self._timed_s, self._timed_steps
         peak_bytes = self.peak.read()
         return {
             "mean_step_time_s": timed_s / n if n else float("nan"),
+            "compile_time_s": compile_time_now() - self._compile_start,
             "mean_tokens_per_s": self.spec.tokens_per_step * n / timed_s if n else float("nan"),
             "mem_peak_bytes": peak_bytes,
             "mem_peak_growth_bytes": peak_bytes - self.peak.baseline,
             "mem_saved_activations_bytes": self.saved.activations,
+            "mem_saved_activations_estimate_bytes": self.saved_estimate,
             "mem_saved_weight_copies_bytes": self.saved.weight_copies,
             "mem_fp8_scaling_state_bytes": measure_fp8_scaling_bytes(self.built.model),
             **self.state.as_metrics(),

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from lowprec.errors import ConfigError
 
+#: Activation checkpointing modes (torchtitan's ``activation_checkpoint.mode``).
+AC_MODES = ("none", "selective", "full")
+
 
 @dataclass(frozen=True)
 class TrainSpec:
@@ -32,6 +35,8 @@ class TrainSpec:
     checkpoint_every: int = 0
     progress: bool = True
     resume_recipe_change: bool = False
+    ac: str = "none"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
@@ -49,6 +54,8 @@ class TrainSpec:
             raise ConfigError(
                 f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final LR as a fraction of the peak)"
             )
+        if self.ac not in AC_MODES:
+            raise ConfigError(f"train.ac={self.ac!r} is not one of {', '.join(AC_MODES)}")
         if self.timing_warmup_steps >= self.steps:
             raise ConfigError(
                 f"train.timing_warmup_steps={self.timing_warmup_steps} must be below train.steps={self.steps}"

@@ -58,6 +58,13 @@ BAD = [
     (["train", "recipe=fp9"], "Could not find 'recipe/fp9'"),
     (["train", "recipe=fp8_current", "recipe.fp8.hp_first_blocks=99"], "select no linear"),
     (["train", "recipe=fp8_blockwise", "recipe.fp8.min_features=100000"], "select no linear"),
+    (["train", "train.ac=sometimes"], "train.ac='sometimes' is not one of none, selective, full"),
+    (["train", "cpu_kernels=fast"], "cpu_kernels='fast' is not one of auto, native, emulated"),
+    (
+        ["train", "recipe=fp8_current", "train.compile=true"],
+        "cannot compile recipe 'fp8_current': lowprec FP8 telemetry",
+    ),
+    (["ablate", "cpu_kernels=fast"], "cpu_kernels='fast' is not one of auto, native, emulated"),
     (["train", "recipe.fp8.hp_first_blocks=-1", "recipe=fp8_current"], "recipe.fp8.hp_first_blocks=-1 must be >= 0"),
     (["train", "device=tpu"], "device='tpu'"),
     (["ablate", "recipes=[fp32]", "seeds=0"], "seeds=0 must be >= 1"),

@@ -38,13 +38,17 @@ class DummyFloat8(Float8Backend):
     scalings = ("tensorwise",)
     module_class = f"{__name__}.FakeQuantLinear"
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather):
+    def kernel_of(self, module) -> str:
+        return module.fp8_kernel
+
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel):
         for fqn in fqns:
             old = model.get_submodule(fqn)
             new = FakeQuantLinear(
                 old.in_features, old.out_features, bias=False, device=old.weight.device, dtype=old.weight.dtype
             )
             new.weight = old.weight
+            new.fp8_kernel = fp8_kernel  # its GEMM is FP32 whatever the kernels: both choices hold
             parent, _, child = fqn.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import numpy as np
@@ -66,6 +67,54 @@ def test_user_text_corpus_and_its_cache(tmp_path):
     assert again.shard_dir == d.shard_dir and again.fingerprint == d.fingerprint
     (root / "doc000.txt").write_text("changed")
     assert prepare(spec).fingerprint != d.fingerprint
+
+
+PHASES = (
+    "[1/4] reading 40 corpus files",
+    "[2/4] training BPE vocab 300: counting words",
+    "[2/4] training BPE vocab 300: computing merges",
+    "[3/4] tokenizing 40 files -> uint16 shards",
+    "[4/4] writing",
+)
+
+
+def test_cold_build_shows_each_phase_and_a_warm_cache_nothing(tmp_path, capfd):
+    spec = DataSpec(
+        source="text",
+        path=str(_text_corpus(tmp_path)),
+        pattern="*.txt",
+        vocab_size=300,
+        val_fraction=0.2,
+        cache_dir=str(tmp_path / "on"),
+    )
+    on = prepare(spec, progress=True)
+    out, err = capfd.readouterr()
+    assert out == ""
+    for phase in PHASES:
+        assert f"lowprec data {phase}" in err, err
+    assert "100%|" in err and "ready in" in err  # tqdm's count line for the phases with a total
+    prepare(spec, progress=True)  # warm cache
+    assert capfd.readouterr() == ("", "")
+    off = prepare(dataclasses.replace(spec, cache_dir=str(tmp_path / "off")))  # cold, progress off (the default)
+    assert capfd.readouterr() == ("", "")
+    for f in ("meta.json", "tokenizer.json", "train_000.bin", "val_000.bin"):  # the same cache either way
+        assert (on.shard_dir / f).read_bytes() == (off.shard_dir / f).read_bytes()
+
+
+def test_prepare_data_follows_train_progress(tmp_path, capfd):
+    from omegaconf import OmegaConf
+
+    from experiments.startup import prepare_data
+
+    root = _text_corpus(tmp_path)
+    for progress in (False, True):
+        data = dict(source="text", path=str(root), pattern="*.txt", vocab_size=300, val_fraction=0.2)
+        cfg = OmegaConf.create(
+            {"data": {**data, "cache_dir": str(tmp_path / str(progress))}, "train": {"progress": progress}}
+        )
+        prepare_data(cfg)
+        err = capfd.readouterr().err
+        assert all(f"lowprec data {phase}" in err for phase in PHASES) if progress else err == "", err
 
 
 def test_missing_and_empty_corpus_raise(tmp_path):

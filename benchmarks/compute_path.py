@@ -1,0 +1,117 @@
+"""The compute path's cost on this CPU, side by side in one run: CPU kernels (native vs emulated) and
+torch.compile (compiled vs eager), each step time as a ratio to eager ``fp32`` with the same kernels setting.
+
+On the ``tiny`` model (default batch 8 x seq 256) it times ``fp32``, ``bf16``, ``bf16_pure``, ``fp8_current``
+and ``fp8_blockwise`` with ``cpu_kernels=emulated`` and ``native``, and ``fp32`` compiled. Each configuration
+trains ``--steps`` steps on the real corpus; the first ``--warmup`` are not timed and the figure is the median
+step time of the rest. Compiled and eager ``fp32`` train step by step in alternation (2 x ``--steps`` steps),
+so machine noise hits both alike; the first compiled step (compilation) is printed apart. Targets (issue 13):
+with ``emulated``, ``bf16``/``fp32`` <= 1.3 and every FP8 recipe/``fp32`` <= 1.8; compiled ``fp32``/eager
+``fp32`` <= 0.95. CPU timings say nothing about GPU speed; the CPU model and ISA flags are printed with them.
+
+    .venv/bin/python benchmarks/compute_path.py [--model tiny] [--steps 8] [--warmup 3] [--native-steps 4]
+                                                [--kernels emulated native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from lowprec.data import DataSpec, TokenBatches, prepare
+from lowprec.kernels import cpu_model, isa_flags
+from lowprec.kernels.probe import probe_kernels
+from lowprec.model import model_args
+from lowprec.optim.builder import OptimHParams
+from lowprec.train.build import build
+from lowprec.train.spec import TrainSpec
+from lowprec.train.step import train_step
+from recipes import CATALOG
+
+RECIPES = ("fp32", "bf16", "bf16_pure", "fp8_current", "fp8_blockwise")
+TARGETS = {"bf16": 1.3, "fp8_current": 1.8, "fp8_blockwise": 1.8}
+COMPILE_TARGET = 0.95
+
+
+def _built(data, model: str, recipe: str, kernels: str, steps: int, compile_: bool):
+    spec = TrainSpec(steps=steps, batch_size=8, seq_len=256, warmup_steps=2, telemetry_every=0, compile=compile_)
+    built = build(CATALOG[recipe], model_args(model), spec, OptimHParams(), 0, torch.device("cpu"), None, kernels)
+    return built, spec, TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, 0)
+
+
+def _timed_step(built, spec, batches, step: int) -> float:
+    t0 = time.perf_counter()
+    train_step(built, [batches.train_batch(step)], spec.grad_clip, step)
+    return time.perf_counter() - t0
+
+
+def median_step_s(data, model: str, recipe: str, kernels: str, steps: int, warmup: int, compile_: bool) -> float:
+    built, spec, batches = _built(data, model, recipe, kernels, steps, compile_)
+    return statistics.median([_timed_step(built, spec, batches, s) for s in range(steps)][warmup:])
+
+
+def compiled_vs_eager(data, model: str, steps: int, warmup: int) -> tuple[float, float, float]:
+    """Median step times of ``fp32`` compiled and eager, trained step by step in alternation (so machine noise
+    hits both alike), and the compiled run's first-step time (compilation)."""
+    runs = [_built(data, model, "fp32", "auto", steps, c) for c in (True, False)]
+    times: list[list[float]] = [[], []]
+    for step in range(steps):
+        for i, (built, spec, batches) in enumerate(runs):
+            times[i].append(_timed_step(built, spec, batches, step))
+    return statistics.median(times[0][warmup:]), statistics.median(times[1][warmup:]), times[0][0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--native-steps", type=int, default=4, help="steps for native runs (slow BF16 on AVX2)")
+    ap.add_argument("--kernels", nargs="+", default=["emulated", "native"], choices=["emulated", "native"])
+    a = ap.parse_args()
+    data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
+    print(
+        f"CPU: {cpu_model()}; ISA: {' '.join(isa_flags()) or 'none'}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(f"auto probe (ms per 256^3 GEMM): {probe_kernels().ms}")
+    # A discarded first run: the process's first training pays one-time costs (allocator growth, lazy inits)
+    # that would otherwise land on whichever configuration runs first.
+    median_step_s(data, a.model, "fp32", "emulated", a.warmup + 2, a.warmup, False)
+    rows = {}
+    for kernels in a.kernels:
+        steps = a.steps if kernels == "emulated" else max(a.native_steps, 2)
+        warm = a.warmup if kernels == "emulated" else 1
+        for r in RECIPES:
+            rows[(r, kernels, False)] = median_step_s(data, a.model, r, kernels, steps, warm, False)
+            print(f"  {r:14s} {kernels:8s} eager    {rows[(r, kernels, False)]:.3f} s/step", flush=True)
+    compiled, eager, first = compiled_vs_eager(data, a.model, 2 * a.steps, a.warmup)
+    print(
+        f"  fp32           auto     compiled {compiled:.3f} s/step vs eager {eager:.3f} in alternation "
+        f"(first compiled step, compilation included: {first:.0f} s)",
+        flush=True,
+    )
+
+    print(f"\nstep time / eager fp32 (same cpu_kernels), model={a.model}, batch 8 x seq 256")
+    print(f"{'recipe':16s} " + " ".join(f"{k:>9s}" for k in a.kernels))
+    for r in RECIPES:
+        ratios = [rows[(r, k, False)] / rows[("fp32", k, False)] for k in a.kernels]
+        print(f"{r:16s} " + " ".join(f"{x:9.2f}" for x in ratios))
+    if "native" in a.kernels:
+        n32 = rows[("fp32", "native", False)] / rows[("fp32", "emulated", False)]
+        print(f"(fp32 native / fp32 emulated: {n32:.2f}; fp32 runs no emulated GEMM, so this is noise)")
+    c = compiled / eager
+    print(f"{'fp32 compiled':16s} {c:9.2f}  (vs eager fp32 trained in alternation with it)")
+    print("\ntargets:")
+    for r, t in TARGETS.items():
+        e = rows[(r, "emulated", False)] / rows[("fp32", "emulated", False)]
+        print(f"  {r}/fp32 emulated {e:.2f} <= {t}: {'PASS' if e <= t else 'FAIL'}")
+    print(f"  fp32 compiled/eager {c:.2f} <= {COMPILE_TARGET}: {'PASS' if c <= COMPILE_TARGET else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""``train.compile=true``: ``torch.compile`` each transformer block, torchtitan's way.
+
+torchtitan (``torchtitan/models/llama3/infra/parallelize.py`` ``apply_compile``) compiles every
+``model.layers[i]`` separately with ``fullgraph=True``: the blocks are identical, so one compiled graph
+(forward and backward, AOTAutograd) serves them all, and FSDP2's per-block hooks stay outside the compiled
+code. lowprec does the same with ``nn.Module.compile`` (in place, so FQNs and state-dict keys are unchanged),
+inductor on CPU and CUDA. ``fullgraph=True`` is the no-silent-fallback rule: a graph break raises at the
+first step instead of running part of a block in eager. The embedding, final norm, output linear and loss stay
+eager (torchtitan compiles the loss separately; here it is one fused ``cross_entropy``), and so does the
+optimizer.
+
+Inductor's ``emulate_precision_casts`` is turned on: without it inductor keeps the intermediates of a fused
+BF16 expression in FP32 (``silu(w1 x) * w3 x`` rounded once instead of twice), which is a different numerics
+from the eager run being compared; with it, every eager rounding to BF16/FP16 is kept.
+
+Under ``train.ac`` the checkpoint is traced with the block (``lowprec.train.ac``: torchtitan's op-level policy),
+and dynamo is told not to replay forward side effects in the recompute.
+
+Which parts cannot be compiled is known before training (``compile_blocker``): a part that cannot is refused
+with one line, never run in eager.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def apply_compile(model: nn.Module) -> int:
+    """Compile every block of ``model.layers`` in place (``fullgraph=True``, inductor); returns how many."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    # Under train.ac, a Python side effect in a checkpointed forward (the effective-recipe hook recording each
+    # linear's output dtype on the first step) must happen once, not again in the recompute: what eager
+    # lowprec does too (lowprec.kernels.recompute). Without this dynamo refuses any such side effect.
+    dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    blocks = list(model.layers.values())
+    for block in blocks:
+        block.compile(fullgraph=True)
+    return len(blocks)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True when ``module`` runs through ``torch.compile`` (``nn.Module.compile`` was called on it)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_blocks(model: nn.Module) -> int:
+    """How many blocks of ``model.layers`` are compiled (for the effective recipe)."""
+    return sum(is_compiled(b) for b in model.layers.values())
+
+
+def compile_time_now() -> float:
+    """Seconds this process has spent compiling so far (dynamo + AOTAutograd + inductor for forward graphs,
+    ``_compile.compile_inner``, and the lazily compiled backward graphs, ``backward._backward_impl``, from
+    ``torch._dynamo.utils.compilation_time_metrics``), so compile time can be kept out of step times."""
+    from torch._dynamo.utils import compilation_time_metrics as m
+
+    return float(sum(m.get("_compile.compile_inner", ())) + sum(m.get("backward._backward_impl", ())))

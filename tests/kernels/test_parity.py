@@ -1,0 +1,66 @@
+"""The two CPU paths compute the same numerics: ``cpu_kernels=emulated`` vs ``native`` over 20 training steps of
+every recipe with low-precision GEMMs, judged against the spread that FP32 reordering alone causes.
+
+The yardstick is measured here, not chosen: the same run under ``ReversedReductionOrder`` (every FP32 matmul
+summing its contraction backwards). In a low-precision recipe a one-ulp FP32 change flips a few BF16/FP8
+roundings and the trajectory drifts to that recipe's rounding-noise floor, so a recipe's own reordering spread
+is the scale of "the same numerics"; on ``debug`` (K = 32) FP8 sums are exact in FP32 and reordering changes
+nothing in an FP8 recipe, so the spread of ``bf16`` (the same model with BF16 GEMMs) is its floor. Native vs
+emulated must stay within ``MULTIPLE`` times that spread. ``fp32`` itself must be bit-identical (its GEMMs are
+never emulated).
+"""
+
+from __future__ import annotations
+
+import pytest
+from parity import max_gap, train_losses
+
+from recipes import CATALOG
+
+MULTIPLE = 10
+
+
+def _kernel_configurations() -> list[str]:
+    """One recipe per distinct set of GEMM and attention kernels among the one-process catalog recipes with a
+    low-precision GEMM: the kernels depend on the autocast dtype, the parameter dtype and the FP8 spec only, so
+    recipes that differ in their optimizer or loss scaling (``bf16_adamw8bit``, ``bf16_master``,
+    ``deepseek_v3``, ``fp16_noscale``, ...) run exactly the kernels of the first one listed. Transformer Engine
+    runs on CUDA only; the FP8-communication recipes need FSDP2 (their distributed tests run on ``auto``)."""
+    seen, out = set(), []
+    for name, r in CATALOG.items():
+        if name == "fp32" or r.fp8.backend == "te" or "fp8" in (r.comm.weight_all_gather, r.comm.grad_reduce):
+            continue
+        key = (r.compute.autocast_dtype, r.weights.param_dtype, r.fp8)
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
+RECIPES = _kernel_configurations()
+
+
+@pytest.fixture(scope="module")
+def floor(token_data) -> dict:
+    """FP32-reordering spreads of ``fp32`` and ``bf16`` (the floor for recipes whose own spread is zero)."""
+    out = {}
+    for name in ("fp32", "bf16"):
+        base = train_losses(token_data, name, "emulated")
+        out[name] = max_gap(base, train_losses(token_data, name, "emulated", reorder=True))
+    assert out["fp32"] > 0, "reversing the reduction order changed nothing: the yardstick is broken"
+    return out
+
+
+def test_fp32_is_bit_identical(token_data):
+    assert train_losses(token_data, "fp32", "emulated") == train_losses(token_data, "fp32", "native")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_emulated_matches_native_within_reordering_spread(token_data, floor, recipe):
+    emulated = train_losses(token_data, recipe, "emulated")
+    spread = max(max_gap(emulated, train_losses(token_data, recipe, "emulated", reorder=True)), floor["bf16"])
+    gap = max_gap(emulated, train_losses(token_data, recipe, "native"))
+    assert gap <= MULTIPLE * spread, (
+        f"{recipe}: native vs emulated losses differ by {gap:.3g}, more than {MULTIPLE} x the FP32-reordering "
+        f"spread {spread:.3g} (fp32's own spread: {floor['fp32']:.3g})"
+    )
