@@ -164,22 +164,11 @@ class _Probe:
     def kept_keys(self) -> set[tuple]:
         return {key for key, _ in self._counted(self.saved, set())}
 
-    def close_region(self, entries: list[tuple[torch.Tensor, bool]]) -> None:
-        seen, acts, copies = self.kept_keys(), 0, 0
-        for key, t in self._counted(entries, set()):
-            if key in seen:
-                continue
-            seen.add(key)
-            if _is_param_copy(t):
-                copies += t.untyped_storage().nbytes()
-            else:
-                acts += t.untyped_storage().nbytes()
-        self.regions.append((acts, copies))
-
-    def result(self) -> SavedBytes:
-        seen: set[tuple] = set()
+    def _tally(self, entries, seen: set[tuple]) -> tuple[int, int, int]:
+        """(activations, weight copies, naive) bytes of ``entries``' storages not in ``seen`` (which it extends),
+        each distinct storage once."""
         acts = copies = naive = 0
-        for key, t in self._counted(self.saved, set()):
+        for key, t in self._counted(entries, set()):
             naive += t.numel() * t.element_size()
             if key in seen:
                 continue
@@ -188,6 +177,14 @@ class _Probe:
                 copies += t.untyped_storage().nbytes()
             else:
                 acts += t.untyped_storage().nbytes()
+        return acts, copies, naive
+
+    def close_region(self, entries: list[tuple[torch.Tensor, bool]]) -> None:
+        acts, copies, _ = self._tally(entries, self.kept_keys())
+        self.regions.append((acts, copies))
+
+    def result(self) -> SavedBytes:
+        acts, copies, naive = self._tally(self.saved, set())
         kept = acts + copies
         r_acts, r_copies = max(self.regions, key=sum, default=(0, 0))
         return SavedBytes(
