@@ -4,8 +4,9 @@ torch.compile (compiled vs eager), each step time as a ratio to eager ``fp32`` w
 On the ``tiny`` model (default batch 8 x seq 256) it times ``fp32``, ``bf16``, ``bf16_pure``, ``fp8_current``
 and ``fp8_blockwise`` with ``cpu_kernels=emulated`` and ``native``, and ``fp32`` compiled. Each configuration
 trains ``--steps`` steps on the real corpus; the first ``--warmup`` are not timed and the figure is the median
-step time of the rest. Compiled and eager ``fp32`` train step by step in alternation (2 x ``--steps`` steps),
-so machine noise hits both alike; the first compiled step (compilation) is printed apart. Targets (issue 13):
+step time of the rest. The configurations of one ``cpu_kernels`` setting train step by step in alternation, and
+so do compiled and eager ``fp32`` (2 x ``--steps`` steps), so machine noise hits the compared runs alike; the
+first compiled step (compilation) is printed apart. Targets (issue 13):
 with ``emulated``, ``bf16``/``fp32`` <= 1.3 and every FP8 recipe/``fp32`` <= 1.8; compiled ``fp32``/eager
 ``fp32`` <= 0.95. CPU timings say nothing about GPU speed; the CPU model and ISA flags are printed with them.
 
@@ -49,20 +50,16 @@ def _timed_step(built, spec, batches, step: int) -> float:
     return time.perf_counter() - t0
 
 
-def median_step_s(data, model: str, recipe: str, kernels: str, steps: int, warmup: int, compile_: bool) -> float:
-    built, spec, batches = _built(data, model, recipe, kernels, steps, compile_)
-    return statistics.median([_timed_step(built, spec, batches, s) for s in range(steps)][warmup:])
-
-
-def compiled_vs_eager(data, model: str, steps: int, warmup: int) -> tuple[float, float, float]:
-    """Median step times of ``fp32`` compiled and eager, trained step by step in alternation (so machine noise
-    hits both alike), and the compiled run's first-step time (compilation)."""
-    runs = [_built(data, model, "fp32", "auto", steps, c) for c in (True, False)]
-    times: list[list[float]] = [[], []]
+def in_alternation(data, model: str, configs: list[tuple[str, str, bool]], steps: int) -> list[list[float]]:
+    """Step times of each ``(recipe, kernels, compile)`` configuration, all built first and then trained step by
+    step in turn, so that machine noise (other processes, frequency changes) hits every one alike and the
+    ratios stay put even when the absolute times drift."""
+    runs = [_built(data, model, r, k, steps, c) for r, k, c in configs]
+    times: list[list[float]] = [[] for _ in runs]
     for step in range(steps):
         for i, (built, spec, batches) in enumerate(runs):
             times[i].append(_timed_step(built, spec, batches, step))
-    return statistics.median(times[0][warmup:]), statistics.median(times[1][warmup:]), times[0][0]
+    return times
 
 
 def main() -> None:
@@ -81,15 +78,17 @@ def main() -> None:
     print(f"auto probe (ms per 256^3 GEMM): {probe_kernels().ms}")
     # A discarded first run: the process's first training pays one-time costs (allocator growth, lazy inits)
     # that would otherwise land on whichever configuration runs first.
-    median_step_s(data, a.model, "fp32", "emulated", a.warmup + 2, a.warmup, False)
+    in_alternation(data, a.model, [("fp32", "emulated", False)], a.warmup + 2)
     rows = {}
     for kernels in a.kernels:
         steps = a.steps if kernels == "emulated" else max(a.native_steps, 2)
         warm = a.warmup if kernels == "emulated" else 1
-        for r in RECIPES:
-            rows[(r, kernels, False)] = median_step_s(data, a.model, r, kernels, steps, warm, False)
+        times = in_alternation(data, a.model, [(r, kernels, False) for r in RECIPES], steps)
+        for r, t in zip(RECIPES, times):
+            rows[(r, kernels, False)] = statistics.median(t[warm:])
             print(f"  {r:14s} {kernels:8s} eager    {rows[(r, kernels, False)]:.3f} s/step", flush=True)
-    compiled, eager, first = compiled_vs_eager(data, a.model, 2 * a.steps, a.warmup)
+    tc, te = in_alternation(data, a.model, [("fp32", "auto", True), ("fp32", "auto", False)], 2 * a.steps)
+    compiled, eager, first = statistics.median(tc[a.warmup :]), statistics.median(te[a.warmup :]), tc[0]
     print(
         f"  fp32           auto     compiled {compiled:.3f} s/step vs eager {eager:.3f} in alternation "
         f"(first compiled step, compilation included: {first:.0f} s)",

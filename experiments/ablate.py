@@ -14,6 +14,7 @@ from experiments.preflight import preflight
 from experiments.report import build_report
 from experiments.run import RunOutcome, run_one
 from experiments.startup import prepare_data, start_parallel
+from experiments.stats import check_margin
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from lowprec.data import check_vocab_fits
 from lowprec.errors import ConfigError
@@ -35,8 +36,9 @@ class AblationOutcome:
 def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
 
-    Raises ``ConfigError`` for an empty list, a repeated name or ``seeds`` < 1, and ``RecipeError`` listing
-    the catalog for an unknown name.
+    Raises ``ConfigError`` for an empty list, a repeated name, ``seeds`` < 1, a ``control`` that is not one of
+    the recipes or a ``report.margin`` that is not a number > 0, and ``RecipeError`` listing the catalog for an
+    unknown name.
     """
     names = list(cfg.recipes)
     if not names:
@@ -45,7 +47,23 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
         raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
     if int(cfg.seeds) < 1:  # the schema makes it an int
         raise ConfigError(f"seeds={cfg.seeds} must be >= 1")
-    return [get_recipe(n) for n in names]
+    recipes = [get_recipe(n) for n in names]
+    ablation_control(cfg, names)
+    check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
+    return recipes
+
+
+def ablation_control(cfg: DictConfig, names: list[str]) -> str:
+    """The control recipe: ``cfg.control``, which must be one of ``names``; when null, ``bf16`` (the usual
+    mixed-precision baseline) if listed, else the first recipe. Raises ``ConfigError`` for a control not listed:
+    comparing against a recipe that never ran would leave every verdict without a reference."""
+    if cfg.control is None:
+        return "bf16" if "bf16" in names else names[0]
+    if cfg.control not in names:
+        raise ConfigError(
+            f"control={cfg.control} is not among recipes={names}; add it to recipes or set control to one of them"
+        )
+    return cfg.control
 
 
 def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
@@ -59,9 +77,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     recipes = ablation_recipes(cfg)
     names = [r.name for r in recipes]
     seeds = [int(cfg.seed) + i for i in range(int(cfg.seeds))]
-    control = cfg.control if cfg.control in names else names[0]
-    if control != cfg.control:
-        echo(f"note: control={cfg.control} is not among the recipes; using {control} as the control")
+    control = ablation_control(cfg, names)
     args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
     dims = start_parallel(cfg)
     data = prepare_data(cfg)
@@ -115,6 +131,6 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
     tracker.end_run(parent, "FINISHED")
     if is_rank0():
-        out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports))
+        out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
     echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
     return out

@@ -38,7 +38,7 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N] [key=value ...]
-  lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]
+  lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]
   lowprec recipes [--json]
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
                    [batch=N] [seq=N] [--json]
@@ -145,12 +145,18 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
 
 def _report(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
-        print("usage: lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...]", file=sys.stderr)
+        print(
+            "usage: lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = compose("ablate", argv[1:])
+        # The margin the ablation ran with (on its parent run) unless this command names one: a plain rebuild
+        # must reproduce the report's verdicts.
+        named = any(a.lstrip("+").startswith("report.margin=") for a in argv[1:])
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
-        path = build_report(tracker, argv[0], Path(cfg.paths.reports))
+        path = build_report(tracker, argv[0], Path(cfg.paths.reports), cfg.report.margin if named else None)
     except _user_errors() as e:
         print(f"lowprec report: error: {one_line(e)}", file=sys.stderr)
         return 2

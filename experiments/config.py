@@ -98,14 +98,27 @@ class TrainConfig(RunConfig):
 
 
 @dataclass
+class ReportConfig:
+    """The report's verdicts (``report.*``, experiments/verdict_table.py). ``margin``: the relative
+    non-inferiority margin on the validation loss (0.0025 = 0.25%, DeepSeek-V3's bar for FP8 against BF16); a
+    recipe is non-inferior when the upper bound of its paired 95% interval is below +margin
+    (experiments/stats/verdict.py). ``lowprec report ID`` uses the margin the ablation ran with unless
+    ``report.margin=...`` is given."""
+
+    margin: float = 0.0025
+
+
+@dataclass
 class AblateConfig(RunConfig):
     """``lowprec ablate``: ``recipes`` x ``seeds`` under one MLflow parent run; an ``experiment`` (conf/experiment/)
-    sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps."""
+    sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
+    verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe)."""
 
-    control: str = "bf16"
+    control: str | None = None
     name: str = MISSING
     recipes: list[str] = MISSING
     seeds: int = 1
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard

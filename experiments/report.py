@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from experiments import plots
+from experiments import plots, verdict_table
+from experiments.config import ReportConfig
+from experiments.stats import check_margin
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 from lowprec.errors import UserError
 
@@ -178,13 +180,17 @@ def _first_per_recipe(runs: list[RunData]) -> dict[str, RunData]:
     return first
 
 
-def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path:
-    """Write ``<reports_root>/<ablation_id>/report.md`` and its PNGs; returns the markdown path.
+def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin: float | None = None) -> Path:
+    """Write ``<reports_root>/<ablation_id>/report.md`` and its PNGs, and record the verdicts on the parent run
+    (``experiments.verdict_table``); returns the markdown path. ``margin``: the relative non-inferiority margin;
+    None uses the ``report.margin`` the ablation ran with (its parent run's param; ``ReportConfig``'s default for
+    an ablation that predates it).
 
-    Raises ``ReportError`` if the ablation is unknown or has no child runs.
+    Raises ``ReportError`` if the ablation is unknown or has no child runs, ``ConfigError`` for a bad margin.
     """
     parent = find_ablation(tracker, ablation_id)
     ptags = parent.data.tags
+    margin = check_margin(parent.data.params.get("report.margin", ReportConfig.margin) if margin is None else margin)
     runs = load_runs(tracker, parent.info.run_id)
     if not runs:
         raise ReportError(f"ablation {ablation_id!r} has no runs")
@@ -195,10 +201,15 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
     rows = summarise(runs, order, control)
     ok = [r for r in runs if r.comparable]
     on_cpu = ptags.get("device_type") == "cpu"
+    table = verdict_table.build_table(runs, order, control, margin, _steps(parent, runs))
+    verdict_table.log_verdicts(tracker, parent.info.run_id, table)
     figs = _figures(rows, ok, order, control, out)
     telemetry = _telemetry_figures(ok, order, out)
     lines = [
-        *_header_section(ablation_id, parent, ok, control, tracker.uri),
+        f"# Precision ablation `{ablation_id}`",
+        "",
+        *verdict_table.verdict_section(table, on_cpu, ok),
+        *_header_section(parent, ok, control, tracker.uri),
         *_cpu_timing_warning(on_cpu),
         *_summary_section(rows, control, on_cpu),
         *_failed_section(runs),
@@ -214,6 +225,13 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path) -> Path
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _steps(parent: Run, runs: list[RunData]) -> int:
+    """The ablation's optimizer steps: its ``train.steps`` param, else one past the last logged step."""
+    if "train.steps" in parent.data.params:
+        return int(parent.data.params["train.steps"])
+    return 1 + max((s for r in runs for curve in r.curves.values() for s, _ in curve), default=0)
 
 
 def _figures(rows: list[dict], ok: list[RunData], order: list[str], control: str, out: Path) -> dict[str, Path]:
@@ -240,11 +258,11 @@ def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[s
     }
 
 
-def _header_section(ablation_id: str, parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
-    """Title and the setup: experiment, model, steps, seeds, data, device and versions, control, store."""
+def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
+    """The setup: experiment, model, steps, seeds, data, device and versions, control, store."""
     ptags, params = parent.data.tags, parent.data.params
     return [
-        f"# Precision ablation `{ablation_id}`",
+        "## Setup",
         "",
         f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
         f"{params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "

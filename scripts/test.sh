@@ -6,7 +6,8 @@ bash scripts/setup.sh || exit 1
 # Lint and format (settings in pyproject.toml) before the tests, so CI keeps them.
 .venv/bin/ruff check . || exit 1
 .venv/bin/ruff format --check . || exit 1
-.venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist), one per core; tests/conftest.py gives each one intra-op thread.
+.venv/bin/python -m pytest -n "${LOWPREC_TEST_WORKERS:-2}" --dist worksteal "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
 exit "$rc"

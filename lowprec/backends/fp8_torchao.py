@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
@@ -71,6 +70,8 @@ class TorchaoFloat8(Float8Backend):
                 f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
                 "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns"
             )
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: ~1 s of import
+
         config = Float8LinearConfig.from_recipe_name(spec.scaling)
         if fp8_weight_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -90,6 +91,8 @@ class TorchaoFloat8(Float8Backend):
             return []
         # torchao's FP8 all-gather: every FP8 weight's scale in one all-reduce after each optimizer step
         # (``precompute_float8_dynamic_scale_for_fsdp``), as torchtitan does.
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
         optimizer.register_step_post_hook(lambda opt, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
         return ["torchao precompute_float8_dynamic_scale_for_fsdp after the optimizer step"]
 

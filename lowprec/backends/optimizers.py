@@ -4,15 +4,16 @@ their states take (the estimator's rule, checked to the byte against measurement
 
 Both 8-bit libraries keep tensors with fewer than ``MIN_8BIT_NUMEL`` elements in 32-bit states
 (bitsandbytes' ``min_8bit_size``; torchao's ``block_size``-aligned ``_new_buffer`` threshold).
+
+bitsandbytes and torchao are imported when an optimizer of theirs is built: together they cost ~2 s of start-up
+in every process (each rank, each CLI call), most of which never use them.
 """
 
 from __future__ import annotations
 
 import math
 
-import bitsandbytes as bnb
 import torch
-from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
 
 from lowprec.backends.registry import OptimizerImpl, register_optim_impl
 from lowprec.optim.local_shards import LocalShardOptimizer
@@ -71,6 +72,8 @@ class BitsandbytesAdamW8bit(OptimizerImpl):
     description = "bitsandbytes.optim.AdamW8bit (block-wise dynamic 8-bit, Dettmers et al. 2022)"
 
     def build(self, groups, *, state, stepped_dtype, update_rounding, hparams, sharded):
+        import bitsandbytes as bnb
+
         def make(g):
             return bnb.optim.AdamW8bit(g, min_8bit_size=MIN_8BIT_NUMEL, **hparams)
 
@@ -96,6 +99,8 @@ class TorchaoAdamW(OptimizerImpl):
     description = "torchao.optim AdamW8bit / AdamW4bit / _AdamW (bf16_stochastic_round)"
 
     def build(self, groups, *, state, stepped_dtype, update_rounding, hparams, sharded):
+        from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
+
         cls = {"int8": AdamW8bit, "int4": AdamW4bit, "param": _AdamW}[state]
         return cls(groups, **hparams, bf16_stochastic_round=update_rounding == "stochastic")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +39,19 @@ def is_val(rel_path: str, val_fraction: float) -> bool:
 
 
 def _collect(root: Path, pattern: str) -> list[Path]:
-    files = [
-        p for p in root.glob(pattern) if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
-    ]
+    head, _, name = pattern.partition("/")
+    if head == "**" and name and "/" not in name and "**" not in name:
+        # os.walk, pruning excluded folders, is ~20x faster than pathlib's recursive glob on the stdlib
+        # (0.04 s vs 0.7 s), and every process of a run (each rank, each test) collects the corpus.
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in _EXCLUDED_DIRS)
+            files.extend(Path(d, n) for n in names if fnmatch.fnmatchcase(n, name))
+        files = [p for p in files if p.is_file()]
+    else:
+        files = [
+            p for p in root.glob(pattern) if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+        ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

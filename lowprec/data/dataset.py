@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
 from lowprec.data.errors import DataError
@@ -142,7 +143,11 @@ def prepare(spec: DataSpec, progress: bool = False) -> TokenData:
         cache.mkdir(parents=True, exist_ok=True)
         shard_dir = cache / f"{corpus.fingerprint[:16]}-bpe{spec.vocab_size}"
         if not shard_dir.exists():
-            _tokenize_corpus(corpus, spec.vocab_size, shard_dir, spec.shard_tokens, BuildProgress(progress))
+            # Two processes on a cold cache (parallel test workers, two ablations) would both build and the
+            # second rename would fail: the first builds under the lock, the others wait and find it built.
+            with FileLock(str(cache / f".{shard_dir.name}.lock")):
+                if not shard_dir.exists():
+                    _tokenize_corpus(corpus, spec.vocab_size, shard_dir, spec.shard_tokens, BuildProgress(progress))
         load_tokenizer(shard_dir / "tokenizer.json")  # fails loudly if the cached tokenizer is corrupt
         meta = read_meta(shard_dir)
         desc = f"{corpus.name}: {len(corpus.train_files)} train / {len(corpus.val_files)} val files under {corpus.root}"

@@ -29,6 +29,7 @@ from lowprec.kernels.scaled_mm import (
     blockwise_scale_operand,
     native_blockwise_supported,
 )
+from lowprec.numerics.formats import fp8_to_float32
 from lowprec.numerics.scaling import BLOCK, QTensor, expand_scale
 
 BACKENDS = ("scaled_mm", "emulated")
@@ -191,7 +192,7 @@ def _decoded(q: QTensor) -> torch.Tensor:
     """``q``'s values times their decoding scale (``data * (1 / scale)``), float32 (R, K): one FP32 rounding per
     element, the scale broadcast block by block where the dims allow it."""
     dec = q.scale.float().reciprocal()
-    data = q.data.float()
+    data = fp8_to_float32(q.data)
     r, k = q.shape
     if q.granularity == "tile1x128" and k % BLOCK == 0:
         return (data.view(r, k // BLOCK, BLOCK) * dec[:, :, None]).view(r, k)

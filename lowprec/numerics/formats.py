@@ -81,6 +81,32 @@ def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (x_fp8.to(torch.float32) / scale).to(dtype)
 
 
+#: Every 8-bit code of each FP8 dtype decoded by torch's own conversion (NaN codes included), built on first use.
+_DECODE_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def fp8_to_float32(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8.float()`` (any shape, any FP8 dtype), bit for bit, by a 256-entry table lookup.
+
+    torch's CPU FP8 -> FP32 cast is scalar code (4.5 ms for 1.5 M elements on a 2-core AVX2 EPYC, against
+    2.4 ms for the lookup), and the emulated FP8 GEMMs decode every operand. The table is torch's own cast
+    of each code, so the two agree by construction; CUDA tensors and layouts other than contiguous or the
+    transpose of contiguous take the cast.
+    """
+    if x_fp8.device.type != "cpu":
+        return x_fp8.float()
+    if x_fp8.is_contiguous():
+        codes, back = x_fp8, lambda y: y.view(x_fp8.shape)
+    elif x_fp8.dim() == 2 and x_fp8.t().is_contiguous():
+        codes, back = x_fp8.t(), lambda y: y.view(x_fp8.shape[::-1]).t()
+    else:
+        return x_fp8.float()
+    table = _DECODE_TABLES.get(x_fp8.dtype)
+    if table is None:
+        table = _DECODE_TABLES[x_fp8.dtype] = torch.arange(256, dtype=torch.uint8).view(x_fp8.dtype).float()
+    return back(torch.index_select(table, 0, codes.reshape(-1).view(torch.uint8).int()))
+
+
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio ``20 log10(||ref|| / ||ref - approx||)`` in dB (inf if exact)."""
     ref = reference.double()

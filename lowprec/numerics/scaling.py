@@ -41,6 +41,8 @@ def compute_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """max(|x|) over each scaling group of the 2-D operand ``x`` (R, K), in float32, compact shape."""
     if x.dim() != 2:
         raise ValueError(f"operands are 2-D (rows, K); got shape {tuple(x.shape)}")
+    if granularity in ("tile1x128", "block128x128") and _is_transposed(x) and x.shape[1] % BLOCK == 0:
+        return _transposed_amax(x, granularity)
     a = x.abs()
     if granularity == "tensorwise":
         return a.max().float()
@@ -54,6 +56,21 @@ def compute_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
         nr = math.ceil(r / BLOCK)
         return _pad_to(a, nr * BLOCK, nk * BLOCK).view(nr, BLOCK, nk, BLOCK).amax(dim=(1, 3)).float()
     raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
+
+
+def _is_transposed(x: torch.Tensor) -> bool:
+    """``x`` is the transpose of a contiguous tensor (a backward operand such as ``dy.t()``)."""
+    return not x.is_contiguous() and x.t().is_contiguous()
+
+
+def _transposed_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    # Reduce in the memory order of x.t(): the same groups, read contiguously. A strided reduction over a
+    # transposed operand cost ~15x (2048x768 tiles along tokens: 3.7 ms vs 0.25 ms on a 2-core AVX2 EPYC).
+    xt = x.t()
+    if granularity == "block128x128":
+        return compute_amax(xt, granularity).t().contiguous()
+    k, r = xt.shape
+    return xt.abs().view(k // BLOCK, BLOCK, r).amax(dim=1).t().contiguous().float()
 
 
 def expand_scale(scale: torch.Tensor, granularity: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -87,7 +104,8 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         blocked = _blocked_views(self.data, self.scale, self.granularity)
         if blocked is not None:
-            return dequantize(*blocked, dtype).view(self.shape)
+            data, scale, unview = blocked
+            return unview(dequantize(data, scale, dtype))
         return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
 
     def t(self) -> QTensor:
@@ -111,22 +129,33 @@ def quantize_operand(
         scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2)
     blocked = _blocked_views(x, scale, granularity)
     if blocked is not None:  # the same products, without materialising an (R, K) scale
-        data = quantize(*blocked, fmt).view(x.shape)
+        xb, sb, unview = blocked
+        data = unview(quantize(xb, sb, fmt))
     else:
         data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
     return QTensor(data, scale, granularity, fmt)
 
 
 def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
-    """``(x, scale)`` as views that broadcast block by block, for tile/block scaling of an operand whose dims
-    are multiples of 128; ``None`` otherwise (the caller expands the scale)."""
+    """``(x, scale, unview)``: views of ``x`` and its compact ``scale`` that broadcast block by block, for
+    tile/block scaling of an operand whose dims are multiples of 128, and ``unview`` that turns a result of
+    the blocked shape back into ``x``'s (R, K); ``None`` otherwise (the caller expands the scale). A transposed
+    operand (``dy.t()`` in the backward) is viewed in the memory order of its transpose, so it is read
+    contiguously and the result is the transpose of a contiguous tensor, like ``x``."""
     r, k = x.shape
-    if k % BLOCK or not x.is_contiguous():
+    if granularity not in ("tile1x128", "block128x128") or k % BLOCK:
         return None
-    if granularity == "tile1x128":
-        return x.view(r, k // BLOCK, BLOCK), scale[:, :, None]
-    if granularity == "block128x128" and r % BLOCK == 0:
-        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None]
+    if granularity == "block128x128" and r % BLOCK:
+        return None
+    if x.is_contiguous():
+        if granularity == "tile1x128":
+            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], lambda y: y.view(r, k)
+        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], lambda y: y.view(r, k)
+    if _is_transposed(x):
+        xt, st = x.t(), scale.t()
+        if granularity == "tile1x128":  # groups run down the columns of xt (K, R)
+            return xt.view(k // BLOCK, BLOCK, r), st[:, None, :], lambda y: y.view(k, r).t()
+        return xt.view(k // BLOCK, BLOCK, r // BLOCK, BLOCK), st[:, None, :, None], lambda y: y.view(k, r).t()
     return None
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-import bitsandbytes.functional as bnbF
 import torch
 from torch import Tensor
 
@@ -37,6 +36,8 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _bnb_dequantize(codes: Tensor, absmax: Tensor, qmap: Tensor) -> Tensor:
+    import bitsandbytes.functional as bnbF  # lazy: only bitsandbytes states need it, and it costs ~1 s of import
+
     n, blocks = codes.numel(), absmax.numel()
     blocksize = next(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if -(-n // b) == blocks)
     return bnbF.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=blocksize).float().reshape(codes.shape)

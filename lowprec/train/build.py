@@ -36,7 +36,7 @@ from lowprec.parallel.dims import ParallelDims, dp_coordinate
 from lowprec.parallel.runtime import DistContext
 from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.ac import apply_ac
-from lowprec.train.compile import apply_compile
+from lowprec.train.compile import apply_compile, compile_loss, cross_entropy_fp32
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
 
@@ -68,6 +68,9 @@ class Built:
     #: ``train.ac`` and ``train.compile`` as built (every block checkpointed / compiled accordingly).
     ac: str = "none"
     compiled: bool = False
+    #: ``(logits (B, S, V), targets (B, S) int64) -> 0-dim FP32 mean cross-entropy``; compiled under
+    #: ``train.compile`` (torchtitan compiles the loss apart from the blocks).
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_fp32
 
     def step_context(self, step: int) -> AbstractContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
@@ -278,6 +281,7 @@ def build(
         kernels=kernels,
         ac=train.ac,
         compiled=train.compile,
+        loss_fn=compile_loss(cross_entropy_fp32) if train.compile else cross_entropy_fp32,
     )
 
 

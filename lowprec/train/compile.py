@@ -5,11 +5,11 @@ torchtitan (``torchtitan/models/llama3/infra/parallelize.py`` ``apply_compile``)
 (forward and backward, AOTAutograd) serves them all, and FSDP2's per-block hooks stay outside the compiled
 code. lowprec does the same with ``nn.Module.compile`` (in place, so FQNs and state-dict keys are unchanged),
 inductor on CPU and CUDA. ``fullgraph=True`` is the no-silent-fallback rule: a graph break raises at the
-first step instead of running part of a block in eager. The embedding, final norm, output linear and loss stay
-eager (torchtitan compiles the loss separately; here it is one fused ``cross_entropy``), and so does the
-optimizer.
+first step instead of running part of a block in eager. The embedding, final norm and output linear stay eager;
+the loss (the FP32 cast of the logits and the cross-entropy) is compiled apart, as torchtitan does
+(``compile.components = ["model", "loss"]``), and the optimizer stays eager.
 
-Inductor's ``emulate_precision_casts`` is turned on: without it inductor keeps the intermediates of a fused
+Inductor's ``emulate_precision_casts`` is turned on for these compiles (and only these): without it inductor keeps the intermediates of a fused
 BF16 expression in FP32 (``silu(w1 x) * w3 x`` rounded once instead of twice), which is a different numerics
 from the eager run being compared; with it, every eager rounding to BF16/FP16 is kept.
 
@@ -22,22 +22,39 @@ with one line, never run in eager.
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats/token, 0-dim FP32) of ``logits`` (B, S, V) in any dtype against ``targets``
+    (B, S) int64, computed in FP32 whatever the compute dtype (torchtitan does the same)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+#: Inductor settings for lowprec's own compiles only (``torch.compile(options=...)``), not process-global:
+#: libraries that compile their own code in the same process (torchao's 8-bit/4-bit AdamW steps) keep theirs.
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def compile_loss(fn):
+    """``fn`` compiled whole (``fullgraph=True``, inductor): on CPU the FP32 cast, log-softmax and NLL fuse
+    into one pass over the (tokens, vocab) logits instead of three."""
+    return torch.compile(fn, fullgraph=True, options=_INDUCTOR_OPTIONS)
 
 
 def apply_compile(model: nn.Module) -> int:
     """Compile every block of ``model.layers`` in place (``fullgraph=True``, inductor); returns how many."""
     import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
 
-    inductor_config.emulate_precision_casts = True
     # Under train.ac, a Python side effect in a checkpointed forward (the effective-recipe hook recording each
     # linear's output dtype on the first step) must happen once, not again in the recompute: what eager
     # lowprec does too (lowprec.kernels.recompute). Without this dynamo refuses any such side effect.
     dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     blocks = list(model.layers.values())
     for block in blocks:
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, options=_INDUCTOR_OPTIONS)
     return len(blocks)
 
 

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lowprec.train.build import Built
 from lowprec.train.guards import preserve_buffers
@@ -34,11 +33,11 @@ class StepResult:
 
 def forward_loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats/token, 0-dim FP32 tensor) of the model on inputs ``x`` and targets ``y``,
-    the forward in the run's compute precision."""
+    the forward in the run's compute precision, the loss by ``built.loss_fn`` (compiled under
+    ``train.compile``)."""
     with built.precision():
         logits = built.model(x)
-    # Cross-entropy in FP32 whatever the compute dtype (torchtitan does the same).
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return built.loss_fn(logits, y)
 
 
 def train_step(built: Built, micro_batches: list[Batch], grad_clip: float, step: int) -> StepResult:

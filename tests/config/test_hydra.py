@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from experiments.ablate import ablation_control
 from experiments.cli import compose, main
 from experiments.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
 from lowprec.recipe import RecipeError
@@ -42,7 +43,10 @@ def test_experiments_compose():
     smoke = compose("ablate", ["experiment=smoke"])
     default = compose("ablate", [])
     assert smoke.model.name == "debug" and list(smoke.recipes) == list(default.recipes)
-    assert default.model.name == "tiny" and default.control == "bf16" and default.train.steps == 120
+    assert default.model.name == "tiny" and default.control is None and default.train.steps == 120
+    assert ablation_control(default, list(default.recipes)) == "bf16"  # null: bf16 when listed
+    assert ablation_control(default, ["fp32", "fp8_rowwise"]) == "fp32"  # else the first recipe
+    assert default.report.margin == 0.0025
     assert list(compose("ablate", ["recipes=[fp32,bf16]", "seeds=3"]).recipes) == ["fp32", "bf16"]
 
 

@@ -101,12 +101,20 @@ def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data):
             assert _rel(rank_out[0]["losses"], single) < 1e-5, (dims, rank_out[0]["losses"], single)
 
 
+FP8_RECIPES = ["fp8_current", "fp8_delayed", "fp8_rowwise", "fp8_blockwise"]
+
+
+@pytest.fixture(scope="module")
+def fp8_single_losses(token_data) -> dict[str, list[float]]:
+    """Each FP8 recipe's one-process losses over ``STEPS_FP8`` steps, shared by the FSDP2 and TP cases."""
+    return {name: _train(name, None, STEPS_FP8)["losses"] for name in FP8_RECIPES}
+
+
 @pytest.mark.parametrize("dims", [{"dp_shard": 2}, {"tp": 2}], ids=["fsdp2", "tp2"])
-def test_fp8_recipes_track_one_process_over_50_steps(token_data, dims):
-    recipes = ["fp8_current", "fp8_delayed", "fp8_rowwise", "fp8_blockwise"]
-    out = run_ranks(_train_many, 2, [(r, dims, STEPS_FP8, {}) for r in recipes])[0]
-    for name, par in zip(recipes, out):
-        single = _train(name, None, STEPS_FP8)["losses"]
+def test_fp8_recipes_track_one_process_over_50_steps(fp8_single_losses, dims):
+    out = run_ranks(_train_many, 2, [(r, dims, STEPS_FP8, {}) for r in FP8_RECIPES])[0]
+    for name, par in zip(FP8_RECIPES, out):
+        single = fp8_single_losses[name]
         # Mean loss over the last 10 steps within 1%, and no step further than 2% away.
         tail = abs(sum(par["losses"][-10:]) - sum(single[-10:])) / sum(single[-10:])
         assert tail < 0.01, (name, dims, tail)

@@ -5,6 +5,7 @@ import re
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import compose, main
+from experiments.tracking import ABLATION_TAG
 
 SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
 
@@ -36,6 +37,11 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     sqnr = [k for k in blockwise.data.metrics if k.startswith("fp8/layers.0.") and k.endswith("/output/sqnr_db")]
     assert sqnr and all(blockwise.data.metrics[k] > 15 for k in sqnr)
     assert "say nothing about FP8 or BF16 speed on a GPU" in text
+    # the verdict table leads the report; one seed per recipe gives no interval, and the parent run records that
+    assert text.splitlines()[2] == "## Verdicts" and "| `fp8_rowwise` | 1 | " in text and "no interval (1 seed)" in text
+    assert parent.data.tags["verdict_control"] == "bf16"
+    (found,) = client.search_runs([exp], filter_string="tags.`verdict.fp8_rowwise` = 'no-interval'")
+    assert found.data.tags[ABLATION_TAG] == abl
     # the report is rebuilt from MLflow alone, identically
     first = text
     report.unlink()
@@ -67,6 +73,8 @@ def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_pat
     assert runs["fp32"].info.status == "FINISHED" and runs["bf16_pure"].info.status == "FINISHED"
     text = (tmp_path / "reports" / abl / "report.md").read_text()
     assert "## Failed or excluded runs" in text and "InjectedCrash" in text
+    assert "**No verdict is possible:** every run of the control `bf16` failed" in text
+    assert "| `fp32` | 0 | " in text and "| `bf16_pure` | 0 | " in text  # the finished runs' numbers stay
     # the control failed, so no gap can be computed: the table says n/a rather than inventing one
     assert re.search(r"\| `fp32` \|.*\| n/a% \|", text)
     assert "AdamW m error" in text

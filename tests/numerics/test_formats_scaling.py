@@ -122,3 +122,35 @@ def test_single_casts_reach_25_db_on_gaussian_inputs():
         for fmt in (E4M3, E5M2):
             db = sqnr_db(x, quantize_operand(x, fmt, gran).dequantize())
             assert db >= (25 if fmt is E4M3 else 20), (gran, fmt.name, db)
+
+
+@pytest.mark.parametrize("gran", ["tile1x128", "block128x128", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("shape", [(256, 384), (384, 256), (200, 384)])
+def test_a_transposed_operand_quantizes_exactly_like_its_contiguous_copy(gran, shape):
+    """The backward quantizes ``dy.t()`` and ``x.t()``; the fast path reads them in their transpose's memory
+    order and must give the same amax, scale, FP8 bytes and dequantized values as a contiguous copy."""
+    x = torch.randn(shape) * torch.logspace(-3, 2, shape[1])  # per-column magnitudes: groups differ
+    xt = x.t()
+    assert not xt.is_contiguous()
+    ref = quantize_operand(xt.contiguous(), E4M3, gran)
+    got = quantize_operand(xt, E4M3, gran)
+    assert torch.equal(compute_amax(xt, gran), compute_amax(xt.contiguous(), gran))
+    assert torch.equal(got.scale, ref.scale)
+    assert got.data.shape == ref.data.shape
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(got.dequantize(), ref.dequantize())
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, E4M3FNUZ], ids=lambda f: f.name)
+def test_fp8_decoding_by_table_is_torchs_cast_bit_for_bit(fmt):
+    from lowprec.numerics.formats import fp8_to_float32
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.cat([torch.arange(256), torch.randint(0, 256, (256 * 5,), generator=g)]).to(torch.uint8)
+    codes = codes.view(6, 256).contiguous()  # every code (NaN, -0 and subnormals included), then random ones
+    x = codes.view(fmt.dtype)
+    assert x.is_contiguous() and x.t().t().is_contiguous() and not x.t().is_contiguous()
+    for t in (x, x.t(), x[:, ::2]):  # contiguous, transposed, strided (the cast)
+        got, ref = fp8_to_float32(t), t.float()
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))

@@ -21,6 +21,38 @@ def test_stdlib_corpus_is_sorted_split_and_fingerprinted():
     assert a.n_bytes > 10_000_000
 
 
+@pytest.mark.parametrize("pattern", ["**/*.py", "**/*", "*.py", "sub/*.py", "**/sub/*.py"])
+def test_recursive_walk_collects_exactly_what_the_glob_collects(tmp_path, pattern):
+    """The fast os.walk path for ``**/<name>`` must select the same files, in the same order, as pathlib's
+    glob with the site-/dist-packages exclusion (root-level files, hidden folders, excluded folders)."""
+    from lowprec.data.corpus import _EXCLUDED_DIRS, _collect
+
+    for rel in [
+        "a.py",
+        "b.txt",
+        "sub/c.py",
+        ".hidden/d.py",
+        "sub/deep/e.py",
+        "site-packages/f.py",
+        "sub/__pycache__/g.py",
+        "x/dist-packages/y/h.py",
+        "sub/deep/sub/i.py",
+    ]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    (tmp_path / "dir.py").mkdir()  # a folder whose name matches is not a file
+    want = sorted(
+        (
+            p
+            for p in tmp_path.glob(pattern)
+            if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(tmp_path).parts)
+        ),
+        key=lambda p: p.relative_to(tmp_path).as_posix(),
+    )
+    got = _collect(tmp_path, pattern)
+    assert got == want and got
+
+
 def test_default_corpus_tokens(token_data):
     assert token_data.vocab_size == 8192
     assert token_data.n_train_tokens > 5_000_000 and token_data.n_val_tokens > 100_000
@@ -69,6 +101,41 @@ def test_user_text_corpus_and_its_cache(tmp_path):
     assert prepare(spec).fingerprint != d.fingerprint
 
 
+def _text_spec(tmp_path, cache: str) -> DataSpec:
+    """The small text corpus of ``_text_corpus`` (BPE vocab 300) cached under ``tmp_path / cache``."""
+    return DataSpec(
+        source="text",
+        path=str(_text_corpus(tmp_path)),
+        pattern="*.txt",
+        vocab_size=300,
+        val_fraction=0.2,
+        cache_dir=str(tmp_path / cache),
+    )
+
+
+def _prepare_in_process(spec: DataSpec, out) -> None:
+    out.put(str(prepare(spec).shard_dir))
+
+
+def test_two_processes_on_a_cold_cache_build_it_once_and_both_succeed(tmp_path):
+    """Parallel test workers or two ablations started together: without the build lock the second process's
+    rename onto the finished cache folder failed."""
+    import multiprocessing as mp
+
+    spec = _text_spec(tmp_path, "cache")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_prepare_in_process, args=(spec, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    dirs = {out.get(timeout=5), out.get(timeout=5)}
+    assert len(dirs) == 1 and prepare(spec).vocab_size == 300
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tmp-")]
+
+
 PHASES = (
     "[1/4] reading 40 corpus files",
     "[2/4] training BPE vocab 300: counting words",
@@ -79,14 +146,7 @@ PHASES = (
 
 
 def test_cold_build_shows_each_phase_and_a_warm_cache_nothing(tmp_path, capfd):
-    spec = DataSpec(
-        source="text",
-        path=str(_text_corpus(tmp_path)),
-        pattern="*.txt",
-        vocab_size=300,
-        val_fraction=0.2,
-        cache_dir=str(tmp_path / "on"),
-    )
+    spec = _text_spec(tmp_path, "on")
     on = prepare(spec, progress=True)
     out, err = capfd.readouterr()
     assert out == ""

@@ -16,6 +16,14 @@ def test_known_noise_is_dropped_and_other_messages_are_kept(caplog):
     assert [r.getMessage() for r in caplog.records] == ["Failed to load something else", "another pytree warning"]
 
 
-def test_importing_lowprec_prints_nothing():
-    p = subprocess.run([sys.executable, "-c", "import lowprec.train.build, recipes"], capture_output=True, text=True)
-    assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr
+def test_importing_lowprec_prints_nothing_and_defers_torchao_and_bitsandbytes():
+    """torchao and bitsandbytes cost ~2 s of start-up in every process (each rank, each CLI call) and are
+    imported only when a recipe's backend needs them; imported after lowprec, as such a run does, they print
+    nothing either (one subprocess for both checks: each costs a cold import of torch)."""
+    code = (
+        "import sys, lowprec.train.build, lowprec.train.loop, recipes, experiments.tracking, experiments.cli; "
+        "print(sorted(m for m in ('torchao', 'bitsandbytes') if m in sys.modules)); "
+        "import torchao.float8, torchao.optim, bitsandbytes"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]" and p.stderr == "", (p.stdout, p.stderr)

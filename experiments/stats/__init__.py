@@ -1,0 +1,50 @@
+"""Statistics of an ablation: pure functions over arrays of per-seed results (numpy/scipy/statsmodels, no MLflow).
+
+- ``paired``: per-seed paired relative differences, paired t-interval, bootstrap cross-check (``PairedEffect``).
+- ``verdict``: CONSORT non-inferiority verdict at a relative margin, Holm across recipes, power (``Verdict``).
+- ``sequential``: ``seeds=auto`` stopping rule, Lan-DeMets O'Brien-Fleming-type alpha spending (``SpendingPlan``).
+- ``stability``: per-run loss and grad-norm spikes, excursion, divergence; stability verdict per recipe.
+
+The runner feeds these from MLflow and the report only formats their output.
+"""
+
+from experiments.stats.paired import PairedEffect, paired_effect, relative_differences
+from experiments.stats.sequential import SeedDecision, SpendingPlan
+from experiments.stats.stability import (
+    SpikeRule,
+    StabilityMetrics,
+    StabilityVerdict,
+    scan_spikes,
+    stability_metrics,
+    stability_verdict,
+)
+from experiments.stats.verdict import (
+    VERDICTS,
+    Verdict,
+    check_margin,
+    ci_verdict,
+    minimum_detectable_difference,
+    seeds_needed,
+    verdicts,
+)
+
+__all__ = [
+    "VERDICTS",
+    "PairedEffect",
+    "SeedDecision",
+    "SpendingPlan",
+    "SpikeRule",
+    "StabilityMetrics",
+    "StabilityVerdict",
+    "Verdict",
+    "check_margin",
+    "ci_verdict",
+    "minimum_detectable_difference",
+    "paired_effect",
+    "relative_differences",
+    "scan_spikes",
+    "seeds_needed",
+    "stability_metrics",
+    "stability_verdict",
+    "verdicts",
+]

@@ -1,0 +1,458 @@
+"""The verdict table that leads the report: every recipe against the control at ``report.margin``, from MLflow alone.
+
+This module only feeds ``experiments.stats`` (pure functions over per-seed arrays) with the runs the report read
+back from MLflow, formats what they return, and records the verdicts on the ablation's parent run as tags and
+metrics, so ``mlflow.search_runs`` finds them:
+
+- tags ``verdict.<recipe>`` (final validation loss) and ``verdict_late.<recipe>`` (mean validation loss over the
+  last quarter of training): one of ``experiments.stats.VERDICTS`` (non-inferior, inferior, inconclusive,
+  no-interval) or ``no-data`` (no finished run of the recipe paired with a finished control run);
+  ``verdict_status`` (``ok``, ``no-control``: no finished control run, ``nothing-to-compare``: only the control
+  ran), ``verdict_reason`` (when not ok), ``verdict_control``, ``verdict_rule``;
+- metrics ``verdict_effect.<recipe>``, ``verdict_lo.<recipe>``, ``verdict_hi.<recipe>`` (relative differences:
+  0.01 = 1% worse), ``verdict_seeds.<recipe>``, ``verdict_mdd.<recipe>``, ``verdict_seeds_needed.<recipe>``, the
+  same with ``verdict_late_`` for the last quarter, ``throughput_ratio.<recipe>``, ``state_memory_ratio.<recipe>``,
+  ``peak_memory_ratio.<recipe>``, and ``verdict_margin``, ``noise_control_sd``, ``noise_control_rel_sd``,
+  ``noise_min_margin``.
+
+MLflow keys may hold alphanumerics, ``_ - . / :`` and spaces; catalog recipe names are ``[a-z0-9_]``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from experiments.stats import Verdict, verdicts
+from experiments.stats.verdict import POWER
+from experiments.tracking import MetricBuffer, Tracker
+
+#: Two-sided confidence level of every interval (one-sided tests at alpha = (1 - LEVEL) / 2).
+LEVEL = 0.95
+#: A run's validation points after this share of the optimizer steps make its "last quarter".
+LATE_FROM = 0.75
+NO_DATA = "no-data"
+
+
+@dataclass(frozen=True)
+class RecipeRow:
+    """One recipe against the control. ``paired``: the seeds where both it and the control have a finished,
+    comparable run; ``final``/``late``: their verdicts (None without a paired seed, or ``late`` when the column is
+    absent); ratios: means over finished runs, recipe over control (None when either has none)."""
+
+    recipe: str
+    runs: int
+    finished: int
+    paired: tuple[int, ...]
+    final: Verdict | None
+    late: Verdict | None
+    throughput_ratio: float | None
+    state_ratio: float | None
+    peak_ratio: float | None
+
+
+@dataclass(frozen=True)
+class VerdictTable:
+    """Everything the verdict section prints and the parent run records.
+
+    ``no_verdict``: why no verdict is possible (None when verdicts exist). ``late_reason``: why the last-quarter
+    column is absent (None when present); ``late_points``: validation points per run in the last quarter.
+    ``control_values``: the control's final validation losses by seed (finished runs).
+    """
+
+    control: str
+    margin: float
+    level: float
+    steps: int
+    rows: list[RecipeRow]
+    control_runs: int
+    control_values: dict[int, float]
+    no_verdict: str | None
+    late_reason: str | None
+    late_points: int
+    control_failures: tuple[str, ...] = ()
+
+    @property
+    def control_sd(self) -> float | None:
+        """Seed-to-seed standard deviation (ddof=1) of the control's final validation loss, nats."""
+        vals = list(self.control_values.values())
+        return statistics.stdev(vals) if len(vals) > 1 else None
+
+    @property
+    def min_mdd(self) -> tuple[float, str] | None:
+        """The smallest minimum detectable difference over the recipes (final val loss) and its recipe."""
+        mdds = [(r.final.mdd, r.recipe) for r in self.rows if r.final and r.final.mdd is not None]
+        return min(mdds) if mdds else None
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def late_val_loss(curve: list[tuple[int, float]], steps: int) -> tuple[float | None, int]:
+    """Mean of the validation losses measured in the last quarter of ``steps`` optimizer steps (after step ``t``
+    with ``t + 1 > 0.75 * steps``) and how many there were; None unless at least two: with one point the mean is
+    the final validation loss, which the table already judges."""
+    pts = [v for s, v in curve if s + 1 > LATE_FROM * steps]
+    if len(pts) < 2 or not all(math.isfinite(v) for v in pts):
+        return None, len(pts)
+    return statistics.fmean(pts), len(pts)
+
+
+def _ratio(runs, control_runs, key: str) -> float | None:
+    num = [r.metrics[key] for r in runs if _finite(r.metrics.get(key))]
+    den = [r.metrics[key] for r in control_runs if _finite(r.metrics.get(key))]
+    if not num or not den or statistics.fmean(den) == 0:
+        return None
+    return statistics.fmean(num) / statistics.fmean(den)
+
+
+def _paired(runs, control: str, name: str, value: Callable) -> dict[int, tuple[float, float]]:
+    """``{seed: (recipe value, control value)}`` over the seeds where both runs are comparable and finite."""
+    ctrl = {r.seed: value(r) for r in runs if r.recipe == control and r.comparable}
+    out = {}
+    for r in runs:
+        if r.recipe == name and r.comparable and _finite(value(r)) and _finite(ctrl.get(r.seed)):
+            out[r.seed] = (value(r), ctrl[r.seed])
+    return dict(sorted(out.items()))
+
+
+def _verdicts(pairs: dict[str, dict[int, tuple[float, float]]], margin: float, metric: str) -> dict[str, Verdict]:
+    results = {
+        name: ([p[0] for p in by_seed.values()], [p[1] for p in by_seed.values()])
+        for name, by_seed in pairs.items()
+        if by_seed
+    }
+    return verdicts(results, margin, LEVEL, "holm", metric=metric) if results else {}
+
+
+def build_table(runs, order: list[str], control: str, margin: float, steps: int) -> VerdictTable:
+    """The verdicts of every recipe of ``order`` (but the control) against ``control`` from the report's
+    ``RunData``: final validation loss, and the mean over the last quarter of the ``steps`` optimizer steps where
+    the validation history holds at least two points there. Holm across the recipes (``experiments.stats``)."""
+    ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
+    ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
+    control_values = {r.seed: r.metrics["final_val_loss"] for r in ctrl_ok}
+    names = [n for n in order if n != control]
+    no_verdict = None
+    if not ctrl_runs:
+        no_verdict = f"the control `{control}` has no run in this ablation"
+    elif not ctrl_ok:
+        no_verdict = f"every run of the control `{control}` failed, so no recipe has a seed to pair with"
+    elif not names:
+        no_verdict = f"only the control `{control}` ran: there is nothing to compare"
+    failures = tuple(
+        f"seed {r.seed}: {r.reason or ('effective recipe did not match' if r.status == 'FINISHED' else r.status)}"
+        for r in ctrl_runs
+        if not r.comparable
+    )
+
+    late_of = {r.run_id: late_val_loss(r.curves.get("val_loss", []), steps) for r in runs}
+    ok = [r for r in runs if r.comparable]
+    points = max((late_of[r.run_id][1] for r in ok), default=0)
+    late_reason = None
+    if not any(r.curves.get("val_loss") for r in ok):
+        late_reason = "no run has a per-step `val_loss` history in MLflow"
+    elif not any(late_of[r.run_id][0] is not None for r in ok):
+        late_reason = (
+            f"only {points} validation point(s) per run fall in the last quarter of the {steps} steps (after step "
+            f"{math.floor(LATE_FROM * steps)}), so its mean would repeat the final validation loss; validate more "
+            "often (`train.val_every`) to get it"
+        )
+    final_pairs = {n: _paired(runs, control, n, lambda r: r.metrics.get("final_val_loss")) for n in names}
+    final_v = _verdicts(final_pairs, margin, "final_val_loss")
+    late_v: dict[str, Verdict] = {}
+    if late_reason is None:
+        late_pairs = {n: _paired(runs, control, n, lambda r: late_of[r.run_id][0]) for n in names}
+        late_v = _verdicts(late_pairs, margin, "late_val_loss")
+    rows = []
+    for n in names:
+        rs = [r for r in runs if r.recipe == n]
+        fin = [r for r in rs if r.comparable]
+        rows.append(
+            RecipeRow(
+                recipe=n,
+                runs=len(rs),
+                finished=len(fin),
+                paired=tuple(final_pairs[n]),
+                final=final_v.get(n),
+                late=late_v.get(n),
+                throughput_ratio=_ratio(fin, ctrl_ok, "mean_tokens_per_s"),
+                state_ratio=_ratio(fin, ctrl_ok, "state_bytes_per_param"),
+                peak_ratio=_ratio(fin, ctrl_ok, "mem_peak_bytes"),
+            )
+        )
+    return VerdictTable(
+        control=control,
+        margin=margin,
+        level=LEVEL,
+        steps=steps,
+        rows=rows,
+        control_runs=len(ctrl_runs),
+        control_values=control_values,
+        no_verdict=no_verdict,
+        late_reason=late_reason,
+        late_points=points,
+        control_failures=failures,
+    )
+
+
+# --- markdown ---------------------------------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.3f}%"
+
+
+def _effect_cell(v: Verdict | None) -> str:
+    if v is None:
+        return "n/a (no paired seed)"
+    e = v.effect
+    if not e.has_interval:
+        return f"{_pct(e.mean)}, no interval (1 seed)"
+    return f"{_pct(e.mean)} [{_pct(e.lo)}, {_pct(e.hi)}]"
+
+
+def _verdict_cell(v: Verdict | None) -> str:
+    if v is None:
+        return NO_DATA
+    if v.verdict != v.verdict_unadjusted:  # say what Holm changed rather than hide it
+        return f"**{v.verdict}** (CI alone: {v.verdict_unadjusted}; Holm does not confirm)"
+    return f"**{v.verdict}**"
+
+
+def _seeds_cell(row: RecipeRow) -> str:
+    n = len(row.paired)
+    if n == row.runs:
+        return str(n)
+    failed = row.runs - row.finished
+    why = f"{failed} failed" if failed else "control failed on the others"
+    return f"{n} of {row.runs} ({why})"
+
+
+def _ratio_cell(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _row(row: RecipeRow, with_late: bool) -> str:
+    v = row.final
+    mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
+    needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
+    cells = [f"`{row.recipe}`", _seeds_cell(row), _effect_cell(v), _verdict_cell(v)]
+    if with_late:
+        cells += [_effect_cell(row.late), _verdict_cell(row.late)]
+    memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
+    cells += [mdd, needed, _ratio_cell(row.throughput_ratio), memory]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _columns(with_late: bool) -> list[str]:
+    cols = ["recipe", "seeds", "final val loss vs control [95% CI]", "verdict"]
+    if with_late:
+        cols += ["last-quarter val loss vs control [95% CI]", "verdict (last quarter)"]
+    return cols + ["MDD (final)", "seeds needed (final)", "throughput ratio", "memory ratio: state (peak)"]
+
+
+def _control_row(t: VerdictTable, with_late: bool) -> str:
+    n = len(t.control_values)
+    seeds = str(n) if n == t.control_runs else f"{n} of {t.control_runs} ({t.control_runs - n} failed)"
+    cells = [f"`{t.control}`", seeds, "control", "control"]
+    if with_late:
+        cells += ["control", "control"]
+    return "| " + " | ".join(cells + ["", "", "1.00x", "1.00x (1.00x)"]) + " |"
+
+
+def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None) -> list[str]:
+    """The report's first section: the verdict table with its rules and the noise floor, or, when no verdict is
+    possible, why, followed by every finished run's numbers (``finished_runs``: the report's comparable runs)."""
+    lines = ["## Verdicts", ""]
+    if t.no_verdict:
+        lines += [f"**No verdict is possible:** {t.no_verdict}."]
+        if t.control_failures:
+            lines += ["", f"Control runs: {'; '.join(t.control_failures)}."]
+        if finished_runs:
+            lines += ["", "The finished runs, each as recorded in MLflow:", "", *_runs_table(finished_runs)]
+        return [*lines, ""]
+    with_late = t.late_reason is None
+    cols = _columns(with_late)
+    lines += [
+        "| " + " | ".join(cols) + " |",
+        "|---" * len(cols) + "|",
+        _control_row(t, with_late),
+        *(_row(r, with_late) for r in t.rows),
+        "",
+        *_notes(t, on_cpu),
+        "",
+        _noise_floor(t),
+        "",
+    ]
+    return lines
+
+
+def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
+    alpha = (1 - t.level) / 2
+    rule = next((r.final.rule for r in t.rows if r.final), None)
+    tested = next((r.final.n_tests for r in t.rows if r.final), 0)
+    if tested:
+        holm = (
+            f"Holm-corrected across the {tested} recipe(s) with >= 2 paired seeds in each one-sided family (a "
+            "verdict the interval alone would give but Holm does not confirm is shown as inconclusive, with the "
+            "interval's verdict beside it)"
+        )
+    else:  # one seed everywhere: say why the column holds no verdict rather than "Holm across 0 recipes"
+        holm = "but no recipe has 2 paired seeds, so no interval and no verdict exist (`seeds=3` or more gives them)"
+    notes = [
+        f"- Relative difference d = (recipe - control) / control, paired by seed (seed i of every recipe shares "
+        f"the batches and initial weights of seed i of `{t.control}`); d > 0: the recipe's loss is higher (worse). "
+        f"Mean over the paired seeds with its two-sided {t.level:.0%} paired t-interval (unadjusted).",
+        f"- Verdict at the margin +{100 * t.margin:.3g}% (`report.margin={t.margin:g}`), {holm}. "
+        f"Rule (experiments/stats/verdict.py): {rule}.",
+    ]
+    if t.late_reason is None:
+        notes.append(
+            f"- Last quarter: the mean of each run's validation losses measured after step "
+            f"{math.floor(LATE_FROM * t.steps)} of {t.steps} (up to {t.late_points} points per run), paired and "
+            "judged the same way (its own Holm family)."
+        )
+    else:
+        notes.append(f"- No last-quarter column: {t.late_reason}.")
+    notes += [
+        f"- MDD (final val loss): the minimum detectable difference, the distance from the margin that a one-sided "
+        f"paired t-test at alpha={alpha:.3g} detects with power {POWER} at this seed count and the observed paired "
+        "sd (statsmodels `TTestPower`, before Holm). Seeds needed: the seeds that make the verdict conclusive with "
+        f"power {POWER} if the observed mean and paired sd are the truth (same power calculation, per comparison; "
+        "Holm can need more).",
+        f"- Ratios: the recipe's mean over its finished runs divided by `{t.control}`'s: throughput = "
+        "`mean_tokens_per_s`; memory = exact training-state bytes (parameters, gradients, master, optimizer "
+        f"states), and in brackets `mem_peak_bytes` ({'process peak RSS' if on_cpu else 'CUDA peak allocated'}).",
+    ]
+    if on_cpu:
+        notes.append(
+            "- **Throughput measured on a CPU says nothing about GPU throughput**: the ratio is the cost of this "
+            "CPU's kernels (emulated or native), never a speedup or slowdown you would see on a GPU."
+        )
+    for r in t.rows:
+        for v in (r.final, r.late):
+            if v and v.effect.disagree:
+                e = v.effect
+                notes.append(
+                    f"- Bootstrap cross-check disagrees for `{r.recipe}` ({v.metric}): percentile bootstrap "
+                    f"[{_pct(e.boot_lo)}, {_pct(e.boot_hi)}] against the t-interval [{_pct(e.lo)}, {_pct(e.hi)}] "
+                    "(skewed differences or one outlying seed: read the t-interval with care)."
+                )
+    if t.control_failures:
+        notes.append(f"- Failed control runs (their seeds pair with nothing): {'; '.join(t.control_failures)}.")
+    return notes
+
+
+def _noise_floor(t: VerdictTable) -> str:
+    """Item 7 of issue 14: the control's seed-to-seed sd and the smallest margin this ablation could resolve."""
+    n = len(t.control_values)
+    sd = t.control_sd
+    if sd is None:
+        spread = f"the control `{t.control}` has {n} finished seed: no seed-to-seed standard deviation"
+    else:
+        mean = statistics.fmean(t.control_values.values())
+        spread = (
+            f"the control `{t.control}`'s final validation loss varies from seed to seed by sd {sd:.4f} nats "
+            f"({100 * sd / mean:.3f}% of its mean {mean:.4f}, {n} seeds)"
+        )
+    best = t.min_mdd
+    if best is None:
+        resolve = "no comparison has 2 paired seeds, so no margin can be resolved"
+    else:
+        mdd, name = best
+        mdds = [r.final.mdd for r in t.rows if r.final and r.final.mdd is not None]
+        resolve = (
+            f"the smallest margin this ablation could resolve is {100 * mdd:.3f}%, the MDD of its most precise "
+            f"comparison (`{name}`; a recipe equal to the control is declared non-inferior with power {POWER} only "
+            f"at a margin at least this large)"
+            + (
+                f"; across recipes the MDD runs from {100 * min(mdds):.3f}% to {100 * max(mdds):.3f}%"
+                if len(mdds) > 1
+                else ""
+            )
+            + (
+                f". The margin in use, {100 * t.margin:.3g}%, is below it: add seeds"
+                if t.margin < mdd
+                else f". The margin in use is {100 * t.margin:.3g}%"
+            )
+        )
+    return f"**Noise floor:** {spread}; {resolve}."
+
+
+def _runs_table(runs) -> list[str]:
+    head = ["recipe", "seed", "final val loss", "tokens/s", "state B/param", "peak memory (bytes)", "run"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in sorted(runs, key=lambda r: (r.recipe, r.seed)):
+        m = r.metrics
+        cells = [
+            f"`{r.recipe}`",
+            str(r.seed),
+            _num(m.get("final_val_loss"), ".4f"),
+            _num(m.get("mean_tokens_per_s"), ",.0f"),
+            _num(m.get("state_bytes_per_param"), ".2f"),
+            _num(m.get("mem_peak_bytes"), ",.0f"),
+            f"`{r.run_id}`",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _num(x, fmt: str) -> str:
+    return format(x, fmt) if _finite(x) else "n/a"
+
+
+# --- MLflow -----------------------------------------------------------------------------------------------------
+
+
+def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
+    """The tags and metrics that record ``t`` on the parent run (names: module docstring)."""
+    status = "ok" if not t.no_verdict else ("no-control" if not t.control_values else "nothing-to-compare")
+    tags = {"verdict_status": status, "verdict_control": t.control}
+    metrics: dict[str, float] = {"verdict_margin": t.margin}
+    if t.no_verdict:
+        tags["verdict_reason"] = t.no_verdict
+        tags.update({f"verdict.{r.recipe}": NO_DATA for r in t.rows})
+        return tags, metrics
+    tags["verdict_rule"] = next((r.final.rule for r in t.rows if r.final), "")
+    for r in t.rows:
+        _record(tags, metrics, "verdict", r.recipe, r.final)
+        if t.late_reason is None:
+            _record(tags, metrics, "verdict_late", r.recipe, r.late)
+        for key, x in (
+            ("throughput_ratio", r.throughput_ratio),
+            ("state_memory_ratio", r.state_ratio),
+            ("peak_memory_ratio", r.peak_ratio),
+        ):
+            if _finite(x):
+                metrics[f"{key}.{r.recipe}"] = x
+    if t.control_sd is not None:
+        metrics["noise_control_sd"] = t.control_sd
+        metrics["noise_control_rel_sd"] = t.control_sd / statistics.fmean(t.control_values.values())
+    if t.min_mdd is not None:
+        metrics["noise_min_margin"] = t.min_mdd[0]
+    return tags, metrics
+
+
+def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None) -> None:
+    """``<prefix>.<recipe>`` = the verdict (or ``no-data``), and its numbers as ``<prefix>_<field>.<recipe>``."""
+    tags[f"{prefix}.{recipe}"] = v.verdict if v else NO_DATA
+    if v is None:
+        return
+    e = v.effect
+    values = {"effect": e.mean, "lo": e.lo, "hi": e.hi, "seeds": e.n, "mdd": v.mdd, "seeds_needed": v.seeds_needed}
+    for key, x in values.items():
+        if _finite(x):  # no interval with one seed: absent, never a made-up number
+            metrics[f"{prefix}_{key}.{recipe}"] = float(x)
+
+
+def log_verdicts(tracker: Tracker, parent_run_id: str, t: VerdictTable) -> None:
+    """Record ``t`` on the parent run (tags replace earlier ones; metrics are logged at step 0, the latest wins)."""
+    tags, metrics = parent_records(t)
+    tracker.set_tags(parent_run_id, tags)
+    sink = MetricBuffer(tracker, parent_run_id)
+    sink.log_metrics(metrics, step=0)
+    sink.flush()
