@@ -9,9 +9,10 @@ first step instead of running part of a block in eager. The embedding, final nor
 the loss (the FP32 cast of the logits and the cross-entropy) is compiled apart, as torchtitan does
 (``compile.components = ["model", "loss"]``), and the optimizer stays eager.
 
-Inductor's ``emulate_precision_casts`` is turned on for these compiles (and only these): without it inductor keeps the intermediates of a fused
-BF16 expression in FP32 (``silu(w1 x) * w3 x`` rounded once instead of twice), which is a different numerics
-from the eager run being compared; with it, every eager rounding to BF16/FP16 is kept.
+Inductor's ``emulate_precision_casts`` is turned on for these compiles (and only these): without it inductor
+keeps the intermediates of a fused BF16 expression in FP32 (``silu(w1 x) * w3 x`` rounded once instead of
+twice), which is a different numerics from the eager run being compared; with it, every eager rounding to
+BF16/FP16 is kept.
 
 Under ``train.ac`` the checkpoint is traced with the block (``lowprec.train.ac``: torchtitan's op-level policy),
 and dynamo is told not to replay forward side effects in the recompute.
