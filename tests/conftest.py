@@ -10,6 +10,9 @@ import warnings
 # from the other pytest worker and from gloo ranks: the parity tests ran 1.7-2.3x faster in wall time with one
 # thread on the 2-core EPYC. scripts/test.sh runs two workers (pytest-xdist) to use both cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles in-process instead of starting a pool of compile workers (each one a cold import of torch)
+# in every test process that compiles: the compile tests took 13% less wall time on the 2-core EPYC.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
