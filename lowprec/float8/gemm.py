@@ -218,7 +218,7 @@ _GEMMS = {"scaled_mm": _scaled_mm_gemm, "emulated": _emulated_gemm}
 def _limited_accumulation(a: QTensor, bt: QTensor, chunks, bits: int) -> torch.Tensor:
     m, n = a.shape[0], bt.shape[0]
     out = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
-    ar, br = a.data.to(torch.float32), bt.data.to(torch.float32)
+    ar, br = fp8_to_float32(a.data), fp8_to_float32(bt.data)
     for k0, k1 in chunks:
         acc = torch.zeros_like(out)
         for s in range(k0, k1, WGMMA_K):

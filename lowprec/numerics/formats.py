@@ -78,7 +78,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x_fp8 / scale`` in ``dtype`` (float32 by default); ``scale`` must broadcast against ``x_fp8``."""
-    return (x_fp8.to(torch.float32) / scale).to(dtype)
+    return (fp8_to_float32(x_fp8) / scale).to(dtype)
 
 
 #: Every 8-bit code of each FP8 dtype decoded by torch's own conversion (NaN codes included), built on first use.
@@ -93,7 +93,7 @@ def fp8_to_float32(x_fp8: torch.Tensor) -> torch.Tensor:
     of each code, so the two agree by construction; CUDA tensors and layouts other than contiguous or the
     transpose of contiguous take the cast.
     """
-    if x_fp8.device.type != "cpu":
+    if x_fp8.device.type != "cpu" or x_fp8.element_size() != 1:
         return x_fp8.float()
     if x_fp8.is_contiguous():
         codes, back = x_fp8, lambda y: y.view(x_fp8.shape)
