@@ -9,12 +9,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.config import flat_params
+from experiments.auto_seeds import plan_for, replay
+from experiments.config import flat_params, parallel_from_cfg
 from experiments.preflight import preflight
 from experiments.report import build_report
-from experiments.run import RunOutcome, run_one
+from experiments.run import RunOutcome
+from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
-from experiments.stats import check_margin
+from experiments.stats import SpendingPlan, check_margin
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from lowprec.data import check_vocab_fits
 from lowprec.errors import ConfigError
@@ -22,6 +24,9 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
 from recipes import get_recipe
+
+#: two-sided confidence level of the verdicts (the report's, experiments/verdict_table.py)
+LEVEL = 0.95
 
 
 @dataclass
@@ -33,20 +38,42 @@ class AblationOutcome:
     wall_s: float = 0.0
 
 
+def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
+    """The seeds every recipe trains first and, for ``seeds=auto``, the alpha-spending plan of the later ones.
+
+    ``seeds=N``: ``seed .. seed+N-1``, no plan. ``seeds=auto``: ``seed .. seed+2`` and the plan up to
+    ``max_seeds``. Raises ``ConfigError`` for ``seeds`` < 1, not an int or ``auto``, or ``max_seeds`` < 3 with auto.
+    """
+    raw = cfg.seeds
+    if raw == "auto":
+        plan = plan_for(int(cfg.max_seeds), LEVEL)
+        return [int(cfg.seed) + i for i in range(plan.start)], plan
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"seeds={raw} must be an integer >= 1 or auto")
+    if raw < 1:
+        raise ConfigError(f"seeds={raw} must be >= 1")
+    return [int(cfg.seed) + i for i in range(raw)], None
+
+
+def ablation_workers(cfg: DictConfig) -> int:
+    """``cfg.workers`` resolved for this device and layout (``experiments.scheduler.resolve_workers``)."""
+    return resolve_workers(cfg.workers, resolve_device(cfg.device).type, parallel_from_cfg(cfg).enabled)
+
+
 def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
 
-    Raises ``ConfigError`` for an empty list, a repeated name, ``seeds`` < 1, a ``control`` that is not one of
-    the recipes or a ``report.margin`` that is not a number > 0, and ``RecipeError`` listing the catalog for an
-    unknown name.
+    Raises ``ConfigError`` for an empty list, a repeated name, bad ``seeds``/``max_seeds`` (``ablation_seeds``),
+    ``workers`` < 1, a ``control`` that is not one of the recipes or a ``report.margin`` that is not a number > 0,
+    and ``RecipeError`` listing the catalog for an unknown name.
     """
     names = list(cfg.recipes)
     if not names:
         raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
     if len(set(names)) != len(names):
         raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
-    if int(cfg.seeds) < 1:  # the schema makes it an int
-        raise ConfigError(f"seeds={cfg.seeds} must be >= 1")
+    ablation_seeds(cfg)
+    ablation_workers(cfg)
     recipes = [get_recipe(n) for n in names]
     ablation_control(cfg, names)
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
@@ -67,7 +94,8 @@ def ablation_control(cfg: DictConfig, names: list[str]) -> str:
 
 
 def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
-    """Run ``cfg.recipes`` x ``cfg.seeds`` seeds (``cfg.seed``, ``cfg.seed+1``, ...) and write the report.
+    """Run ``cfg.recipes`` x seeds (``cfg.seed``, ``cfg.seed+1``, ...; ``seeds=auto``: more only where the verdict
+    is still open) and write the report.
 
     Every recipe name and field is validated before any training (``RecipeError``); data problems
     raise ``DataError`` before the parent run exists. A child that fails is recorded FAILED and the
@@ -76,7 +104,8 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     t0 = time.perf_counter()
     recipes = ablation_recipes(cfg)
     names = [r.name for r in recipes]
-    seeds = [int(cfg.seed) + i for i in range(int(cfg.seeds))]
+    seeds, plan = ablation_seeds(cfg)
+    workers = ablation_workers(cfg)
     control = ablation_control(cfg, names)
     args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
     dims = start_parallel(cfg)
@@ -87,6 +116,9 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    seeds_tags = {"seeds": dumps(seeds)}
+    if plan is not None:
+        seeds_tags = {"seeds": "auto", "max_seeds": str(plan.max_seeds), "seed0": str(int(cfg.seed))}
     parent = tracker.start_run(
         ablation_id,
         {
@@ -94,7 +126,8 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             "lowprec.kind": "ablation",
             "experiment": str(cfg.get("name", "")),
             "recipes": dumps(names),
-            "seeds": dumps(seeds),
+            **seeds_tags,
+            "workers": str(workers),
             "control": control,
             "model": cfg.model.name,
             "corpus_fingerprint": data.fingerprint,
@@ -106,23 +139,36 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
     out = AblationOutcome(ablation_id, parent)
+    how = f"{len(seeds)} seeds" if plan is None else f"seeds=auto (3 to {plan.max_seeds})"
     echo(
-        f"ablation {ablation_id}: {len(recipes)} recipes x {len(seeds)} seeds on model={cfg.model.name}, "
-        f"{cfg.train.steps} steps each; layout {dims.short()}; data: {data.description}"
+        f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
+        f"{cfg.train.steps} steps each; layout {dims.short()}"
+        + (f"; {workers} runs at a time" if workers > 1 else "")
+        + f"; data: {data.description}"
     )
+
+    def show(o: RunOutcome) -> None:
+        if o.status == "FINISHED":
+            s = o.summary
+            echo(
+                f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
+                f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
+            )
+        else:
+            echo(f"  {o.recipe:<16} seed {o.seed}: FAILED ({o.reason})")
+
+    def train(jobs: list[tuple[Recipe, int]]) -> None:
+        out.runs.extend(run_jobs(cfg, jobs, data, tracker, parent, ablation_id, workers, on_done=show))
+
+    by_name = dict(zip(names, recipes, strict=True))
     try:
-        for recipe in recipes:
-            for seed in seeds:
-                o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent, ablation_id=ablation_id)
-                out.runs.append(o)
-                if o.status == "FINISHED":
-                    s = o.summary
-                    echo(
-                        f"  {recipe.name:<16} seed {seed}: val_loss {s['final_val_loss']:.4f}  "
-                        f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
-                    )
-                else:
-                    echo(f"  {recipe.name:<16} seed {seed}: FAILED ({o.reason})")
+        train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
+        while plan is not None:
+            state = auto_state(out.runs, control, names, int(cfg.seed), plan, cfg.report.margin)
+            if state.next_seed is None:
+                break
+            echo(f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)")
+            train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
     except KeyboardInterrupt:
         tracker.end_run(parent, "KILLED", "interrupted by the user")
         raise
@@ -134,3 +180,11 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
         out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
     echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
     return out
+
+
+def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: int, plan, margin: float):
+    """``experiments.auto_seeds.replay`` on the outcomes so far (final validation loss of the finished runs)."""
+    values = {(o.recipe, o.seed): o.summary["final_val_loss"] for o in runs if o.status == "FINISHED"}
+    ran = {(o.recipe, o.seed) for o in runs}
+    seq = [seed0 + i for i in range(plan.max_seeds)]
+    return replay(values, ran, control, [n for n in names if n != control], seq, plan, margin)

@@ -1,4 +1,4 @@
-"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``.
+"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``selfcheck``.
 
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
@@ -27,6 +27,7 @@ from experiments.launch import spawn_torchrun, under_torchrun
 from experiments.preflight import preflight
 from experiments.report import build_report
 from experiments.run import run_one
+from experiments.selfcheck.runner import selfcheck_main
 from experiments.startup import prepare_data, start_parallel
 from experiments.tracking import Tracker, make_tracker
 from lowprec.data import check_vocab_fits
@@ -34,14 +35,15 @@ from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from recipes import CATALOG
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
-  lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N] [key=value ...]
+  lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]
   lowprec recipes [--json]
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
                    [batch=N] [seq=N] [--json]
+  lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
 """
 
 
@@ -193,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(rest)
     if cmd == "estimate":
         return estimate_main(rest)
+    if cmd == "selfcheck":
+        return selfcheck_main(rest)
     if cmd in ("train", "ablate"):
         task = train_main if cmd == "train" else ablate
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line

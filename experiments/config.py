@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.stats.stability import SpikeRule
 from lowprec.data import DataSpec
 from lowprec.errors import ConfigError
 from lowprec.model import LLAMA_CONFIGS, ModelArgs, model_args
@@ -88,6 +89,7 @@ class RunConfig:
     train: TrainSpec = field(default_factory=TrainSpec)
     paths: PathsConfig = field(default_factory=PathsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    stability: SpikeRule = field(default_factory=SpikeRule)
 
 
 @dataclass
@@ -112,12 +114,18 @@ class ReportConfig:
 class AblateConfig(RunConfig):
     """``lowprec ablate``: ``recipes`` x ``seeds`` under one MLflow parent run; an ``experiment`` (conf/experiment/)
     sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
-    verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe)."""
+    verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe). ``seeds``: N seeds
+    ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
+    inconclusive, up to ``max_seeds`` (experiments/auto_seeds.py). ``workers``: runs trained at once on a CPU, each in
+    its own process, or ``auto`` (2 on a CPU, 1 on a GPU; experiments/scheduler.py)."""
 
     control: str | None = None
     name: str = MISSING
     recipes: list[str] = MISSING
-    seeds: int = 1
+    #: an int >= 1, or ``auto`` (experiments/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
+    seeds: Any = 1
+    max_seeds: int = 8
+    workers: Any = 1  # an int >= 1 or auto (experiments/scheduler.py)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
@@ -252,6 +260,18 @@ def parallel_from_cfg(cfg: DictConfig):
     """``ParallelDims`` from the ``parallel`` node (one process when the node is absent)."""
     node = cfg.get("parallel")
     return ParallelDims(**typed(ParallelDims, node, "parallel")) if node is not None else ParallelDims()
+
+
+def spike_rule_from_cfg(cfg: DictConfig) -> SpikeRule:
+    """``SpikeRule`` from the ``stability`` node (the default rule when absent); ``ConfigError`` naming
+    ``stability.<field>`` for a value out of range."""
+    node = cfg.get("stability")
+    if node is None:
+        return SpikeRule()
+    try:
+        return SpikeRule(**typed(SpikeRule, node, "stability"))
+    except ValueError as e:
+        raise ConfigError(f"stability: {e}") from None
 
 
 def data_from_cfg(cfg: DictConfig) -> DataSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -22,14 +23,6 @@ def _colors(order):
     return {name: cmap(i % 10) for i, name in enumerate(order)}
 
 
-def _ema(values, alpha=0.1):
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else (1 - alpha) * acc + alpha * v
-        out.append(acc)
-    return out
-
-
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -37,59 +30,89 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def loss_curves(runs, order, path: Path) -> Path:
-    col = _colors(order)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
-        steps = [s for s, _ in r.curves["loss"]]
-        vals = [v for _, v in r.curves["loss"]]
-        x = [r.tokens(s) for s in steps]
-        a.plot(x, vals, color=col[r.recipe], alpha=0.2, lw=0.8)
-        a.plot(x, _ema(vals), color=col[r.recipe], lw=1.5, label=f"{r.recipe} s{r.seed}")
-        vx = [r.tokens(s) for s, _ in r.curves["val_loss"]]
-        b.plot(vx, [v for _, v in r.curves["val_loss"]], "o-", color=col[r.recipe], label=f"{r.recipe} s{r.seed}")
-    a.set(title="training loss (EMA 0.1; raw faint)", xlabel="tokens", ylabel="loss")
-    b.set(title="validation loss", xlabel="tokens", ylabel="loss")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return _save(fig, path)
+def _band(ax, x, c, color, label: str, marker: str = "") -> None:
+    """The mean line of a ``SeedCurves`` and, when it has one, its band (shaded)."""
+    ax.plot(x, c.mean, marker or "-", color=color, lw=1.5, label=label, ms=4)
+    if c.lo is not None:
+        ax.fill_between(x, c.lo, c.hi, color=color, alpha=0.2, lw=0)
 
 
-def loss_gap(runs, order, control, path: Path) -> Path:
+def loss_curves(curves: dict, order, tokens_per_step: int, path: Path) -> Path:
+    """Training (left) and validation (right) loss per recipe: mean over seeds with the min-max band over seeds.
+
+    Args:
+        curves: ``{recipe: (train, val)}``, each an ``experiments.stats.SeedCurves`` (``band="minmax"``; train
+            smoothed by its ``window``) or None; loss in nats.
+        order: recipe names in legend order (colours follow it).
+        tokens_per_step: tokens per optimizer step; the x axis is tokens seen after the step, ``(step + 1) * it``.
+        path: the PNG to write.
+    """
     col = _colors(order)
-    ctrl = {r.seed: r for r in runs if r.recipe == control}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
-        c = ctrl.get(r.seed)
-        if c is None or r.recipe == control:
-            continue
-        cl = dict(c.curves["loss"])
-        pts = [(s, v) for s, v in r.curves["loss"] if s in cl]
-        mine, ref = _ema([v for _, v in pts]), _ema([cl[s] for s, _ in pts])
-        a.plot(
-            [r.tokens(s) for s, _ in pts],
-            [100 * (m / f - 1) for m, f in zip(mine, ref)],
-            color=col[r.recipe],
-            label=f"{r.recipe} s{r.seed}",
-        )
-        cv = dict(c.curves["val_loss"])
-        vpts = [(s, v) for s, v in r.curves["val_loss"] if s in cv]
-        b.plot(
-            [r.tokens(s) for s, _ in vpts],
-            [100 * (v / cv[s] - 1) for s, v in vpts],
-            "o-",
-            color=col[r.recipe],
-            label=f"{r.recipe} s{r.seed}",
-        )
-    a.set(title=f"training loss gap vs {control} (EMA, same batches)", xlabel="tokens", ylabel="relative gap (%)")
-    b.set(title=f"validation loss gap vs {control}", xlabel="tokens", ylabel="relative gap (%)")
+    window = None
+    for name in (n for n in order if n in curves):
+        train, val = curves[name]
+        for ax, c, marker in ((a, train, ""), (b, val, "o-")):
+            if c is not None:
+                _band(ax, (c.steps + 1) * tokens_per_step, c, col[name], f"{name} (n={c.n})", marker)
+        window = train.window if train is not None else window
+    a.set(title=f"training loss (trailing mean over {window} steps)", xlabel="tokens", ylabel="loss (nats)")
+    b.set(title="validation loss", xlabel="tokens", ylabel="loss (nats)")
     for ax in (a, b):
-        ax.axhline(0, color="k", lw=0.8)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
+    fig.suptitle("mean over seeds; band: min-max over seeds (n = seeds)", fontsize=9)
     return _save(fig, path)
+
+
+def relative_loss_error(train: dict, val: dict, order, control: str, margin: float, path: Path) -> Path:
+    """DeepSeek-V3's relative loss error against the control, two panels: smoothed training loss, validation loss.
+
+    Args:
+        train, val: ``{recipe: SeedCurves | None}`` from ``experiments.stats.relative_loss_error`` (dimensionless;
+            drawn in percent), one line per non-control recipe: the mean over paired seeds with its paired
+            t-band (no band with one seed: the legend says so).
+        order: recipe names (colours follow it; the control is skipped).
+        control: the control recipe's name (the zero line).
+        margin: the relative non-inferiority margin (``report.margin``), drawn at +margin and, dashed, -margin.
+        path: the PNG to write.
+    """
+    col = _colors(order)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
+    window, level = None, None
+    for ax, curves, marker in ((a, train, ""), (b, val, "o-")):
+        for name in (n for n in order if n != control and curves.get(n) is not None):
+            c = curves[name]
+            band = "" if c.lo is not None else ", no band: 1 seed"
+            _band(ax, c.steps, _percent(c), col[name], f"{name} (n={c.n}{band})", marker)
+            level = c.level
+            window = c.window if ax is a else window
+        ax.axhline(0, color="k", lw=0.8)
+        ax.axhline(100 * margin, color="tab:red", lw=1, label=f"margin +{100 * margin:.3g}%")
+        ax.axhline(-100 * margin, color="tab:red", lw=1, ls="--", label=f"-{100 * margin:.3g}%")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set(xlabel="optimizer step", ylabel="relative loss error (%)")
+    a.set_title(f"training loss, trailing mean over {window} steps")
+    b.set_title("validation loss")
+    fig.suptitle(
+        f"(L_recipe - L_control) / L_control against {control}, paired by seed; mean over seeds, band: "
+        f"{_level(level)} paired t-interval (none with 1 seed); > 0: recipe worse",
+        fontsize=9,
+    )
+    return _save(fig, path)
+
+
+def _percent(c):
+    """A ``SeedCurves`` in percent (mean, lo, hi times 100) for drawing."""
+    return replace(
+        c, mean=100 * c.mean, lo=None if c.lo is None else 100 * c.lo, hi=None if c.hi is None else 100 * c.hi
+    )
+
+
+def _level(level) -> str:
+    return "95%" if level is None else f"{level:.0%}"
 
 
 def memory_bars(rows, runs, order, path: Path) -> Path:

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from experiments.config import data_from_cfg, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
+from experiments.config import (
+    data_from_cfg,
+    model_from_cfg,
+    optim_from_cfg,
+    parallel_from_cfg,
+    spike_rule_from_cfg,
+    train_from_cfg,
+)
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
@@ -47,6 +54,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     hp = optim_from_cfg(cfg)
     dims = parallel_from_cfg(cfg)
     data_from_cfg(cfg)
+    spike_rule_from_cfg(cfg)
     device = resolve_device(cfg.device)
     check_cpu_kernels(cfg.cpu_kernels)
     if device.type == "cpu" and cfg.cpu_kernels == "native":

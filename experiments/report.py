@@ -14,10 +14,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from experiments import plots, verdict_table
-from experiments.config import ReportConfig
-from experiments.stats import check_margin
+from experiments.auto_seeds import plan_for, replay
+from experiments.config import ReportConfig, model_from_cfg
+from experiments.stability_log import rule_tag
+from experiments.stats import (
+    TRAIN_SMOOTH_WINDOW,
+    SpikeRule,
+    StabilityMetrics,
+    check_margin,
+    relative_loss_error,
+    seed_band,
+    stability_metrics,
+)
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
+from experiments.verdict_table import LEVEL, Prediction
 from lowprec.errors import UserError
+from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate
+from lowprec.estimate.hardware import get_hardware
+from recipes import get_recipe
 
 if TYPE_CHECKING:  # experiments.tracking sets MLflow's environment before mlflow is first imported
     from mlflow.entities import Run
@@ -65,6 +79,10 @@ class RunData:
     kernels: str = ""
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     telemetry: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: ``run_stability``: as the run logged it (``stability/*``), else recomputed from its curves; None: no loss.
+    stability: StabilityMetrics | None = None
+    #: The spike rule ``stability`` was counted with (the run's ``stability_rule`` tag, or the default's).
+    stability_rule: str = ""
 
     def tokens(self, step: int) -> int:
         return (step + 1) * self.tokens_per_step
@@ -110,8 +128,59 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             if key.startswith("fp8/") and key.rsplit("/", 2)[-2:] in TELEMETRY_PANELS:
                 hist = tracker.client.get_metric_history(r.info.run_id, key)
                 rd.telemetry[key] = sorted((m.step, m.value) for m in hist)
+        rd.stability = run_stability(rd)
+        rd.stability_rule = _stability_rule(rd, tags)
         out.append(rd)
     return out
+
+
+#: The ``stability/*`` metric every run logs at its last step (``StabilityMetrics.as_metrics``) since they exist.
+STABILITY_KEY = "stability/loss_spikes"
+
+
+def run_stability(r: RunData) -> StabilityMetrics | None:
+    """The run's stability metrics (``experiments.stats.stability``): the ``stability/*`` metrics the run logged
+    at its last step (finished or failed), else, for a run that predates them, recomputed here from its logged
+    ``loss`` and ``grad_norm`` curves with the default ``SpikeRule``. The one place that fallback lives.
+
+    A run stopped by ``NonFiniteError`` never logged the step that stopped it, so its recomputed series may end
+    finite; ``experiments.verdict_table.judged_stability`` counts such a run as diverged from its failure reason.
+    Spike steps are not logged: ``loss_spike_steps`` is empty for logged metrics. Returns None for a run without a
+    loss (it stopped before its first step).
+    """
+    if STABILITY_KEY in r.metrics:
+        return _logged_stability(r)
+    loss = [v for _, v in r.curves.get("loss", [])]
+    grad = [v for _, v in r.curves.get("grad_norm", [])]
+    if not loss:
+        return None
+    return stability_metrics(loss, grad or None)
+
+
+def _stability_rule(r: RunData, tags: dict) -> str:
+    """The spike rule of ``run_stability``'s figures: the run's tag when it logged them, else the default rule."""
+    if STABILITY_KEY in r.metrics:
+        return tags.get("stability_rule", "")
+    return f"{rule_tag(SpikeRule())} (recomputed by the report)" if r.stability else ""
+
+
+def _logged_stability(r: RunData) -> StabilityMetrics:
+    m = r.metrics
+    diverged = m.get("stability/diverged", 0.0) > 0
+    steps = len(r.curves.get("loss", []))
+    grad = m.get("stability/grad_norm_spikes")
+    return StabilityMetrics(
+        steps=steps,
+        loss_spikes=int(m[STABILITY_KEY]),
+        loss_spike_steps=(),
+        largest_excursion=m.get("stability/loss_max_excursion", 0.0),
+        nonfinite_loss=int(m.get("stability/loss_nonfinite", 0)),
+        # a diverged run always logs its divergence step; the last step stands in for one that is missing
+        divergence_step=int(m.get("stability/divergence_step", max(steps - 1, 0))) if diverged else None,
+        grad_norm_spikes=None if grad is None else int(grad),
+        nonfinite_grad_norm=None if grad is None else int(m.get("stability/grad_norm_nonfinite", 0)),
+        skipped_steps=int(m.get("stability/skipped_steps", 0)),
+    )
 
 
 def _fmt_bytes(b: float) -> str:
@@ -120,12 +189,6 @@ def _fmt_bytes(b: float) -> str:
 
 def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
-
-
-def _spikes(curve: list[tuple[int, float]], window: int = 20, factor: float = 1.25) -> int:
-    """Steps whose loss exceeds ``factor`` x the mean of the previous ``window`` steps."""
-    vals = [v for _, v in curve]
-    return sum(1 for i in range(window, len(vals)) if vals[i] > factor * _mean(vals[i - window : i]))
 
 
 def _late_max(curve: list[tuple[int, float]]) -> float:
@@ -159,7 +222,7 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
                 "bytes_per_param": _mean([r.metrics["state_bytes_per_param"] for r in ok]),
                 "peak_bytes": _mean([r.metrics["mem_peak_bytes"] for r in ok]),
                 "peak_growth_bytes": _mean([r.metrics["mem_peak_growth_bytes"] for r in ok]),
-                "spikes": _mean([_spikes(r.curves["loss"]) for r in ok]),
+                "spikes": _mean([r.stability.loss_spikes for r in ok if r.stability]),
                 "max_grad_norm": _mean([_late_max(r.curves["grad_norm"]) for r in ok]),
                 "m_rel_err": _mean([_m_rel_err(r.metrics) for r in ok]),
                 "n_ok": len(ok),
@@ -201,19 +264,31 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     rows = summarise(runs, order, control)
     ok = [r for r in runs if r.comparable]
     on_cpu = ptags.get("device_type") == "cpu"
-    table = verdict_table.build_table(runs, order, control, margin, _steps(parent, runs))
+    predicted, predicted_setup = predict_recipes(parent, order)
+    table = verdict_table.build_table(
+        runs,
+        order,
+        control,
+        margin,
+        _steps(parent, runs),
+        predicted=predicted,
+        predicted_setup=predicted_setup,
+        auto=auto_seeds_of(parent, runs, order, control, margin),
+    )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
-    figs = _figures(rows, ok, order, control, out)
+    curves = _curves_section(ok, order, control, margin, out)
+    figs = _figures(rows, ok, order, out)
     telemetry = _telemetry_figures(ok, order, out)
     lines = [
         f"# Precision ablation `{ablation_id}`",
         "",
         *verdict_table.verdict_section(table, on_cpu, ok),
+        *curves,
         *_header_section(parent, ok, control, tracker.uri),
         *_cpu_timing_warning(on_cpu),
         *_summary_section(rows, control, on_cpu),
         *_failed_section(runs),
-        *_figure_sections(figs, control),
+        *_figure_sections(figs),
         *_telemetry_section(telemetry),
         *_reconcile_table(ok, order),
         *_comm_section(ok, order, out),
@@ -227,6 +302,23 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     return path
 
 
+def auto_seeds_of(parent: Run, runs: list[RunData], order: list[str], control: str, margin: float):
+    """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.auto_seeds.replay``: the function
+    the ablation decided with); None for an ablation with a fixed seed count or without the control."""
+    tags = parent.data.tags
+    if tags.get("seeds") != "auto" or control not in order:
+        return None
+    plan = plan_for(int(tags["max_seeds"]))
+    seeds = [int(tags["seed0"]) + i for i in range(plan.max_seeds)]
+    values = {
+        (r.recipe, r.seed): r.metrics["final_val_loss"]
+        for r in runs
+        if r.comparable and math.isfinite(r.metrics.get("final_val_loss", math.nan))
+    }
+    ran = {(r.recipe, r.seed) for r in runs}
+    return replay(values, ran, control, [n for n in order if n != control], seeds, plan, margin)
+
+
 def _steps(parent: Run, runs: list[RunData]) -> int:
     """The ablation's optimizer steps: its ``train.steps`` param, else one past the last logged step."""
     if "train.steps" in parent.data.params:
@@ -234,18 +326,116 @@ def _steps(parent: Run, runs: list[RunData]) -> int:
     return 1 + max((s for r in runs for curve in r.curves.values() for s, _ in curve), default=0)
 
 
-def _figures(rows: list[dict], ok: list[RunData], order: list[str], control: str, out: Path) -> dict[str, Path]:
-    """The comparison plots (none without a comparable run), keyed as ``_figure_sections`` titles them."""
+#: Hardware of the predicted throughput and memory ratios (``lowprec estimate``'s default).
+PREDICT_HARDWARE = "h100_sxm"
+
+
+def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction], str]:
+    """What ``lowprec estimate`` predicts for each recipe of the ablation on ``PREDICT_HARDWARE``: tokens/s per GPU
+    and total bytes per GPU (state + FSDP buffers + saved activations under the ablation's ``train.ac`` + the loss
+    transient), for the ablation's model (``model`` tag and ``model.*`` params), ``train.batch_size`` /
+    ``parallel`` dp sequences of ``train.seq_len`` tokens per GPU, at ``DEFAULT_EFFICIENCY`` MFU for every recipe.
+
+    Returns ``({recipe: Prediction}, setup)``: ``setup`` is the sentence the report prints about the prediction,
+    or why there is none (``{}`` then: a parent run without those params, e.g. from an older lowprec).
+    """
+    params = parent.data.params
+    try:
+        model = _ablation_model(parent)
+        dp_shard, tp = int(params.get("parallel.dp_shard", 1)), int(params.get("parallel.tp", 1))
+        dp = dp_shard * int(params.get("parallel.dp_replicate", 1))
+        batch, seq = max(int(params["train.batch_size"]) // dp, 1), int(params["train.seq_len"])
+    except (KeyError, ValueError, UserError) as e:
+        return {}, f"the ablation's parent run does not name its model and batch ({e})"
+    hw = get_hardware(PREDICT_HARDWARE)
+    ac = params.get("train.ac", "none")
+    out = {}
+    for name in names:
+        try:
+            e = estimate(model, get_recipe(name), dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
+        except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses
+            out[name] = Prediction(hw.name, None, None)
+            continue
+        tps = e.throughput.tokens_per_s_per_gpu if e.throughput else None
+        out[name] = Prediction(hw.name, tps, float(e.totals[ac]))
+    setup = (
+        f"`lowprec estimate` for model `{parent.data.tags.get('model')}`, {batch} x {seq} tokens per GPU "
+        f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing `{ac}`, on {hw.name} "
+        f"({hw.note.split(';')[0]}) at {DEFAULT_EFFICIENCY:.0%} MFU for every recipe, so the throughput ratio is the "
+        "ratio of the recipes' FLOP-weighted peaks (FP8 GEMMs at the FP8 peak); communication, kernel overheads and "
+        "FP8 casts are not modelled, which makes it an upper bound on the speedup"
+    )
+    return out, setup
+
+
+def _ablation_model(parent: Run):
+    """The ablation's ``ModelArgs``: its ``model`` tag with the ``model.<field>`` params it logged."""
+    fields = {k.removeprefix("model."): v for k, v in parent.data.params.items() if k.startswith("model.")}
+    fields = {k: (None if v == "None" else v) for k, v in fields.items()}  # MLflow params are str(value)
+    return model_from_cfg({**fields, "name": parent.data.tags["model"]})
+
+
+def _figures(rows: list[dict], ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
+    """The comparison plots after the curves (none without a comparable run), keyed as ``_figure_sections``
+    titles them."""
     if not ok:
         return {}
     return {
-        "loss": plots.loss_curves(ok, order, out / "loss.png"),
-        "gap": plots.loss_gap(ok, order, control, out / "loss_gap.png"),
         "memory": plots.memory_bars(rows, ok, order, out / "memory.png"),
         "throughput": plots.throughput_bars(rows, out / "throughput.png"),
         "reconcile": plots.predicted_vs_measured(ok, order, MEM_COMPONENTS, out / "memory_predicted.png"),
         "grad_norm": plots.grad_norm_curves(ok, order, out / "grad_norm.png"),
     }
+
+
+def _by_seed(runs: list[RunData], name: str, key: str) -> dict[int, list[tuple[int, float]]]:
+    return {r.seed: r.curves.get(key, []) for r in runs if r.recipe == name}
+
+
+def _curves_section(ok: list[RunData], order: list[str], control: str, margin: float, out: Path) -> list[str]:
+    """Right after the verdicts: the relative loss error against the control (DeepSeek-V3's metric, paired by
+    seed, t-band) and the loss curves (mean over seeds, min-max band), from the comparable runs."""
+    if not ok:
+        return []
+    w = TRAIN_SMOOTH_WINDOW
+    names = [n for n in order if n != control]
+    ctrl_train, ctrl_val = _by_seed(ok, control, "loss"), _by_seed(ok, control, "val_loss")
+    train = {n: relative_loss_error(_by_seed(ok, n, "loss"), ctrl_train, window=w, level=LEVEL) for n in names}
+    val = {n: relative_loss_error(_by_seed(ok, n, "val_loss"), ctrl_val, level=LEVEL) for n in names}
+    bands = {n: (seed_band(_by_seed(ok, n, "loss"), window=w), seed_band(_by_seed(ok, n, "val_loss"))) for n in order}
+    lines = ["## Loss curves", ""]
+    if any(c is not None for c in [*train.values(), *val.values()]):
+        fig = plots.relative_loss_error(train, val, order, control, margin, out / "loss_gap.png")
+        lines += [*_relative_error_text(train, val, control, margin, w), "", f"![relative loss error]({fig.name})", ""]
+    else:
+        lines += [f"No relative loss error: no recipe has a finished run paired by seed with `{control}`.", ""]
+    loss = plots.loss_curves(bands, order, ok[0].tokens_per_step, out / "loss.png")
+    lines += [
+        f"Training loss (each run smoothed by a trailing mean over {w} logged steps) and validation loss by tokens "
+        "seen: the mean over each recipe's finished seeds, the band spans the lowest to the highest seed "
+        "(min-max, not a confidence interval); n in the legend = seeds.",
+        "",
+        f"![loss]({loss.name})",
+        "",
+    ]
+    return lines
+
+
+def _relative_error_text(train: dict, val: dict, control: str, margin: float, window: int) -> list[str]:
+    one = sorted({n for d in (train, val) for n, c in d.items() if c is not None and c.lo is None})
+    level = next(c.level for d in (train, val) for c in d.values() if c is not None)
+    text = (
+        f"Relative loss error against `{control}` (DeepSeek-V3's FP8 metric): e_i(t) = (L_recipe,i(t) - "
+        f"L_control,i(t)) / L_control,i(t), seed i of the recipe against seed i of `{control}` (same batches and "
+        f"initial weights); > 0: the recipe's loss is higher. Left: training loss, each run smoothed first by a "
+        f"trailing mean over {window} logged steps; right: validation loss at each validation point. Line: mean "
+        f"over the paired seeds; band: two-sided {level:.0%} paired t-interval across seeds (scipy.stats.t, "
+        f"n - 1 degrees of freedom, at each step); red lines: the margin +{100 * margin:.3g}% (solid) and "
+        f"-{100 * margin:.3g}% (dashed), zero in black."
+    )
+    if one:
+        text += f" No band (one paired seed, so no interval): {', '.join(f'`{n}`' for n in one)}."
+    return [text]
 
 
 def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
@@ -325,7 +515,8 @@ def _summary_section(rows: list[dict], control: str, on_cpu: bool) -> list[str]:
         "state = parameters + gradients + master + optimizer states (exact bytes); AdamW m error = relative error "
         "of the stored first moment against an FP32 shadow AdamW on sampled tensors, last sample "
         f"(n/a: FP32 moments); peak = {peak}, with its growth during the run in brackets; "
-        "spikes = steps with loss > 1.25x the mean of the previous 20.",
+        "loss spikes = mean per run of the steps the stability rule flags (experiments/stats/stability.py: loss "
+        "above its EMA by more than k robust sd; the rule is each run's `stability_rule` tag).",
         "",
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
         "|---" * len(SUMMARY_COLUMNS) + "|",
@@ -346,7 +537,7 @@ def _summary_row(row: dict) -> str:
         _num(row["bytes_per_param"], ".2f"),
         _num(row["m_rel_err"], ".2%"),
         peak,
-        _num(row["spikes"], ".0f"),
+        _num(row["spikes"], ".1f"),
         _num(row["max_grad_norm"], ".3f"),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -371,11 +562,9 @@ def _failed_section(runs: list[RunData]) -> list[str]:
     ]
 
 
-def _figure_sections(figs: dict[str, Path], control: str) -> list[str]:
+def _figure_sections(figs: dict[str, Path]) -> list[str]:
     """One section per comparison plot, in the order they were drawn."""
     titles = {
-        "loss": "Training and validation loss",
-        "gap": f"Loss gap against `{control}`",
         "memory": "Memory by component",
         "throughput": "Throughput",
         "grad_norm": "Gradient norm",

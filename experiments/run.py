@@ -11,8 +11,16 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.config import flat_params, model_from_cfg, optim_from_cfg, parallel_from_cfg, train_from_cfg
+from experiments.config import (
+    flat_params,
+    model_from_cfg,
+    optim_from_cfg,
+    parallel_from_cfg,
+    spike_rule_from_cfg,
+    train_from_cfg,
+)
 from experiments.faults import fault_hooks
+from experiments.stability_log import StabilityRecorder, rule_tag
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import UserError
@@ -23,7 +31,7 @@ from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
-from lowprec.train.loop import run_training
+from lowprec.train.loop import NonFiniteError, run_training
 
 
 def release_memory() -> None:
@@ -145,7 +153,10 @@ def run_one(
         tags[ABLATION_TAG] = ablation_id
     run_id = tracker.start_run(f"{recipe.name}-s{seed}", tags, parent_id)
     tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
-    sink = MetricBuffer(tracker, run_id)
+    rule = spike_rule_from_cfg(cfg)
+    tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
+    buffer = MetricBuffer(tracker, run_id)
+    sink = StabilityRecorder(buffer, rule)
     release_memory()
     try:
         args = model_from_cfg(cfg.model)
@@ -174,10 +185,11 @@ def run_one(
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
         )
-        sink.flush()
+        sink.log_summary()
+        buffer.flush()
         if not result.effective_checked:  # a loop that skipped the check must not produce a comparable run
             raise EffectiveRecipeError("the effective recipe was never inspected and checked")
-        sink.log_metrics(
+        buffer.log_metrics(
             {
                 **result.summary,
                 **predicted_metrics(args, recipe, spec, device, dims),
@@ -185,17 +197,21 @@ def run_one(
             },
             spec.steps,
         )
-        sink.flush()
+        buffer.flush()
         tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
         tracker.end_run(run_id, "FINISHED")
         return RunOutcome(run_id, recipe.name, seed, "FINISHED", summary=result.summary)
     except KeyboardInterrupt:
-        sink.flush()
+        sink.log_summary()
+        buffer.flush()
         tracker.end_run(run_id, "KILLED", "interrupted by the user")
         raise
     except Exception as e:  # recorded, explained, and the caller goes on with the next run
         reason = f"{type(e).__name__}: {e}"
-        sink.flush()
+        if isinstance(e, NonFiniteError):
+            sink.record_failed_step(e.loss, e.grad_norm)
+        sink.log_summary()  # the stability of the steps that ran: a NaN loss is the run's divergence
+        buffer.flush()
         if isinstance(e, EffectiveRecipeError):
             tracker.set_tags(run_id, {"effective_matches": "false"})
         tb = traceback.format_exc()

@@ -13,7 +13,13 @@ metrics, so ``mlflow.search_runs`` finds them:
   0.01 = 1% worse), ``verdict_seeds.<recipe>``, ``verdict_mdd.<recipe>``, ``verdict_seeds_needed.<recipe>``, the
   same with ``verdict_late_`` for the last quarter, ``throughput_ratio.<recipe>``, ``state_memory_ratio.<recipe>``,
   ``peak_memory_ratio.<recipe>``, and ``verdict_margin``, ``noise_control_sd``, ``noise_control_rel_sd``,
-  ``noise_min_margin``.
+  ``noise_min_margin``;
+- stability (``experiments.stats.stability``): tag ``stability.<recipe>`` (``less stable``, ``as stable`` or
+  ``no-data``), metrics ``stability_loss_spikes.<recipe>`` and ``stability_grad_norm_spikes.<recipe>`` (mean spikes
+  per judged run), ``stability_diverged.<recipe>`` (diverged runs) and ``stability_runs.<recipe>`` (judged runs),
+  the control's included;
+- predicted by ``lowprec estimate``: tag ``predicted_hardware``, metrics ``predicted_throughput_ratio.<recipe>`` and
+  ``predicted_memory_ratio.<recipe>`` (recipe over control).
 
 MLflow keys may hold alphanumerics, ``_ - . / :`` and spaces; catalog recipe names are ``[a-z0-9_]``.
 """
@@ -23,9 +29,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from experiments.stats import Verdict, verdicts
+from experiments.auto_seeds import AutoSeeds
+from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
+from experiments.stats.stability import LESS_STABLE
 from experiments.stats.verdict import POWER
 from experiments.tracking import MetricBuffer, Tracker
 
@@ -37,10 +45,43 @@ NO_DATA = "no-data"
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """What ``lowprec estimate`` predicts for one recipe of the ablation on ``hardware``: ``tokens_per_s`` per GPU
+    (None where it cannot predict, e.g. FP8 on a part without FP8) and ``total_bytes`` per GPU (None likewise)."""
+
+    hardware: str
+    tokens_per_s: float | None
+    total_bytes: float | None
+
+
+@dataclass(frozen=True)
+class StabilityRow:
+    """One recipe's judged runs (``judged_stability``): how many, mean loss and grad-norm spikes per run (None
+    without runs, or grad norm when a run has no grad-norm series), and how many diverged."""
+
+    runs: int
+    loss_spikes: float | None
+    grad_norm_spikes: float | None
+    diverged: int
+
+    @classmethod
+    def of(cls, ms: list[StabilityMetrics]) -> StabilityRow:
+        grads = [m.grad_norm_spikes for m in ms]
+        return cls(
+            runs=len(ms),
+            loss_spikes=statistics.fmean(m.loss_spikes for m in ms) if ms else None,
+            grad_norm_spikes=statistics.fmean(grads) if ms and None not in grads else None,
+            diverged=sum(m.diverged for m in ms),
+        )
+
+
+@dataclass(frozen=True)
 class RecipeRow:
     """One recipe against the control. ``paired``: the seeds where both it and the control have a finished,
     comparable run; ``final``/``late``: their verdicts (None without a paired seed, or ``late`` when the column is
-    absent); ratios: means over finished runs, recipe over control (None when either has none)."""
+    absent); ratios: means over finished runs, recipe over control (None when either has none); ``stability``: its
+    judged runs and ``stability_verdict`` against the control's (None when either has no judged run);
+    ``predicted_*_ratio``: ``lowprec estimate``'s tokens/s and total bytes per GPU, recipe over control."""
 
     recipe: str
     runs: int
@@ -51,6 +92,12 @@ class RecipeRow:
     throughput_ratio: float | None
     state_ratio: float | None
     peak_ratio: float | None
+    stability: StabilityRow = StabilityRow(0, None, None, 0)
+    stability_verdict: StabilityVerdict | None = None
+    predicted_throughput_ratio: float | None = None
+    predicted_memory_ratio: float | None = None
+    #: seeds=auto: why the recipe stopped getting seeds (its verdict is the one of that look)
+    auto: SeedDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +106,9 @@ class VerdictTable:
 
     ``no_verdict``: why no verdict is possible (None when verdicts exist). ``late_reason``: why the last-quarter
     column is absent (None when present); ``late_points``: validation points per run in the last quarter.
-    ``control_values``: the control's final validation losses by seed (finished runs).
+    ``control_values``: the control's final validation losses by seed (finished runs). ``control_stability``: the
+    control's judged runs; ``stability_rules``: the spike rules the judged runs were scanned with.
+    ``predicted_hardware``/``predicted_setup``: what the predicted ratios assume (setup: or why there are none).
     """
 
     control: str
@@ -73,6 +122,12 @@ class VerdictTable:
     late_reason: str | None
     late_points: int
     control_failures: tuple[str, ...] = ()
+    control_stability: StabilityRow = StabilityRow(0, None, None, 0)
+    stability_rules: tuple[str, ...] = ()
+    predicted_hardware: str | None = None
+    predicted_setup: str | None = None
+    #: seeds=auto: one line on the procedure (None for a fixed seed count)
+    auto_note: str | None = None
 
     @property
     def control_sd(self) -> float | None:
@@ -128,10 +183,50 @@ def _verdicts(pairs: dict[str, dict[int, tuple[float, float]]], margin: float, m
     return verdicts(results, margin, LEVEL, "holm", metric=metric) if results else {}
 
 
-def build_table(runs, order: list[str], control: str, margin: float, steps: int) -> VerdictTable:
+def judged_stability(r) -> StabilityMetrics | None:
+    """The run's ``StabilityMetrics`` as the stability verdict counts it, or None when the run is left out.
+
+    Counted: finished comparable runs, and FAILED runs stopped by a non-finite value (a ``NonFiniteError``, or
+    metrics with a non-finite loss or grad norm) or whose metrics say diverged; such a failure counts as a
+    divergence at its last step even when the loss series alone would not show one (a NaN grad norm stops the run
+    as surely). Runs that crashed for another reason, were killed or ran another effective recipe are left out.
+    """
+    m = r.stability
+    if m is None or (not r.comparable and r.status != "FAILED"):
+        return None
+    if r.comparable or m.diverged:
+        return m
+    nonfinite = r.reason.startswith("NonFiniteError") or m.nonfinite_loss > 0 or (m.nonfinite_grad_norm or 0) > 0
+    return replace(m, divergence_step=max(m.steps - 1, 0)) if nonfinite else None
+
+
+def _stability(runs, name: str) -> list[StabilityMetrics]:
+    return [m for r in runs if r.recipe == name and (m := judged_stability(r)) is not None]
+
+
+def _predicted_ratio(predicted: dict[str, Prediction], name: str, control: str, key: str) -> float | None:
+    num, den = getattr(predicted.get(name), key, None), getattr(predicted.get(control), key, None)
+    return num / den if _finite(num) and _finite(den) and den else None
+
+
+def build_table(
+    runs,
+    order: list[str],
+    control: str,
+    margin: float,
+    steps: int,
+    predicted: dict[str, Prediction] | None = None,
+    predicted_setup: str | None = None,
+    auto: AutoSeeds | None = None,
+) -> VerdictTable:
     """The verdicts of every recipe of ``order`` (but the control) against ``control`` from the report's
     ``RunData``: final validation loss, and the mean over the last quarter of the ``steps`` optimizer steps where
-    the validation history holds at least two points there. Holm across the recipes (``experiments.stats``)."""
+    the validation history holds at least two points there. Holm across the recipes (``experiments.stats``).
+    Stability: ``stability_verdict`` of each recipe's judged runs (``judged_stability``) against the control's.
+    ``predicted``: ``{recipe: Prediction}`` for the predicted ratio columns, ``predicted_setup`` what they assume.
+    ``auto``: the replayed ``seeds=auto`` procedure (``experiments.auto_seeds``); each recipe's final-loss verdict is
+    then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict."""
+    predicted = predicted or {}
     ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
     ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
     control_values = {r.seed: r.metrics["final_val_loss"] for r in ctrl_ok}
@@ -163,14 +258,18 @@ def build_table(runs, order: list[str], control: str, margin: float, steps: int)
         )
     final_pairs = {n: _paired(runs, control, n, lambda r: r.metrics.get("final_val_loss")) for n in names}
     final_v = _verdicts(final_pairs, margin, "final_val_loss")
+    if auto is not None:
+        final_v.update({n: v for n, (v, _) in auto.final.items()})
     late_v: dict[str, Verdict] = {}
     if late_reason is None:
         late_pairs = {n: _paired(runs, control, n, lambda r: late_of[r.run_id][0]) for n in names}
         late_v = _verdicts(late_pairs, margin, "late_val_loss")
+    ctrl_stab = _stability(runs, control)
     rows = []
     for n in names:
         rs = [r for r in runs if r.recipe == n]
         fin = [r for r in rs if r.comparable]
+        stab = _stability(runs, n)
         rows.append(
             RecipeRow(
                 recipe=n,
@@ -182,8 +281,14 @@ def build_table(runs, order: list[str], control: str, margin: float, steps: int)
                 throughput_ratio=_ratio(fin, ctrl_ok, "mean_tokens_per_s"),
                 state_ratio=_ratio(fin, ctrl_ok, "state_bytes_per_param"),
                 peak_ratio=_ratio(fin, ctrl_ok, "mem_peak_bytes"),
+                stability=StabilityRow.of(stab),
+                stability_verdict=stability_verdict(stab, ctrl_stab) if stab and ctrl_stab else None,
+                predicted_throughput_ratio=_predicted_ratio(predicted, n, control, "tokens_per_s"),
+                predicted_memory_ratio=_predicted_ratio(predicted, n, control, "total_bytes"),
+                auto=auto.final[n][1] if auto is not None and n in auto.final else None,
             )
         )
+    judged = [r for r in runs if judged_stability(r) is not None]
     return VerdictTable(
         control=control,
         margin=margin,
@@ -196,6 +301,27 @@ def build_table(runs, order: list[str], control: str, margin: float, steps: int)
         late_reason=late_reason,
         late_points=points,
         control_failures=failures,
+        control_stability=StabilityRow.of(ctrl_stab),
+        stability_rules=tuple(sorted({r.stability_rule for r in judged if r.stability_rule})),
+        predicted_hardware=next((p.hardware for p in predicted.values()), None),
+        predicted_setup=predicted_setup,
+        auto_note=_auto_note(auto) if auto is not None else None,
+    )
+
+
+def _auto_note(auto: AutoSeeds) -> str:
+    looks = ", ".join(f"{lk.n} seeds at {lk.level:.4g}" for lk in auto.looks)
+    tail = (
+        f" The ablation ended before {', '.join(auto.wanting)} stopped (seed {auto.next_seed} never ran)."
+        if auto.wanting
+        else ""
+    )
+    return (
+        "- `seeds=auto` (experiments/auto_seeds.py): 3 seeds, then one more at a time for the recipes (and the "
+        "control) still inconclusive, up to `max_seeds`; Lan-DeMets O'Brien-Fleming-type alpha spending with a "
+        "union bound over looks (experiments/stats/sequential.py). Each recipe's final-loss verdict and interval are "
+        f"those of the look where it stopped (two-sided CI level per look: {looks}), Holm over the recipes still "
+        f"running at that look; the seeds column says why it stopped.{tail}"
     )
 
 
@@ -225,6 +351,9 @@ def _verdict_cell(v: Verdict | None) -> str:
 
 def _seeds_cell(row: RecipeRow) -> str:
     n = len(row.paired)
+    if row.auto is not None:
+        why = {"conclusive": "conclusive", "max_seeds": "max_seeds reached"}.get(row.auto.reason, "still open")
+        return f"{n} of {row.runs} (auto: {why})" if n != row.runs else f"{n} (auto: {why})"
     if n == row.runs:
         return str(n)
     failed = row.runs - row.finished
@@ -236,6 +365,23 @@ def _ratio_cell(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def _spikes_cell(s: StabilityRow) -> str:
+    if not s.runs:
+        return "n/a"
+    grad = "n/a" if s.grad_norm_spikes is None else f"{s.grad_norm_spikes:.1f}"
+    return f"{s.loss_spikes:.1f} / {grad}"
+
+
+def _diverged_cell(s: StabilityRow) -> str:
+    return f"{s.diverged}/{s.runs}" if s.runs else "n/a"
+
+
+def _stability_cell(v: StabilityVerdict | None) -> str:
+    if v is None:
+        return NO_DATA
+    return f"**{v.verdict}**" + (f" ({v.reason})" if v.verdict == LESS_STABLE else "")
+
+
 def _row(row: RecipeRow, with_late: bool) -> str:
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
@@ -243,16 +389,21 @@ def _row(row: RecipeRow, with_late: bool) -> str:
     cells = [f"`{row.recipe}`", _seeds_cell(row), _effect_cell(v), _verdict_cell(v)]
     if with_late:
         cells += [_effect_cell(row.late), _verdict_cell(row.late)]
+    cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
     memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
     cells += [mdd, needed, _ratio_cell(row.throughput_ratio), memory]
+    cells += [_ratio_cell(row.predicted_throughput_ratio), _ratio_cell(row.predicted_memory_ratio)]
     return "| " + " | ".join(cells) + " |"
 
 
-def _columns(with_late: bool) -> list[str]:
+def _columns(with_late: bool, hardware: str | None) -> list[str]:
     cols = ["recipe", "seeds", "final val loss vs control [95% CI]", "verdict"]
     if with_late:
         cols += ["last-quarter val loss vs control [95% CI]", "verdict (last quarter)"]
-    return cols + ["MDD (final)", "seeds needed (final)", "throughput ratio", "memory ratio: state (peak)"]
+    cols += ["spikes per run: loss / grad norm", "diverged", "stability vs control"]
+    cols += ["MDD (final)", "seeds needed (final)", "throughput ratio (measured)", "memory ratio: state (peak)"]
+    on = hardware or "GPU"
+    return cols + [f"predicted throughput ratio ({on})", f"predicted memory ratio ({on})"]
 
 
 def _control_row(t: VerdictTable, with_late: bool) -> str:
@@ -261,7 +412,10 @@ def _control_row(t: VerdictTable, with_late: bool) -> str:
     cells = [f"`{t.control}`", seeds, "control", "control"]
     if with_late:
         cells += ["control", "control"]
-    return "| " + " | ".join(cells + ["", "", "1.00x", "1.00x (1.00x)"]) + " |"
+    stab = t.control_stability
+    cells += [_spikes_cell(stab), _diverged_cell(stab), "control", "", "", "1.00x", "1.00x (1.00x)"]
+    predicted = "1.00x" if t.predicted_hardware else "n/a"
+    return "| " + " | ".join([*cells, predicted, predicted]) + " |"
 
 
 def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None) -> list[str]:
@@ -276,7 +430,7 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
             lines += ["", "The finished runs, each as recorded in MLflow:", "", *_runs_table(finished_runs)]
         return [*lines, ""]
     with_late = t.late_reason is None
-    cols = _columns(with_late)
+    cols = _columns(with_late, t.predicted_hardware)
     lines += [
         "| " + " | ".join(cols) + " |",
         "|---" * len(cols) + "|",
@@ -310,6 +464,8 @@ def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
         f"- Verdict at the margin +{100 * t.margin:.3g}% (`report.margin={t.margin:g}`), {holm}. "
         f"Rule (experiments/stats/verdict.py): {rule}.",
     ]
+    if t.auto_note:
+        notes.append(t.auto_note)
     if t.late_reason is None:
         notes.append(
             f"- Last quarter: the mean of each run's validation losses measured after step "
@@ -333,6 +489,7 @@ def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
             "- **Throughput measured on a CPU says nothing about GPU throughput**: the ratio is the cost of this "
             "CPU's kernels (emulated or native), never a speedup or slowdown you would see on a GPU."
         )
+    notes += [*_stability_notes(t), _predicted_note(t)]
     for r in t.rows:
         for v in (r.final, r.late):
             if v and v.effect.disagree:
@@ -345,6 +502,33 @@ def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
     if t.control_failures:
         notes.append(f"- Failed control runs (their seeds pair with nothing): {'; '.join(t.control_failures)}.")
     return notes
+
+
+def _stability_notes(t: VerdictTable) -> list[str]:
+    """How the stability columns are counted and judged (experiments/stats/stability.py)."""
+    rules = "; ".join(f"`{r}`" for r in t.stability_rules) or "none recorded"
+    return [
+        "- Stability (experiments/stats/stability.py, one spike definition for the loss and the grad norm): spikes "
+        "per run = mean over the recipe's judged runs of the steps the spike rule flags; diverged = judged runs that "
+        "diverged / judged runs. Judged runs: the finished comparable runs, and failed runs stopped by a non-finite "
+        "loss or grad norm (or whose metrics say diverged), which count as diverged. Metrics as each run logged them "
+        "(`stability/*` at its last step), or recomputed from its logged curves with the default rule for runs that "
+        f"predate them. Rule of these runs: {rules}.",
+        "- Stability verdict (`stability_verdict`): **less stable** when a larger share of the recipe's runs "
+        "diverged than of the control's, or when its loss- or grad-norm-spike rate per run exceeds the control's "
+        "by a one-sided exact conditional Poisson test (binomial split of the total, Przyborowski & Wilenski 1940) "
+        "at alpha 0.05 (0.025 each when both are tested); else **as stable**. With few runs only many spikes "
+        "reach significance: as stable means no evidence of worse, not proof of equal.",
+    ]
+
+
+def _predicted_note(t: VerdictTable) -> str:
+    if not t.predicted_hardware:
+        return f"- No predicted ratios: {t.predicted_setup or 'no prediction'}."
+    return (
+        f"- Predicted ratios ({t.predicted_hardware}): the recipe's predicted tokens/s per GPU and total bytes per "
+        f"GPU divided by `{t.control}`'s, from {t.predicted_setup}. Predicted, never measured on that GPU here."
+    )
 
 
 def _noise_floor(t: VerdictTable) -> str:
@@ -413,6 +597,7 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     status = "ok" if not t.no_verdict else ("no-control" if not t.control_values else "nothing-to-compare")
     tags = {"verdict_status": status, "verdict_control": t.control}
     metrics: dict[str, float] = {"verdict_margin": t.margin}
+    _record_stability_and_predictions(t, tags, metrics)
     if t.no_verdict:
         tags["verdict_reason"] = t.no_verdict
         tags.update({f"verdict.{r.recipe}": NO_DATA for r in t.rows})
@@ -435,6 +620,29 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     if t.min_mdd is not None:
         metrics["noise_min_margin"] = t.min_mdd[0]
     return tags, metrics
+
+
+def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict) -> None:
+    """``stability.<recipe>`` tags and ``stability_*.<recipe>`` metrics (the control's too), and the predicted
+    ratios (module docstring); recorded whether or not loss verdicts exist: divergence needs no paired seed."""
+    for name, stab in [(t.control, t.control_stability), *((r.recipe, r.stability) for r in t.rows)]:
+        if not stab.runs:
+            continue
+        metrics[f"stability_runs.{name}"] = float(stab.runs)
+        metrics[f"stability_diverged.{name}"] = float(stab.diverged)
+        metrics[f"stability_loss_spikes.{name}"] = stab.loss_spikes
+        if stab.grad_norm_spikes is not None:
+            metrics[f"stability_grad_norm_spikes.{name}"] = stab.grad_norm_spikes
+    for r in t.rows:
+        tags[f"stability.{r.recipe}"] = r.stability_verdict.verdict if r.stability_verdict else NO_DATA
+        for key, x in (
+            ("predicted_throughput_ratio", r.predicted_throughput_ratio),
+            ("predicted_memory_ratio", r.predicted_memory_ratio),
+        ):
+            if _finite(x):
+                metrics[f"{key}.{r.recipe}"] = x
+    if t.predicted_hardware:
+        tags["predicted_hardware"] = t.predicted_hardware
 
 
 def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None) -> None:

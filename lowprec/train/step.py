@@ -19,7 +19,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the message gives the step and the value."""
+    """The loss or gradient norm became NaN/inf; the message gives the step and the value, the attributes
+    ``step``, ``loss`` and ``grad_norm`` (NaN when not computed) the numbers."""
+
+    def __init__(self, message: str, step: int, loss: float, grad_norm: float = math.nan):
+        super().__init__(message)
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
 
 
 @dataclass
@@ -61,11 +66,13 @@ def train_step(built: Built, micro_batches: list[Batch], grad_clip: float, step:
             total += loss.detach()
         loss_value = built.dist.mean(total) / len(micro_batches)
         if not math.isfinite(loss_value):
-            raise NonFiniteError(f"loss is {loss_value} at step {step}")
+            raise NonFiniteError(f"loss is {loss_value} at step {step}", step, loss_value)
         scaler.unscale_(built.optimizer)
         grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
     if not math.isfinite(grad_norm) and not scaler.skips_nonfinite:
-        raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})")
+        raise NonFiniteError(
+            f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})", step, loss_value, grad_norm
+        )
     scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
     scaler.update()
     built.scheduler.step()

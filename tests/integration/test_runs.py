@@ -92,8 +92,12 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
         "state_bytes_per_param",
         "achieved_tflops",
         "model_flops_per_token",
+        "stability/loss_spikes",
+        "stability/grad_norm_spikes",
+        "stability/loss_max_excursion",
     ):
         assert key in run.data.metrics, key
+    assert run.data.metrics["stability/diverged"] == 0 and "stability/divergence_step" not in run.data.metrics
 
 
 def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path):
@@ -104,6 +108,11 @@ def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path):
     assert run.data.tags["failure_reason"] == "NonFiniteError: loss is nan at step 3"
     # the steps before the failure are kept
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]
+    # and the stability metrics count the NaN step as the run's divergence, logged at that step
+    m = run.data.metrics
+    assert (m["stability/loss_nonfinite"], m["stability/diverged"], m["stability/divergence_step"]) == (1, 1, 3)
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "stability/diverged")] == [3]
+    assert "EMA(span 20)" in run.data.tags["stability_rule"]
 
 
 def test_cli_checkpoints_and_resumes(run_dirs, tmp_path):

@@ -1,11 +1,15 @@
 """The verdict table that leads the report (issue 14, items 2, 4, 7, 9), built from a real MLflow sqlite store whose
 child runs are logged directly with known per-seed losses (no training), so every verdict is known in advance.
 
-Expected intervals are recomputed here with scipy from the same numbers, not with the report's code.
+Expected intervals are recomputed here with scipy from the same numbers, not with the report's code. Also: the loss
+curves section right after the verdicts (relative loss error, experiments/stats/curves.py), the stability columns
+(experiments/stats/stability.py: logged ``stability/*`` metrics, or recomputed from the curves of older runs) and the
+predicted H100 ratios (``lowprec estimate``'s functions).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -18,8 +22,13 @@ from scipy import stats
 
 from experiments.cli import main
 from experiments.report import build_report, find_ablation, load_runs
+from experiments.stats import StabilityMetrics, stability_metrics
 from experiments.tracking import ABLATION_TAG, Tracker
 from experiments.verdict_table import build_table, parent_records, verdict_section
+from lowprec.estimate.estimator import estimate
+from lowprec.estimate.hardware import get_hardware
+from lowprec.model import model_args
+from recipes import get_recipe
 
 STEPS = 100
 SEEDS = [0, 1, 2, 3]
@@ -48,6 +57,10 @@ TOKENS_PER_S = {
 STATE_B = {"bf16_pure": 8.0}  # 16 for the others
 PEAK_B = {"bf16": 1.0e9, "bf16_pure": 0.9e9}  # 1.1e9 for the others
 _PARENT = "tags.`lowprec.kind` = 'ablation'"
+#: The ablation's model as its parent run logs it (``model.<field>`` params): ``debug`` with 3 layers, not 2, so a
+#: prediction that ignored the params would differ. Batch and sequence of every fabricated run.
+MODEL = dataclasses.replace(model_args("debug"), n_layers=3)
+BATCH, SEQ = 2, 8
 
 
 def _val_curve(final: float, seed: int, val_every: int) -> list[tuple[int, float]]:
@@ -88,14 +101,14 @@ def _child(tracker, parent, abl, recipe, seed, final=None, reason="", val_every=
     tracker.end_run(rid, "FINISHED")
 
 
-def _ablation(tracker, abl, runs: dict[str, dict[int, float | None]], val_every=10, margin=None) -> str:
-    """A parent run as ``lowprec ablate`` makes it, and one child per (recipe, seed): a loss, or None for FAILED."""
+def _parent(tracker, abl, recipes: list[str], margin=None, steps=STEPS) -> str:
+    """A parent run as ``lowprec ablate`` makes it (tags, and the params the report reads)."""
     parent = tracker.start_run(
         abl,
         {
             ABLATION_TAG: abl,
             "lowprec.kind": "ablation",
-            "recipes": json.dumps(list(runs)),
+            "recipes": json.dumps(recipes),
             "seeds": json.dumps(SEEDS),
             "control": CONTROL,
             "model": "debug",
@@ -103,7 +116,17 @@ def _ablation(tracker, abl, runs: dict[str, dict[int, float | None]], val_every=
             "device_type": "cpu",
         },
     )
-    tracker.log_params(parent, {"train.steps": STEPS, **({"report.margin": margin} if margin else {})})
+    model = {f"model.{k}": str(v) for k, v in dataclasses.asdict(MODEL).items()}
+    train = {"train.steps": steps, "train.batch_size": BATCH, "train.seq_len": SEQ, "train.ac": "none"}
+    tracker.log_params(
+        parent, {**train, **model, "model.name": "debug", **({"report.margin": margin} if margin else {})}
+    )
+    return parent
+
+
+def _ablation(tracker, abl, runs: dict[str, dict[int, float | None]], val_every=10, margin=None) -> str:
+    """A parent run and one child per (recipe, seed): a loss, or None for FAILED."""
+    parent = _parent(tracker, abl, list(runs), margin)
     for recipe, by_seed in runs.items():
         for seed, loss in by_seed.items():
             _child(tracker, parent, abl, recipe, seed, loss, "InjectedCrash: injected crash before step 2", val_every)
@@ -118,10 +141,82 @@ def _main_runs() -> dict[str, dict[int, float | None]]:
     return runs
 
 
+# --- stability ablation: 300 steps, three seeds; what each recipe's runs logged (or did not) --------------------
+
+STAB_STEPS = 300
+STAB_SEEDS = [0, 1, 2]
+#: Loss spikes a run logged as ``stability/loss_spikes``, by seed.
+LOGGED_SPIKES = {"bf16": [0, 1, 0], "fp8_tensorwise": [3, 2, 3], "fp8_rowwise": [0, 0], "bf16_pure": [0, 0, 0]}
+NONFINITE = "NonFiniteError: loss is nan at step 150"
+
+
+def _spiky_loss(steps: int) -> list[float]:
+    """A noisy decaying loss with 10% rises at steps 120, 200 and 260: three spikes by the stability rule, none by
+    the report's former heuristic (loss > 1.25 x the mean of the previous 20 steps)."""
+    rng = np.random.default_rng(0)
+    s = np.arange(STAB_STEPS)
+    x = 4 + 2 * np.exp(-s / 30) + rng.normal(0, 0.005, STAB_STEPS)
+    x[[120, 200, 260]] += 0.1
+    return x[:steps].tolist()
+
+
+def _logged(spikes: int, diverged_at: int | None = None) -> dict[str, float]:
+    """``stability/*`` as ``experiments.stability_log`` logs them at a run's last step."""
+    m = StabilityMetrics(STAB_STEPS, spikes, (), 0.01, int(diverged_at is not None), diverged_at, 0, (), 0)
+    return m.as_metrics()
+
+
+def _stab_child(tracker, parent, abl, recipe, seed, *, steps=STAB_STEPS, logged=None, reason=""):
+    """A run of ``steps`` logged steps of ``_spiky_loss`` (grad norm 1.0); ``logged``: its ``stability/*`` metrics
+    (None: a run from before they existed); ``reason``: FAILED with it, else FINISHED with a summary."""
+    tags = {"recipe": recipe, "seed": str(seed), "recipe_short": recipe, ABLATION_TAG: abl}
+    rid = tracker.start_run(f"{recipe}-s{seed}", tags, parent)
+    tracker.log_params(rid, {"train.batch_size": BATCH, "train.grad_accum": 1, "train.seq_len": SEQ})
+    loss = _spiky_loss(steps)
+    ms = [Metric("loss", v, 0, s) for s, v in enumerate(loss)] + [Metric("grad_norm", 1.0, 0, s) for s in range(steps)]
+    ms += [Metric("val_loss", loss[s], 0, s) for s in (99, 199, 299) if s < steps]
+    ms += [Metric(k, v, 0, steps - 1) for k, v in (logged or {}).items()]
+    if not reason:
+        summary = {"final_val_loss": loss[-1], "mean_tokens_per_s": 1000.0, "state_bytes_per_param": 16.0}
+        summary |= {"mem_peak_bytes": 1e9, "mem_peak_growth_bytes": 1e8}
+        ms += [Metric(k, v, 0, steps) for k, v in summary.items()]
+    for i in range(0, len(ms), 900):  # MLflow takes at most 1000 metrics per batch
+        tracker.client.log_batch(rid, metrics=ms[i : i + 900])
+    if reason:
+        tracker.end_run(rid, "FAILED", reason)
+        return
+    tracker.set_tags(rid, {"effective_matches": "true", "stability_rule": "the test's rule"})
+    tracker.end_run(rid, "FINISHED")
+
+
+def _stab_ablation(tracker, abl: str) -> None:
+    """``bf16`` (control) and ``fp8_tensorwise`` spiky, by their logged metrics; ``fp8_rowwise`` seed 2 stopped by a
+    NaN loss (logged diverged); ``fp8_blockwise`` predates ``stability/*`` (recomputed: 3 spikes per finished run,
+    and seed 2 stopped by a NaN with a finite partial history); ``bf16_pure`` seed 2 crashed (not judged)."""
+    recipes = ["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "bf16_pure"]
+    parent = _parent(tracker, abl, recipes, steps=STAB_STEPS)
+    for name in ("bf16", "fp8_tensorwise"):
+        for seed in STAB_SEEDS:
+            _stab_child(tracker, parent, abl, name, seed, logged=_logged(LOGGED_SPIKES[name][seed]))
+    for seed in (0, 1):
+        _stab_child(tracker, parent, abl, "fp8_rowwise", seed, logged=_logged(0))
+        _stab_child(tracker, parent, abl, "fp8_blockwise", seed)
+        _stab_child(tracker, parent, abl, "bf16_pure", seed, logged=_logged(0))
+    _stab_child(tracker, parent, abl, "fp8_rowwise", 2, steps=150, logged=_logged(0, 150), reason=NONFINITE)
+    _stab_child(
+        tracker, parent, abl, "fp8_blockwise", 2, steps=100, reason="NonFiniteError: grad_norm is inf at step 100"
+    )
+    _stab_child(tracker, parent, abl, "bf16_pure", 2, steps=50, logged=_logged(0), reason="InjectedCrash: injected")
+    tracker.end_run(parent, "FINISHED")
+
+
+REPORTS = ("abl-main", "abl-sparse", "abl-nocontrol", "abl-stab")
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """One store, three ablations: ``abl-main`` (known verdicts), ``abl-sparse`` (validated only at the end),
-    ``abl-nocontrol`` (every control run failed); each report built once."""
+    """One store, four ablations: ``abl-main`` (known verdicts), ``abl-sparse`` (validated only at the end),
+    ``abl-nocontrol`` (every control run failed), ``abl-stab`` (stability); each report built once."""
     root = tmp_path_factory.mktemp("verdicts")
     uri = f"sqlite:///{root / 'runs' / 'mlflow.db'}"
     tracker = Tracker(uri, "lowprec", root / "runs")
@@ -129,10 +224,17 @@ def store(tmp_path_factory):
     sparse = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "fp8_rowwise": _main_runs()["fp8_rowwise"]}
     _ablation(tracker, "abl-sparse", sparse, val_every=1000)
     _ablation(tracker, "abl-nocontrol", {CONTROL: dict.fromkeys(SEEDS[:2]), "fp32": {0: 4.1, 1: 4.2}})
-    texts = {
-        a: build_report(tracker, a, root / "reports").read_text() for a in ("abl-main", "abl-sparse", "abl-nocontrol")
-    }
+    _stab_ablation(tracker, "abl-stab")
+    texts = {a: build_report(tracker, a, root / "reports").read_text() for a in REPORTS}
     return {"root": root, "uri": uri, "tracker": tracker, "text": texts}
+
+
+def _parent_row(store, abl: str):
+    mlflow.set_tracking_uri(store["uri"])
+    df = mlflow.search_runs(
+        [store["tracker"].experiment_id], filter_string=f"{_PARENT} and tags.`lowprec.ablation_id` = '{abl}'"
+    )
+    return df.iloc[0]
 
 
 def _row(text: str, recipe: str) -> str:
@@ -224,7 +326,8 @@ def test_verdicts_are_searchable_on_the_parent_run(store):
     mlflow.set_tracking_uri(store["uri"])
     exp = store["tracker"].experiment_id
     found = mlflow.search_runs([exp], filter_string="tags.`verdict.fp8_rowwise` = 'non-inferior'")
-    assert sorted(found["tags.lowprec.ablation_id"]) == ["abl-main", "abl-sparse"]  # searchable across ablations
+    # searchable across ablations (abl-stab: identical losses, non-inferior too)
+    assert sorted(found["tags.lowprec.ablation_id"]) == ["abl-main", "abl-sparse", "abl-stab"]
     ((_, r),) = mlflow.search_runs(
         [exp], filter_string=f"{_PARENT} and tags.`lowprec.ablation_id` = 'abl-main'"
     ).iterrows()
@@ -300,3 +403,117 @@ def test_an_ablation_of_the_control_alone_has_nothing_to_compare(store):
     assert "**No verdict is possible:** only the control `bf16` ran: there is nothing to compare." in text
     assert all(f"| `bf16` | {s} | {loss:.4f} |" in text for s, loss in zip(SEEDS, CONTROL_LOSS))
     assert parent_records(table)[0]["verdict_status"] == "nothing-to-compare"
+
+
+# --- curves -----------------------------------------------------------------------------------------------------
+
+
+def test_the_curves_follow_the_verdicts_relative_loss_error_first(store):
+    text = store["text"]["abl-main"]
+    headings = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert headings[:3] == ["## Verdicts", "## Loss curves", "## Setup"], headings
+    section = text.split("## Loss curves", 1)[1].split("\n## ", 1)[0]
+    assert section.index("![relative loss error](loss_gap.png)") < section.index("![loss](loss.png)")
+    for phrase in (
+        "(L_recipe,i(t) - L_control,i(t)) / L_control,i(t)",
+        "trailing mean over 10 logged steps",  # the stated smoothing window
+        "two-sided 95% paired t-interval across seeds",
+        "the margin +0.25%",
+        "No band (one paired seed, so no interval): `fp8_blockwise`.",  # 1 seed: the line alone, and said so
+        "min-max, not a confidence interval",
+    ):
+        assert phrase in section, (phrase, section)
+    for png in ("loss_gap.png", "loss.png"):
+        assert (store["root"] / "reports" / "abl-main" / png).stat().st_size > 10_000
+
+
+# --- stability --------------------------------------------------------------------------------------------------
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def _stab_cells(text: str, recipe: str) -> list[str]:
+    """The spikes, diverged and stability-verdict cells of ``recipe``'s verdict row, found by their headers."""
+    section = text.split("## Verdicts", 1)[1]
+    header = _cells(next(ln for ln in section.splitlines() if ln.startswith("| recipe |")))
+    i = header.index("spikes per run: loss / grad norm")
+    assert header[i + 1 : i + 3] == ["diverged", "stability vs control"], header
+    return _cells(_row(text, recipe))[i : i + 3]
+
+
+def test_stability_columns_read_the_logged_metrics_and_judge_against_the_control(store):
+    text = store["text"]["abl-stab"]
+    p = stats.binomtest(8, 9, 0.5, alternative="greater").pvalue  # 8 recipe spikes vs 1 over 3 runs each
+    assert p < 0.025  # below alpha / 2 (grad norm tested too): less stable
+    assert _stab_cells(text, "fp8_tensorwise") == [
+        "2.7 / 0.0",
+        "0/3",
+        f"**less stable** (more loss spikes per run than the control (p={p:.3g} < 0.025))",
+    ]
+    assert _stab_cells(text, "bf16") == ["0.3 / 0.0", "0/3", "control"]
+    # seed 2 stopped by a NaN loss: judged, and diverged as its metrics say
+    assert _stab_cells(text, "fp8_rowwise") == [
+        "0.0 / 0.0",
+        "1/3",
+        "**less stable** (diverged in 1/3 runs vs 0/3 (control))",
+    ]
+    # seed 2 crashed for another reason: left out of the stability columns
+    assert _stab_cells(text, "bf16_pure") == ["0.0 / 0.0", "0/2", "**as stable**"]
+
+
+def test_runs_without_stability_metrics_are_recomputed_with_the_one_spike_rule(store):
+    """``fp8_blockwise`` logged no ``stability/*``: its curves are scanned with the default rule (3 spikes per
+    finished run, which the old 1.25 x heuristic missed), and the run stopped by a NaN counts as diverged."""
+    full, partial = stability_metrics(_spiky_loss(STAB_STEPS)), stability_metrics(_spiky_loss(100))
+    assert full.loss_spikes == 3 and partial.loss_spikes == 0 and not partial.diverged
+    text = store["text"]["abl-stab"]
+    mean = (2 * full.loss_spikes + partial.loss_spikes) / 3
+    assert _stab_cells(text, "fp8_blockwise") == [
+        f"{mean:.1f} / 0.0",
+        "1/3",
+        "**less stable** (diverged in 1/3 runs vs 0/3 (control))",
+    ]
+    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    (line,) = [ln for ln in summary.splitlines() if ln.startswith("| `fp8_blockwise` |")]
+    assert _cells(line)[9] == "3.0", line  # loss spikes per finished run, by the same rule
+    assert "recomputed by the report" in text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+
+
+def test_stability_verdicts_are_recorded_on_the_parent_run(store):
+    r = _parent_row(store, "abl-stab")
+    assert r["tags.stability.fp8_tensorwise"] == "less stable" and r["tags.stability.bf16_pure"] == "as stable"
+    assert r["tags.stability.fp8_rowwise"] == "less stable" and r["tags.stability.fp8_blockwise"] == "less stable"
+    assert r["metrics.stability_loss_spikes.fp8_tensorwise"] == pytest.approx(8 / 3)
+    assert r["metrics.stability_loss_spikes.bf16"] == pytest.approx(1 / 3)
+    assert r["metrics.stability_diverged.fp8_rowwise"] == 1 and r["metrics.stability_diverged.bf16_pure"] == 0
+    assert r["metrics.stability_runs.bf16_pure"] == 2
+    # no control run finished in abl-nocontrol: nothing to judge against, recorded as such
+    assert _parent_row(store, "abl-nocontrol")["tags.stability.fp32"] == "no-data"
+
+
+# --- predicted GPU ratios ---------------------------------------------------------------------------------------
+
+
+def _predicted(name: str):
+    e = estimate(MODEL, get_recipe(name), batch=BATCH, seq=SEQ, hardware=get_hardware("h100_sxm"))
+    return e.throughput.tokens_per_s_per_gpu, e.totals["none"]
+
+
+def test_predicted_h100_ratios_come_from_the_estimator_for_the_ablations_model(store):
+    text = store["text"]["abl-main"]
+    assert "predicted throughput ratio (h100_sxm)" in text and "predicted memory ratio (h100_sxm)" in text
+    ctrl_tps, ctrl_mem = _predicted(CONTROL)
+    r = _parent_row(store, "abl-main")
+    assert r["tags.predicted_hardware"] == "h100_sxm"
+    for name in ("fp8_rowwise", "bf16_pure"):
+        tps, mem = _predicted(name)
+        assert _cells(_row(text, name))[-2:] == [f"{tps / ctrl_tps:.2f}x", f"{mem / ctrl_mem:.2f}x"]
+        assert r[f"metrics.predicted_throughput_ratio.{name}"] == pytest.approx(tps / ctrl_tps, rel=1e-9)
+        assert r[f"metrics.predicted_memory_ratio.{name}"] == pytest.approx(mem / ctrl_mem, rel=1e-9)
+    # FP8 GEMMs run at the FP8 peak; bf16_pure keeps half the state bytes
+    assert r["metrics.predicted_throughput_ratio.fp8_rowwise"] > 1 > r["metrics.predicted_memory_ratio.bf16_pure"]
+    assert _cells(_row(text, CONTROL))[-2:] == ["1.00x", "1.00x"]
+    section = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    assert "model `debug`, 2 x 8 tokens per GPU" in section and "says nothing about GPU throughput" in section

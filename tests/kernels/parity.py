@@ -1,13 +1,15 @@
 """Shared by the kernel parity tests: train a recipe a few steps in-process on the real corpus and return its
-per-step losses; and a permuted FP32 reduction order, the yardstick for "same numerics"."""
+per-step losses, optionally under a permuted FP32 reduction order (``lowprec.numerics.reorder``), the yardstick
+for "same numerics"."""
 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
+from lowprec.numerics.reorder import ReversedReductionOrder
 from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
@@ -15,9 +17,6 @@ from lowprec.train.step import train_step
 from recipes import CATALOG
 
 STEPS, BATCH, SEQ = 20, 4, 64
-aten = torch.ops.aten
-#: matmul op -> index of its first matrix operand (addmm's first argument is the bias)
-_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}
 
 
 def train_losses(
@@ -40,20 +39,6 @@ def train_losses(
     b.optimizer.step = step_outside_the_mode
     with ReversedReductionOrder():
         return [train_step(b, [batches.train_batch(s)], spec.grad_clip, s).loss for s in range(steps)]
-
-
-class ReversedReductionOrder(TorchDispatchMode):
-    """Every FP32 matmul of the run (``F.linear``, ``@``, torchao's emulated ``torch.mm``, the emulated kernels'
-    matmuls, forward and backward, seen below autograd) sums its contraction in reverse order: the same
-    mathematics, another FP32 rounding sequence. The yardstick for "same numerics up to accumulation order"."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _MATMULS and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in args[:2]):
-            a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
-            args = list(args)
-            args[_MATMULS[func]], args[_MATMULS[func] + 1] = a.flip(-1), b.flip(-2)
-        return func(*args, **kwargs)
 
 
 def max_gap(a: list[float], b: list[float]) -> float:

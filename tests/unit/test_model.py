@@ -76,3 +76,28 @@ def test_invalid_shapes_raise():
     m = Transformer(model_args("debug", max_seq_len=8))
     with pytest.raises(ValueError, match="max_seq_len"):
         m(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_seed_i_of_every_recipe_starts_from_the_same_weights():
+    """The paired design: seed i of each recipe shares the initial weights (as stored: bf16_pure holds their BF16
+    rounding; FP8 recipes swap modules but keep the FQNs and the weights). Under FSDP2/TP,
+    ``build.materialize_sharded`` initialises a full replica the same way (tests/distributed: equal fp32 losses)."""
+    from lowprec.optim.builder import OptimHParams
+    from lowprec.train.build import build
+    from lowprec.train.spec import TrainSpec
+    from recipes import CATALOG
+
+    spec = TrainSpec(steps=2, batch_size=2, seq_len=32, timing_warmup_steps=1, progress=False)
+
+    def weights(recipe, seed):
+        b = build(CATALOG[recipe], model_args("debug"), spec, OptimHParams(), seed, torch.device("cpu"))
+        return {n: p.detach().float() for n, p in b.model.named_parameters()}
+
+    ref = weights("fp32", 5)
+    for recipe in ("bf16", "fp8_rowwise", "fp8_blockwise", "bf16_adamw8bit", "bf16_pure"):
+        got = weights(recipe, 5)
+        assert got.keys() == ref.keys(), recipe
+        for n, w in got.items():
+            expect = ref[n].bfloat16().float() if recipe == "bf16_pure" else ref[n]
+            assert torch.equal(w, expect), (recipe, n)
+    assert not torch.equal(weights("bf16", 6)["output.weight"], ref["output.weight"])

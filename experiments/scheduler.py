@@ -1,0 +1,145 @@
+"""Where an ablation's runs train: one after another in this process, or ``workers`` at a time in worker processes.
+
+On a CPU, small models leave cores idle: a ``tiny`` step's GEMMs are too small for two OpenMP threads to split well
+(the second thread's spin-wait costs more than it adds), so two runs of one thread each train about 1.8x the tokens
+per second of one run on two threads (2-core AVX2 EPYC, README). ``workers=N`` therefore trains N runs at once,
+each in its own spawned process with ``cores // N`` intra-op threads and its own MLflow client on the same store;
+every run is still one ``run_one`` call, recorded exactly as a sequential run is. Throughput figures of concurrent
+runs are measured under each other's load: compare them only within one ablation (the report says how many runs
+shared the machine: parent tag ``workers``).
+
+A worker process that dies (killed, out of memory) fails its run with the reason, and the ablation goes on; a run
+it left RUNNING in MLflow is marked FAILED.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.run import RunOutcome, run_one
+from lowprec.data import TokenData
+from lowprec.errors import ConfigError
+from lowprec.recipe import Recipe
+
+Job = tuple[Recipe, int]
+"""(recipe, seed) of one run."""
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_workers(workers, device_type: str, parallel: bool) -> int:
+    """How many runs train at once. ``auto``: 1 on a GPU or under a parallel layout (one device per process
+    already), else ``min(cores, 2)`` (measured on 2 cores only). An int >= 1: that many; > 1 only for one-process
+    CPU runs. Raises ``ConfigError`` for anything else."""
+    if workers == "auto":
+        return 1 if device_type != "cpu" or parallel else min(cores(), 2)
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise ConfigError(f"workers={workers} must be an integer >= 1 or auto")
+    if workers < 1:
+        raise ConfigError(f"workers={workers} must be >= 1")
+    if workers > 1 and device_type != "cpu":
+        raise ConfigError(f"workers={workers} trains runs side by side on the CPU; on {device_type} use workers=1")
+    if workers > 1 and parallel:
+        raise ConfigError(f"workers={workers} cannot combine with a parallel layout (parallel.*); use workers=1")
+    return workers
+
+
+# --- in the worker process ------------------------------------------------------------------------------------
+
+_state: dict = {}
+
+
+def _init_worker(threads: int, cfg: dict) -> None:
+    import torch
+
+    from experiments.startup import prepare_data
+    from experiments.tracking import make_tracker
+
+    torch.set_num_threads(threads)
+    conf = OmegaConf.create(cfg)
+    _state.update(cfg=conf, data=prepare_data(conf), tracker=make_tracker(conf))
+
+
+def _run_in_worker(recipe: Recipe, seed: int, parent_id: str, ablation_id: str) -> RunOutcome:
+    s = _state
+    return run_one(s["cfg"], recipe, seed, s["data"], s["tracker"], parent_id=parent_id, ablation_id=ablation_id)
+
+
+# --- in the ablation process ----------------------------------------------------------------------------------
+
+
+def run_jobs(
+    cfg: DictConfig,
+    jobs: Sequence[Job],
+    data: TokenData,
+    tracker,
+    parent_id: str,
+    ablation_id: str,
+    workers: int,
+    on_done: Callable[[RunOutcome], None] = lambda o: None,
+) -> list[RunOutcome]:
+    """Train every (recipe, seed) of ``jobs`` under the parent run; ``on_done`` sees each outcome as it lands.
+
+    Returns the outcomes in the order of ``jobs``. ``KeyboardInterrupt`` cancels what has not started and
+    propagates (each started run marks itself KILLED).
+    """
+    if workers == 1 or len(jobs) == 1:
+        out = []
+        for recipe, seed in jobs:
+            o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent_id, ablation_id=ablation_id)
+            on_done(o)
+            out.append(o)
+        return out
+    threads = max(1, cores() // workers)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    results: dict[int, RunOutcome] = {}
+    pool = ProcessPoolExecutor(
+        workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plain)
+    )
+    try:
+        pending: dict[Future, int] = {
+            pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id): i
+            for i, (recipe, seed) in enumerate(jobs)
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                i = pending.pop(f)
+                try:
+                    o = f.result()
+                except Exception as e:  # the worker process died: the run is failed, the ablation goes on
+                    recipe, seed = jobs[i]
+                    o = RunOutcome(
+                        "", recipe.name, seed, "FAILED", reason=f"worker process died: {type(e).__name__}: {e}"
+                    )
+                results[i] = o
+                on_done(o)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    if any(o.run_id == "" for o in results.values()):
+        fail_orphans(tracker, parent_id)
+    return [results[i] for i in range(len(jobs))]
+
+
+def fail_orphans(tracker, parent_id: str) -> None:
+    """Mark FAILED every child run of ``parent_id`` still RUNNING: its worker process died mid-run, so no one
+    else will end it (its metrics so far are kept)."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and attributes.status = 'RUNNING'",
+    )
+    for r in runs:
+        tracker.end_run(r.info.run_id, "FAILED", "its worker process died during the run")

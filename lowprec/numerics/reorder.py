@@ -1,0 +1,30 @@
+"""A permuted FP32 reduction order: the yardstick for "the same numerics up to accumulation order".
+
+Reversing the contraction of every FP32 matmul keeps the mathematics and changes only the FP32 rounding sequence,
+which is what two GEMM kernels (or a compiled and an eager graph) differ by. The kernel parity tests use it as
+their tolerance, and ``lowprec selfcheck`` as the negative control of the verdict rule (fp32 against fp32 with this
+order must never come out ``inferior``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+#: matmul op -> index of its first matrix operand (addmm's first argument is the bias)
+_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}
+
+
+class ReversedReductionOrder(TorchDispatchMode):
+    """Every FP32 matmul of the run (``F.linear``, ``@``, torchao's emulated ``torch.mm``, the emulated kernels'
+    matmuls, forward and backward, seen below autograd) sums its contraction in reverse order: the same
+    mathematics, another FP32 rounding sequence. The yardstick for "same numerics up to accumulation order"."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in args[:2]):
+            a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
+            args = list(args)
+            args[_MATMULS[func]], args[_MATMULS[func] + 1] = a.flip(-1), b.flip(-2)
+        return func(*args, **kwargs)

@@ -1,0 +1,65 @@
+"""``workers=2`` (runs in spawned worker processes) and ``seeds=auto`` end to end: real training, real MLflow."""
+
+import re
+
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import main
+
+QUICK = [
+    "model=debug",
+    "train.steps=4",
+    "train.batch_size=2",
+    "train.seq_len=64",
+    "train.val_every=2",
+    "train.val_batches=1",
+    "train.warmup_steps=1",
+    "train.timing_warmup_steps=1",
+    "train.telemetry_every=0",
+]
+
+
+def _children(tmp_path, out):
+    abl = re.search(r"ablation (abl-[\w-]+) done", out).group(1)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (parent,) = client.search_runs(
+        [exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
+    )
+    kids = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return parent, kids
+
+
+def _finals(kids):
+    return {(k.data.tags["recipe"], int(k.data.tags["seed"])): k.data.metrics["final_val_loss"] for k in kids}
+
+
+def test_two_workers_train_every_run_exactly_as_one_process_does(run_dirs, tmp_path, capsys):
+    args = ["ablate", "recipes=[fp32,bf16]", "seeds=2"] + run_dirs + QUICK
+    assert main(args + ["workers=2"]) == 0
+    parent, kids = _children(tmp_path, capsys.readouterr().out)
+    assert parent.data.tags["workers"] == "2"
+    assert sorted(k.info.status for k in kids) == ["FINISHED"] * 4
+    assert all("stability/loss_spikes" in k.data.metrics for k in kids)
+    assert main(args + ["workers=1"]) == 0
+    _, sequential = _children(tmp_path, capsys.readouterr().out)
+    # one intra-op thread in every process (2 cores / 2 workers; the test process has one): the same numbers
+    assert _finals(kids) == _finals(sequential)
+
+
+def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path, capsys):
+    # a margin far below the fp32-vs-bf16 difference leaves the verdict open at every look, up to max_seeds
+    args = ["ablate", "recipes=[fp32,bf16]", "seeds=auto", "max_seeds=4", "report.margin=1e-9"]
+    assert main(args + run_dirs + QUICK) == 0
+    out = capsys.readouterr().out
+    assert "seeds=auto: seed 3 for fp32 (still inconclusive)" in out
+    parent, kids = _children(tmp_path, out)
+    assert sorted((k.data.tags["recipe"], int(k.data.tags["seed"])) for k in kids) == sorted(
+        (r, s) for r in ("fp32", "bf16") for s in range(4)
+    )
+    assert parent.data.tags["seeds"] == "auto" and parent.data.tags["max_seeds"] == "4"
+    # the report replays the looks from MLflow alone: the recipe's verdict is that of its last look
+    report = (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").read_text()
+    assert "| `fp32` | 4 (auto: max_seeds reached) |" in report
+    assert "`seeds=auto` (experiments/auto_seeds.py)" in report and "3 seeds at " in report and "4 seeds at " in report
+    assert parent.data.tags["verdict.fp32"] == "inconclusive"
