@@ -56,11 +56,13 @@ class PathsConfig:
 class FaultsConfig:
     """Fault injection, for testing failure handling (experiments/faults.py): applies to the run of
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
-    ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path)."""
+    ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path).
+    ``exit_at_step``: end the process at once before this step (``os._exit``: a worker killed mid-run)."""
 
     recipe: str | None = None
     crash_at_step: int | None = None
     nan_at_step: int | None = None
+    exit_at_step: int | None = None
 
 
 @dataclass

@@ -1,6 +1,9 @@
-"""Fault injection for testing failure handling end to end (crash and NaN), configured under ``faults.*``."""
+"""Fault injection for testing failure handling end to end (crash, NaN, a dying process), configured under
+``faults.*``."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,4 +37,12 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
                     built.model.norm.weight.fill_(float("nan"))
 
         hooks.append(poison)
+    if faults.exit_at_step is not None:
+        at_exit = int(faults.exit_at_step)
+
+        def die(step: int, built: Built) -> None:
+            if step == at_exit:
+                os._exit(13)  # no cleanup, no exception: what a kill -9 or the OOM killer leaves behind
+
+        hooks.append(die)
     return hooks

@@ -302,6 +302,12 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     return path
 
 
+def _workers_note(workers: str | None) -> str:
+    if workers in (None, "1"):
+        return ""
+    return f"; {workers} runs trained at a time (`workers`), so each run's tokens/s was measured under the others' load"
+
+
 def auto_seeds_of(parent: Run, runs: list[RunData], order: list[str], control: str, margin: float):
     """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.auto_seeds.replay``: the function
     the ablation decided with); None for an ablation with a fixed seed count or without the control."""
@@ -456,7 +462,7 @@ def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> l
         "",
         f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
         f"{params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
-        f"seeds {ptags.get('seeds')}",
+        f"seeds {ptags.get('seeds')}" + _workers_note(ptags.get("workers")),
         f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
         f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, "
         f"torchao {ptags.get('torchao_version')}, bitsandbytes {ptags.get('bitsandbytes_version')}; "

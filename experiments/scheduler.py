@@ -1,15 +1,16 @@
 """Where an ablation's runs train: one after another in this process, or ``workers`` at a time in worker processes.
 
-On a CPU, small models leave cores idle: a ``tiny`` step's GEMMs are too small for two OpenMP threads to split well
-(the second thread's spin-wait costs more than it adds), so two runs of one thread each train about 1.8x the tokens
-per second of one run on two threads (2-core AVX2 EPYC, README). ``workers=N`` therefore trains N runs at once,
-each in its own spawned process with ``cores // N`` intra-op threads and its own MLflow client on the same store;
-every run is still one ``run_one`` call, recorded exactly as a sequential run is. Throughput figures of concurrent
+On a CPU, a small model's GEMMs split poorly across intra-op threads: two ``fp8_rowwise`` runs of ``tiny`` with one
+thread each trained 544 + 574 tokens/s against 954-986 tokens/s for one run on both threads (2-core AVX2 EPYC,
+nothing else running), about 1.15x; for the ``debug`` model of the tests the gain is larger (the second thread's
+spin-wait costs more than it adds). ``workers=N`` therefore trains N runs at once, each in its own spawned process
+with ``cores // N`` intra-op threads and its own MLflow client on the same store; every run is still one ``run_one``
+call, recorded exactly as a sequential run is. Throughput figures of concurrent
 runs are measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
-A worker process that dies (killed, out of memory) fails its run with the reason, and the ablation goes on; a run
-it left RUNNING in MLflow is marked FAILED.
+A worker process that dies (killed, out of memory) breaks the pool: every run not finished by then fails with that
+reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on to its report.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ def test_two_workers_train_every_run_exactly_as_one_process_does(run_dirs, tmp_p
     assert main(args + ["workers=2"]) == 0
     parent, kids = _children(tmp_path, capsys.readouterr().out)
     assert parent.data.tags["workers"] == "2"
+    abl = parent.data.tags["lowprec.ablation_id"]
+    assert "2 runs trained at a time (`workers`)" in (tmp_path / "reports" / abl / "report.md").read_text()
     assert sorted(k.info.status for k in kids) == ["FINISHED"] * 4
     assert all("stability/loss_spikes" in k.data.metrics for k in kids)
     assert main(args + ["workers=1"]) == 0
@@ -63,3 +65,16 @@ def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path
     assert "| `fp32` | 4 (auto: max_seeds reached) |" in report
     assert "`seeds=auto` (experiments/auto_seeds.py)" in report and "3 seeds at " in report and "4 seeds at " in report
     assert parent.data.tags["verdict.fp32"] == "inconclusive"
+
+
+def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dirs, tmp_path, capsys):
+    args = ["ablate", "recipes=[fp32,bf16]", "workers=2", "faults.recipe=bf16", "faults.exit_at_step=2"]
+    assert main(args + run_dirs + QUICK) == 0
+    out = capsys.readouterr().out
+    assert "bf16             seed 0: FAILED (worker process died:" in out
+    parent, kids = _children(tmp_path, out)
+    (dead,) = [k for k in kids if k.data.tags["recipe"] == "bf16"]
+    assert dead.info.status == "FAILED" and dead.data.tags["failure_reason"] == "its worker process died during the run"
+    # the control died, so the report exists and says that no verdict is possible
+    report = (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").read_text()
+    assert "every run of the control `bf16` failed" in report
