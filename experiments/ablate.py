@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.auto_seeds import plan_for, replay
+from experiments.auto_seeds import plan_for, replay_results
 from experiments.config import flat_params, parallel_from_cfg
 from experiments.preflight import preflight
 from experiments.report import build_report
@@ -18,15 +18,13 @@ from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
 from experiments.stats import SpendingPlan, check_margin
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
+from experiments.verdict_table import LEVEL
 from lowprec.data import check_vocab_fits
 from lowprec.errors import ConfigError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
 from recipes import get_recipe
-
-#: two-sided confidence level of the verdicts (the report's, experiments/verdict_table.py)
-LEVEL = 0.95
 
 
 @dataclass
@@ -46,7 +44,7 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
     """
     raw = cfg.seeds
     if raw == "auto":
-        plan = plan_for(int(cfg.max_seeds), LEVEL)
+        plan = plan_for(int(cfg.max_seeds), LEVEL)  # the report's level: its verdicts replay these looks
         return [int(cfg.seed) + i for i in range(plan.start)], plan
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise ConfigError(f"seeds={raw} must be an integer >= 1 or auto")
@@ -183,8 +181,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
 
 
 def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: int, plan, margin: float):
-    """``experiments.auto_seeds.replay`` on the outcomes so far (final validation loss of the finished runs)."""
-    values = {(o.recipe, o.seed): o.summary["final_val_loss"] for o in runs if o.status == "FINISHED"}
-    ran = {(o.recipe, o.seed) for o in runs}
-    seq = [seed0 + i for i in range(plan.max_seeds)]
-    return replay(values, ran, control, [n for n in names if n != control], seq, plan, margin)
+    """``experiments.auto_seeds.replay_results`` on the outcomes so far (the report replays the same from MLflow)."""
+    results = [(o.recipe, o.seed, o.summary["final_val_loss"] if o.status == "FINISHED" else None) for o in runs]
+    others = [n for n in names if n != control]
+    return replay_results(results, control, others, seed0, plan.max_seeds, margin, LEVEL)

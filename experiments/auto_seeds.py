@@ -14,7 +14,8 @@ one at ``max_seeds``, stops there with that verdict; the others, and the control
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from experiments.stats import SeedDecision, SpendingPlan, Verdict, verdicts
@@ -117,3 +118,33 @@ def replay(
     if len(seeds) < plan.max_seeds:
         raise ValueError(f"need {plan.max_seeds} seeds in the sequence (got {len(seeds)})")
     return _replay(values, control, list(names), list(seeds), plan, margin, metric, ran=set(ran))
+
+
+def replay_results(
+    results: Iterable[tuple[str, int, float | None]],
+    control: str,
+    names: Sequence[str],
+    seed0: int,
+    max_seeds: int,
+    margin: float,
+    level: float = 0.95,
+) -> AutoSeeds:
+    """``replay`` on the runs of an ablation, for the ablation itself and for the report alike.
+
+    Args:
+        results: ``(recipe, seed, final validation loss)`` of every run trained; the loss is None (or not finite)
+            for a run that failed or is not comparable (it counts as trained, its seed unpaired).
+        control, names: the control and the other recipes; seed0: the ablation's first seed (``seed``);
+        max_seeds, margin, level: the plan (``plan_for``) and the relative margin.
+
+    Raises:
+        ConfigError: ``max_seeds`` < 3 or a bad margin.
+    """
+    plan = plan_for(max_seeds, level)
+    values, ran = {}, set()
+    for recipe, seed, value in results:
+        ran.add((recipe, seed))
+        if value is not None and math.isfinite(value):
+            values[(recipe, seed)] = value
+    seeds = [seed0 + i for i in range(plan.max_seeds)]
+    return replay(values, ran, control, list(names), seeds, plan, margin)

@@ -14,24 +14,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from experiments import plots, verdict_table
-from experiments.auto_seeds import plan_for, replay
-from experiments.config import ReportConfig, model_from_cfg
-from experiments.stability_log import rule_tag
+from experiments.auto_seeds import replay_results
+from experiments.config import ReportConfig
+from experiments.predicted import predict_recipes
+from experiments.stability_log import run_stability, stability_rule_of
 from experiments.stats import (
     TRAIN_SMOOTH_WINDOW,
-    SpikeRule,
     StabilityMetrics,
     check_margin,
     relative_loss_error,
     seed_band,
-    stability_metrics,
 )
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
-from experiments.verdict_table import LEVEL, Prediction
+from experiments.verdict_table import LEVEL
 from lowprec.errors import UserError
-from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate
-from lowprec.estimate.hardware import get_hardware
-from recipes import get_recipe
 
 if TYPE_CHECKING:  # experiments.tracking sets MLflow's environment before mlflow is first imported
     from mlflow.entities import Run
@@ -129,58 +125,9 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
                 hist = tracker.client.get_metric_history(r.info.run_id, key)
                 rd.telemetry[key] = sorted((m.step, m.value) for m in hist)
         rd.stability = run_stability(rd)
-        rd.stability_rule = _stability_rule(rd, tags)
+        rd.stability_rule = stability_rule_of(rd, tags)
         out.append(rd)
     return out
-
-
-#: The ``stability/*`` metric every run logs at its last step (``StabilityMetrics.as_metrics``) since they exist.
-STABILITY_KEY = "stability/loss_spikes"
-
-
-def run_stability(r: RunData) -> StabilityMetrics | None:
-    """The run's stability metrics (``experiments.stats.stability``): the ``stability/*`` metrics the run logged
-    at its last step (finished or failed), else, for a run that predates them, recomputed here from its logged
-    ``loss`` and ``grad_norm`` curves with the default ``SpikeRule``. The one place that fallback lives.
-
-    A run stopped by ``NonFiniteError`` never logged the step that stopped it, so its recomputed series may end
-    finite; ``experiments.verdict_table.judged_stability`` counts such a run as diverged from its failure reason.
-    Spike steps are not logged: ``loss_spike_steps`` is empty for logged metrics. Returns None for a run without a
-    loss (it stopped before its first step).
-    """
-    if STABILITY_KEY in r.metrics:
-        return _logged_stability(r)
-    loss = [v for _, v in r.curves.get("loss", [])]
-    grad = [v for _, v in r.curves.get("grad_norm", [])]
-    if not loss:
-        return None
-    return stability_metrics(loss, grad or None)
-
-
-def _stability_rule(r: RunData, tags: dict) -> str:
-    """The spike rule of ``run_stability``'s figures: the run's tag when it logged them, else the default rule."""
-    if STABILITY_KEY in r.metrics:
-        return tags.get("stability_rule", "")
-    return f"{rule_tag(SpikeRule())} (recomputed by the report)" if r.stability else ""
-
-
-def _logged_stability(r: RunData) -> StabilityMetrics:
-    m = r.metrics
-    diverged = m.get("stability/diverged", 0.0) > 0
-    steps = len(r.curves.get("loss", []))
-    grad = m.get("stability/grad_norm_spikes")
-    return StabilityMetrics(
-        steps=steps,
-        loss_spikes=int(m[STABILITY_KEY]),
-        loss_spike_steps=(),
-        largest_excursion=m.get("stability/loss_max_excursion", 0.0),
-        nonfinite_loss=int(m.get("stability/loss_nonfinite", 0)),
-        # a diverged run always logs its divergence step; the last step stands in for one that is missing
-        divergence_step=int(m.get("stability/divergence_step", max(steps - 1, 0))) if diverged else None,
-        grad_norm_spikes=None if grad is None else int(grad),
-        nonfinite_grad_norm=None if grad is None else int(m.get("stability/grad_norm_nonfinite", 0)),
-        skipped_steps=int(m.get("stability/skipped_steps", 0)),
-    )
 
 
 def _fmt_bytes(b: float) -> str:
@@ -309,20 +256,14 @@ def _workers_note(workers: str | None) -> str:
 
 
 def auto_seeds_of(parent: Run, runs: list[RunData], order: list[str], control: str, margin: float):
-    """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.auto_seeds.replay``: the function
+    """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.auto_seeds.replay_results``: what
     the ablation decided with); None for an ablation with a fixed seed count or without the control."""
     tags = parent.data.tags
     if tags.get("seeds") != "auto" or control not in order:
         return None
-    plan = plan_for(int(tags["max_seeds"]))
-    seeds = [int(tags["seed0"]) + i for i in range(plan.max_seeds)]
-    values = {
-        (r.recipe, r.seed): r.metrics["final_val_loss"]
-        for r in runs
-        if r.comparable and math.isfinite(r.metrics.get("final_val_loss", math.nan))
-    }
-    ran = {(r.recipe, r.seed) for r in runs}
-    return replay(values, ran, control, [n for n in order if n != control], seeds, plan, margin)
+    results = [(r.recipe, r.seed, r.metrics.get("final_val_loss") if r.comparable else None) for r in runs]
+    names = [n for n in order if n != control]
+    return replay_results(results, control, names, int(tags["seed0"]), int(tags["max_seeds"]), margin)
 
 
 def _steps(parent: Run, runs: list[RunData]) -> int:
@@ -330,55 +271,6 @@ def _steps(parent: Run, runs: list[RunData]) -> int:
     if "train.steps" in parent.data.params:
         return int(parent.data.params["train.steps"])
     return 1 + max((s for r in runs for curve in r.curves.values() for s, _ in curve), default=0)
-
-
-#: Hardware of the predicted throughput and memory ratios (``lowprec estimate``'s default).
-PREDICT_HARDWARE = "h100_sxm"
-
-
-def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction], str]:
-    """What ``lowprec estimate`` predicts for each recipe of the ablation on ``PREDICT_HARDWARE``: tokens/s per GPU
-    and total bytes per GPU (state + FSDP buffers + saved activations under the ablation's ``train.ac`` + the loss
-    transient), for the ablation's model (``model`` tag and ``model.*`` params), ``train.batch_size`` /
-    ``parallel`` dp sequences of ``train.seq_len`` tokens per GPU, at ``DEFAULT_EFFICIENCY`` MFU for every recipe.
-
-    Returns ``({recipe: Prediction}, setup)``: ``setup`` is the sentence the report prints about the prediction,
-    or why there is none (``{}`` then: a parent run without those params, e.g. from an older lowprec).
-    """
-    params = parent.data.params
-    try:
-        model = _ablation_model(parent)
-        dp_shard, tp = int(params.get("parallel.dp_shard", 1)), int(params.get("parallel.tp", 1))
-        dp = dp_shard * int(params.get("parallel.dp_replicate", 1))
-        batch, seq = max(int(params["train.batch_size"]) // dp, 1), int(params["train.seq_len"])
-    except (KeyError, ValueError, UserError) as e:
-        return {}, f"the ablation's parent run does not name its model and batch ({e})"
-    hw = get_hardware(PREDICT_HARDWARE)
-    ac = params.get("train.ac", "none")
-    out = {}
-    for name in names:
-        try:
-            e = estimate(model, get_recipe(name), dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
-        except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses
-            out[name] = Prediction(hw.name, None, None)
-            continue
-        tps = e.throughput.tokens_per_s_per_gpu if e.throughput else None
-        out[name] = Prediction(hw.name, tps, float(e.totals[ac]))
-    setup = (
-        f"`lowprec estimate` for model `{parent.data.tags.get('model')}`, {batch} x {seq} tokens per GPU "
-        f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing `{ac}`, on {hw.name} "
-        f"({hw.note.split(';')[0]}) at {DEFAULT_EFFICIENCY:.0%} MFU for every recipe, so the throughput ratio is the "
-        "ratio of the recipes' FLOP-weighted peaks (FP8 GEMMs at the FP8 peak); communication, kernel overheads and "
-        "FP8 casts are not modelled, which makes it an upper bound on the speedup"
-    )
-    return out, setup
-
-
-def _ablation_model(parent: Run):
-    """The ablation's ``ModelArgs``: its ``model`` tag with the ``model.<field>`` params it logged."""
-    fields = {k.removeprefix("model."): v for k, v in parent.data.params.items() if k.startswith("model.")}
-    fields = {k: (None if v == "None" else v) for k, v in fields.items()}  # MLflow params are str(value)
-    return model_from_cfg({**fields, "name": parent.data.tags["model"]})
 
 
 def _figures(rows: list[dict], ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:

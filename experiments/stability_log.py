@@ -1,11 +1,11 @@
-"""Per-run loss-stability metrics, logged to MLflow at the run's last step (finished or failed).
+"""Per-run loss-stability metrics: logged to MLflow at the run's last step (finished or failed), and read back.
 
 ``StabilityRecorder`` sits between the training loop and the MLflow sink: it forwards every step's metrics and
 keeps the ``loss`` and ``grad_norm`` series and the loss scaler's skipped-step counter, so that when the run ends,
 however it ends, ``experiments.stats.stability_metrics`` turns them into spike counts, the largest excursion,
 non-finite events and the divergence step (rule: ``experiments/stats/stability.py``, parameters ``stability.*``).
 A run stopped by a non-finite loss records that step as a non-finite value, so a run that blows up at its end
-counts as diverged there.
+counts as diverged there. ``run_stability`` reads them back for the report (a ``RunData``: ``metrics``, ``curves``).
 """
 
 from __future__ import annotations
@@ -66,3 +66,52 @@ class StabilityRecorder:
         m = self.metrics()
         if m is not None:
             self.sink.log_metrics(m.as_metrics(), max(self.last_step, 0))
+
+
+#: The ``stability/*`` metric every run logs at its last step (``StabilityMetrics.as_metrics``) since they exist.
+STABILITY_KEY = "stability/loss_spikes"
+
+
+def run_stability(r) -> StabilityMetrics | None:
+    """The run's stability metrics (``experiments.stats.stability``): the ``stability/*`` metrics the run logged
+    at its last step (finished or failed), else, for a run that predates them, recomputed here from its logged
+    ``loss`` and ``grad_norm`` curves with the default ``SpikeRule``. The one place that fallback lives.
+
+    A run stopped by ``NonFiniteError`` never logged the step that stopped it, so its recomputed series may end
+    finite; ``experiments.verdict_table.judged_stability`` counts such a run as diverged from its failure reason.
+    Spike steps are not logged: ``loss_spike_steps`` is empty for logged metrics. Returns None for a run without a
+    loss (it stopped before its first step).
+    """
+    if STABILITY_KEY in r.metrics:
+        return _logged_stability(r)
+    loss = [v for _, v in r.curves.get("loss", [])]
+    grad = [v for _, v in r.curves.get("grad_norm", [])]
+    if not loss:
+        return None
+    return stability_metrics(loss, grad or None)
+
+
+def stability_rule_of(r, tags: dict) -> str:
+    """The spike rule of ``run_stability``'s figures: the run's tag when it logged them, else the default rule."""
+    if STABILITY_KEY in r.metrics:
+        return tags.get("stability_rule", "")
+    return f"{rule_tag(SpikeRule())} (recomputed by the report)" if r.stability else ""
+
+
+def _logged_stability(r) -> StabilityMetrics:
+    m = r.metrics
+    diverged = m.get("stability/diverged", 0.0) > 0
+    steps = len(r.curves.get("loss", []))
+    grad = m.get("stability/grad_norm_spikes")
+    return StabilityMetrics(
+        steps=steps,
+        loss_spikes=int(m[STABILITY_KEY]),
+        loss_spike_steps=(),
+        largest_excursion=m.get("stability/loss_max_excursion", 0.0),
+        nonfinite_loss=int(m.get("stability/loss_nonfinite", 0)),
+        # a diverged run always logs its divergence step; the last step stands in for one that is missing
+        divergence_step=int(m.get("stability/divergence_step", max(steps - 1, 0))) if diverged else None,
+        grad_norm_spikes=None if grad is None else int(grad),
+        nonfinite_grad_norm=None if grad is None else int(m.get("stability/grad_norm_nonfinite", 0)),
+        skipped_steps=int(m.get("stability/skipped_steps", 0)),
+    )

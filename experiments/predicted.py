@@ -1,0 +1,64 @@
+"""What ``lowprec estimate`` predicts for an ablation's recipes on a GPU: the report's predicted ratio columns."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from experiments.config import model_from_cfg
+from experiments.verdict_table import Prediction
+from lowprec.errors import UserError
+from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate
+from lowprec.estimate.hardware import get_hardware
+from recipes import get_recipe
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+
+
+#: Hardware of the predicted throughput and memory ratios (``lowprec estimate``'s default).
+PREDICT_HARDWARE = "h100_sxm"
+
+
+def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction], str]:
+    """What ``lowprec estimate`` predicts for each recipe of the ablation on ``PREDICT_HARDWARE``: tokens/s per GPU
+    and total bytes per GPU (state + FSDP buffers + saved activations under the ablation's ``train.ac`` + the loss
+    transient), for the ablation's model (``model`` tag and ``model.*`` params), ``train.batch_size`` /
+    ``parallel`` dp sequences of ``train.seq_len`` tokens per GPU, at ``DEFAULT_EFFICIENCY`` MFU for every recipe.
+
+    Returns ``({recipe: Prediction}, setup)``: ``setup`` is the sentence the report prints about the prediction,
+    or why there is none (``{}`` then: a parent run without those params, e.g. from an older lowprec).
+    """
+    params = parent.data.params
+    try:
+        model = _ablation_model(parent)
+        dp_shard, tp = int(params.get("parallel.dp_shard", 1)), int(params.get("parallel.tp", 1))
+        dp = dp_shard * int(params.get("parallel.dp_replicate", 1))
+        batch, seq = max(int(params["train.batch_size"]) // dp, 1), int(params["train.seq_len"])
+    except (KeyError, ValueError, UserError) as e:
+        return {}, f"the ablation's parent run does not name its model and batch ({e})"
+    hw = get_hardware(PREDICT_HARDWARE)
+    ac = params.get("train.ac", "none")
+    out = {}
+    for name in names:
+        try:
+            e = estimate(model, get_recipe(name), dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
+        except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses
+            out[name] = Prediction(hw.name, None, None)
+            continue
+        tps = e.throughput.tokens_per_s_per_gpu if e.throughput else None
+        out[name] = Prediction(hw.name, tps, float(e.totals[ac]))
+    setup = (
+        f"`lowprec estimate` for model `{parent.data.tags.get('model')}`, {batch} x {seq} tokens per GPU "
+        f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing `{ac}`, on {hw.name} "
+        f"({hw.note.split(';')[0]}) at {DEFAULT_EFFICIENCY:.0%} MFU for every recipe, so the throughput ratio is the "
+        "ratio of the recipes' FLOP-weighted peaks (FP8 GEMMs at the FP8 peak); communication, kernel overheads and "
+        "FP8 casts are not modelled, which makes it an upper bound on the speedup"
+    )
+    return out, setup
+
+
+def _ablation_model(parent: Run):
+    """The ablation's ``ModelArgs``: its ``model`` tag with the ``model.<field>`` params it logged."""
+    fields = {k.removeprefix("model."): v for k, v in parent.data.params.items() if k.startswith("model.")}
+    fields = {k: (None if v == "None" else v) for k, v in fields.items()}  # MLflow params are str(value)
+    return model_from_cfg({**fields, "name": parent.data.tags["model"]})
