@@ -36,9 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import stats
 
-from experiments.stats.paired import check_level
+from experiments.stats.paired import check_level, t_interval
 from experiments.stats.verdict import INCONCLUSIVE, INFERIOR, NO_INTERVAL, NON_INFERIOR, ci_verdict, verdicts
 
 #: The verdict of a check that raised instead of returning its measurement.
@@ -181,16 +180,6 @@ def known_answer(name: str, *, expected: str, why: str, quick: bool = False):
     return REGISTRY.known_answer(name, expected=expected, why=why, quick=quick)
 
 
-def _difference_interval(d: np.ndarray, level: float) -> tuple[float | None, float | None]:
-    """Two-sided paired t-interval of the mean of ``d`` (None, None for n < 2; a point when all are equal)."""
-    if d.size < 2:
-        return None, None
-    if np.ptp(d) == 0:
-        return float(d[0]), float(d[0])
-    ci = stats.ttest_1samp(d, 0.0).confidence_interval(confidence_level=level)
-    return float(ci.low), float(ci.high)
-
-
 def judge(check: KnownAnswer, m: Paired, level: float = LEVEL, seconds: float = 0.0) -> CheckResult:
     """The verdict of ``check`` on its measurement ``m`` (rules: module docstring).
 
@@ -228,7 +217,7 @@ def judge(check: KnownAnswer, m: Paired, level: float = LEVEL, seconds: float = 
             raise ValueError(f"check {check.name!r}: non-finite values (recipe {rec}, control {ctl})")
         d = ctl - rec if m.higher_is_better else rec - ctl
         effect = float(d.mean())
-        lo, hi = _difference_interval(d, level)
+        lo, hi = t_interval(d, level)
         verdict = ci_verdict(lo, hi, margin)
         sign = "control - recipe" if m.higher_is_better else "recipe - control"
         unit = f"{metric} lost ({sign})" + (f", {m.unit}" if m.unit else "")

@@ -13,12 +13,11 @@ import dataclasses
 from functools import cache
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from experiments.selfcheck.registry import INFERIOR, NON_INFERIOR, Paired, known_answer
 from lowprec.data import DataSpec, TokenBatches, TokenData, prepare
 from lowprec.model import ModelArgs, model_args
-from lowprec.numerics.reorder import ReversedReductionOrder
+from lowprec.numerics.reorder import reversed_reductions
 from lowprec.optim.builder import OptimHParams
 from lowprec.optim.loss_scale import grad_underflow_share
 from lowprec.train.build import build
@@ -72,15 +71,7 @@ def final_val_loss(recipe: str, seed: int, s: Setting, reorder: bool = False) ->
     b = build(CATALOG[recipe], s.args(), spec, hp, seed, torch.device("cpu"), None, "auto")
     data = corpus()
     batches = TokenBatches(data.train, data.val, s.seq, s.batch, seed)
-    mode = ReversedReductionOrder() if reorder else contextlib.nullcontext()
-    if reorder:
-        step = b.optimizer.step
-
-        def step_outside_the_mode(*args, **kwargs):
-            with _disable_current_modes():
-                return step(*args, **kwargs)
-
-        b.optimizer.step = step_outside_the_mode
+    mode = reversed_reductions(b.optimizer) if reorder else contextlib.nullcontext()
     with mode:
         for i in range(s.steps):
             train_step(b, [batches.train_batch(i)], spec.grad_clip, i)

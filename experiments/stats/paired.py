@@ -141,6 +141,17 @@ def intervals_disagree(lo: float, hi: float, boot_lo: float, boot_hi: float) -> 
     return bool(off_centre or boot_lo < lo or boot_hi > hi)
 
 
+def t_interval(d: np.ndarray, level: float) -> tuple[float | None, float | None]:
+    """Two-sided ``level`` t-interval of the mean of the 1-D paired differences ``d``
+    (``scipy.stats.ttest_1samp(d, 0).confidence_interval``): (None, None) for n < 2, a point when all are equal."""
+    if d.size < 2:
+        return None, None
+    if np.ptp(d) == 0:
+        return float(d[0]), float(d[0])
+    ci = stats.ttest_1samp(d, 0.0).confidence_interval(confidence_level=level)
+    return float(ci.low), float(ci.high)
+
+
 def paired_effect(recipe, control, level: float = 0.95, *, bootstrap: bool = True) -> PairedEffect:
     """Paired relative difference of ``recipe`` to ``control`` with its t-interval and bootstrap cross-check.
 
@@ -162,8 +173,7 @@ def paired_effect(recipe, control, level: float = 0.95, *, bootstrap: bool = Tru
         return PairedEffect(n=n, mean=mean, sd=math.nan, level=level, lo=None, hi=None)
     if np.ptp(d) == 0:  # every seed gives the same difference: the t-interval degenerates to a point
         return PairedEffect(n=n, mean=mean, sd=0.0, level=level, lo=mean, hi=mean)
-    ci = stats.ttest_1samp(d, 0.0).confidence_interval(confidence_level=level)
-    lo, hi = float(ci.low), float(ci.high)
+    lo, hi = t_interval(d, level)
     boot_lo = boot_hi = None
     disagree = False
     if bootstrap and n >= 3:

@@ -8,8 +8,10 @@ order must never come out ``inferior``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
 #: matmul op -> index of its first matrix operand (addmm's first argument is the bias)
@@ -28,3 +30,24 @@ class ReversedReductionOrder(TorchDispatchMode):
             args = list(args)
             args[_MATMULS[func]], args[_MATMULS[func] + 1] = a.flip(-1), b.flip(-2)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def reversed_reductions(optimizer: torch.optim.Optimizer):
+    """Run the block under ``ReversedReductionOrder`` with ``optimizer.step`` outside it (restored on exit).
+
+    The optimizer step stays in the normal order: torchao's optimizers are compiled, and dynamo does not trace under
+    a dispatch mode. Everything else in the block (forward, backward, clipping) sums its FP32 matmuls in reverse.
+    """
+    step = optimizer.step
+
+    def step_outside_the_mode(*args, **kwargs):
+        with _disable_current_modes():
+            return step(*args, **kwargs)
+
+    optimizer.step = step_outside_the_mode
+    try:
+        with ReversedReductionOrder():
+            yield
+    finally:
+        optimizer.step = step

@@ -5,11 +5,10 @@ for "same numerics"."""
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.numerics.reorder import ReversedReductionOrder
+from lowprec.numerics.reorder import reversed_reductions
 from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
@@ -30,14 +29,7 @@ def train_losses(
     batches = TokenBatches(token_data.train, token_data.val, SEQ, BATCH, 0)
     if not reorder:
         return [train_step(b, [batches.train_batch(s)], spec.grad_clip, s).loss for s in range(steps)]
-    step = b.optimizer.step
-
-    def step_outside_the_mode(*args, **kwargs):
-        with _disable_current_modes():
-            return step(*args, **kwargs)
-
-    b.optimizer.step = step_outside_the_mode
-    with ReversedReductionOrder():
+    with reversed_reductions(b.optimizer):
         return [train_step(b, [batches.train_batch(s)], spec.grad_clip, s).loss for s in range(steps)]
 
 
