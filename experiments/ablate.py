@@ -13,7 +13,7 @@ from experiments.auto_seeds import plan_for, replay_results
 from experiments.config import flat_params, parallel_from_cfg
 from experiments.preflight import preflight
 from experiments.report import build_report
-from experiments.run import RunOutcome
+from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
 from experiments.stats import SpendingPlan, check_margin
@@ -91,6 +91,15 @@ def ablation_control(cfg: DictConfig, names: list[str]) -> str:
     return cfg.control
 
 
+def ablation_description(cfg: DictConfig, names: list[str], how: str, control: str) -> str:
+    """One line for the parent run's description in the MLflow UI: model, steps, recipes, seeds, control, margin."""
+    t = cfg.train
+    return (
+        f"model {cfg.model.name}, {t.steps} steps of {t.batch_size}x{t.seq_len} tokens; recipes {', '.join(names)}; "
+        f"{how} from seed {cfg.seed}; control {control}; margin {float(cfg.report.margin):.2%}"
+    )
+
+
 def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     """Run ``cfg.recipes`` x seeds (``cfg.seed``, ``cfg.seed+1``, ...; ``seeds=auto``: more only where the verdict
     is still open) and write the report.
@@ -136,8 +145,10 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
         },
     )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
-    out = AblationOutcome(ablation_id, parent)
+    tracker.log_text(parent, config_yaml(cfg), CONFIG_ARTIFACT)
     how = f"{len(seeds)} seeds" if plan is None else f"seeds=auto (3 to {plan.max_seeds})"
+    tracker.set_description(parent, ablation_description(cfg, names, how, control))
+    out = AblationOutcome(ablation_id, parent)
     echo(
         f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
         f"{cfg.train.steps} steps each; layout {dims.short()}"

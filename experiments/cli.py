@@ -1,4 +1,4 @@
-"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``selfcheck``.
+"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``selfcheck``, ``ui``.
 
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
@@ -30,12 +30,13 @@ from experiments.run import run_one
 from experiments.selfcheck.runner import selfcheck_main
 from experiments.startup import prepare_data, start_parallel
 from experiments.tracking import Tracker, make_tracker
+from experiments.ui import ui_main
 from lowprec.data import check_vocab_fits
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from recipes import CATALOG
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
@@ -44,6 +45,7 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck} ...
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
                    [batch=N] [seq=N] [--json]
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
+  lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
 """
 
 
@@ -197,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return estimate_main(rest)
     if cmd == "selfcheck":
         return selfcheck_main(rest)
+    if cmd == "ui":
+        return ui_main(rest, compose)
     if cmd in ("train", "ablate"):
         task = train_main if cmd == "train" else ablate
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line

@@ -1,13 +1,15 @@
-"""Ablation report built from MLflow alone: ``reports/<ablation-id>/report.md`` plus PNG plots.
+"""Ablation report built from MLflow alone: ``reports/<ablation-id>/report.md``, its PNG plots and ``report.html``
+(one self-contained page, ``experiments.report_html``), all logged as artifacts of the ablation's parent run.
 
 Every number in the report is read back from the tracking store; nothing is carried over in memory
-from the runs, so ``lowprec report ID`` rebuilds the same report later.
+from the runs, so ``lowprec report ID`` rebuilds the same report later, on any machine that reaches the store.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from experiments import plots, verdict_table
 from experiments.auto_seeds import replay_results
 from experiments.config import ReportConfig
 from experiments.predicted import predict_recipes
+from experiments.report_html import markdown_to_html
 from experiments.stability_log import run_stability, stability_rule_of
 from experiments.stats import (
     TRAIN_SMOOTH_WINDOW,
@@ -191,10 +194,10 @@ def _first_per_recipe(runs: list[RunData]) -> dict[str, RunData]:
 
 
 def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin: float | None = None) -> Path:
-    """Write ``<reports_root>/<ablation_id>/report.md`` and its PNGs, and record the verdicts on the parent run
-    (``experiments.verdict_table``); returns the markdown path. ``margin``: the relative non-inferiority margin;
-    None uses the ``report.margin`` the ablation ran with (its parent run's param; ``ReportConfig``'s default for
-    an ablation that predates it).
+    """Write ``<reports_root>/<ablation_id>/report.md``, its PNGs and ``report.html``, record the verdicts on the
+    parent run (``experiments.verdict_table``) and log the report as its artifacts; returns the markdown path.
+    ``margin``: the relative non-inferiority margin; None uses the ``report.margin`` the ablation ran with (its
+    parent run's param; ``ReportConfig``'s default for an ablation that predates it).
 
     Raises ``ReportError`` if the ablation is unknown or has no child runs, ``ConfigError`` for a bad margin.
     """
@@ -223,30 +226,68 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
         auto=auto_seeds_of(parent, runs, order, control, margin),
     )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
-    curves = _curves_section(ok, order, control, margin, out)
-    figs = _figures(rows, ok, order, out)
-    telemetry = _telemetry_figures(ok, order, out)
-    lines = [
-        f"# Precision ablation `{ablation_id}`",
-        "",
-        *verdict_table.verdict_section(table, on_cpu, ok),
-        *curves,
-        *_header_section(parent, ok, control, tracker.uri),
-        *_cpu_timing_warning(on_cpu),
-        *_summary_section(rows, control, on_cpu),
-        *_failed_section(runs),
-        *_figure_sections(figs),
-        *_telemetry_section(telemetry),
-        *_reconcile_table(ok, order),
-        *_comm_section(ok, order, out),
-        *_effective_section(ok, order),
-        "",
-        f"Browse the runs: `mlflow ui --backend-store-uri {tracker.uri}`",
-        "",
-    ]
+    sections = {
+        "verdicts": verdict_table.verdict_section(table, on_cpu, ok),
+        "curves": _curves_section(ok, order, control, margin, out),
+        "setup": _header_section(parent, ok, control, tracker.uri),
+        "cpu_warning": _cpu_timing_warning(on_cpu),
+        "summary": _summary_section(rows, control, on_cpu),
+        "failed": _failed_section(runs),
+        "figures": _figure_sections(_figures(rows, ok, order, out)),
+        "telemetry": _telemetry_section(_telemetry_figures(ok, order, out)),
+        "reconcile": _reconcile_table(ok, order),
+        "comm": _comm_section(ok, order, out),
+        "effective": _effective_section(ok, order),
+    }
+    title = f"Precision ablation `{ablation_id}`"
+    footer = ["", f"Browse the runs: `lowprec ui tracking.uri={tracker.uri}`", ""]
+
+    def page(order_: tuple[str, ...]) -> str:
+        return "\n".join([f"# {title}", "", *(line for key in order_ for line in sections[key]), *footer])
+
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    path.write_text(page(MARKDOWN_ORDER))
+    html_path = out / "report.html"
+    links = _run_links(tracker, runs)
+    html_path.write_text(markdown_to_html(page(HTML_ORDER), out, title.replace("`", ""), links))
+    log_report_artifacts(tracker, parent.info.run_id, path, html_path)
     return path
+
+
+#: The markdown keeps the setup beside the summary; the HTML page puts the verdicts first, then every figure, then
+#: the detail tables (issue 19's reading order for a colleague who opens it in the MLflow UI).
+MARKDOWN_ORDER = (
+    "verdicts", "curves", "setup", "cpu_warning", "summary", "failed", "figures", "telemetry", "reconcile", "comm",
+    "effective",
+)  # fmt: skip
+HTML_ORDER = (
+    "verdicts", "curves", "figures", "telemetry", "comm", "setup", "cpu_warning", "summary", "failed", "reconcile",
+    "effective",
+)  # fmt: skip
+_FIGURE_REF = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def report_figures(markdown_path: Path) -> list[Path]:
+    """The figure files ``report.md`` shows, in order of appearance."""
+    names = dict.fromkeys(_FIGURE_REF.findall(markdown_path.read_text()))
+    return [markdown_path.parent / n for n in names]
+
+
+def log_report_artifacts(tracker: Tracker, parent_run_id: str, markdown: Path, html_page: Path) -> None:
+    """``report.md``, ``report.html`` and every figure the report shows, at the parent run's artifact root (a
+    rebuild overwrites them), so the comparison is on the tracking server, not only on the machine that ran it."""
+    for f in (markdown, html_page, *report_figures(markdown)):
+        tracker.log_artifact(parent_run_id, f)
+
+
+def _run_links(tracker: Tracker, runs: list[RunData]) -> dict[str, str]:
+    """Recipe -> the MLflow UI page of its lowest-seed run (comparable runs first); empty for a local store."""
+    links: dict[str, str] = {}
+    for r in sorted(runs, key=lambda r: (not r.comparable, r.seed)):
+        url = tracker.run_url(r.run_id)
+        if url and r.recipe not in links:
+            links[r.recipe] = url
+    return links
 
 
 def _workers_note(workers: str | None) -> str:

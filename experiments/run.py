@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
     flat_params,
@@ -87,6 +87,30 @@ def predicted_metrics(args, recipe: Recipe, spec, device, dims=None) -> dict[str
     }
 
 
+#: Artifacts of every run: the resolved Hydra configuration and the effective recipe (what actually ran).
+CONFIG_ARTIFACT = "config.yaml"
+EFFECTIVE_ARTIFACT = "effective_recipe.json"
+
+
+def run_name(recipe: str, seed: int) -> str:
+    """The child run's name in the MLflow UI: ``<recipe>/seed<N>``."""
+    return f"{recipe}/seed{seed}"
+
+
+def config_yaml(cfg: DictConfig, seed: int | None = None) -> str:
+    """``cfg`` resolved, as YAML, with the ``seed`` this run trained with (an ablation's runs differ only there)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if seed is not None:
+        cfg.seed = seed
+    return OmegaConf.to_yaml(cfg)
+
+
+def record_effective(tracker: Tracker, run_id: str, eff: dict) -> None:
+    """The effective recipe as the run's tags (``effective_recipe``, searchable) and as ``effective_recipe.json``."""
+    tracker.set_tags(run_id, _effective_tags(eff))
+    tracker.log_dict(run_id, eff, EFFECTIVE_ARTIFACT)
+
+
 def _effective_tags(eff: dict) -> dict[str, str]:
     tags = {"effective_recipe": dumps(eff)}
     if "resume_recipe_change" in eff:
@@ -151,8 +175,9 @@ def run_one(
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id
-    run_id = tracker.start_run(f"{recipe.name}-s{seed}", tags, parent_id)
+    run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
     tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+    tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
     rule = spike_rule_from_cfg(cfg)
     tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
     buffer = MetricBuffer(tracker, run_id)
@@ -181,7 +206,7 @@ def run_one(
             spec,
             sink,
             before_step=fault_hooks(cfg.faults, recipe.name),
-            on_effective=lambda eff: tracker.set_tags(run_id, _effective_tags(eff)),
+            on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
         )

@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 # MLflow 3 prints a deprecation banner for some stores and tries to reach the network for nothing we use.
@@ -18,10 +20,41 @@ import torch
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
+#: MLflow shows this tag as the run's description (the UI's "Description" box).
+DESCRIPTION_TAG = "mlflow.note.content"
+
+
+class TrackingError(UserError, ConnectionError):
+    """The tracking server cannot be reached (or answers with an error) where a command needs it."""
+
+
+def is_server(uri: str) -> bool:
+    """True for an ``http(s)://`` tracking URI (an ``mlflow server``), False for a local store."""
+    return uri.startswith(("http://", "https://"))
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """For a server URI, ask its ``/health`` endpoint once; nothing for a local store.
+
+    MLflow's client retries an unreachable server with backoff for minutes before it fails, with a traceback; a
+    command that needs the server asks first. Raises ``TrackingError`` naming the URI and the reason.
+    """
+    if not is_server(uri):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+            if r.status != 200:
+                raise TrackingError(f"tracking server {uri} answered /health with HTTP {r.status}")
+    except urllib.error.HTTPError as e:
+        raise TrackingError(f"tracking server {uri} answered /health with HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise TrackingError(f"tracking server {uri} is unreachable ({reason})") from None
 
 
 def resolve_uri(uri: str) -> str:
@@ -40,11 +73,16 @@ class Tracker:
     """One MLflow experiment behind a client; all lowprec logging goes through it."""
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | Path):
+        """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached."""
         self.uri = resolve_uri(uri)
+        check_reachable(self.uri)
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
+        if exp is None and is_server(self.uri):
+            # The server chooses (and serves) the artifact store: a client path would not exist on its machine.
+            self.experiment_id = self.client.create_experiment(experiment)
+        elif exp is None:
             root = Path(artifact_root).resolve() / "mlartifacts"
             root.mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=root.as_uri())
@@ -71,6 +109,20 @@ class Tracker:
         """``text`` as the run's artifact ``name`` (e.g. ``failure_traceback.txt``)."""
         self.client.log_text(run_id, text, name)
 
+    def log_artifact(self, run_id: str, path: str | Path, folder: str | None = None) -> None:
+        """The file ``path`` as an artifact of the run (at the artifact root, or under ``folder``)."""
+        self.client.log_artifact(run_id, str(path), folder)
+
+    def set_description(self, run_id: str, text: str) -> None:
+        """The run's description as the MLflow UI shows it."""
+        self.set_tags(run_id, {DESCRIPTION_TAG: text})
+
+    def run_url(self, run_id: str) -> str | None:
+        """The run's page in the MLflow UI of a tracking server; None for a local store (no server to link to)."""
+        if not is_server(self.uri):
+            return None
+        return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
     def end_run(self, run_id: str, status: str, reason: str | None = None) -> None:
         if reason:
             self.set_tags(run_id, {"failure_reason": reason[:8000]})
@@ -95,6 +147,8 @@ class NullTracker:
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None: ...
     def log_dict(self, run_id: str, obj: dict, name: str) -> None: ...
     def log_text(self, run_id: str, text: str, name: str) -> None: ...
+    def log_artifact(self, run_id: str, path, folder: str | None = None) -> None: ...
+    def set_description(self, run_id: str, text: str) -> None: ...
     def end_run(self, run_id: str, status: str, reason: str | None = None) -> None: ...
     def log_batch(self, run_id: str, **kwargs) -> None: ...
 

@@ -9,18 +9,20 @@ metrics, so ``mlflow.search_runs`` finds them:
   no-interval) or ``no-data`` (no finished run of the recipe paired with a finished control run);
   ``verdict_status`` (``ok``, ``no-control``: no finished control run, ``nothing-to-compare``: only the control
   ran), ``verdict_reason`` (when not ok), ``verdict_control``, ``verdict_rule``;
-- metrics ``verdict_effect.<recipe>``, ``verdict_lo.<recipe>``, ``verdict_hi.<recipe>`` (relative differences:
-  0.01 = 1% worse), ``verdict_seeds.<recipe>``, ``verdict_mdd.<recipe>``, ``verdict_seeds_needed.<recipe>``, the
-  same with ``verdict_late_`` for the last quarter, ``throughput_ratio.<recipe>``, ``state_memory_ratio.<recipe>``,
-  ``peak_memory_ratio.<recipe>``, and ``verdict_margin``, ``noise_control_sd``, ``noise_control_rel_sd``,
-  ``noise_min_margin``;
+- metrics ``verdict/effect.<recipe>``, ``verdict/lo.<recipe>``, ``verdict/hi.<recipe>`` (relative differences:
+  0.01 = 1% worse), ``verdict/seeds.<recipe>``, ``verdict/mdd.<recipe>``, ``verdict/seeds_needed.<recipe>``, the
+  same under ``verdict_late/`` for the last quarter, ``ratio/throughput.<recipe>``, ``ratio/state_memory.<recipe>``,
+  ``ratio/peak_memory.<recipe>``, and ``verdict/margin``, ``noise/control_sd``, ``noise/control_rel_sd``,
+  ``noise/min_margin``;
 - stability (``experiments.stats.stability``): tag ``stability.<recipe>`` (``less stable``, ``as stable`` or
-  ``no-data``), metrics ``stability_loss_spikes.<recipe>`` and ``stability_grad_norm_spikes.<recipe>`` (mean spikes
-  per judged run), ``stability_diverged.<recipe>`` (diverged runs) and ``stability_runs.<recipe>`` (judged runs),
+  ``no-data``), metrics ``stability/loss_spikes.<recipe>`` and ``stability/grad_norm_spikes.<recipe>`` (mean spikes
+  per judged run), ``stability/diverged.<recipe>`` (diverged runs) and ``stability/runs.<recipe>`` (judged runs),
   the control's included;
-- predicted by ``lowprec estimate``: tag ``predicted_hardware``, metrics ``predicted_throughput_ratio.<recipe>`` and
-  ``predicted_memory_ratio.<recipe>`` (recipe over control).
+- predicted by ``lowprec estimate``: tag ``predicted_hardware``, metrics ``predicted/throughput_ratio.<recipe>`` and
+  ``predicted/memory_ratio.<recipe>`` (recipe over control).
 
+The metric keys are grouped by their part before ``/``, as MLflow's chart and compare views group them: one
+section per quantity, one line per recipe.
 MLflow keys may hold alphanumerics, ``_ - . / :`` and spaces; catalog recipe names are ``[a-z0-9_]``.
 """
 
@@ -596,7 +598,7 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     """The tags and metrics that record ``t`` on the parent run (names: module docstring)."""
     status = "ok" if not t.no_verdict else ("no-control" if not t.control_values else "nothing-to-compare")
     tags = {"verdict_status": status, "verdict_control": t.control}
-    metrics: dict[str, float] = {"verdict_margin": t.margin}
+    metrics: dict[str, float] = {"verdict/margin": t.margin}
     _record_stability_and_predictions(t, tags, metrics)
     if t.no_verdict:
         tags["verdict_reason"] = t.no_verdict
@@ -608,17 +610,17 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
         if t.late_reason is None:
             _record(tags, metrics, "verdict_late", r.recipe, r.late)
         for key, x in (
-            ("throughput_ratio", r.throughput_ratio),
-            ("state_memory_ratio", r.state_ratio),
-            ("peak_memory_ratio", r.peak_ratio),
+            ("ratio/throughput", r.throughput_ratio),
+            ("ratio/state_memory", r.state_ratio),
+            ("ratio/peak_memory", r.peak_ratio),
         ):
             if _finite(x):
                 metrics[f"{key}.{r.recipe}"] = x
     if t.control_sd is not None:
-        metrics["noise_control_sd"] = t.control_sd
-        metrics["noise_control_rel_sd"] = t.control_sd / statistics.fmean(t.control_values.values())
+        metrics["noise/control_sd"] = t.control_sd
+        metrics["noise/control_rel_sd"] = t.control_sd / statistics.fmean(t.control_values.values())
     if t.min_mdd is not None:
-        metrics["noise_min_margin"] = t.min_mdd[0]
+        metrics["noise/min_margin"] = t.min_mdd[0]
     return tags, metrics
 
 
@@ -628,16 +630,16 @@ def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict
     for name, stab in [(t.control, t.control_stability), *((r.recipe, r.stability) for r in t.rows)]:
         if not stab.runs:
             continue
-        metrics[f"stability_runs.{name}"] = float(stab.runs)
-        metrics[f"stability_diverged.{name}"] = float(stab.diverged)
-        metrics[f"stability_loss_spikes.{name}"] = stab.loss_spikes
+        metrics[f"stability/runs.{name}"] = float(stab.runs)
+        metrics[f"stability/diverged.{name}"] = float(stab.diverged)
+        metrics[f"stability/loss_spikes.{name}"] = stab.loss_spikes
         if stab.grad_norm_spikes is not None:
-            metrics[f"stability_grad_norm_spikes.{name}"] = stab.grad_norm_spikes
+            metrics[f"stability/grad_norm_spikes.{name}"] = stab.grad_norm_spikes
     for r in t.rows:
         tags[f"stability.{r.recipe}"] = r.stability_verdict.verdict if r.stability_verdict else NO_DATA
         for key, x in (
-            ("predicted_throughput_ratio", r.predicted_throughput_ratio),
-            ("predicted_memory_ratio", r.predicted_memory_ratio),
+            ("predicted/throughput_ratio", r.predicted_throughput_ratio),
+            ("predicted/memory_ratio", r.predicted_memory_ratio),
         ):
             if _finite(x):
                 metrics[f"{key}.{r.recipe}"] = x
@@ -646,7 +648,7 @@ def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict
 
 
 def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None) -> None:
-    """``<prefix>.<recipe>`` = the verdict (or ``no-data``), and its numbers as ``<prefix>_<field>.<recipe>``."""
+    """``<prefix>.<recipe>`` = the verdict (or ``no-data``), and its numbers as ``<prefix>/<field>.<recipe>``."""
     tags[f"{prefix}.{recipe}"] = v.verdict if v else NO_DATA
     if v is None:
         return
@@ -654,7 +656,7 @@ def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | No
     values = {"effect": e.mean, "lo": e.lo, "hi": e.hi, "seeds": e.n, "mdd": v.mdd, "seeds_needed": v.seeds_needed}
     for key, x in values.items():
         if _finite(x):  # no interval with one seed: absent, never a made-up number
-            metrics[f"{prefix}_{key}.{recipe}"] = float(x)
+            metrics[f"{prefix}/{key}.{recipe}"] = float(x)
 
 
 def log_verdicts(tracker: Tracker, parent_run_id: str, t: VerdictTable) -> None:

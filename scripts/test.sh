@@ -3,6 +3,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# The report's browser test renders report.html in Debian's chromium (tests/integration/test_report_html.py). Install
+# it when missing and we can (root with apt); otherwise that test is skipped with a reason naming the package.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "test.sh: could not install the Debian package chromium; the browser test will be skipped" >&2
+fi
 # Lint and format (settings in pyproject.toml) before the tests, so CI keeps them.
 .venv/bin/ruff check . || exit 1
 .venv/bin/ruff format --check . || exit 1

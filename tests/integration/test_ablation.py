@@ -1,10 +1,14 @@
 """The smoke ablation end to end: CLI -> Hydra -> training -> MLflow -> report, and failure isolation."""
 
+import json
 import re
+from pathlib import Path
 
+import yaml
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import compose, main
+from experiments.report import report_figures
 from experiments.tracking import ABLATION_TAG
 
 SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
@@ -42,6 +46,20 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     assert parent.data.tags["verdict_control"] == "bf16"
     (found,) = client.search_runs([exp], filter_string="tags.`verdict.fp8_rowwise` = 'no-interval'")
     assert found.data.tags[ABLATION_TAG] == abl
+    # issue 19: the parent run holds the report, its figures and its config; each child its config and effective
+    # recipe, under a name that reads in the UI; the parent's description sums the ablation up in one line
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.md", "report.html", "config.yaml"} | {f.name for f in report_figures(report)} <= logged
+    desc = parent.data.tags["mlflow.note.content"]
+    assert desc.startswith("model debug, 12 steps of 4x128 tokens; recipes fp32, bf16,") and "control bf16" in desc
+    for c in children:
+        tags = c.data.tags
+        assert c.info.run_name == f"{tags['recipe']}/seed{tags['seed']}"
+        got = Path(client.download_artifacts(c.info.run_id, "", str(tmp_path / "artifacts" / c.info.run_id)))
+        cfg = yaml.safe_load((got / "config.yaml").read_text())
+        assert cfg["seed"] == int(tags["seed"]) and cfg["model"]["name"] == "debug" and cfg["train"]["steps"] == 12
+        effective = json.loads((got / "effective_recipe.json").read_text())
+        assert json.dumps(effective, sort_keys=True) == tags["effective_recipe"] and "param_dtype" in effective
     # the report is rebuilt from MLflow alone, identically
     first = text
     report.unlink()
@@ -71,6 +89,9 @@ def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_pat
     assert runs["bf16"].info.status == "FAILED"
     assert runs["bf16"].data.tags["failure_reason"].startswith("InjectedCrash: injected crash before step 2")
     assert runs["fp32"].info.status == "FINISHED" and runs["bf16_pure"].info.status == "FINISHED"
+    # the failed run keeps its configuration and its failure, with the traceback, as artifacts
+    failed = {a.path for a in client.list_artifacts(runs["bf16"].info.run_id)}
+    assert {"config.yaml", "failure_traceback.txt"} <= failed
     text = (tmp_path / "reports" / abl / "report.md").read_text()
     assert "## Failed or excluded runs" in text and "InjectedCrash" in text
     assert "**No verdict is possible:** every run of the control `bf16` failed" in text

@@ -9,14 +9,26 @@ predicted H100 ratios (``lowprec estimate``'s functions).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import statistics
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
+from fabricated_ablation import (
+    BATCH,
+    CONTROL,
+    CONTROL_LOSS,
+    MODEL,
+    SEEDS,
+    SEQ,
+    STEPS,
+    D,
+    fabricate_ablation,
+    late_mean,
+    main_runs,
+    parent_run,
+)
 from mlflow.entities import Metric
 from scipy import stats
 
@@ -27,119 +39,9 @@ from experiments.tracking import ABLATION_TAG, Tracker
 from experiments.verdict_table import build_table, parent_records, verdict_section
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
-from lowprec.model import model_args
 from recipes import get_recipe
 
-STEPS = 100
-SEEDS = [0, 1, 2, 3]
-CONTROL = "bf16"
-CONTROL_LOSS = [4.00, 4.05, 3.98, 4.02]
-#: Per-seed relative differences to the control's final validation loss. fp8_blockwise finishes seed 0 only.
-D = {
-    "fp8_rowwise": [0.0001, -0.0002, 0.0003, 0.0],  # upper bound far below +0.25%: non-inferior
-    "fp8_tensorwise": [0.0, 0.006, -0.001, 0.004],  # interval straddles +0.25%: inconclusive
-    "bf16_pure": [0.020, 0.022, 0.019, 0.021],  # about 2% worse, tight: inferior
-    "fp8_blockwise": [0.001],  # one seed: no interval
-    # non-inferior by its interval alone (one-sided p = 0.016 < 0.025) but not after Holm over 4 recipes (second
-    # smallest p must be < 0.025 / 3): inconclusive
-    "fp8_delayed": [0.0009, 0.0019, 0.0009, 0.0019],
-}
-RECIPES = [CONTROL, *D]
-TOKENS_PER_S = {
-    "bf16": 1000.0,
-    "fp32": 600.0,
-    "fp8_rowwise": 800.0,
-    "fp8_tensorwise": 900.0,
-    "bf16_pure": 1200.0,
-    "fp8_blockwise": 700.0,
-    "fp8_delayed": 850.0,
-}
-STATE_B = {"bf16_pure": 8.0}  # 16 for the others
-PEAK_B = {"bf16": 1.0e9, "bf16_pure": 0.9e9}  # 1.1e9 for the others
 _PARENT = "tags.`lowprec.kind` = 'ablation'"
-#: The ablation's model as its parent run logs it (``model.<field>`` params): ``debug`` with 3 layers, not 2, so a
-#: prediction that ignored the params would differ. Batch and sequence of every fabricated run.
-MODEL = dataclasses.replace(model_args("debug"), n_layers=3)
-BATCH, SEQ = 2, 8
-
-
-def _val_curve(final: float, seed: int, val_every: int) -> list[tuple[int, float]]:
-    """A decaying validation curve ending at ``final``; a per-seed wiggle off the last point makes the last-quarter
-    mean differ from the final value."""
-    steps = [s for s in range(STEPS) if (s + 1) % val_every == 0 or s == STEPS - 1]
-    return [(s, final * (1 + 0.3 * (1 - (s + 1) / STEPS)) + (0.02 * seed if s < STEPS - 1 else 0)) for s in steps]
-
-
-def _late(final: float, seed: int) -> float:
-    """The last-quarter mean the report must use: validation points after step 75 of 100."""
-    return float(np.mean([v for s, v in _val_curve(final, seed, 10) if s + 1 > 75]))
-
-
-def _child(tracker, parent, abl, recipe, seed, final=None, reason="", val_every=10):
-    rid = tracker.start_run(
-        f"{recipe}-s{seed}",
-        {"recipe": recipe, "seed": str(seed), "recipe_short": recipe, ABLATION_TAG: abl},
-        parent,
-    )
-    tracker.log_params(rid, {"train.batch_size": 2, "train.grad_accum": 1, "train.seq_len": 8, "train.steps": STEPS})
-    if final is None:
-        tracker.end_run(rid, "FAILED", reason)
-        return
-    ms = [Metric("loss", final * (2 - s / STEPS), 0, s) for s in range(STEPS)]
-    ms += [Metric("grad_norm", 1.0, 0, s) for s in range(STEPS)]
-    ms += [Metric("val_loss", v, 0, s) for s, v in _val_curve(final, seed, val_every)]
-    summary = {
-        "final_val_loss": final,
-        "mean_tokens_per_s": TOKENS_PER_S[recipe],
-        "state_bytes_per_param": STATE_B.get(recipe, 16.0),
-        "mem_peak_bytes": PEAK_B.get(recipe, 1.1e9),
-        "mem_peak_growth_bytes": 1e8,
-    }
-    ms += [Metric(k, v, 0, STEPS) for k, v in summary.items()]
-    tracker.client.log_batch(rid, metrics=ms)
-    tracker.set_tags(rid, {"effective_matches": "true"})
-    tracker.end_run(rid, "FINISHED")
-
-
-def _parent(tracker, abl, recipes: list[str], margin=None, steps=STEPS) -> str:
-    """A parent run as ``lowprec ablate`` makes it (tags, and the params the report reads)."""
-    parent = tracker.start_run(
-        abl,
-        {
-            ABLATION_TAG: abl,
-            "lowprec.kind": "ablation",
-            "recipes": json.dumps(recipes),
-            "seeds": json.dumps(SEEDS),
-            "control": CONTROL,
-            "model": "debug",
-            "device": "CPU: test",
-            "device_type": "cpu",
-        },
-    )
-    model = {f"model.{k}": str(v) for k, v in dataclasses.asdict(MODEL).items()}
-    train = {"train.steps": steps, "train.batch_size": BATCH, "train.seq_len": SEQ, "train.ac": "none"}
-    tracker.log_params(
-        parent, {**train, **model, "model.name": "debug", **({"report.margin": margin} if margin else {})}
-    )
-    return parent
-
-
-def _ablation(tracker, abl, runs: dict[str, dict[int, float | None]], val_every=10, margin=None) -> str:
-    """A parent run and one child per (recipe, seed): a loss, or None for FAILED."""
-    parent = _parent(tracker, abl, list(runs), margin)
-    for recipe, by_seed in runs.items():
-        for seed, loss in by_seed.items():
-            _child(tracker, parent, abl, recipe, seed, loss, "InjectedCrash: injected crash before step 2", val_every)
-    tracker.end_run(parent, "FINISHED")
-    return parent
-
-
-def _main_runs() -> dict[str, dict[int, float | None]]:
-    runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS))}
-    for name, d in D.items():
-        runs[name] = {s: (CONTROL_LOSS[s] * (1 + d[s]) if s < len(d) else None) for s in SEEDS}
-    return runs
-
 
 # --- stability ablation: 300 steps, three seeds; what each recipe's runs logged (or did not) --------------------
 
@@ -170,7 +72,7 @@ def _stab_child(tracker, parent, abl, recipe, seed, *, steps=STAB_STEPS, logged=
     """A run of ``steps`` logged steps of ``_spiky_loss`` (grad norm 1.0); ``logged``: its ``stability/*`` metrics
     (None: a run from before they existed); ``reason``: FAILED with it, else FINISHED with a summary."""
     tags = {"recipe": recipe, "seed": str(seed), "recipe_short": recipe, ABLATION_TAG: abl}
-    rid = tracker.start_run(f"{recipe}-s{seed}", tags, parent)
+    rid = tracker.start_run(f"{recipe}/seed{seed}", tags, parent)
     tracker.log_params(rid, {"train.batch_size": BATCH, "train.grad_accum": 1, "train.seq_len": SEQ})
     loss = _spiky_loss(steps)
     ms = [Metric("loss", v, 0, s) for s, v in enumerate(loss)] + [Metric("grad_norm", 1.0, 0, s) for s in range(steps)]
@@ -194,7 +96,7 @@ def _stab_ablation(tracker, abl: str) -> None:
     NaN loss (logged diverged); ``fp8_blockwise`` predates ``stability/*`` (recomputed: 3 spikes per finished run,
     and seed 2 stopped by a NaN with a finite partial history); ``bf16_pure`` seed 2 crashed (not judged)."""
     recipes = ["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "bf16_pure"]
-    parent = _parent(tracker, abl, recipes, steps=STAB_STEPS)
+    parent = parent_run(tracker, abl, recipes, steps=STAB_STEPS)
     for name in ("bf16", "fp8_tensorwise"):
         for seed in STAB_SEEDS:
             _stab_child(tracker, parent, abl, name, seed, logged=_logged(LOGGED_SPIKES[name][seed]))
@@ -220,10 +122,10 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("verdicts")
     uri = f"sqlite:///{root / 'runs' / 'mlflow.db'}"
     tracker = Tracker(uri, "lowprec", root / "runs")
-    _ablation(tracker, "abl-main", _main_runs(), margin=0.0025)
-    sparse = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "fp8_rowwise": _main_runs()["fp8_rowwise"]}
-    _ablation(tracker, "abl-sparse", sparse, val_every=1000)
-    _ablation(tracker, "abl-nocontrol", {CONTROL: dict.fromkeys(SEEDS[:2]), "fp32": {0: 4.1, 1: 4.2}})
+    fabricate_ablation(tracker, "abl-main", main_runs(), margin=0.0025)
+    sparse = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "fp8_rowwise": main_runs()["fp8_rowwise"]}
+    fabricate_ablation(tracker, "abl-sparse", sparse, val_every=1000)
+    fabricate_ablation(tracker, "abl-nocontrol", {CONTROL: dict.fromkeys(SEEDS[:2]), "fp32": {0: 4.1, 1: 4.2}})
     _stab_ablation(tracker, "abl-stab")
     texts = {a: build_report(tracker, a, root / "reports").read_text() for a in REPORTS}
     return {"root": root, "uri": uri, "tracker": tracker, "text": texts}
@@ -276,7 +178,7 @@ def test_rows_carry_the_known_verdicts_with_scipy_intervals(store):
         assert f"{_pct(mean)} [{_pct(lo)}, {_pct(hi)}]" in row, row
         assert f"**{verdict}**" in row.split("|")[4], row
         assert row.split("|")[2].strip() == "4", row
-        late = [_late(CONTROL_LOSS[s] * (1 + d[s]), s) / _late(CONTROL_LOSS[s], s) - 1 for s in SEEDS]
+        late = [late_mean(CONTROL_LOSS[s] * (1 + d[s]), s) / late_mean(CONTROL_LOSS[s], s) - 1 for s in SEEDS]
         lmean, llo, lhi = _t_interval(late)
         assert f"{_pct(lmean)} [{_pct(llo)}, {_pct(lhi)}]" in row.split("|")[5], row
     one = _row(text, "fp8_blockwise")
@@ -335,13 +237,13 @@ def test_verdicts_are_searchable_on_the_parent_run(store):
     assert r["tags.verdict.fp8_blockwise"] == "no-interval" and r["tags.verdict_status"] == "ok"
     assert r["tags.verdict_late.fp8_rowwise"] == "non-inferior" and r["tags.verdict.fp8_delayed"] == "inconclusive"
     mean, lo, hi = _t_interval(D["bf16_pure"])
-    assert r["metrics.verdict_effect.bf16_pure"] == pytest.approx(mean, rel=1e-9)
-    assert r["metrics.verdict_lo.bf16_pure"] == pytest.approx(lo, rel=1e-9)
-    assert r["metrics.verdict_hi.bf16_pure"] == pytest.approx(hi, rel=1e-9)
-    assert r["metrics.verdict_effect.fp8_blockwise"] == pytest.approx(0.001)
-    assert np.isnan(r.get("metrics.verdict_lo.fp8_blockwise", np.nan))  # no interval: never logged
-    assert r["metrics.verdict_margin"] == 0.0025 and r["metrics.throughput_ratio.bf16_pure"] == pytest.approx(1.2)
-    assert r["metrics.noise_control_sd"] == pytest.approx(statistics.stdev(CONTROL_LOSS))
+    assert r["metrics.verdict/effect.bf16_pure"] == pytest.approx(mean, rel=1e-9)
+    assert r["metrics.verdict/lo.bf16_pure"] == pytest.approx(lo, rel=1e-9)
+    assert r["metrics.verdict/hi.bf16_pure"] == pytest.approx(hi, rel=1e-9)
+    assert r["metrics.verdict/effect.fp8_blockwise"] == pytest.approx(0.001)
+    assert np.isnan(r.get("metrics.verdict/lo.fp8_blockwise", np.nan))  # no interval: never logged
+    assert r["metrics.verdict/margin"] == 0.0025 and r["metrics.ratio/throughput.bf16_pure"] == pytest.approx(1.2)
+    assert r["metrics.noise/control_sd"] == pytest.approx(statistics.stdev(CONTROL_LOSS))
 
 
 def test_without_late_validation_points_the_column_is_omitted_and_said_why(store):
@@ -369,8 +271,8 @@ def test_every_control_run_failed_says_no_verdict_and_keeps_the_finished_runs(st
 def test_lowprec_report_rebuilds_with_the_logged_margin_or_a_named_one(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     tracker = Tracker(uri, "lowprec", tmp_path / "runs")
-    runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "bf16_pure": _main_runs()["bf16_pure"]}
-    _ablation(tracker, "abl-cli", runs, margin=0.05)
+    runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "bf16_pure": main_runs()["bf16_pure"]}
+    fabricate_ablation(tracker, "abl-cli", runs, margin=0.05)
     dirs = [f"paths.runs={tmp_path / 'runs'}", f"paths.reports={tmp_path / 'reports'}", f"tracking.uri={uri}"]
     report = tmp_path / "reports" / "abl-cli" / "report.md"
 
@@ -485,10 +387,10 @@ def test_stability_verdicts_are_recorded_on_the_parent_run(store):
     r = _parent_row(store, "abl-stab")
     assert r["tags.stability.fp8_tensorwise"] == "less stable" and r["tags.stability.bf16_pure"] == "as stable"
     assert r["tags.stability.fp8_rowwise"] == "less stable" and r["tags.stability.fp8_blockwise"] == "less stable"
-    assert r["metrics.stability_loss_spikes.fp8_tensorwise"] == pytest.approx(8 / 3)
-    assert r["metrics.stability_loss_spikes.bf16"] == pytest.approx(1 / 3)
-    assert r["metrics.stability_diverged.fp8_rowwise"] == 1 and r["metrics.stability_diverged.bf16_pure"] == 0
-    assert r["metrics.stability_runs.bf16_pure"] == 2
+    assert r["metrics.stability/loss_spikes.fp8_tensorwise"] == pytest.approx(8 / 3)
+    assert r["metrics.stability/loss_spikes.bf16"] == pytest.approx(1 / 3)
+    assert r["metrics.stability/diverged.fp8_rowwise"] == 1 and r["metrics.stability/diverged.bf16_pure"] == 0
+    assert r["metrics.stability/runs.bf16_pure"] == 2
     # no control run finished in abl-nocontrol: nothing to judge against, recorded as such
     assert _parent_row(store, "abl-nocontrol")["tags.stability.fp32"] == "no-data"
 
@@ -510,10 +412,10 @@ def test_predicted_h100_ratios_come_from_the_estimator_for_the_ablations_model(s
     for name in ("fp8_rowwise", "bf16_pure"):
         tps, mem = _predicted(name)
         assert _cells(_row(text, name))[-2:] == [f"{tps / ctrl_tps:.2f}x", f"{mem / ctrl_mem:.2f}x"]
-        assert r[f"metrics.predicted_throughput_ratio.{name}"] == pytest.approx(tps / ctrl_tps, rel=1e-9)
-        assert r[f"metrics.predicted_memory_ratio.{name}"] == pytest.approx(mem / ctrl_mem, rel=1e-9)
+        assert r[f"metrics.predicted/throughput_ratio.{name}"] == pytest.approx(tps / ctrl_tps, rel=1e-9)
+        assert r[f"metrics.predicted/memory_ratio.{name}"] == pytest.approx(mem / ctrl_mem, rel=1e-9)
     # FP8 GEMMs run at the FP8 peak; bf16_pure keeps half the state bytes
-    assert r["metrics.predicted_throughput_ratio.fp8_rowwise"] > 1 > r["metrics.predicted_memory_ratio.bf16_pure"]
+    assert r["metrics.predicted/throughput_ratio.fp8_rowwise"] > 1 > r["metrics.predicted/memory_ratio.bf16_pure"]
     assert _cells(_row(text, CONTROL))[-2:] == ["1.00x", "1.00x"]
     section = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
     assert "model `debug`, 2 x 8 tokens per GPU" in section and "says nothing about GPU throughput" in section

@@ -1,0 +1,149 @@
+"""``lowprec ui``: the MLflow UI on lowprec's tracking store, with settings that suit a 2-core machine.
+
+``mlflow ui`` starts several web workers and a job-execution worker pool by default; on two cores they compete
+with any training that runs beside them, and the UI needs neither to browse runs. lowprec starts it with one
+worker and job execution off (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``), lists the ablations in the store,
+and stops the server on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from experiments.tracking import ABLATION_TAG, DESCRIPTION_TAG, TrackingError, is_server, resolve_uri
+from lowprec.errors import UserError
+
+USAGE = "lowprec ui [--host 127.0.0.1] [--port 5000] [tracking.uri=...] [tracking.experiment=...]"
+
+
+class PortInUseError(UserError, OSError):
+    """The port asked for is taken by another program."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises ``PortInUseError`` if ``host:port`` cannot be bound (another server holds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as uvicorn binds: connections in TIME_WAIT from an earlier server do not make the port busy
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(
+                f"port {port} on {host} is in use ({e.strerror}); pass --port N with a free port"
+            ) from None
+
+
+def ablations_in(uri: str, experiment: str) -> list[tuple[str, str, str]]:
+    """(ablation id, status, description) of every ablation parent run in ``experiment`` of the store at ``uri``,
+    newest first; empty when the experiment does not exist yet."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    runs = client.search_runs(
+        [exp.experiment_id], "tags.`lowprec.kind` = 'ablation'", order_by=["attributes.start_time DESC"]
+    )
+    return [(r.data.tags[ABLATION_TAG], r.info.status, r.data.tags.get(DESCRIPTION_TAG, "")) for r in runs]
+
+
+def ui_command(uri: str, host: str, port: int) -> list[str]:
+    """The ``mlflow ui`` command line lowprec runs: one web worker, the store's own artifacts."""
+    return [
+        sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port),
+        "--workers", "1",
+    ]  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: SIGTERM it when lowprec dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``), so no orphaned server keeps the port. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Poll ``url/health`` until it answers; raises ``TrackingError`` if the server exits or never answers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TrackingError(f"mlflow ui exited with code {proc.returncode} before it answered at {url}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TrackingError(f"mlflow ui did not answer at {url} within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> int:
+    """SIGTERM the server (the signal ``mlflow ui`` shuts down cleanly on), SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt  # a supervisor's SIGTERM stops the UI the way Ctrl-C does
+
+
+def ui_main(argv: list[str], compose) -> int:
+    """Run ``lowprec ui``; ``compose`` builds the ``ablate`` config from the ``key=value`` overrides (for the
+    store's URI). Returns 0 after Ctrl-C, 2 with one line on bad input (a port in use, a server URI)."""
+    p = argparse.ArgumentParser(prog="lowprec ui", usage=USAGE)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    args, overrides = p.parse_known_args(argv)
+    try:
+        cfg = compose("ablate", overrides)
+        uri = resolve_uri(cfg.tracking.uri)
+        if is_server(uri):
+            raise UserError(f"tracking.uri={uri} is already a server: open it in a browser")
+        check_port_free(args.host, args.port)
+        found = ablations_in(uri, cfg.tracking.experiment)
+    except UserError as e:
+        print(f"lowprec ui: error: {e}", file=sys.stderr)
+        return 2
+    url = f"http://{args.host}:{args.port}"
+    print(f"store: {uri} (experiment {cfg.tracking.experiment}); {len(found)} ablation(s)")
+    for abl, status, desc in found:
+        print(f"  {abl}  {status:<8} {desc}")
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # Its own process group: a Ctrl-C reaches lowprec, which stops the server once, in order.
+    proc = subprocess.Popen(
+        ui_command(uri, args.host, args.port), env=env, start_new_session=True, preexec_fn=_die_with_parent
+    )
+    try:
+        wait_until_up(url, proc)
+        print(f"MLflow UI: {url}  (Ctrl-C stops it)", flush=True)
+        proc.wait()
+        print(f"lowprec ui: error: mlflow ui exited with code {proc.returncode}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        stop(proc)
+        print("lowprec ui: stopped", flush=True)
+        return 0
+    except TrackingError as e:
+        stop(proc)
+        print(f"lowprec ui: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        stop(proc)
