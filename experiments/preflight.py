@@ -30,6 +30,7 @@ from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import build_model_meta, check_compile, check_runtime, resolve_device
 from lowprec.train.checkpoint import check_resume_recipe
+from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.spec import TrainSpec
 
 
@@ -76,6 +77,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         check_layout(r, dims)
     resume = cfg.get("resume")
     if resume:
+        newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
         for r in recipes:
-            check_resume_recipe(resume, r, spec.resume_recipe_change)
+            check_resume_recipe(newest, r, spec.resume_recipe_change)
     return Checked(args, spec, hp, dims)

@@ -111,6 +111,16 @@ def record_effective(tracker: Tracker, run_id: str, eff: dict) -> None:
     tracker.log_dict(run_id, eff, EFFECTIVE_ARTIFACT)
 
 
+def resume_tags(r) -> dict[str, str]:
+    """``resumed_checkpoint`` (the folder loaded, after any fallback) and ``resume_note`` (why it is not the one
+    asked for: a damaged checkpoint skipped, or one without a manifest loaded unverified)."""
+    return {
+        "resumed_checkpoint": str(r.loaded),
+        "resumed_step": str(r.step),
+        **({"resume_note": r.note} if r.note else {}),
+    }
+
+
 def _effective_tags(eff: dict) -> dict[str, str]:
     tags = {"effective_recipe": dumps(eff)}
     if "resume_recipe_change" in eff:
@@ -209,6 +219,7 @@ def run_one(
             on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
+            on_resume=lambda r: tracker.set_tags(run_id, resume_tags(r)),
         )
         sink.log_summary()
         buffer.flush()

@@ -3,9 +3,10 @@ copies and quantized moments included) through ``torch.distributed.checkpoint`` 
 state (step, LR schedule, loss scaler, RNG states) in ``trainer_state.pt`` beside it.
 
 DCP works without a process group (one process) and with FSDP2/TP (each rank writes its shards, and a
-checkpoint loads into any other layout: DCP reshards DTensors on load). A run resumed from a checkpoint
-continues bit for bit: data order is a function of (seed, step), and every piece of state that the next
-step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt`` (the same on every rank).
+checkpoint loads into any other layout: DCP reshards DTensors on load). A checkpoint is written whole or not at
+all, with a sha256 manifest that is checked before a resume (``lowprec.train.checkpoint_files``). A run resumed
+from a checkpoint continues bit for bit: data order is a function of (seed, step), and every piece of state that
+the next step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt`` (the same on every rank).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lowprec.errors import CheckpointError
 from lowprec.parallel.fp8_all_gather import register_safe_globals
+from lowprec.train.checkpoint_files import commit, staging_folder, start_staging
 
 TRAINER_STATE = "trainer_state.pt"
 
@@ -34,28 +36,35 @@ def save_checkpoint(
     loss_scaler=None,
     recipe=None,
 ) -> None:
-    """Write everything the next step needs to the folder ``path`` (created if needed).
+    """Write everything the next step needs to the folder ``path``, all or nothing: into a staging folder, then
+    committed by rename with its sha256 manifest (``lowprec.train.checkpoint_files``); a save killed midway
+    leaves no ``path``.
 
     ``step``: the number of optimizer steps taken (the resumed run starts at this step index).
     ``recipe``: the run's ``Recipe``; its name and hash are stored so a resume under another recipe is
     noticed (``check_resume_recipe``).
     """
-    path = Path(path)
+    final = Path(path)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    staging = start_staging(final) if rank0 else staging_folder(final)
+    if dist.is_initialized():
+        dist.barrier()  # a killed save's leftover staging folder is gone before any rank writes
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 writes the trainer state (identical on every rank: step, schedule, scaler)
-        return
-    trainer = {
-        "step": step,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "recipe_name": recipe.name if recipe is not None else None,
-        "recipe_hash": recipe.hash() if recipe is not None else None,
-    }
-    torch.save(trainer, path / TRAINER_STATE)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    if dist.is_initialized():
+        dist.barrier()  # every rank's shards are written before rank 0 hashes and commits them
+    if rank0:
+        trainer = {
+            "step": step,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "recipe_name": recipe.name if recipe is not None else None,
+            "recipe_hash": recipe.hash() if recipe is not None else None,
+        }
+        torch.save(trainer, staging / TRAINER_STATE)  # identical on every rank: step, schedule, scaler
+        commit(staging, final)
     if dist.is_initialized():
         dist.barrier()
 
@@ -63,7 +72,8 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None, loss_scaler=None
 ) -> int:
-    """Load the folder ``path`` into the given objects in place; returns the saved step.
+    """Load the folder ``path`` into the given objects in place; returns the saved step. It does not check the
+    manifest: a resume verifies first (``checkpoint_files.resolve_resume``).
 
     Raises ``CheckpointError`` for a missing folder or file, a corrupt trainer state, or a checkpoint
     that does not load into this model/optimizer.

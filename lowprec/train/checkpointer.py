@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from lowprec.errors import CheckpointError
 from lowprec.train.build import Built
 from lowprec.train.checkpoint import check_resume_recipe, load_checkpoint, save_checkpoint
+from lowprec.train.checkpoint_files import prune, resolve_resume
 from lowprec.train.spec import TrainSpec
 
 
@@ -20,24 +23,33 @@ class ResumePoint:
 
     step: int = 0
     recipe_change: dict[str, Any] = field(default_factory=dict)
+    #: The checkpoint folder loaded (after fallback), None for a fresh start.
+    loaded: Path | None = None
+    #: Why ``loaded`` is not simply the checkpoint asked for (a fallback, an unverifiable checkpoint), else "".
+    note: str = ""
 
 
 class Checkpointer:
     """Writes ``<directory>/step_<N>`` after every N-th step, N = ``spec.checkpoint_every`` (never when
-    ``directory`` is None or N is 0), and resumes a run from such a folder (``lowprec.train.checkpoint``)."""
+    ``directory`` is None or N is 0), keeping the ``spec.keep_checkpoints`` newest (0: all), and resumes a run from
+    such a folder (``lowprec.train.checkpoint``)."""
 
     def __init__(self, built: Built, spec: TrainSpec, directory: str | Path | None):
         self.built, self.spec = built, spec
         self.directory = Path(directory) if directory is not None else None
 
     def resume(self, path: str | Path | None) -> ResumePoint:
-        """Load the checkpoint folder ``path`` into the built objects (step 0 and nothing loaded for None).
+        """Load the checkpoint ``path`` into the built objects (step 0 and nothing loaded for None): a checkpoint
+        folder, or a run's checkpoint directory (its newest complete ``step_<N>``), verified against its manifest;
+        a damaged one falls back to the previous complete checkpoint with a warning
+        (``checkpoint_files.resolve_resume``).
 
-        Raises ``CheckpointError`` when it was written under another recipe and ``spec.resume_recipe_change``
-        is off, when it does not load, or when its step leaves no step to run.
+        Raises ``CheckpointError`` when no complete checkpoint is found, when it was written under another recipe
+        and ``spec.resume_recipe_change`` is off, when it does not load, or when its step leaves no step to run.
         """
         if path is None:
             return ResumePoint()
+        path, note = resolve_resume(path)  # verified against its manifest, or the previous complete one
         b = self.built
         change = check_resume_recipe(path, b.recipe, self.spec.resume_recipe_change)
         step = load_checkpoint(path, b.model, b.optimizer, b.scheduler, b.loss_scaler)
@@ -45,7 +57,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is at step {step}; train.steps={self.spec.steps} leaves nothing to run"
             )
-        return ResumePoint(step, change)
+        return ResumePoint(step, change, path, note)
 
     def due(self, step: int) -> bool:
         every = self.spec.checkpoint_every
@@ -59,4 +71,6 @@ class Checkpointer:
         b = self.built
         path = self.directory / f"step_{step + 1}"
         save_checkpoint(path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            prune(self.directory, self.spec.keep_checkpoints)
         return path

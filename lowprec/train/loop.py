@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
-from lowprec.train.checkpointer import Checkpointer
+from lowprec.train.checkpointer import Checkpointer, ResumePoint
 from lowprec.train.inspector import Effective, EffectiveInspector
 from lowprec.train.meter import RunMeter
 from lowprec.train.spec import TrainSpec
@@ -67,6 +67,7 @@ def run_training(
     on_effective: Callable[[Effective], None] = lambda eff: None,
     checkpoint_dir: str | Path | None = None,
     resume_from: str | Path | None = None,
+    on_resume: Callable[[ResumePoint], None] = lambda r: None,
 ) -> RunResult:
     """Train for ``spec.steps`` optimizer steps (from the checkpoint ``resume_from``'s step if given),
     logging to ``sink``.
@@ -76,11 +77,14 @@ def run_training(
     recipe to ``on_effective``, then checks it (``EffectiveRecipeError``, also when no step ran an update).
     Metrics per step: ``loss``, ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``tokens``, the
     ``built.after_step`` hooks' metrics, ``val_loss`` when ``Validator`` ran. ``Checkpointer`` writes
-    ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step. Summary: ``final_loss``,
+    ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step; ``on_resume`` receives the
+    ``ResumePoint`` of a resumed run before its first step. Summary: ``final_loss``,
     ``final_val_loss`` and ``RunMeter.summary``. Exceptions propagate; every step before was logged.
     """
     checkpointer = Checkpointer(built, spec, checkpoint_dir)
     resumed = checkpointer.resume(resume_from)
+    if resumed.loaded is not None:
+        on_resume(resumed)  # which checkpoint was loaded, and why if it is not the one asked for
     start = resumed.step
     inspector = EffectiveInspector(built, on_effective, resumed.recipe_change)
     meter = RunMeter(built, spec, start)

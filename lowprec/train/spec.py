@@ -18,7 +18,7 @@ class TrainSpec:
     ``batch_size * grad_accum * seq_len`` tokens. ``timing_warmup_steps`` steps are excluded from
     tokens/s and step time. ``val_every`` <= 0 validates only at the end. ``telemetry_every``: FP8
     numerics telemetry is sampled on steps divisible by it (0 turns it off). ``checkpoint_every``: write a
-    checkpoint after every N-th step (0: never).
+    checkpoint after every N-th step (0: never). ``keep_checkpoints``: keep only the N newest (0: all).
     """
 
     steps: int = 200
@@ -33,6 +33,7 @@ class TrainSpec:
     timing_warmup_steps: int = 3
     telemetry_every: int = 25
     checkpoint_every: int = 0
+    keep_checkpoints: int = 0
     progress: bool = True
     resume_recipe_change: bool = False
     ac: str = "none"
@@ -42,7 +43,7 @@ class TrainSpec:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
-        for name in ("warmup_steps", "checkpoint_every", "timing_warmup_steps", "telemetry_every"):
+        for name in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "timing_warmup_steps", "telemetry_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
         if not (self.grad_clip > 0):  # also refuses NaN

@@ -86,6 +86,7 @@ BAD = [
     (["ablate", "recipes=[fp32,fp8_current]", "recipe.fp8.hp_first_blocks=99"], "Could not override"),
     (["ablate", "recipes=[fp32,fp8_comm8]"], "recipe fp8_comm8: recipe.comm"),
     (["train", "resume=/no/such/checkpoint"], "no checkpoint at '/no/such/checkpoint'"),
+    (["train", "train.keep_checkpoints=-1"], "train.keep_checkpoints=-1 must be >= 0"),
 ]
 
 
