@@ -24,6 +24,7 @@ from lowprec.errors import ConfigError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
+from lowprec.train.stop import StopSignal
 from recipes import get_recipe
 
 
@@ -164,7 +165,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
                 f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
             )
         else:
-            echo(f"  {o.recipe:<16} seed {o.seed}: FAILED ({o.reason})")
+            echo(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
 
     def train(jobs: list[tuple[Recipe, int]]) -> None:
         out.runs.extend(run_jobs(cfg, jobs, data, tracker, parent, ablation_id, workers, on_done=show))
@@ -180,6 +181,11 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
     except KeyboardInterrupt:
         tracker.end_run(parent, "KILLED", "interrupted by the user")
+        raise
+    except StopSignal as stop:
+        done = sum(o.status == "FINISHED" for o in out.runs)
+        tracker.set_tags(parent, {"stopped_by": stop.name})
+        tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
         raise
     n_failed = sum(o.status != "FINISHED" for o in out.runs)
     out.wall_s = time.perf_counter() - t0

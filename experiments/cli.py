@@ -34,6 +34,7 @@ from experiments.ui import ui_main
 from lowprec.data import check_vocab_fits
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
+from lowprec.train.stop import StopSignal, install_stop_handlers
 from recipes import CATALOG
 
 USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui} ...
@@ -138,10 +139,17 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
                 f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True
             )
             return spawn_torchrun(dims.world_size, [config_name, *argv])
+        install_stop_handlers()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, record KILLED
         result = task(cfg)
     except _user_errors() as e:
         print(f"lowprec {config_name}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except StopSignal as stop:
+        print(f"lowprec {config_name}: {stop.reason()}", file=sys.stderr)
+        if stop.checkpoint and config_name == "train":
+            again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
+            print(f"resume it: lowprec {config_name} {' '.join(again)} resume={stop.checkpoint}", file=sys.stderr)
+        return stop.exit_code
     if config_name == "train":
         return 0 if result.status == "FINISHED" else 1
     return 0

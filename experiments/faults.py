@@ -1,14 +1,17 @@
-"""Fault injection for testing failure handling end to end (crash, NaN, a dying process), configured under
-``faults.*``."""
+"""Fault injection for testing failure handling end to end (crash, NaN, a dying process, a pre-emption signal),
+configured under ``faults.*``."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 
+from lowprec.errors import ConfigError
 from lowprec.train.build import Built
 from lowprec.train.loop import StepHook
+from lowprec.train.stop import STOP_SIGNALS
 
 
 class InjectedCrash(RuntimeError):
@@ -45,4 +48,20 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
                 os._exit(13)  # no cleanup, no exception: what a kill -9 or the OOM killer leaves behind
 
         hooks.append(die)
+    if faults.signal_at_step is not None:
+        at_signal, signum = int(faults.signal_at_step), stop_signal(faults.signal)
+
+        def preempt(step: int, built: Built) -> None:
+            if step == at_signal:
+                os.kill(os.getpid(), signum)  # delivered for real, to the handler the command installed
+
+        hooks.append(preempt)
     return hooks
+
+
+def stop_signal(name: str) -> int:
+    """The signal ``faults.signal`` names; raises ``ConfigError`` for one that is not a stop signal."""
+    known = {signal.Signals(s).name: s for s in STOP_SIGNALS}
+    if name not in known:
+        raise ConfigError(f"faults.signal={name} is not one of {', '.join(known)}")
+    return known[name]

@@ -5,8 +5,11 @@ torchrun (or srun + torchrun) themselves with the same arguments; see the README
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+
+from lowprec.train.stop import STOP_SIGNALS
 
 
 def under_torchrun() -> bool:
@@ -37,4 +40,12 @@ def spawn_torchrun(nproc: int, argv: list[str]) -> int:
     # Ranks must not share inductor's on-disk cache (torchao's compiled optimizer step crashed when they did).
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
     env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-    return subprocess.call(torchrun_command(nproc, argv), env=env)
+    proc = subprocess.Popen(torchrun_command(nproc, argv), env=env)
+    # A signal to this process goes on to torchrun, which forwards it to every rank (lowprec.train.stop); without
+    # this, a SIGTERM would end this process alone and leave torchrun and the ranks running.
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

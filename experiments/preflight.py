@@ -20,6 +20,7 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
+from experiments.faults import stop_signal
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
@@ -75,6 +76,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         check_compile(r, spec)
         require_fp8_selection(meta, r.fp8)
         check_layout(r, dims)
+    stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     resume = cfg.get("resume")
     if resume:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one

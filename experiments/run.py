@@ -32,6 +32,7 @@ from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
 from lowprec.train.loop import NonFiniteError, run_training
+from lowprec.train.stop import StopSignal
 
 
 def release_memory() -> None:
@@ -165,7 +166,8 @@ def run_one(
 
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
     marks the run FAILED with ``failure_reason`` and returns; metrics logged before it are kept.
-    ``KeyboardInterrupt`` marks the run KILLED and propagates.
+    ``KeyboardInterrupt`` and ``StopSignal`` (a stop signal, after the step it arrived in and its checkpoint) mark
+    the run KILLED with the reason and propagate.
     """
     device = resolve_device(cfg.device)
     model_name = cfg.model.name
@@ -203,7 +205,9 @@ def run_one(
             tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
         ckpt_dir = (
-            Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id) if spec.checkpoint_every > 0 else None
+            Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
+            if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
+            else None
         )
         resume = cfg.get("resume")
         if ckpt_dir or resume:
@@ -237,6 +241,16 @@ def run_one(
         tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
         tracker.end_run(run_id, "FINISHED")
         return RunOutcome(run_id, recipe.name, seed, "FINISHED", summary=result.summary)
+    except StopSignal as stop:  # every step before it is logged; the run can resume from stop.checkpoint
+        sink.log_summary()
+        buffer.flush()
+        tags = {"stopped_by": stop.name, "stopped_after_step": str(stop.step)}
+        if stop.checkpoint:
+            tags["resume_checkpoint"] = str(stop.checkpoint)
+        tracker.set_tags(run_id, tags)
+        tracker.end_run(run_id, "KILLED", stop.reason())
+        stop.run_id = run_id
+        raise
     except KeyboardInterrupt:
         sink.log_summary()
         buffer.flush()

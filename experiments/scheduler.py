@@ -16,6 +16,7 @@ reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -26,6 +27,7 @@ from experiments.run import RunOutcome, run_one
 from lowprec.data import TokenData
 from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
+from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop
 
 Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
@@ -68,13 +70,17 @@ def _init_worker(threads: int, cfg: dict) -> None:
     from experiments.tracking import make_tracker
 
     torch.set_num_threads(threads)
+    install_stop_handlers()  # the ablation forwards its stop signal; each run stops after its current step
     conf = OmegaConf.create(cfg)
     _state.update(cfg=conf, data=prepare_data(conf), tracker=make_tracker(conf))
 
 
 def _run_in_worker(recipe: Recipe, seed: int, parent_id: str, ablation_id: str) -> RunOutcome:
     s = _state
-    return run_one(s["cfg"], recipe, seed, s["data"], s["tracker"], parent_id=parent_id, ablation_id=ablation_id)
+    try:
+        return run_one(s["cfg"], recipe, seed, s["data"], s["tracker"], parent_id=parent_id, ablation_id=ablation_id)
+    except StopSignal as stop:  # recorded KILLED by run_one; a result, so the pool stays usable
+        return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
 
 
 # --- in the ablation process ----------------------------------------------------------------------------------
@@ -93,12 +99,21 @@ def run_jobs(
     """Train every (recipe, seed) of ``jobs`` under the parent run; ``on_done`` sees each outcome as it lands.
 
     Returns the outcomes in the order of ``jobs``. ``KeyboardInterrupt`` cancels what has not started and
-    propagates (each started run marks itself KILLED).
+    propagates (each started run marks itself KILLED). A stop signal (``lowprec.train.stop``) received here is
+    forwarded to the workers; the runs in flight stop after their current step (checkpointed, KILLED), none
+    other starts, and ``StopSignal`` is raised with a summary once they have.
     """
     if workers == 1 or len(jobs) == 1:
         out = []
         for recipe, seed in jobs:
-            o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent_id, ablation_id=ablation_id)
+            if local_stop():  # stopped between two runs: start no other
+                raise _ablation_stop(out, len(jobs) - len(out))
+            try:
+                o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent_id, ablation_id=ablation_id)
+            except StopSignal as stop:
+                o = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+                on_done(o)
+                raise _ablation_stop([*out, o], len(jobs) - len(out) - 1) from None
             on_done(o)
             out.append(o)
         return out
@@ -113,8 +128,12 @@ def run_jobs(
             pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id): i
             for i, (recipe, seed) in enumerate(jobs)
         }
+        forwarded = False
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if local_stop() and not forwarded:  # this process got the signal: each worker stops after its step
+                forward_stop(pool, pending)
+                forwarded = True
             for f in done:
                 i = pending.pop(f)
                 try:
@@ -132,7 +151,29 @@ def run_jobs(
     pool.shutdown()
     if any(o.run_id == "" for o in results.values()):
         fail_orphans(tracker, parent_id)
+    if local_stop():
+        raise _ablation_stop(list(results.values()), len(jobs) - len(results))
     return [results[i] for i in range(len(jobs))]
+
+
+def _ablation_stop(outcomes: list[RunOutcome], not_started: int) -> StopSignal:
+    killed = [o for o in outcomes if o.status == "KILLED"]
+    name = signal.Signals(local_stop()).name
+    msg = f"stopped by {name}: {len(killed)} run(s) stopped after their current step and recorded KILLED"
+    msg += f" (each tagged resume_checkpoint when it wrote one), {not_started} not started"
+    return StopSignal(local_stop(), message=msg)
+
+
+def forward_stop(pool: ProcessPoolExecutor, pending: dict[Future, int]) -> None:
+    """Cancel the runs not started and send SIGTERM to every worker process: the runs in flight stop after their
+    current step, write their checkpoint and are recorded KILLED (SIGTERM, not the signal received: a terminal's
+    Ctrl-C already reached the workers, and a second SIGINT would stop them without their checkpoint)."""
+    for f in list(pending):
+        if f.cancel():
+            pending.pop(f)
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
 
 
 def fail_orphans(tracker, parent_id: str) -> None:

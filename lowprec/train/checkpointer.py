@@ -63,6 +63,19 @@ class Checkpointer:
         every = self.spec.checkpoint_every
         return self.directory is not None and every > 0 and (step + 1) % every == 0
 
+    def save_on_stop(self, step: int) -> Path | None:
+        """The checkpoint for a run stopped by a signal after step ``step``: the one just written if it was due,
+        else one written now when ``checkpoint_every`` > 0 or ``checkpoint_on_signal`` (None otherwise, or
+        without a directory)."""
+        if self.directory is None or not (self.spec.checkpoint_every > 0 or self.spec.checkpoint_on_signal):
+            return None
+        if self.due(step):
+            return self.directory / f"step_{step + 1}"
+        b = self.built
+        path = self.directory / f"step_{step + 1}"
+        save_checkpoint(path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe)
+        return path
+
     def maybe_save(self, step: int) -> Path | None:
         """Write the checkpoint due after step ``step`` (0-based; it records ``step + 1`` steps taken), if any;
         returns its folder."""

@@ -20,6 +20,7 @@ from lowprec.train.inspector import Effective, EffectiveInspector
 from lowprec.train.meter import RunMeter
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import NonFiniteError, StepResult, evaluate, forward_loss, train_step
+from lowprec.train.stop import StopSignal, stop_requested
 from lowprec.train.validator import Validator
 
 # The step functions and their types are imported from here by experiments, tests and benchmarks;
@@ -78,8 +79,10 @@ def run_training(
     Metrics per step: ``loss``, ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``tokens``, the
     ``built.after_step`` hooks' metrics, ``val_loss`` when ``Validator`` ran. ``Checkpointer`` writes
     ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step; ``on_resume`` receives the
-    ``ResumePoint`` of a resumed run before its first step. Summary: ``final_loss``,
-    ``final_val_loss`` and ``RunMeter.summary``. Exceptions propagate; every step before was logged.
+    ``ResumePoint`` of a resumed run before its first step. After a step during which a stop signal arrived
+    (``lowprec.train.stop``) it writes the checkpoint the spec asks for and raises ``StopSignal``. Summary:
+    ``final_loss``, ``final_val_loss`` and ``RunMeter.summary``. Exceptions propagate; every step before was
+    logged.
     """
     checkpointer = Checkpointer(built, spec, checkpoint_dir)
     resumed = checkpointer.resume(resume_from)
@@ -114,6 +117,10 @@ def run_training(
         sink.log_metrics(metrics, step)
         history.append(metrics)
         checkpointer.maybe_save(step)
+        signum = stop_requested()
+        if signum:  # a stop signal arrived during this step: it is complete, checkpoint and stop here
+            bar.close()
+            raise StopSignal(signum, step, checkpointer.save_on_stop(step))
         bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
     bar.close()
     inspector.finish(range(start, spec.steps))

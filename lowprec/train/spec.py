@@ -19,6 +19,8 @@ class TrainSpec:
     tokens/s and step time. ``val_every`` <= 0 validates only at the end. ``telemetry_every``: FP8
     numerics telemetry is sampled on steps divisible by it (0 turns it off). ``checkpoint_every``: write a
     checkpoint after every N-th step (0: never). ``keep_checkpoints``: keep only the N newest (0: all).
+    ``checkpoint_on_signal``: write one when a stop signal ends the run (``lowprec.train.stop``), also with
+    ``checkpoint_every`` 0.
     """
 
     steps: int = 200
@@ -34,6 +36,7 @@ class TrainSpec:
     telemetry_every: int = 25
     checkpoint_every: int = 0
     keep_checkpoints: int = 0
+    checkpoint_on_signal: bool = False
     progress: bool = True
     resume_recipe_change: bool = False
     ac: str = "none"

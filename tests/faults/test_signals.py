@@ -1,0 +1,125 @@
+"""Stop signals (issue 15, item 1): SIGTERM, SIGINT and SIGUSR1 during ``lowprec train`` and ``lowprec ablate`` end
+the current step, write a checkpoint (``train.checkpoint_on_signal``), mark the runs and the parent KILLED in MLflow
+with the reason and the last step, print where to resume, and exit with 128 + signal; the resumed run continues the
+interrupted one bit for bit. Signals are real: ``faults.signal_at_step`` sends one to the process itself, and the
+ablation test sends SIGTERM to a ``lowprec ablate`` subprocess from outside, as a scheduler would."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import main
+from lowprec.train.checkpoint_files import verify
+from lowprec.train.stop import STOP_SIGNALS, clear_stop
+
+RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
+RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp8_delayed"]
+
+
+@pytest.fixture
+def own_handlers():
+    """The command installs its stop handlers in this (pytest) process: put pytest's back afterwards."""
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    clear_stop()
+    yield
+    clear_stop()
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def _runs(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    return client, sorted(client.search_runs([exp]), key=lambda r: r.info.start_time)
+
+
+def _losses(client, run) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGUSR1"])
+def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_signal(
+    sig, run_dirs, tmp_path, capsys, own_handlers
+):
+    args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *run_dirs]
+    rc = main([*args, "faults.signal_at_step=3", f"faults.signal={sig}"])
+    assert rc == 128 + signal.Signals[sig]
+    err = capsys.readouterr().err
+    client, (run,) = _runs(tmp_path)
+    assert run.info.status == "KILLED" and run.info.end_time is not None
+    tags = run.data.tags
+    ckpt = tags["resume_checkpoint"]
+    assert tags["stopped_by"] == sig and tags["stopped_after_step"] == "3" and ckpt.endswith("/step_4")
+    assert tags["failure_reason"] == f"stopped by {sig} after step 3; checkpoint {ckpt}"
+    assert f"lowprec train: stopped by {sig} after step 3" in err and f"resume={ckpt}" in err
+    assert "faults." not in err.splitlines()[-1]  # the printed resume command leaves the injected fault out
+    assert verify(ckpt) and sorted(_losses(client, run)) == [0, 1, 2, 3]  # the step in flight was completed
+
+
+def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(run_dirs, tmp_path, own_handlers):
+    args = ["train", *RUN, "train.steps=7", *run_dirs]
+    assert main(args) == 0  # uninterrupted
+    clear_stop()
+    assert main([*args, "train.checkpoint_on_signal=true", "faults.signal_at_step=2"]) == 143
+    client, (full, stopped) = _runs(tmp_path)
+    clear_stop()
+    assert main([*args, f"resume={stopped.data.tags['resume_checkpoint']}"]) == 0
+    _, (_, _, resumed) = _runs(tmp_path)
+    a, b, c = _losses(client, full), _losses(client, stopped), _losses(client, resumed)
+    assert sorted(b) == [0, 1, 2] and sorted(c) == [3, 4, 5, 6]
+    assert {**b, **c} == a and resumed.data.tags["resumed_step"] == "3"
+
+
+def test_without_a_checkpoint_setting_the_stop_says_so(run_dirs, tmp_path, capsys, own_handlers):
+    assert main(["train", *RUN, "train.steps=6", *run_dirs, "faults.signal_at_step=1"]) == 143
+    _, (run,) = _runs(tmp_path)
+    assert run.data.tags["failure_reason"] == "stopped by SIGTERM after step 1; no checkpoint written"
+    assert "resume it" not in capsys.readouterr().err
+
+
+def test_bad_fault_signal_is_one_line(run_dirs, capsys):
+    assert main(["train", *RUN, *run_dirs, "faults.signal=SIGKILL", "faults.signal_at_step=1"]) == 2
+    assert "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1" in capsys.readouterr().err
+
+
+def _running_children(db: str) -> int:
+    try:
+        with sqlite3.connect(db) as c:
+            q = "select count(*) from runs r join tags t on r.run_uuid = t.run_uuid "
+            q += "where t.key = 'mlflow.parentRunId' and r.status = 'RUNNING'"
+            return c.execute(q).fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(run_dirs, tmp_path):
+    db = tmp_path / "runs" / "mlflow.db"
+    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
+    args += ["train.checkpoint_on_signal=true", *run_dirs]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while _running_children(str(db)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    time.sleep(2)  # both runs are training
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "lowprec ablate: stopped by SIGTERM: 2 run(s) stopped after their current step" in err
+    client, runs = _runs(tmp_path)
+    parent = next(r for r in runs if r.data.tags.get("lowprec.kind") == "ablation")
+    kids = [r for r in runs if r is not parent]
+    assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "SIGTERM"
+    assert len(kids) == 2 and all(k.info.status == "KILLED" for k in kids)
+    for k in kids:
+        step = int(k.data.tags["stopped_after_step"])
+        assert k.data.tags["resume_checkpoint"].endswith(f"/step_{step + 1}") and verify(
+            k.data.tags["resume_checkpoint"]
+        )
+        assert max(_losses(client, k)) == step  # every step up to the stop is logged
