@@ -208,7 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "selfcheck":
         return selfcheck_main(rest)
     if cmd == "ui":
-        return ui_main(rest, compose)
+        try:
+            return ui_main(rest, compose)
+        except _user_errors() as e:  # a bad override of the store's config
+            print(f"lowprec ui: error: {one_line(e)}", file=sys.stderr)
+            return 2
     if cmd in ("train", "ablate"):
         task = train_main if cmd == "train" else ablate
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line

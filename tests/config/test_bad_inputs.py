@@ -87,6 +87,8 @@ BAD = [
     (["ablate", "recipes=[fp32,fp8_comm8]"], "recipe fp8_comm8: recipe.comm"),
     (["train", "resume=/no/such/checkpoint"], "no checkpoint at '/no/such/checkpoint'"),
     (["train", "train.keep_checkpoints=-1"], "train.keep_checkpoints=-1 must be >= 0"),
+    (["ui", "tracking.urx=3"], "Could not override 'tracking.urx'"),
+    (["train", "faults.signal=SIGKILL"], "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1"),
 ]
 
 

@@ -84,11 +84,6 @@ def test_without_a_checkpoint_setting_the_stop_says_so(run_dirs, tmp_path, capsy
     assert "resume it" not in capsys.readouterr().err
 
 
-def test_bad_fault_signal_is_one_line(run_dirs, capsys):
-    assert main(["train", *RUN, *run_dirs, "faults.signal=SIGKILL", "faults.signal_at_step=1"]) == 2
-    assert "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1" in capsys.readouterr().err
-
-
 def _running_children(db: str) -> int:
     try:
         with sqlite3.connect(db) as c:
