@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from experiments.auto_seeds import plan_for, replay_results
 from experiments.config import flat_params, parallel_from_cfg
+from experiments.orphans import close_orphans, owner_tags
 from experiments.preflight import preflight
 from experiments.report import build_report
 from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
@@ -123,6 +124,8 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     tracker = make_tracker(cfg)
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
+    for run_id in close_orphans(tracker):
+        echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
     ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     seeds_tags = {"seeds": dumps(seeds)}
     if plan is not None:
@@ -143,6 +146,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             "parallel": dims.short(),
             "world_size": str(dims.world_size),
             **provenance_tags(device),
+            **owner_tags(),
         },
     )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})

@@ -24,6 +24,7 @@ from experiments.ablate import ablate, ablation_recipes
 from experiments.config import CONF_DIR, parallel_from_cfg, recipe_from_cfg, register_configs
 from experiments.estimate import estimate_main
 from experiments.launch import spawn_torchrun, under_torchrun
+from experiments.orphans import close_orphans
 from experiments.preflight import preflight
 from experiments.report import build_report
 from experiments.run import run_one
@@ -94,6 +95,8 @@ def train_main(cfg: DictConfig, echo=print):
     tracker = make_tracker(cfg)
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
+    for run_id in close_orphans(tracker):
+        echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
     echo(
         f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "
         f"{cfg.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")

@@ -58,6 +58,7 @@ class FaultsConfig:
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
     ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path).
     ``exit_at_step``: end the process at once before this step (``os._exit``: a worker killed mid-run).
+    ``kill_at_step``: send SIGKILL to this process before this step (a real ``kill -9``: no handler, no flush).
     ``signal_at_step``: send ``signal`` (SIGTERM, SIGINT or SIGUSR1) to this process before this step, as a
     scheduler's pre-emption would (the run stops after that step)."""
 
@@ -65,6 +66,7 @@ class FaultsConfig:
     crash_at_step: int | None = None
     nan_at_step: int | None = None
     exit_at_step: int | None = None
+    kill_at_step: int | None = None
     signal_at_step: int | None = None
     signal: str = "SIGTERM"
 

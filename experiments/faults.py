@@ -48,6 +48,14 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
                 os._exit(13)  # no cleanup, no exception: what a kill -9 or the OOM killer leaves behind
 
         hooks.append(die)
+    if faults.kill_at_step is not None:
+        at_kill = int(faults.kill_at_step)
+
+        def kill9(step: int, built: Built) -> None:
+            if step == at_kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        hooks.append(kill9)
     if faults.signal_at_step is not None:
         at_signal, signum = int(faults.signal_at_step), stop_signal(faults.signal)
 

@@ -20,6 +20,7 @@ from experiments.config import (
     train_from_cfg,
 )
 from experiments.faults import fault_hooks
+from experiments.orphans import owner_tags
 from experiments.stability_log import StabilityRecorder, rule_tag
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
@@ -184,6 +185,7 @@ def run_one(
         "parallel": dims.short(),
         "world_size": str(dims.world_size),
         **provenance_tags(device),
+        **owner_tags(),  # a later command ends the run FAILED if this process dies without a word (kill -9)
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id

@@ -48,6 +48,12 @@ class StabilityRecorder:
             self.last_step = step
         self.sink.log_metrics(metrics, step)
 
+    def flush(self) -> None:
+        """Hand the buffered metrics to the tracking store now (the loop calls it after each checkpoint)."""
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
+
     def record_failed_step(self, loss: float, grad_norm: float) -> None:
         """The step after the last logged one stopped the run (``NonFiniteError``): its loss and grad norm,
         one of them non-finite, are part of the series though the step never reached the sink."""

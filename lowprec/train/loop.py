@@ -42,9 +42,19 @@ StepHook = Callable[[int, Built], None]
 
 
 class MetricSink(Protocol):
+    """Where the loop's metrics go. A sink that buffers may also have ``flush()``, which the loop calls after each
+    checkpoint it writes."""
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Record ``metrics`` (name -> value, units in the name: ``_s``, ``_bytes``, ``tokens_per_s``) of the
         0-based optimizer step ``step``."""
+
+
+def flush_sink(sink: MetricSink) -> None:
+    """``sink.flush()`` when the sink buffers (has one); nothing otherwise."""
+    flush = getattr(sink, "flush", None)
+    if flush is not None:
+        flush()
 
 
 @dataclass
@@ -116,7 +126,8 @@ def run_training(
         metrics.update(validator.maybe_validate(step))
         sink.log_metrics(metrics, step)
         history.append(metrics)
-        checkpointer.maybe_save(step)
+        if checkpointer.maybe_save(step) is not None:
+            flush_sink(sink)  # every step up to a checkpoint is stored: a kill -9 loses none a resume cannot redo
         signum = stop_requested()
         if signum:  # a stop signal arrived during this step: it is complete, checkpoint and stop here
             bar.close()
