@@ -113,7 +113,7 @@ def test_a_server_killed_and_restarted_mid_run_gets_every_spooled_metric_in_orde
     finally:
         proc.kill()
     err = (runs / "stderr.txt").read_text()
-    assert f"lowprec: tracking server {server.uri} failed ([Errno 111] Connection refused)" in err, err
+    assert f"lowprec: tracking server {server.uri} failed (" in err and "goes on, its writes are spooled in" in err
     assert f"lowprec: tracking server {server.uri} answers again: replayed" in err
     assert "does not answer" not in err  # drained during the run: nothing left for lowprec sync
     _check_run(server, reference)
