@@ -195,6 +195,15 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     out.wall_s = time.perf_counter() - t0
     tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
     tracker.end_run(parent, "FINISHED")
+    # The report reads every run from the store: first what the runs spooled while the server did not answer.
+    left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
+    if left:
+        echo(
+            f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the tracking server does not "
+            f"answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync {left[0].parent}, then "
+            f"lowprec report {ablation_id}"
+        )
+        return out
     if is_rank0():
         out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
     echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")

@@ -30,6 +30,7 @@ from experiments.report import build_report
 from experiments.run import run_one
 from experiments.selfcheck.runner import selfcheck_main
 from experiments.startup import prepare_data, start_parallel
+from experiments.sync import sync_main
 from experiments.tracking import Tracker, make_tracker
 from experiments.ui import ui_main
 from lowprec.data import check_vocab_fits
@@ -38,7 +39,7 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.train.stop import StopSignal, install_stop_handlers
 from recipes import CATALOG
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui,sync} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
@@ -48,6 +49,7 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui} ..
                    [batch=N] [seq=N] [--json]
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
   lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
+  lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
 """
 
 
@@ -210,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return estimate_main(rest)
     if cmd == "selfcheck":
         return selfcheck_main(rest)
+    if cmd == "sync":
+        return sync_main(rest, compose)
     if cmd == "ui":
         try:
             return ui_main(rest, compose)

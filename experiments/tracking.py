@@ -1,4 +1,9 @@
-"""MLflow tracking: parent/child runs, buffered metric logging, provenance tags."""
+"""MLflow tracking: parent/child runs, buffered metric logging, provenance tags.
+
+Every write goes through ``Tracker``: on a tracking server (``http(s)://``) through its ``Spooler``
+(``experiments/spool.py``: a write the server cannot take is spooled locally and replayed later, training goes on);
+on a local sqlite store straight to the store, whose first creation is serialized by a lock file beside it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from contextlib import nullcontext
 from pathlib import Path
 
 # MLflow 3 prints a deprecation banner for some stores and tries to reach the network for nothing we use.
@@ -17,9 +23,12 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 import mlflow  # noqa: E402
 import torch
+from filelock import FileLock  # noqa: E402
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from experiments.spool import Spooler, apply, batch_record, end_record, is_transient, short_reason  # noqa: E402
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 
@@ -69,49 +78,97 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
+def store_lock(uri: str):
+    """For a sqlite URI, an exclusive lock file beside the database (``<db>.lock``), else a no-op context.
+
+    MLflow's sqlite store creates its tables on first use without a lock (``SqlAlchemyStore.__init__`` calls
+    ``_initialize_tables`` unguarded): two processes opening a new database at once failed with ``table experiments
+    already exists`` or ``duplicate column name: step`` (tests/integration/test_sqlite_concurrency.py). Once the
+    tables exist, MLflow's sessions wait on each other (``PRAGMA busy_timeout = 20000``).
+    """
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return nullcontext()
+    db = Path(uri[len(prefix) :].split("?", 1)[0])
+    return FileLock(str(db.with_name(db.name + ".lock")))
+
+
 class Tracker:
-    """One MLflow experiment behind a client; all lowprec logging goes through it."""
+    """One MLflow experiment behind a client; all lowprec logging goes through it.
+
+    On a tracking server, every write of a run goes through ``self.spool`` (``experiments.spool.Spooler``): it fails
+    fast and is spooled under ``<artifact_root>/spool/`` when the server does not answer, and replayed in order when
+    it does. Creating a run still needs the server.
+    """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | Path):
         """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached."""
         self.uri = resolve_uri(uri)
         check_reachable(self.uri)
         mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None and is_server(self.uri):
-            # The server chooses (and serves) the artifact store: a client path would not exist on its machine.
-            self.experiment_id = self.client.create_experiment(experiment)
-        elif exp is None:
+        with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
+            self.client = MlflowClient(self.uri)
+            self.experiment_id = self._experiment(experiment, artifact_root)
+        self.spool = Spooler(Path(artifact_root).resolve() / "spool", self.uri) if is_server(self.uri) else None
+
+    def _experiment(self, name: str, artifact_root: str | Path) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            if is_server(self.uri):
+                # The server chooses (and serves) the artifact store: a client path would not exist on its machine.
+                return self.client.create_experiment(name)
             root = Path(artifact_root).resolve() / "mlartifacts"
             root.mkdir(parents=True, exist_ok=True)
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=root.as_uri())
+            return self.client.create_experiment(name, artifact_location=root.as_uri())
+        except MlflowException as e:  # another process (a second ablation on the same server) created it first
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _write(self, run_id: str, rec: dict, final: bool = False) -> None:
+        if self.spool is None:
+            apply(self.client, run_id, rec)
         else:
-            self.experiment_id = exp.experiment_id
+            self.spool.send(self.client, run_id, rec, final)
 
     def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
+        """Create the run (with MLflow's own retries: a run cannot be spooled before the server has given it an id).
+        Raises ``TrackingError`` when the server still fails after them."""
         if parent_id:
             tags = {**tags, PARENT_TAG: parent_id}
-        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        try:
+            return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        except MlflowException as e:
+            if not (is_server(self.uri) and is_transient(e)):
+                raise
+            raise TrackingError(f"tracking server {self.uri} failed to create run {name} ({short_reason(e)})") from e
+
+    def log_batch(
+        self, run_id: str, metrics: list[Metric] = (), params: list[Param] = (), tags: list[RunTag] = ()
+    ) -> None:
+        """``MlflowClient.log_batch`` through the spool (metrics keep their timestamp and step)."""
+        self._write(run_id, batch_record(metrics, params, tags))
 
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i : i + 100])
+            self.log_batch(run_id, params=items[i : i + 100])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
+        self.log_batch(run_id, tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
 
     def log_dict(self, run_id: str, obj: dict, name: str) -> None:
-        self.client.log_dict(run_id, obj, name)
+        self._write(run_id, {"op": "dict", "name": name, "obj": obj})
 
     def log_text(self, run_id: str, text: str, name: str) -> None:
         """``text`` as the run's artifact ``name`` (e.g. ``failure_traceback.txt``)."""
-        self.client.log_text(run_id, text, name)
+        self._write(run_id, {"op": "text", "name": name, "text": text})
 
     def log_artifact(self, run_id: str, path: str | Path, folder: str | None = None) -> None:
         """The file ``path`` as an artifact of the run (at the artifact root, or under ``folder``)."""
-        self.client.log_artifact(run_id, str(path), folder)
+        self._write(run_id, {"op": "file", "path": str(Path(path).resolve()), "folder": folder})
 
     def set_description(self, run_id: str, text: str) -> None:
         """The run's description as the MLflow UI shows it."""
@@ -124,9 +181,16 @@ class Tracker:
         return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
     def end_run(self, run_id: str, status: str, reason: str | None = None) -> None:
+        """The run's final status (and ``failure_reason``), its last write: on a server that does not answer, the
+        run ends here and its spool holds the status for ``lowprec sync`` (a line on stderr says where)."""
         if reason:
             self.set_tags(run_id, {"failure_reason": reason[:8000]})
-        self.client.set_terminated(run_id, status)
+        self._write(run_id, end_record(status), final=True)
+
+    def drain_spools(self, run_ids: list[str]) -> list[Path]:
+        """Replay what is spooled for ``run_ids`` (an ablation's runs, some spooled by its worker processes);
+        returns the spool files the server still did not take. Nothing to do on a local store."""
+        return [] if self.spool is None else self.spool.drain(self.client, run_ids)
 
 
 class NullTracker:
@@ -151,6 +215,8 @@ class NullTracker:
     def set_description(self, run_id: str, text: str) -> None: ...
     def end_run(self, run_id: str, status: str, reason: str | None = None) -> None: ...
     def log_batch(self, run_id: str, **kwargs) -> None: ...
+    def drain_spools(self, run_ids: list[str]) -> list[Path]:
+        return []
 
 
 def make_tracker(cfg) -> Tracker | NullTracker:
@@ -178,7 +244,7 @@ class MetricBuffer:
 
     def flush(self) -> None:
         for i in range(0, len(self._pending), 1000):
-            self.tracker.client.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
+            self.tracker.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
         self._pending = []
 
 

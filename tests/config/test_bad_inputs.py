@@ -28,6 +28,12 @@ def _tokens_without_splits(tmp_path: Path) -> str:
     return str(d)
 
 
+def _not_a_spool(tmp_path: Path) -> str:
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0, "loss": 9.1}\n')
+    return str(f)
+
+
 BAD = [
     # (command and overrides, what the one line must contain)
     (["train", "train.grad_clip=-1"], "train.grad_clip=-1"),
@@ -89,12 +95,15 @@ BAD = [
     (["train", "train.keep_checkpoints=-1"], "train.keep_checkpoints=-1 must be >= 0"),
     (["ui", "tracking.urx=3"], "Could not override 'tracking.urx'"),
     (["train", "faults.signal=SIGKILL"], "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1"),
+    (["sync", "/no/such/spool"], "no spool file or folder at '/no/such/spool'"),
+    (["sync", "NOTASPOOL"], "is not a lowprec spool file (its first line is not a spool header)"),
 ]
 
 
 @pytest.mark.parametrize("args, needle", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
 def test_bad_input_is_one_line_and_creates_no_mlflow_run(args, needle, run_dirs, tmp_path, capsys):
     args = [a.replace("SPLITLESS", _tokens_without_splits(tmp_path)) if "SPLITLESS" in a else a for a in args]
+    args = [_not_a_spool(tmp_path) if a == "NOTASPOOL" else a for a in args]
     assert main(args[:1] + run_dirs + DEBUG + args[1:]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
