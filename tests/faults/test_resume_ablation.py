@@ -26,8 +26,10 @@ from mlflow.tracking import MlflowClient
 import experiments.ablate
 import experiments.scheduler
 from experiments.cli import compose, main
+from experiments.report import load_runs
 from experiments.resume_ablation import config_difference
 from experiments.run import config_yaml
+from experiments.tracking import Tracker
 from lowprec.train.stop import STOP_SIGNALS, clear_stop
 from recipes import CATALOG
 
@@ -313,3 +315,29 @@ def test_train_resume_of_a_killed_run_closes_it_and_continues_bit_identically(ba
     a, b = _losses(client, old), _losses(client, new)
     assert sorted(a) == [0, 1, 2, 3] and sorted(b) == [4, 5, 6, 7]
     assert {**a, **b} == want
+
+
+def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline, tmp_path, capsys):
+    args = ["ablate", "recipes=[fp32]", "seeds=1", "workers=1", "train.checkpoint_every=2", *RUN, *_dirs(tmp_path)]
+    # a crash (a bug) before step 5: the run is FAILED, its metrics up to step 4 flushed, its newest checkpoint step_4
+    assert main([*args, "faults.crash_at_step=5"]) == 0
+    crashed_id = _id(capsys.readouterr().out)
+    (crashed,) = _ablation(tmp_path, crashed_id)[1].values()
+    assert crashed.info.status == "FAILED" and crashed.data.tags["failure_kind"] == "crash"
+    assert main([*args, f"resume={crashed_id}"]) == 0
+    assert "continues from step_4 (FAILED: InjectedCrash: injected crash before step 5" in capsys.readouterr().out
+    _assert_same_runs(tmp_path, crashed_id, baseline, [("fp32", 0)])  # step 4, logged twice, holds one value
+    parent, _ = _ablation(tmp_path, crashed_id)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "lowprec", tmp_path / "runs")
+    (rd,) = load_runs(tracker, parent.info.run_id)
+    assert [s for s, _ in rd.curves["loss"]] == list(range(8))  # the report reads one value per step
+
+    # a NaN loss is the recipe's result: a resume keeps it FAILED, as it was
+    assert main([*args, "faults.nan_at_step=3"]) == 0
+    nan_id = _id(capsys.readouterr().out)
+    (diverged,) = _ablation(tmp_path, nan_id)[1].values()
+    assert diverged.info.status == "FAILED" and diverged.data.tags["failure_kind"] == "non_finite"
+    assert main([*args, f"resume={nan_id}"]) == 0
+    assert "fp32             seed 0: FAILED before the resume, kept" in capsys.readouterr().out
+    (again,) = _ablation(tmp_path, nan_id)[1].values()
+    assert (again.info.status, again.info.end_time) == ("FAILED", diverged.info.end_time)
