@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
 import experiments.ablate
@@ -31,7 +32,7 @@ from experiments.resume_ablation import config_difference
 from experiments.run import config_yaml
 from experiments.tracking import Tracker
 from lowprec.train.stop import STOP_SIGNALS, clear_stop
-from recipes import CATALOG
+from recipes import CATALOG, get_recipe
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "train.telemetry_every=0", "train.steps=8"]
@@ -278,6 +279,10 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
     assert f"recipe fp8_delayed hashes to {changed.hash()} here but ran as {CATALOG['fp8_delayed'].hash()}" in one_line(
         [f"resume={ablation_id}"]
     )
+    monkeypatch.setattr(experiments.ablate, "get_recipe", get_recipe)
+    # an ablation still running holds its lock (another process here: an OS file lock taken by this one)
+    with FileLock(str(root / "runs" / "locks" / f"{ablation_id}.lock")):
+        assert "the ablation is still running in another process" in one_line([f"resume={ablation_id}"])
     after = {r.info.run_id: (r.info.status, r.data.tags) for r in client.search_runs([exp])}
     assert after == before
 
