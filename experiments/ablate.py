@@ -148,6 +148,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             for line in resume.describe():
                 echo(line)
         out = AblationOutcome(ablation_id, parent)
+        before_s = resume.wall_s_before if resume is not None else 0.0  # earlier sessions' recorded wall time
         echo(
             f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
             f"{cfg.train.steps} steps each; layout {dims.short()}"
@@ -190,14 +191,14 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             raise
         except StopSignal as stop:
             done = sum(o.status == "FINISHED" for o in out.runs)
-            tracker.set_tags(parent, {"stopped_by": stop.name})
+            tracker.set_tags(parent, {"stopped_by": stop.name, "wall_s": f"{before_s + time.perf_counter() - t0:.1f}"})
             tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
             stop.ablation_id = ablation_id  # the command line prints the resume command with it
             raise
         if resume is not None and is_rank0():
             end_leftovers(tracker, resume)
         n_failed = sum(o.status != "FINISHED" for o in out.runs)
-        out.wall_s = time.perf_counter() - t0
+        out.wall_s = before_s + time.perf_counter() - t0
         tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
         tracker.end_run(parent, "FINISHED")
         if is_rank0():

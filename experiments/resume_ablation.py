@@ -157,6 +157,9 @@ class ResumePlan:
     parent_id: str
     parent_status: str
     corpus_fingerprint: str
+    #: Wall time of the earlier sessions as they recorded it (``wall_s`` of a finished or stopped parent; a session
+    #: whose process was killed recorded none): the resumed ablation's ``wall_s`` adds its own.
+    wall_s_before: float = 0.0
     kept: dict[tuple[str, int], RunOutcome] = field(default_factory=dict)
     continued: dict[tuple[str, int], Continuation] = field(default_factory=dict)
     lock: FileLock | None = field(default=None, compare=False, repr=False)
@@ -233,8 +236,13 @@ def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
                     f"{tags['recipe_hash']} in the ablation (run {run.info.run_id}): its definition changed"
                 )
             by_key[(name, int(tags.get("seed", -1)))] = run  # the best-ranked child of a key comes last
+        ptags = parent.data.tags
         plan = ResumePlan(
-            ablation_id, parent.info.run_id, parent.info.status, parent.data.tags.get("corpus_fingerprint", "")
+            ablation_id,
+            parent.info.run_id,
+            parent.info.status,
+            ptags.get("corpus_fingerprint", ""),
+            float(ptags.get("wall_s", 0.0)),
         )
         for key, run in by_key.items():
             _classify(client, plan, key, run, int(cfg.train.steps))

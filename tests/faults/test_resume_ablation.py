@@ -140,6 +140,7 @@ def test_sigterm_then_resume_continues_in_place_and_equals_an_uninterrupted_abla
     assert parent.info.status == "KILLED" and sorted(kids) == [("fp32", 0), ("fp8_delayed", 0)]
     killed = kids["fp8_delayed", 0]
     assert killed.info.status == "KILLED" and killed.data.tags["resume_checkpoint"].endswith("/step_4")
+    stopped_s = float(parent.data.tags["wall_s"])
 
     clear_stop()
     assert main(shlex.split(line)[3:]) == 0  # the printed command, as a user would paste it
@@ -155,6 +156,7 @@ def test_sigterm_then_resume_continues_in_place_and_equals_an_uninterrupted_abla
     assert "failure_reason" not in again.data.tags and "KILLED: stopped by SIGTERM" in again.data.tags["continuations"]
     assert kids["fp32", 0].info.end_time < killed.info.end_time  # kept as it was: not rerun
     assert parent.data.tags["n_failed"] == "0" and "resumed from KILLED" in parent.data.tags["resumes"]
+    assert float(parent.data.tags["wall_s"]) > stopped_s > 0  # both sessions' wall time
     # the stability metrics cover all 8 steps of the continued run, as the uninterrupted run's do
     _, b_kids = _ablation(*baseline)
     for k in ("stability/loss_spikes", "stability/loss_max_excursion", "stability/grad_norm_spikes"):
