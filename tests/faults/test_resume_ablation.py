@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -192,23 +191,27 @@ def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(base
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", RECIPES, *AUTO, "workers=2", *RUN, *_dirs(tmp_path)]
 
+    over = threading.Event()
+
     def sigterm_once_two_runs_train() -> None:  # from outside the training code, as a scheduler would
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while not over.wait(0.2):
             try:
                 client = MlflowClient(f"sqlite:///{db}")
                 exp = client.get_experiment_by_name("lowprec")
                 if exp and len(client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")) >= 3:
-                    break  # the parent and two children
+                    os.kill(os.getpid(), signal.SIGTERM)  # the parent and two children are running
+                    return
             except Exception:  # the store is being created
                 pass
-            time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGTERM)
 
     t = threading.Thread(target=sigterm_once_two_runs_train, daemon=True)
     t.start()
-    assert main(args) == 143
-    t.join()
+    try:
+        rc = main(args)
+    finally:
+        over.set()
+        t.join()
+    assert rc == 143
     err = capsys.readouterr().err
     line = err.strip().splitlines()[-1]
     ablation_id = line.rsplit("resume=", 1)[1]
