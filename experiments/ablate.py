@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import secrets
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from experiments.auto_seeds import plan_for, replay_results
@@ -14,6 +16,7 @@ from experiments.config import flat_params, parallel_from_cfg
 from experiments.orphans import close_orphans, owner_tags
 from experiments.preflight import preflight
 from experiments.report import build_report
+from experiments.resume_ablation import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
@@ -21,7 +24,7 @@ from experiments.stats import SpendingPlan, check_margin
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from experiments.verdict_table import LEVEL
 from lowprec.data import check_vocab_fits
-from lowprec.errors import ConfigError
+from lowprec.errors import ConfigError, UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
@@ -108,7 +111,10 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
 
     Every recipe name and field is validated before any training (``RecipeError``); data problems
     raise ``DataError`` before the parent run exists. A child that fails is recorded FAILED and the
-    ablation continues.
+    ablation continues. ``cfg.resume`` (an ablation id) continues that ablation under its parent run
+    (``experiments.resume_ablation``: finished runs kept, interrupted ones continued from their checkpoints, the
+    rest started); a command that is not the same ablation raises ``AblationResumeError`` before anything is
+    written. A stop signal marks the parent KILLED and propagates as ``StopSignal`` with ``ablation_id`` set.
     """
     t0 = time.perf_counter()
     recipes = ablation_recipes(cfg)
@@ -118,15 +124,122 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
     control = ablation_control(cfg, names)
     args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
     dims = start_parallel(cfg)
-    data = prepare_data(cfg)
-    check_vocab_fits(data, args.vocab_size)
-    device = resolve_device(cfg.device)
-    tracker = make_tracker(cfg)
-    if not is_rank0():
-        echo = lambda *a, **k: None  # noqa: E731
-    for run_id in close_orphans(tracker):
-        echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
-    ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    with ExitStack() as held:  # the ablation's lock, held until it ends: no resume of it meanwhile
+        resume = _resume_plan(cfg, recipes) if cfg.get("resume") else None  # reads MLflow, writes nothing
+        if resume is not None and resume.lock is not None:
+            held.callback(resume.lock.release)
+        data = prepare_data(cfg)
+        check_vocab_fits(data, args.vocab_size)
+        if resume is not None:
+            resume.check_corpus(data.fingerprint)
+        tracker = make_tracker(cfg)
+        if not is_rank0():
+            echo = lambda *a, **k: None  # noqa: E731
+        if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
+            for run_id in close_orphans(tracker):
+                echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
+        how = f"{len(seeds)} seeds" if plan is None else f"seeds=auto (3 to {plan.max_seeds})"
+        if resume is None:
+            ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+            if is_rank0():
+                held.callback(lock_ablation(cfg, ablation_id).release)
+            parent = _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims)
+            tracker.set_description(parent, ablation_description(cfg, names, how, control))
+        else:
+            ablation_id, parent = resume.ablation_id, resume.parent_id
+            if is_rank0():
+                reopen_parent(tracker, resume)
+            for line in resume.describe():
+                echo(line)
+        out = AblationOutcome(ablation_id, parent)
+        before_s = resume.wall_s_before if resume is not None else 0.0  # earlier sessions' recorded wall time
+        echo(
+            f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
+            f"{cfg.train.steps} steps each; layout {dims.short()}"
+            + (f"; {workers} runs at a time" if workers > 1 else "")
+            + f"; data: {data.description}"
+        )
+
+        def show(o: RunOutcome) -> None:
+            if o.status == "FINISHED":
+                s = o.summary
+                echo(
+                    f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
+                    f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
+                )
+            else:
+                echo(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
+
+        kept = resume.kept if resume is not None else {}
+
+        def train(jobs: list[tuple[Recipe, int]]) -> None:
+            for r, s in jobs:
+                if (r.name, s) in kept:
+                    echo(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
+            todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
+            cont = resume.continued if resume is not None else None
+            ran = iter(run_jobs(cfg, todo, data, tracker, parent, ablation_id, workers, show, cont))
+            out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
+
+        by_name = dict(zip(names, recipes, strict=True))
+        try:
+            train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
+            while plan is not None:
+                state = auto_state(out.runs, control, names, int(cfg.seed), plan, cfg.report.margin)
+                if state.next_seed is None:
+                    break
+                echo(f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)")
+                train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
+        except KeyboardInterrupt:
+            tracker.end_run(parent, "KILLED", "interrupted by the user")
+            raise
+        except StopSignal as stop:
+            done = sum(o.status == "FINISHED" for o in out.runs)
+            tracker.set_tags(parent, {"stopped_by": stop.name, "wall_s": f"{before_s + time.perf_counter() - t0:.1f}"})
+            tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
+            stop.ablation_id = ablation_id  # the command line prints the resume command with it
+            raise
+        if resume is not None and is_rank0():
+            end_leftovers(tracker, resume)
+        n_failed = sum(o.status != "FINISHED" for o in out.runs)
+        out.wall_s = before_s + time.perf_counter() - t0
+        tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
+        tracker.end_run(parent, "FINISHED")
+        # The report reads every run from the store: first what the runs spooled while the server did not answer.
+        left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
+        if left:
+            echo(
+                f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the tracking server does "
+                f"not answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync {left[0].parent}, then "
+                f"lowprec report {ablation_id}"
+            )
+            return out
+        if is_rank0():
+            out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
+    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
+    return out
+
+
+def _resume_plan(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
+    """``plan_resume`` on rank 0 (it reads MLflow and holds the lock), its plan or its error sent to every rank."""
+    if not dist.is_initialized():
+        return plan_resume(cfg, recipes)
+    box: list = [None]
+    if is_rank0():
+        try:
+            box[0] = plan_resume(cfg, recipes)
+        except UserError as e:
+            box[0] = e
+    mine = box[0]
+    box = [mine.without_lock() if isinstance(mine, ResumePlan) else mine]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return mine if is_rank0() else box[0]
+
+
+def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims) -> str:
+    """The ablation's parent run: its tags, params (the settings shared by its runs) and ``config.yaml``."""
     seeds_tags = {"seeds": dumps(seeds)}
     if plan is not None:
         seeds_tags = {"seeds": "auto", "max_seeds": str(plan.max_seeds), "seed0": str(int(cfg.seed))}
@@ -136,7 +249,7 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             ABLATION_TAG: ablation_id,
             "lowprec.kind": "ablation",
             "experiment": str(cfg.get("name", "")),
-            "recipes": dumps(names),
+            "recipes": dumps([r.name for r in recipes]),
             **seeds_tags,
             "workers": str(workers),
             "control": control,
@@ -145,69 +258,13 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             "corpus": data.description,
             "parallel": dims.short(),
             "world_size": str(dims.world_size),
-            **provenance_tags(device),
+            **provenance_tags(resolve_device(cfg.device)),
             **owner_tags(),
         },
     )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
     tracker.log_text(parent, config_yaml(cfg), CONFIG_ARTIFACT)
-    how = f"{len(seeds)} seeds" if plan is None else f"seeds=auto (3 to {plan.max_seeds})"
-    tracker.set_description(parent, ablation_description(cfg, names, how, control))
-    out = AblationOutcome(ablation_id, parent)
-    echo(
-        f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
-        f"{cfg.train.steps} steps each; layout {dims.short()}"
-        + (f"; {workers} runs at a time" if workers > 1 else "")
-        + f"; data: {data.description}"
-    )
-
-    def show(o: RunOutcome) -> None:
-        if o.status == "FINISHED":
-            s = o.summary
-            echo(
-                f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
-                f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
-            )
-        else:
-            echo(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
-
-    def train(jobs: list[tuple[Recipe, int]]) -> None:
-        out.runs.extend(run_jobs(cfg, jobs, data, tracker, parent, ablation_id, workers, on_done=show))
-
-    by_name = dict(zip(names, recipes, strict=True))
-    try:
-        train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
-        while plan is not None:
-            state = auto_state(out.runs, control, names, int(cfg.seed), plan, cfg.report.margin)
-            if state.next_seed is None:
-                break
-            echo(f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)")
-            train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
-    except KeyboardInterrupt:
-        tracker.end_run(parent, "KILLED", "interrupted by the user")
-        raise
-    except StopSignal as stop:
-        done = sum(o.status == "FINISHED" for o in out.runs)
-        tracker.set_tags(parent, {"stopped_by": stop.name})
-        tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
-        raise
-    n_failed = sum(o.status != "FINISHED" for o in out.runs)
-    out.wall_s = time.perf_counter() - t0
-    tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
-    tracker.end_run(parent, "FINISHED")
-    # The report reads every run from the store: first what the runs spooled while the server did not answer.
-    left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
-    if left:
-        echo(
-            f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the tracking server does not "
-            f"answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync {left[0].parent}, then "
-            f"lowprec report {ablation_id}"
-        )
-        return out
-    if is_rank0():
-        out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
-    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
-    return out
+    return parent
 
 
 def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: int, plan, margin: float):

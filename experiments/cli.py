@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui,syn
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
+                 [resume=ABLATION_ID]                   continue an interrupted ablation (same overrides)
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]
   lowprec recipes [--json]
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
@@ -151,9 +153,12 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
         return 2
     except StopSignal as stop:
         print(f"lowprec {config_name}: {stop.reason()}", file=sys.stderr)
+        again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
         if stop.checkpoint and config_name == "train":
-            again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
             print(f"resume it: lowprec {config_name} {' '.join(again)} resume={stop.checkpoint}", file=sys.stderr)
+        ablation = getattr(stop, "ablation_id", None)
+        if ablation and config_name == "ablate":  # quoted: `recipes=[a,b]` is a glob to the shell
+            print(f"resume it: lowprec ablate {shlex.join([*again, f'resume={ablation}'])}", file=sys.stderr)
         return stop.exit_code
     if config_name == "train":
         return 0 if result.status == "FINISHED" else 1

@@ -77,9 +77,10 @@ class RunConfig:
 
     ``device``: auto | cpu | cuda | cuda:N. ``cpu_kernels``: auto | native | emulated, which kernels run the
     low-precision GEMMs and attention on a CPU (``lowprec.kernels.policy``; never the numerics; a GPU run
-    ignores it). ``resume``: a checkpoint folder
+    ignores it). ``resume``: for ``lowprec train``, a checkpoint folder
     (``${paths.runs}/checkpoints/<run id>/step_<N>``) to continue from; ``train.resume_recipe_change=true``
-    allows one written under another recipe (recorded). ``train.checkpoint_every=N`` writes one every N steps.
+    allows one written under another recipe (recorded). For ``lowprec ablate``, the id of an interrupted ablation
+    to continue (experiments/resume_ablation.py). ``train.checkpoint_every=N`` writes one every N steps.
     """
 
     model: Any = MISSING  # group: model/<size> (LLAMA_CONFIGS)

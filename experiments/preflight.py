@@ -21,6 +21,7 @@ from experiments.config import (
     train_from_cfg,
 )
 from experiments.faults import stop_signal
+from experiments.resume_ablation import check_ablation_id
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
@@ -49,7 +50,8 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     """Validate ``cfg`` and each of ``recipes`` against this machine, the model and the layout.
 
     Raises a ``UserError`` subclass (``ConfigError``, ``RecipeError``, ``ParallelError``,
-    ``CheckpointError``) with one line naming the field and the fix.
+    ``CheckpointError``, ``AblationResumeError`` for an ablation's ``resume=`` that is no ablation id) with one line
+    naming the field and the fix.
     """
     args = model_from_cfg(cfg.model)
     spec = train_from_cfg(cfg)
@@ -78,7 +80,9 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         check_layout(r, dims)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     resume = cfg.get("resume")
-    if resume:
+    if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/resume_ablation.py)
+        check_ablation_id(resume)
+    elif resume:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
         for r in recipes:
             check_resume_recipe(newest, r, spec.resume_recipe_change)

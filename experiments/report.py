@@ -121,12 +121,10 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             kernels=_kernels_line(tags),
         )
         for key in CURVES:
-            hist = tracker.client.get_metric_history(r.info.run_id, key)
-            rd.curves[key] = sorted((m.step, m.value) for m in hist)
+            rd.curves[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
         for key in r.data.metrics:
             if key.startswith("fp8/") and key.rsplit("/", 2)[-2:] in TELEMETRY_PANELS:
-                hist = tracker.client.get_metric_history(r.info.run_id, key)
-                rd.telemetry[key] = sorted((m.step, m.value) for m in hist)
+                rd.telemetry[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
         rd.stability = run_stability(rd)
         rd.stability_rule = stability_rule_of(rd, tags)
         out.append(rd)
@@ -179,6 +177,12 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
             }
         )
     return rows
+
+
+def _series(history) -> list[tuple[int, float]]:
+    """(step, value) pairs of a metric history, one per step: a run continued from a checkpoint after an
+    interruption (``resume=`` of an ablation) logs again the steps after it, bit-identical recomputations."""
+    return sorted({m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}.items())
 
 
 def _num(x: float, fmt: str) -> str:

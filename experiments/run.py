@@ -19,6 +19,7 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
+from experiments.continued_runs import Continuation, history_before, reopen_run, supersede
 from experiments.faults import fault_hooks
 from experiments.orphans import owner_tags
 from experiments.stability_log import StabilityRecorder, rule_tag
@@ -29,6 +30,7 @@ from lowprec.estimate.activations import predict_saved_activations
 from lowprec.estimate.estimator import flops_per_token, mfu, predict_state_bytes
 from lowprec.estimate.hardware import hardware_from_device_name
 from lowprec.parallel import ParallelDims
+from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
@@ -154,6 +156,20 @@ class RunOutcome:
     traceback: str | None = None
 
 
+#: ``failure_kind`` of a FAILED run (a tag): ``user_error`` (bad input the run met, e.g. a checkpoint of another
+#: recipe), ``non_finite`` (a NaN/inf loss or gradient norm: the recipe's result), ``crash`` (anything else: a bug,
+#: an injected crash, out of memory). An ablation's resume keeps the first two as results (a rerun would fail the
+#: same way) and continues a crashed run (``experiments.resume_ablation``).
+RESULT_FAILURES = ("user_error", "non_finite")
+
+
+def failure_kind(e: BaseException) -> str:
+    """The ``failure_kind`` tag of a run that raised ``e`` (see ``RESULT_FAILURES``)."""
+    if isinstance(e, NonFiniteError):
+        return "non_finite"
+    return "user_error" if isinstance(e, UserError) else "crash"
+
+
 def run_one(
     cfg: DictConfig,
     recipe: Recipe,
@@ -162,13 +178,21 @@ def run_one(
     tracker: Tracker,
     parent_id: str | None = None,
     ablation_id: str | None = None,
+    continuation: Continuation | None = None,
 ) -> RunOutcome:
     """Train ``recipe`` with ``seed`` on ``data`` under ``cfg`` and record it as an MLflow run.
 
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
-    marks the run FAILED with ``failure_reason`` and returns; metrics logged before it are kept.
-    ``KeyboardInterrupt`` and ``StopSignal`` (a stop signal, after the step it arrived in and its checkpoint) mark
-    the run KILLED with the reason and propagate.
+    marks the run FAILED with ``failure_reason`` and ``failure_kind`` (``RESULT_FAILURES``) and returns; metrics
+    logged before it are kept. ``KeyboardInterrupt`` and ``StopSignal`` (a stop signal, after the step it arrived
+    in and its checkpoint) mark the run KILLED with the reason and propagate.
+
+    ``continuation`` (an ablation's resume): instead of a new run, reopen ``continuation.run_id`` and continue it
+    from ``continuation.checkpoint`` (from step 0 when None), in the same checkpoint folder; its params and
+    ``config.yaml`` stay those of the first session, its stability metrics start from the series it logged before
+    the checkpoint. Without it, ``cfg.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
+    checkpoint to start from, and the run it belongs to is tagged and, if its process died, closed
+    (``experiments.continued_runs.supersede``).
     """
     device = resolve_device(cfg.device)
     model_name = cfg.model.name
@@ -189,13 +213,28 @@ def run_one(
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id
-    run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
-    tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
-    tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
+    if continuation is None:
+        run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
+        tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+        tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
+        resume = None if ablation_id else cfg.get("resume")
+        if resume and is_rank0():
+            supersede(tracker, resume, run_id)
+    else:
+        run_id = continuation.run_id
+        if is_rank0():
+            reopen_run(tracker, continuation)
+        resume = continuation.checkpoint
     rule = spike_rule_from_cfg(cfg)
     tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
     buffer = MetricBuffer(tracker, run_id)
-    sink = StabilityRecorder(buffer, rule)
+    sink = StabilityRecorder(buffer, rule)  # the loop flushes it after every checkpoint
+
+    def on_resume(r) -> None:
+        tracker.set_tags(run_id, resume_tags(r))
+        if continuation is not None and is_rank0():
+            sink.carry(*history_before(tracker.client, run_id, r.step))
+
     release_memory()
     try:
         args = model_from_cfg(cfg.model)
@@ -211,7 +250,6 @@ def run_one(
             if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
             else None
         )
-        resume = cfg.get("resume")
         if ckpt_dir or resume:
             tracker.set_tags(
                 run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v}
@@ -225,7 +263,7 @@ def run_one(
             on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
-            on_resume=lambda r: tracker.set_tags(run_id, resume_tags(r)),
+            on_resume=on_resume,
         )
         sink.log_summary()
         buffer.flush()
@@ -267,6 +305,7 @@ def run_one(
         if isinstance(e, EffectiveRecipeError):
             tracker.set_tags(run_id, {"effective_matches": "false"})
         tb = traceback.format_exc()
+        tracker.set_tags(run_id, {"failure_kind": failure_kind(e)})
         tracker.log_text(run_id, tb, "failure_traceback.txt")
         tracker.end_run(run_id, "FAILED", reason)
         return RunOutcome(

@@ -10,27 +10,34 @@ runs are measured under each other's load: compare them only within one ablation
 shared the machine: parent tag ``workers``).
 
 A worker process that dies (killed, out of memory) breaks the pool: every run not finished by then fails with that
-reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on to its report.
+reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on to its report. A worker whose
+ablation process dies (kill -9) notices within a second: its run stops after the current step with its checkpoint,
+recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.continued_runs import Continuation
 from experiments.run import RunOutcome, run_one
 from lowprec.data import TokenData
 from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
-from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop
+from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop, request_stop
 
 Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
+Continuations = dict[tuple[str, int], Continuation]
+"""(recipe name, seed) -> the interrupted run to continue in place (an ablation's resume)."""
 
 
 def cores() -> int:
@@ -63,7 +70,7 @@ def resolve_workers(workers, device_type: str, parallel: bool) -> int:
 _state: dict = {}
 
 
-def _init_worker(threads: int, cfg: dict) -> None:
+def _init_worker(threads: int, cfg: dict, parent: int) -> None:
     import torch
 
     from experiments.startup import prepare_data
@@ -71,16 +78,46 @@ def _init_worker(threads: int, cfg: dict) -> None:
 
     torch.set_num_threads(threads)
     install_stop_handlers()  # the ablation forwards its stop signal; each run stops after its current step
+    _state.update(parent=parent, busy=False)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="lowprec-watch-parent").start()
     conf = OmegaConf.create(cfg)
     _state.update(cfg=conf, data=prepare_data(conf), tracker=make_tracker(conf))
 
 
-def _run_in_worker(recipe: Recipe, seed: int, parent_id: str, ablation_id: str) -> RunOutcome:
+def _watch_parent(parent: int, every_s: float = 1.0) -> None:
+    """Once the ablation process ``parent`` is gone (kill -9 included: this process is re-parented), stop: a run in
+    flight stops after its step with its checkpoint and is recorded KILLED (``_run_in_worker`` then exits), an idle
+    worker exits at once (nothing would ever send it another run, nor end it)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    if _state.get("busy"):
+        request_stop(signal.SIGTERM)
+    else:
+        os._exit(0)
+
+
+def _run_in_worker(
+    recipe: Recipe, seed: int, parent_id: str, ablation_id: str, continuation: Continuation | None = None
+) -> RunOutcome:
     s = _state
+    s["busy"] = True
     try:
-        return run_one(s["cfg"], recipe, seed, s["data"], s["tracker"], parent_id=parent_id, ablation_id=ablation_id)
+        return run_one(
+            s["cfg"],
+            recipe,
+            seed,
+            s["data"],
+            s["tracker"],
+            parent_id=parent_id,
+            ablation_id=ablation_id,
+            continuation=continuation,
+        )
     except StopSignal as stop:  # recorded KILLED by run_one; a result, so the pool stays usable
         return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+    finally:
+        s["busy"] = False
+        if os.getppid() != s["parent"]:  # the ablation died during the run, which is now recorded: nothing waits
+            os._exit(0)
 
 
 # --- in the ablation process ----------------------------------------------------------------------------------
@@ -95,21 +132,33 @@ def run_jobs(
     ablation_id: str,
     workers: int,
     on_done: Callable[[RunOutcome], None] = lambda o: None,
+    continuations: Continuations | None = None,
 ) -> list[RunOutcome]:
     """Train every (recipe, seed) of ``jobs`` under the parent run; ``on_done`` sees each outcome as it lands.
+    A job in ``continuations`` continues that interrupted run in place (``run_one``'s ``continuation``).
 
     Returns the outcomes in the order of ``jobs``. ``KeyboardInterrupt`` cancels what has not started and
     propagates (each started run marks itself KILLED). A stop signal (``lowprec.train.stop``) received here is
     forwarded to the workers; the runs in flight stop after their current step (checkpointed, KILLED), none
     other starts, and ``StopSignal`` is raised with a summary once they have.
     """
+    cont = continuations or {}
     if workers == 1 or len(jobs) == 1:
         out = []
         for recipe, seed in jobs:
             if local_stop():  # stopped between two runs: start no other
                 raise _ablation_stop(out, len(jobs) - len(out))
             try:
-                o = run_one(cfg, recipe, seed, data, tracker, parent_id=parent_id, ablation_id=ablation_id)
+                o = run_one(
+                    cfg,
+                    recipe,
+                    seed,
+                    data,
+                    tracker,
+                    parent_id=parent_id,
+                    ablation_id=ablation_id,
+                    continuation=cont.get((recipe.name, seed)),
+                )
             except StopSignal as stop:
                 o = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
                 on_done(o)
@@ -121,11 +170,11 @@ def run_jobs(
     plain = OmegaConf.to_container(cfg, resolve=True)
     results: dict[int, RunOutcome] = {}
     pool = ProcessPoolExecutor(
-        workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plain)
+        workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plain, os.getpid())
     )
     try:
         pending: dict[Future, int] = {
-            pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id): i
+            pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id, cont.get((recipe.name, seed))): i
             for i, (recipe, seed) in enumerate(jobs)
         }
         forwarded = False
@@ -184,4 +233,5 @@ def fail_orphans(tracker, parent_id: str) -> None:
         filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and attributes.status = 'RUNNING'",
     )
     for r in runs:
+        tracker.set_tags(r.info.run_id, {"failure_kind": "crash"})  # a resume continues it (experiments/run.py)
         tracker.end_run(r.info.run_id, "FAILED", "its worker process died during the run")

@@ -54,6 +54,14 @@ class StabilityRecorder:
         if flush is not None:
             flush()
 
+    def carry(self, loss: list[float], grad_norm: list[float], skipped: float) -> None:
+        """Start from the series of steps ``0 .. len(loss)-1`` that an interrupted run logged before the checkpoint it
+        continues from (``experiments.continued_runs.history_before``), so the continued run's stability metrics
+        cover all its steps, as an uninterrupted run's do."""
+        self.loss, self.grad_norm = [float(x) for x in loss], [float(x) for x in grad_norm]
+        self.skipped = float(skipped)
+        self.last_step = len(self.loss) - 1
+
     def record_failed_step(self, loss: float, grad_norm: float) -> None:
         """The step after the last logged one stopped the run (``NonFiniteError``): its loss and grad norm,
         one of them non-finite, are part of the series though the step never reached the sink."""

@@ -97,6 +97,15 @@ BAD = [
     (["train", "faults.signal=SIGKILL"], "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1"),
     (["sync", "/no/such/spool"], "no spool file or folder at '/no/such/spool'"),
     (["sync", "NOTASPOOL"], "is not a lowprec spool file (its first line is not a spool header)"),
+    # resume= of an ablation takes its id: an unknown one, or a run's checkpoint folder, is refused (no MLflow write)
+    (
+        ["ablate", "recipes=[fp32]", "resume=abl-20261125-101500-ab12"],
+        "resume=abl-20261125-101500-ab12: no ablation abl-20261125-101500-ab12",
+    ),
+    (
+        ["ablate", "recipes=[fp32]", "resume=runs/checkpoints/0c5e1f2a/step_4"],
+        "resume=runs/checkpoints/0c5e1f2a/step_4 is not an ablation id: resume= of lowprec ablate takes the id",
+    ),
 ]
 
 
