@@ -120,7 +120,7 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str) -> str | No
     """``lowprec train resume=<checkpoint>`` continues a run in the new run ``new_run_id``: tag it
     ``resumed_run_id`` with the run the checkpoint belongs to (its folder is named by the run id:
     ``runs/checkpoints/<run id>/step_<N>``), tag that run ``continued_in_run``, and, if it is still RUNNING (its
-    process died: kill -9, out of memory), end it FAILED with ``its process died after step N; continued in run
+    process died: kill -9, out of memory; or ended by the orphan sweep of this command), end it FAILED with ``its process died after step N; continued in run
     <new id>``, N the last step it is known to have completed (its newest logged step or the checkpoint's,
     whichever is later; steps after it whose metrics were still buffered died with the process).
 
@@ -140,7 +140,9 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str) -> str | No
         return None
     tracker.set_tags(new_run_id, {"resumed_run_id": old_id})
     tracker.set_tags(old_id, {"continued_in_run": new_run_id})
-    if old.info.status == "RUNNING":
+    # RUNNING: its process died; orphan_closed: it did, and this command's sweep (experiments.orphans) ended it
+    # FAILED a moment ago without knowing that it continues here
+    if old.info.status == "RUNNING" or old.data.tags.get("orphan_closed") == "true":
         logged = [m.step for m in tracker.client.get_metric_history(old_id, "loss")]
         m = re.fullmatch(r"step_(\d+)", ckpt.name)
         ckpt_step = int(m.group(1)) if m else 0
