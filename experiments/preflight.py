@@ -20,7 +20,7 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
-from experiments.faults import stop_signal
+from experiments.faults import nan_target, stop_signal
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
@@ -29,7 +29,7 @@ from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
-from lowprec.train.build import build_model_meta, check_compile, check_runtime, resolve_device
+from lowprec.train.build import build_model_meta, check_compile, check_fp8_fallback, check_runtime, resolve_device
 from lowprec.train.checkpoint import check_resume_recipe
 from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.spec import TrainSpec
@@ -73,10 +73,12 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     meta = build_model_meta(args)
     for r in recipes:
         check_runtime(r, device)
+        check_fp8_fallback(r, spec)
         check_compile(r, spec)
         require_fp8_selection(meta, r.fp8)
         check_layout(r, dims)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
+    nan_target(cfg.faults.nan_into)
     resume = cfg.get("resume")
     if resume:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
