@@ -13,6 +13,7 @@ after the same step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,24 +60,21 @@ class FP8Health:
 
     def worst(self, metrics: dict[str, float]) -> dict[str, tuple[float, str, str]]:
         """Per watched layer, ``(share, stat, role)`` of its largest overflow/underflow share in ``metrics`` (the
-        step's telemetry), max-reduced over ranks under torchrun; ``(0.0, "", "")`` for a layer without a sample
-        (one that runs in high precision). NaN shares (a step with non-finite values) count as 0."""
-        fqns = list(self.modules)
-        out: dict[str, tuple[float, str, str]] = {}
-        for fqn in fqns:
-            best = (0.0, "", "")
-            for role in ROLES:
-                for stat in STATS:
-                    v = metrics.get(f"fp8/{fqn}/{role}/{stat}")
-                    if v is not None and v > best[0]:  # NaN compares False
-                        best = (float(v), stat, role)
-            out[fqn] = best
-        if dist.is_available() and dist.is_initialized() and fqns:
+        step's telemetry), each share max-reduced over ranks first under torchrun (so every rank finds the same);
+        ``(0.0, "", "")`` for a layer without a sample (one that runs in high precision). NaN shares (a step with
+        non-finite values) count as 0."""
+        keys = [(fqn, role, stat) for fqn in self.modules for role in ROLES for stat in STATS]
+        shares = [metrics.get(f"fp8/{fqn}/{role}/{stat}", 0.0) for fqn, role, stat in keys]
+        shares = [0.0 if math.isnan(v) else v for v in shares]
+        if dist.is_available() and dist.is_initialized() and keys:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            t = torch.tensor([out[f][0] for f in fqns], dtype=torch.float64, device=device)
+            t = torch.tensor(shares, dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            # The share is the global max; which statistic and role it was is this rank's (for the record only).
-            out = {f: (float(v), *out[f][1:]) for f, v in zip(fqns, t.tolist())}
+            shares = t.tolist()
+        out: dict[str, tuple[float, str, str]] = {fqn: (0.0, "", "") for fqn in self.modules}
+        for (fqn, role, stat), v in zip(keys, shares):
+            if v > out[fqn][0]:
+                out[fqn] = (float(v), stat, role)
         return out
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[LayerAlarm]:

@@ -211,3 +211,58 @@ def test_the_report_lists_each_runs_anomalies_and_leaves_a_fallen_back_run_out(t
     excluded = text.split("## Failed or excluded runs")[1].split("\n## ")[0]
     assert "`fp8_delayed` seed 0: FINISHED: the effective recipe changed during the run: " in excluded
     assert "`fp32`" not in excluded and torch.isfinite(torch.tensor(fp8.data.metrics["final_loss"]))
+
+
+def _fsdp_run(rank: int, ws: int, extra: dict, checkpoint_dir: str) -> dict:
+    """fp8_delayed under FSDP2 (2 ranks, gloo); the faults hit rank 0 only, as a bad value on one GPU would."""
+    import os
+
+    from experiments.faults import fp8_overflow_hook, nan_hook
+    from lowprec.data import DataSpec, TokenBatches, prepare
+    from lowprec.model import model_args
+    from lowprec.optim.builder import OptimHParams
+    from lowprec.parallel import ParallelDims
+    from lowprec.train.build import build
+    from lowprec.train.loop import run_training
+    from lowprec.train.spec import TrainSpec
+    from recipes import get_recipe
+
+    data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
+    spec = TrainSpec(
+        steps=8, batch_size=4, seq_len=64, warmup_steps=2, val_every=0, val_batches=1, timing_warmup_steps=1,
+        progress=False, **extra,
+    )  # fmt: skip
+    built = build(get_recipe("fp8_delayed"), model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"),
+                  ParallelDims(dp_shard=ws))  # fmt: skip
+    hooks = [nan_hook(AT, 1, "activation"), fp8_overflow_hook(2, 3, WQ, 1000.0)] if rank == 0 else []
+    rows, events = [], []
+
+    class Sink:
+        def log_metrics(self, metrics, step):
+            rows.append((step, dict(metrics)))
+
+    res = run_training(
+        built, TokenBatches(data.train, data.val, 64, 4, 0), spec, Sink(), before_step=hooks,
+        checkpoint_dir=checkpoint_dir, on_anomaly=events.append,
+    )  # fmt: skip
+    return {
+        "losses": {s: m["loss"] for s, m in rows if "loss" in m},
+        "events": [(e.step, e.kind, e.action, e.layer) for e in events],
+        "fallback": res.effective.get("fp8_fallback"),
+    }
+
+
+def test_under_fsdp_every_rank_takes_the_same_decisions(tmp_path):
+    """Rank 0 alone sees the NaN and the saturating layer: the loss is all-reduced and the FP8 shares max-reduced,
+    so both ranks roll back and switch the same layer with the same record (a rank that switched alone would skip
+    its FP8 amax all-reduce and hang the other)."""
+    from lowprec.parallel.spawn import run_ranks
+
+    policy = {"on_anomaly": "rollback", "checkpoint_every": 3, "telemetry_every": 1}
+    policy |= {"fp8_fallback": "layer", "fp8_fallback_samples": 2}
+    ranks = run_ranks(_fsdp_run, 2, policy, str(tmp_path))
+    assert ranks[0] == ranks[1]  # same losses, same events, same switched layers on both ranks
+    out = ranks[0]
+    assert (AT, "nonfinite_loss", "rolled_back", None) in out["events"]
+    assert (3, "fp8_overflow", "fp8_fallback", WQ) in out["events"]
+    assert out["fallback"]["layers"][WQ]["from_step"] == 4
