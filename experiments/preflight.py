@@ -30,8 +30,9 @@ from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import build_model_meta, check_compile, check_fp8_fallback, check_runtime, resolve_device
-from lowprec.train.checkpoint import check_resume_recipe
+from lowprec.train.checkpoint import check_resume_recipe, read_trainer_state
 from lowprec.train.checkpoint_files import newest_checkpoint
+from lowprec.train.data_position import resumed_position
 from lowprec.train.spec import TrainSpec
 
 
@@ -84,4 +85,8 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
         for r in recipes:
             check_resume_recipe(newest, r, spec.resume_recipe_change)
+        if spec.skip_batches:
+            trainer = read_trainer_state(newest)
+            saved = (trainer.get("health") or {}).get("data")
+            resumed_position(saved, int(trainer["step"]), spec.skip_batches, repr(str(newest)))
     return Checked(args, spec, hp, dims)

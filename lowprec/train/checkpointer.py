@@ -13,7 +13,7 @@ from lowprec.errors import CheckpointError
 from lowprec.train.build import Built
 from lowprec.train.checkpoint import check_resume_recipe, load_checkpoint, read_trainer_state, save_checkpoint
 from lowprec.train.checkpoint_files import prune, resolve_resume
-from lowprec.train.data_position import DataPosition
+from lowprec.train.data_position import resumed_position
 from lowprec.train.health import HealthMonitor
 from lowprec.train.spec import TrainSpec
 
@@ -67,22 +67,11 @@ class Checkpointer:
         state = read_trainer_state(path).get("health")
         if state is not None:  # a checkpoint of an older lowprec has none: a fresh monitor, no skipped batches
             self.health.load_state_dict(state)
-        self._add_skips(path, step)
+        saved = state["data"] if state is not None else None
+        self.health.data = resumed_position(saved, step, self.spec.skip_batches, repr(str(path)))
         self.health.checkpoint_written(step)
         self.newest = path
         return ResumePoint(step, change, path, note)
-
-    def _add_skips(self, path: Path, step: int) -> None:
-        """``spec.skip_batches`` on a resume: the checkpoint's skipped batches plus these, which must lie ahead."""
-        data = self.health.data
-        first = data.batch(step)
-        behind = [s for s in self.spec.skip_batches if s < first and s not in data.skipped]
-        if behind:
-            raise CheckpointError(
-                f"train.skip_batches holds {behind[0]}, a batch before checkpoint {str(path)!r}'s position (its next "
-                f"step trains on batch {first}): only batches ahead can be skipped on a resume"
-            )
-        self.health.data = DataPosition([*data.skipped, *self.spec.skip_batches])
 
     def due(self, step: int) -> bool:
         every = self.spec.checkpoint_every

@@ -13,6 +13,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
+from lowprec.errors import CheckpointError
+
 
 class DataPosition:
     """Step -> batch index with a sorted set of skipped batch indices (each >= 0)."""
@@ -40,3 +42,19 @@ class DataPosition:
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = sorted(int(b) for b in state["skipped"])
+
+
+def resumed_position(saved: dict | None, step: int, skip_batches: Iterable[int], where: str) -> DataPosition:
+    """The data position of a run resumed at ``step`` from a checkpoint whose saved position is ``saved``
+    (``DataPosition.state_dict``; None for a checkpoint without one: no batch skipped), with ``train.skip_batches``
+    added. Raises ``CheckpointError`` for a skipped batch behind the checkpoint's position (already trained on, or
+    passed over: skipping it now would shift every batch from ``step`` on) naming ``where`` (the checkpoint)."""
+    pos = DataPosition(saved["skipped"] if saved else ())
+    first = pos.batch(step)
+    behind = [b for b in skip_batches if b < first and b not in pos.skipped]
+    if behind:
+        raise CheckpointError(
+            f"train.skip_batches holds {behind[0]}, a batch before checkpoint {where}'s position (its next step "
+            f"trains on batch {first}): only batches ahead can be skipped on a resume"
+        )
+    return DataPosition([*pos.skipped, *skip_batches])

@@ -164,6 +164,17 @@ def test_a_run_resumed_after_a_rollback_keeps_skipping_the_batch(tmp_path):
     assert sorted(b) == [6, 7] and all(b[s] == a[s] for s in b)  # without the data position: batch 6, not 7
 
 
+def test_skip_batches_on_a_resume_must_lie_ahead_of_the_checkpoint(tmp_path, capsys):
+    rc, runs = _train(tmp_path, "train.checkpoint_every=3", "train.steps=4")
+    (run,) = runs.all()
+    ckpt = f"{run.data.tags['checkpoint_dir']}/step_3"
+    assert main(["train", *RUN, *_dirs(tmp_path), f"resume={ckpt}", "train.skip_batches=[2,5]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lowprec train: error: train.skip_batches holds 2, a batch before checkpoint ")
+    assert len(runs.all()) == 1  # refused before any MLflow run
+    assert main(["train", *RUN, *_dirs(tmp_path), f"resume={ckpt}", "train.skip_batches=[5]"]) == 0
+
+
 FALLBACK = ["train.telemetry_every=1", "train.fp8_fallback=layer", "train.fp8_fallback_samples=2"]
 OVERFLOW = ["faults.fp8_overflow_at_step=3", "faults.fp8_overflow_layer=layers.0.attention.wq"]
 WQ = "layers.0.attention.wq"
@@ -266,3 +277,20 @@ def test_under_fsdp_every_rank_takes_the_same_decisions(tmp_path):
     assert (AT, "nonfinite_loss", "rolled_back", None) in out["events"]
     assert (3, "fp8_overflow", "fp8_fallback", WQ) in out["events"]
     assert out["fallback"]["layers"][WQ]["from_step"] == 4
+
+
+def test_spike_events_are_the_stability_metrics_spikes_counted_online(tmp_path):
+    """One spike rule: the monitor's online events equal the ``stability/*`` counts computed over the logged series
+    at the end (a rule tight enough to fire on the debug model's noisy first steps; spikes are recorded under fail)."""
+    rule = ["stability.ema_window=2", "stability.k=0.5", "stability.sd_window=4", "stability.min_history=3"]
+    rc, runs = _train(tmp_path, *rule, "train.steps=12")
+    (run,) = runs.all()
+    assert rc == 0 and run.info.status == "FINISHED"
+    m = run.data.metrics
+    events = runs.json(run, "anomalies.json")["events"]
+    loss = [e["step"] for e in events if e["kind"] == "loss_spike"]
+    grad = [e["step"] for e in events if e["kind"] == "grad_norm_spike"]
+    assert loss and grad and {e["action"] for e in events} == {"recorded"}
+    assert len(loss) == m["stability/loss_spikes"] == m["anomaly/loss_spike"]
+    assert len(grad) == m["stability/grad_norm_spikes"] == m["anomaly/grad_norm_spike"]
+    assert all(e["value"] > e["threshold"] for e in events)
