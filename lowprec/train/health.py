@@ -187,8 +187,9 @@ class HealthMonitor:
         if self.rollbacks >= self.spec.max_rollbacks:
             self._fail(step, found, loss, grad_norm, f"train.max_rollbacks={self.spec.max_rollbacks} exhausted")
         self.rollbacks += 1
-        self.data.skip(self._batch if self._batch is not None else self.data.batch(step))
-        detail = f"reload step_{self.checkpoint_step}, skip batch {self._batch} (rollback {self.rollbacks})"
+        batch = self._batch if self._batch is not None else self.data.batch(step)
+        self.data.skip(batch)
+        detail = f"reload step_{self.checkpoint_step}, skip batch {batch} (rollback {self.rollbacks})"
         self._record_all(step, found, "rolled_back", detail)
         self._count("rollbacks")
         return StepDecision(apply=False, rollback=True)
