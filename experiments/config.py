@@ -60,15 +60,26 @@ class FaultsConfig:
     ``exit_at_step``: end the process at once before this step (``os._exit``: a worker killed mid-run).
     ``kill_at_step``: send SIGKILL to this process before this step (a real ``kill -9``: no handler, no flush).
     ``signal_at_step``: send ``signal`` (SIGTERM, SIGINT or SIGUSR1) to this process before this step, as a
-    scheduler's pre-emption would (the run stops after that step)."""
+    scheduler's pre-emption would (the run stops after that step). ``nan_into``: where ``nan_at_step``'s NaN lands,
+    ``weight`` (the final norm's weight), ``activation`` (the final norm's output) or ``gradient`` (the final norm
+    weight's gradient); ``nan_steps``: how many consecutive steps from ``nan_at_step`` are poisoned, each the first
+    time it runs (a rollback's replay runs clean). ``fp8_overflow_at_step``: for ``fp8_overflow_steps`` steps,
+    multiply the input of the FP8 linear ``fp8_overflow_layer`` (null: the first) by ``fp8_overflow_factor`` to the
+    power 1, 2, ...: a delayed-scaling layer saturates on each of them."""
 
     recipe: str | None = None
     crash_at_step: int | None = None
     nan_at_step: int | None = None
+    nan_into: str = "weight"
+    nan_steps: int = 1
     exit_at_step: int | None = None
     kill_at_step: int | None = None
     signal_at_step: int | None = None
     signal: str = "SIGTERM"
+    fp8_overflow_at_step: int | None = None
+    fp8_overflow_steps: int = 3
+    fp8_overflow_layer: str | None = None
+    fp8_overflow_factor: float = 1000.0
 
 
 @dataclass

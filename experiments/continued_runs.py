@@ -120,9 +120,10 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str) -> str | No
     """``lowprec train resume=<checkpoint>`` continues a run in the new run ``new_run_id``: tag it
     ``resumed_run_id`` with the run the checkpoint belongs to (its folder is named by the run id:
     ``runs/checkpoints/<run id>/step_<N>``), tag that run ``continued_in_run``, and, if it is still RUNNING (its
-    process died: kill -9, out of memory; or ended by the orphan sweep of this command), end it FAILED with ``its process died after step N; continued in run
-    <new id>``, N the last step it is known to have completed (its newest logged step or the checkpoint's,
-    whichever is later; steps after it whose metrics were still buffered died with the process).
+    process died: kill -9, out of memory) or this command's orphan sweep just ended it, end it FAILED with ``its
+    process died after step N; continued in run <new id>``, N the last step it is known to have completed (its
+    newest logged step or the checkpoint's, whichever is later; steps after it whose metrics were still buffered
+    died with the process).
 
     Returns the old run id, or None when the checkpoint's folder names no run of this tracking store (a
     checkpoint copied from elsewhere): then nothing is tagged.

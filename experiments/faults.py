@@ -1,5 +1,8 @@
-"""Fault injection for testing failure handling end to end (crash, NaN, a dying process, a pre-emption signal),
-configured under ``faults.*``."""
+"""Fault injection for testing failure handling end to end (crash, NaN, a dying process, a pre-emption signal, FP8
+overflow), configured under ``faults.*``.
+
+NaN faults are transient, as a flipped bit or a bad reduction is: each poisoned step is poisoned the first time it
+runs only, so a rollback's replay of it runs clean (``lowprec.train.health``)."""
 
 from __future__ import annotations
 
@@ -32,14 +35,10 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
 
         hooks.append(crash)
     if faults.nan_at_step is not None:
-        at_nan = int(faults.nan_at_step)
-
-        def poison(step: int, built: Built) -> None:
-            if step == at_nan:
-                with torch.no_grad():
-                    built.model.norm.weight.fill_(float("nan"))
-
-        hooks.append(poison)
+        hooks.append(nan_hook(int(faults.nan_at_step), int(faults.nan_steps), nan_target(faults.nan_into)))
+    if faults.fp8_overflow_at_step is not None:
+        at, n = int(faults.fp8_overflow_at_step), int(faults.fp8_overflow_steps)
+        hooks.append(fp8_overflow_hook(at, n, faults.fp8_overflow_layer, float(faults.fp8_overflow_factor)))
     if faults.exit_at_step is not None:
         at_exit = int(faults.exit_at_step)
 
@@ -73,3 +72,80 @@ def stop_signal(name: str) -> int:
     if name not in known:
         raise ConfigError(f"faults.signal={name} is not one of {', '.join(known)}")
     return known[name]
+
+
+#: ``faults.nan_into``: where a NaN fault lands.
+NAN_TARGETS = ("weight", "activation", "gradient")
+
+
+def nan_target(name: str) -> str:
+    """``faults.nan_into`` checked; raises ``ConfigError`` for another value."""
+    if name not in NAN_TARGETS:
+        raise ConfigError(f"faults.nan_into={name} is not one of {', '.join(NAN_TARGETS)}")
+    return name
+
+
+def nan_hook(at: int, steps: int, into: str) -> StepHook:
+    """Poison steps ``at`` .. ``at + steps - 1``, each the first time it runs, with a NaN ``into``:
+
+    - ``weight``: the final norm's weight is filled with NaN before the step (it stays NaN until a checkpoint is
+      reloaded);
+    - ``activation``: one element of the final norm's output is NaN in the step's training forward (validation and
+      the saved-bytes probe run clean), so the loss is NaN;
+    - ``gradient``: the final norm weight's gradient is NaN in the step's backward, so the loss is finite and the
+      gradient norm NaN.
+    """
+    fired: set[int] = set()
+    armed = [False]
+    installed: list = []
+
+    def activation(mod, inputs, out):
+        if not (armed[0] and mod.training):
+            return out
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    def gradient(grad):
+        return torch.full_like(grad, float("nan")) if armed[0] else grad
+
+    def poison(step: int, built: Built) -> None:
+        if not installed:  # on the built model, once
+            norm = built.model.norm
+            if into == "activation":
+                installed.append(norm.register_forward_hook(activation))
+            elif into == "gradient":
+                installed.append(norm.weight.register_hook(gradient))
+            else:
+                installed.append(None)
+        armed[0] = at <= step < at + steps and step not in fired
+        if armed[0]:
+            fired.add(step)
+            if into == "weight":
+                with torch.no_grad():
+                    built.model.norm.weight.fill_(float("nan"))
+
+    return poison
+
+
+def fp8_overflow_hook(at: int, steps: int, layer: str | None, factor: float) -> StepHook:
+    """Scale the input of the FP8 linear ``layer`` (default: the first one converted) by ``factor ** (k + 1)`` in the
+    training forward of step ``at + k``, k = 0 .. ``steps`` - 1: each step's amax is ``factor`` times the last, so a
+    delayed-scaling layer (whose scale comes from earlier amaxes) saturates on every one of those steps, as after a
+    sudden jump of its activations."""
+    state = {"k": -1, "handle": None}
+
+    def scale_input(mod, args):
+        if state["k"] < 0 or not mod.training:
+            return None
+        return (args[0] * factor ** (state["k"] + 1), *args[1:])
+
+    def overflow(step: int, built: Built) -> None:
+        if state["handle"] is None:
+            fqn = layer or (built.fp8_fqns[0] if built.fp8_fqns else None)
+            if fqn is None or fqn not in built.fp8_fqns:
+                raise ConfigError(f"faults.fp8_overflow_layer={fqn} is not an FP8 linear of recipe {built.recipe.name}")
+            state["handle"] = built.model.get_submodule(fqn).register_forward_pre_hook(scale_input)
+        state["k"] = step - at if at <= step < at + steps else -1
+
+    return overflow

@@ -20,7 +20,7 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
-from experiments.faults import stop_signal
+from experiments.faults import nan_target, stop_signal
 from experiments.resume_ablation import check_ablation_id
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
@@ -30,9 +30,10 @@ from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
-from lowprec.train.build import build_model_meta, check_compile, check_runtime, resolve_device
-from lowprec.train.checkpoint import check_resume_recipe
+from lowprec.train.build import build_model_meta, check_compile, check_fp8_fallback, check_runtime, resolve_device
+from lowprec.train.checkpoint import check_resume_recipe, read_trainer_state
 from lowprec.train.checkpoint_files import newest_checkpoint
+from lowprec.train.data_position import resumed_position
 from lowprec.train.spec import TrainSpec
 
 
@@ -75,10 +76,12 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     meta = build_model_meta(args)
     for r in recipes:
         check_runtime(r, device)
+        check_fp8_fallback(r, spec)
         check_compile(r, spec)
         require_fp8_selection(meta, r.fp8)
         check_layout(r, dims)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
+    nan_target(cfg.faults.nan_into)
     resume = cfg.get("resume")
     if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/resume_ablation.py)
         check_ablation_id(resume)
@@ -86,4 +89,8 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
         for r in recipes:
             check_resume_recipe(newest, r, spec.resume_recipe_change)
+        if spec.skip_batches:
+            trainer = read_trainer_state(newest)
+            saved = (trainer.get("health") or {}).get("data")
+            resumed_position(saved, int(trainer["step"]), spec.skip_batches, repr(str(newest)))
     return Checked(args, spec, hp, dims)

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from experiments import plots, verdict_table
+from experiments.anomaly_log import has_anomalies, read_anomalies
 from experiments.auto_seeds import replay_results
 from experiments.config import ReportConfig
 from experiments.predicted import predict_recipes
+from experiments.report_anomalies import anomalies_section
 from experiments.report_html import markdown_to_html
 from experiments.stability_log import run_stability, stability_rule_of
 from experiments.stats import (
@@ -82,6 +84,8 @@ class RunData:
     stability: StabilityMetrics | None = None
     #: The spike rule ``stability`` was counted with (the run's ``stability_rule`` tag, or the default's).
     stability_rule: str = ""
+    #: The run's anomaly events (``anomalies.json``; ``experiments.anomaly_log``), empty when it recorded none.
+    anomalies: list[dict] = field(default_factory=list)
 
     def tokens(self, step: int) -> int:
         return (step + 1) * self.tokens_per_step
@@ -111,7 +115,10 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             seed=int(tags["seed"]),
             status=r.info.status,
             reason=tags.get("failure_reason", ""),
-            comparable=r.info.status == "FINISHED" and tags.get("effective_matches") == "true",
+            # An FP8 fallback changed the recipe during the run: it is not a run of the requested recipe.
+            comparable=r.info.status == "FINISHED"
+            and tags.get("effective_matches") == "true"
+            and "fp8_fallback" not in tags,
             short=tags.get("recipe_short", ""),
             effective=json.loads(tags.get("effective_recipe", "{}")),
             metrics=dict(r.data.metrics),
@@ -127,6 +134,10 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
                 rd.telemetry[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
         rd.stability = run_stability(rd)
         rd.stability_rule = stability_rule_of(rd, tags)
+        if has_anomalies(rd.metrics):
+            rd.anomalies = read_anomalies(tracker, r.info.run_id)
+        if "fp8_fallback" in tags and not rd.reason:
+            rd.reason = f"the effective recipe changed during the run: {tags['fp8_fallback']}"
         out.append(rd)
     return out
 
@@ -237,6 +248,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
         "cpu_warning": _cpu_timing_warning(on_cpu),
         "summary": _summary_section(rows, control, on_cpu),
         "failed": _failed_section(runs),
+        "anomalies": anomalies_section(runs),
         "figures": _figure_sections(_figures(rows, ok, order, out)),
         "telemetry": _telemetry_section(_telemetry_figures(ok, order, out)),
         "reconcile": _reconcile_table(ok, order),
@@ -261,12 +273,12 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
 #: The markdown keeps the setup beside the summary; the HTML page puts the verdicts first, then every figure, then
 #: the detail tables (issue 19's reading order for a colleague who opens it in the MLflow UI).
 MARKDOWN_ORDER = (
-    "verdicts", "curves", "setup", "cpu_warning", "summary", "failed", "figures", "telemetry", "reconcile", "comm",
-    "effective",
+    "verdicts", "curves", "setup", "cpu_warning", "summary", "failed", "anomalies", "figures", "telemetry",
+    "reconcile", "comm", "effective",
 )  # fmt: skip
 HTML_ORDER = (
-    "verdicts", "curves", "figures", "telemetry", "comm", "setup", "cpu_warning", "summary", "failed", "reconcile",
-    "effective",
+    "verdicts", "curves", "figures", "telemetry", "comm", "setup", "cpu_warning", "summary", "failed", "anomalies",
+    "reconcile", "effective",
 )  # fmt: skip
 _FIGURE_REF = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 

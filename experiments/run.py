@@ -11,6 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.anomaly_log import AnomalyLog
 from experiments.config import (
     flat_params,
     model_from_cfg,
@@ -34,7 +35,7 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
-from lowprec.train.loop import NonFiniteError, run_training
+from lowprec.train.loop import AnomalyError, run_training
 from lowprec.train.stop import StopSignal
 
 
@@ -132,7 +133,18 @@ def _effective_tags(eff: dict) -> dict[str, str]:
         tags["resume_recipe_change"] = (
             f"{c['from']} ({c['from_hash']}) -> {c['to']} ({c['to_hash']}) at step {c['at_step']}"
         )
+    if "fp8_fallback" in eff:  # the recipe changed during the run: the report does not compare it as requested
+        tags["fp8_fallback"] = fp8_fallback_tag(eff["fp8_fallback"])
     return tags
+
+
+def fp8_fallback_tag(fallback: dict) -> str:
+    """The ``fp8_fallback`` run tag: which FP8 linears run in high precision since which step, and why."""
+    layers = "; ".join(
+        f"{fqn} from step {v['from_step']} ({v['role']} {v['stat']} {v['share']:.3g})"
+        for fqn, v in fallback["layers"].items()
+    )
+    return f"{len(fallback['layers'])} FP8 linear(s) switched to high precision: {layers}"
 
 
 def _rank0_value(value: str) -> str:
@@ -165,7 +177,7 @@ RESULT_FAILURES = ("user_error", "non_finite")
 
 def failure_kind(e: BaseException) -> str:
     """The ``failure_kind`` tag of a run that raised ``e`` (see ``RESULT_FAILURES``)."""
-    if isinstance(e, NonFiniteError):
+    if isinstance(e, AnomalyError):  # NonFiniteError, or an anomaly policy that gave up: the recipe's result
         return "non_finite"
     return "user_error" if isinstance(e, UserError) else "crash"
 
@@ -264,6 +276,8 @@ def run_one(
             checkpoint_dir=ckpt_dir,
             resume_from=resume,
             on_resume=on_resume,
+            spike_rule=rule,
+            on_anomaly=AnomalyLog(tracker, run_id).record,
         )
         sink.log_summary()
         buffer.flush()
@@ -298,7 +312,7 @@ def run_one(
         raise
     except Exception as e:  # recorded, explained, and the caller goes on with the next run
         reason = f"{type(e).__name__}: {e}"
-        if isinstance(e, NonFiniteError):
+        if isinstance(e, AnomalyError):  # the failing step never reached the sink
             sink.record_failed_step(e.loss, e.grad_norm)
         sink.log_summary()  # the stability of the steps that ran: a NaN loss is the run's divergence
         buffer.flush()

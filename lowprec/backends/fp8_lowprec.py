@@ -55,6 +55,14 @@ class LowprecFloat8(Float8Backend):
     def kernel_of(self, module) -> str:
         return module.fp8_kernel
 
+    def fallback_blocker(self, spec, comm) -> str | None:
+        if comm.weight_all_gather == "fp8":
+            return (
+                "recipe.comm.weight_all_gather='fp8' gathers the weights in FP8, so a linear switched to BF16 would "
+                "still compute from FP8-rounded weights; use weight_all_gather=compute"
+            )
+        return None
+
     def register_hooks(self, model, optimizer, fp8_weight_all_gather) -> list[str]:
         # Delayed scaling: after every optimizer step, roll each linear's amax histories and compute the next
         # step's scales (Transformer Engine updates at the same point).

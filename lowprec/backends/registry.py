@@ -7,7 +7,8 @@ is imported, and a user (or a test) adds one with ``register_fp8_backend`` / ``r
 
 An object answers every question the library asks about its backend: recipe validation (``validate``),
 whether this machine can run it (``check_runtime``), module conversion (``convert``), the forward context
-(``precision_context``), hooks after the optimizer step (``register_hooks``), sharding (``check_layout``,
+(``precision_context``), hooks after the optimizer step (``register_hooks``), the FP8 fallback
+(``fallback_blocker``), sharding (``check_layout``,
 ``prepare_sharding``, ``finish_sharding``), what the effective-recipe inspection must find
 (``module_class``) and what the estimator predicts (``scaling_state_bytes``, ``weight_state_bytes``,
 ``saved_input``). The estimator and the effective-recipe check ask the same object the run was built
@@ -83,6 +84,15 @@ class Float8Backend(ABC):
         """Why this backend's linears cannot run inside a ``torch.compile``d block (``train.compile``) with
         FP8 telemetry sampled every ``telemetry_every`` steps, or ``None`` when they can."""
         return None
+
+    def fallback_blocker(self, spec: Float8Spec, comm: CommSpec) -> str | None:
+        """Why ``train.fp8_fallback=layer`` cannot watch this backend's linears and switch one to high precision
+        during a run (``lowprec.train.fp8_fallback``), or ``None`` when it can. The fallback decides from lowprec's
+        per-layer FP8 telemetry (overflow and underflow shares), so by default it cannot."""
+        return (
+            f"recipe.fp8.backend={self.name!r} records no per-layer FP8 overflow/underflow share (lowprec's FP8 "
+            "telemetry) and has no switch back to high precision; use backend=lowprec or train.fp8_fallback=off"
+        )
 
     @abstractmethod
     def convert(

@@ -10,18 +10,24 @@ activation caching is on, as DeepSeek-V3 and Transformer Engine do).
 Under autocast the input is cast to the autocast dtype (the output takes it too); the weight is quantized
 directly from the stored (master) parameter. Weight gradients are accumulated in FP32 and returned in the
 parameter's dtype.
+
+``fallback_kernel`` (set by the FP8 fallback, ``lowprec.train.fp8_fallback``) makes the linear run as a plain
+high-precision linear from then on: ``F.linear`` in the compute dtype (autocast's, else the input's), or its exact
+emulation (``lowprec.kernels.emulated_linear``) when the run emulates its BF16 GEMMs; same parameters, same FQN.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.kernels import recompute
+from lowprec.kernels.emulated import emulated_linear
 from lowprec.numerics.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
 
 _TRANSPOSABLE = ("tensorwise", "block128x128")
@@ -60,6 +66,9 @@ class Float8Linear(nn.Linear):
         #: ``native`` | ``emulated``: how the scaled matmuls run (``lowprec.kernels``; set at build from the
         #: run's ``cpu_kernels``; never changes the numerics beyond FP32 accumulation order).
         self.fp8_kernel = "native"
+        #: None: the GEMMs run in FP8. ``native`` | ``emulated``: switched to high precision by the FP8 fallback,
+        #: with that kernel for the high-precision GEMM (the run's ``cpu_kernels`` BF16 choice).
+        self.fallback_kernel: str | None = None
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> Float8Linear:
@@ -143,9 +152,13 @@ class Float8Linear(nn.Linear):
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             x = x.to(torch.get_autocast_dtype(dev))
-        shape = x.shape
-        out = _Float8Matmul.apply(x.reshape(-1, shape[-1]), weight, self)
-        out = out.reshape(*shape[:-1], out.shape[-1])
+        if self.fallback_kernel is not None:
+            # x is in the compute dtype already (cast above under autocast); the weight follows it, as autocast would.
+            out = (emulated_linear if self.fallback_kernel == "emulated" else F.linear)(x, weight.to(x.dtype))
+        else:
+            shape = x.shape
+            out = _Float8Matmul.apply(x.reshape(-1, shape[-1]), weight, self)
+            out = out.reshape(*shape[:-1], out.shape[-1])
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -153,9 +166,10 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.fp8_config
         roles = ", ".join(f"{r}={c.role(r).fmt.name}/{c.role(r).granularity}/{c.role(r).strategy}" for r in ROLES)
+        fallback = f", fallback={self.fallback_kernel}" if self.fallback_kernel is not None else ""
         return (
             f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
-            f"fp8_cache={c.cache_fp8_activations}"
+            f"fp8_cache={c.cache_fp8_activations}{fallback}"
         )
 
 

@@ -155,6 +155,12 @@ class DynamicLossScaler:
         self._found_inf = None
         self._stepped = False
 
+    def discard_step(self) -> None:
+        """Forget this step's ``unscale_`` without ``step``/``update``: the caller drops the step's update (a health
+        policy, ``lowprec.train.health``), so the scale and every counter stay as they were before the step."""
+        self._found_inf = None
+        self._stepped = False
+
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Scale, factors, growth tracker and counters (plain Python numbers)."""

@@ -126,6 +126,24 @@ def check_compile(recipe: Recipe, train: TrainSpec) -> None:
         raise RecipeError(f"train.compile=true cannot compile recipe {recipe.name!r}: {reason}")
 
 
+def check_fp8_fallback(recipe: Recipe, train: TrainSpec) -> None:
+    """With ``train.fp8_fallback=layer``, refuse before training a recipe whose FP8 linears the fallback cannot
+    watch or switch (``Float8Backend.fallback_blocker``), and ``train.compile`` with FP8 linears (the fallback reads
+    FP8 telemetry, which compiled FP8 blocks do not record, and a switched layer would change the compiled graph).
+    Raises ``RecipeError`` / ``ConfigError`` naming the reason."""
+    if train.fp8_fallback == "off" or not recipe.fp8.enabled:
+        return
+    if train.compile:
+        raise ConfigError(
+            f"train.fp8_fallback=layer cannot run with train.compile=true (recipe {recipe.name!r}): it decides from "
+            "FP8 telemetry, which compiled FP8 blocks do not record, and switching a layer would change the compiled "
+            "graph; set train.compile=false or train.fp8_fallback=off"
+        )
+    reason = fp8_backend(recipe.fp8.backend).fallback_blocker(recipe.fp8, recipe.comm)
+    if reason:
+        raise RecipeError(f"train.fp8_fallback=layer cannot run recipe {recipe.name!r}: {reason}")
+
+
 def cast_weights(model: Transformer, recipe: Recipe) -> None:
     """Store parameters in ``recipe.weights.param_dtype`` (initialised in FP32 first, then rounded)."""
     if recipe.param_dtype != torch.float32:
@@ -210,6 +228,7 @@ def build(
     initialised process group whose size is its world size. ``cpu_kernels``: ``auto`` | ``native`` |
     ``emulated`` (``lowprec.kernels.policy``; ignored on CUDA, which never emulates)."""
     check_runtime(recipe, device)
+    check_fp8_fallback(recipe, train)
     check_compile(recipe, train)
     kernels = resolve_kernels(cpu_kernels, device)
     if dist.is_available() and dist.is_initialized():

@@ -1,6 +1,7 @@
 """Checkpoints: model (parameters and buffers, so FP8 amax histories and scales), optimizer state (master
 copies and quantized moments included) through ``torch.distributed.checkpoint`` (DCP), and the trainer
-state (step, LR schedule, loss scaler, RNG states) in ``trainer_state.pt`` beside it.
+state (step, LR schedule, loss scaler, RNG states, the health monitor's state: data position, rollback count, FP8
+fallback) in ``trainer_state.pt`` beside it.
 
 DCP works without a process group (one process) and with FSDP2/TP (each rank writes its shards, and a
 checkpoint loads into any other layout: DCP reshards DTensors on load). A checkpoint is written whole or not at
@@ -35,6 +36,7 @@ def save_checkpoint(
     scheduler=None,
     loss_scaler=None,
     recipe=None,
+    health: dict | None = None,
 ) -> None:
     """Write everything the next step needs to the folder ``path``, all or nothing: into a staging folder, then
     committed by rename with its sha256 manifest (``lowprec.train.checkpoint_files``); a save killed midway
@@ -42,7 +44,9 @@ def save_checkpoint(
 
     ``step``: the number of optimizer steps taken (the resumed run starts at this step index).
     ``recipe``: the run's ``Recipe``; its name and hash are stored so a resume under another recipe is
-    noticed (``check_resume_recipe``).
+    noticed (``check_resume_recipe``). ``health``: the health monitor's state (``HealthMonitor.state_dict``: spike
+    histories, skipped batches, rollback count, FP8 streaks and switched layers), stored as ``trainer_state.pt``'s
+    ``health``.
     """
     final = Path(path)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -62,6 +66,7 @@ def save_checkpoint(
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "recipe_name": recipe.name if recipe is not None else None,
             "recipe_hash": recipe.hash() if recipe is not None else None,
+            "health": health,
         }
         torch.save(trainer, staging / TRAINER_STATE)  # identical on every rank: step, schedule, scaler
         commit(staging, final)

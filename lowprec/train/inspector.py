@@ -46,15 +46,24 @@ class EffectiveInspector:
             self._out_dtypes = seen
             yield
 
-    def after_step(self) -> None:
-        """Inspect, report and check after a step whose update ran; raises ``EffectiveRecipeError`` on a
-        mismatch. Call before anything zeroes the gradients."""
-        if self.checked or self.built.loss_scaler.last_step_skipped:
+    def after_step(self, applied: bool = True) -> None:
+        """Inspect, report and check after a step whose update ran (``applied``: not skipped by the loss scaler or
+        the health policy); raises ``EffectiveRecipeError`` on a mismatch. Call before anything zeroes the
+        gradients."""
+        if self.checked or not applied:
             return
         self.effective = {**inspect_effective(self.built, self._out_dtypes), **self.extra}
         self.on_effective(self.effective)
         check_effective(self.effective, expected_effective(self.built))
         self.checked = True
+
+    def amend(self, extra: Effective) -> None:
+        """Merge ``extra`` (a change of what runs during the run: the FP8 fallback's switched layers) into the
+        effective recipe, and hand the amended recipe to ``on_effective`` again if it was already reported."""
+        self.extra.update(extra)
+        if self.effective:
+            self.effective.update(extra)
+            self.on_effective(self.effective)
 
     def finish(self, steps: range) -> None:
         """Raise ``EffectiveRecipeError`` if no step in ``steps`` (those this run took) ran an update."""

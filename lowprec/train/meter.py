@@ -81,15 +81,16 @@ class RunMeter:
         self.last_step_s = time.perf_counter() - t0
         self.last_compile_s = compile_time_now() - c0
 
-    def after_step(self, step: int) -> dict[str, float]:
+    def after_step(self, step: int, applied: bool = True) -> dict[str, float]:
         """The step's metrics: ``step_time_s`` (s), ``tokens_per_s`` and ``tokens`` (consumed after this step).
+        ``applied``: the step's update ran (the state bytes are measured after the first such step).
 
         Steps from ``spec.timing_warmup_steps`` after the first count towards the summary's means, except a step
         that compiled (``train.compile``: a first step, or a recompile): compile time is ``compile_time_s``, never
         throughput. Such a step's metrics add ``step_compile_s``.
         """
         built, spec, dt = self.built, self.spec, self.last_step_s
-        if self.state is None and not built.loss_scaler.last_step_skipped:
+        if self.state is None and applied:
             self.state = measure_state_bytes(built.model, built.optimizer, built.master_params)
         compiled = self.last_compile_s > 0
         if step - self.first_step >= spec.timing_warmup_steps and not compiled:

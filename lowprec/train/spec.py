@@ -8,6 +8,10 @@ from lowprec.errors import ConfigError
 
 #: Activation checkpointing modes (torchtitan's ``activation_checkpoint.mode``).
 AC_MODES = ("none", "selective", "full")
+#: ``train.on_anomaly``: what a non-finite loss or grad norm, or a loss spike, does (``lowprec.train.health``).
+ANOMALY_POLICIES = ("fail", "skip", "rollback")
+#: ``train.fp8_fallback``: ``layer`` switches an FP8 linear that keeps saturating or flushing to BF16.
+FP8_FALLBACKS = ("off", "layer")
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,15 @@ class TrainSpec:
     checkpoint after every N-th step (0: never). ``keep_checkpoints``: keep only the N newest (0: all).
     ``checkpoint_on_signal``: write one when a stop signal ends the run (``lowprec.train.stop``), also with
     ``checkpoint_every`` 0.
+
+    Health (``lowprec.train.health``): ``on_anomaly`` is what a non-finite loss or grad norm, or a loss spike,
+    does: ``fail`` (a non-finite value fails the run, a spike is recorded), ``skip`` (that step's update is not
+    applied; the run fails after ``max_consecutive_skips`` skipped steps in a row) or ``rollback`` (reload the
+    last complete checkpoint and skip the step's batch, at most ``max_rollbacks`` times, then fail; needs
+    ``checkpoint_every`` > 0). ``fp8_fallback=layer``: an FP8 linear whose overflow or underflow share (FP8
+    telemetry, so ``telemetry_every`` > 0) is above ``fp8_fallback_threshold`` on ``fp8_fallback_samples``
+    consecutive sampled steps runs in high precision for the rest of the run. ``skip_batches``: batch indices
+    never trained on (``lowprec.train.data_position``; what a rollback does, by hand).
     """
 
     steps: int = 200
@@ -41,14 +54,23 @@ class TrainSpec:
     resume_recipe_change: bool = False
     ac: str = "none"
     compile: bool = False
+    on_anomaly: str = "fail"
+    max_rollbacks: int = 3
+    max_consecutive_skips: int = 10
+    fp8_fallback: str = "off"
+    fp8_fallback_threshold: float = 0.05
+    fp8_fallback_samples: int = 3
+    skip_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "skip_batches", tuple(self.skip_batches))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
         for name in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "timing_warmup_steps", "telemetry_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
+        self._check_health()
         if not (self.grad_clip > 0):  # also refuses NaN
             raise ConfigError(
                 f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "
@@ -64,6 +86,35 @@ class TrainSpec:
             raise ConfigError(
                 f"train.timing_warmup_steps={self.timing_warmup_steps} must be below train.steps={self.steps}"
             )
+
+    def _check_health(self) -> None:
+        if self.on_anomaly not in ANOMALY_POLICIES:
+            raise ConfigError(f"train.on_anomaly={self.on_anomaly!r} is not one of {', '.join(ANOMALY_POLICIES)}")
+        if self.max_rollbacks < 0:
+            raise ConfigError(f"train.max_rollbacks={self.max_rollbacks} must be >= 0")
+        if self.max_consecutive_skips < 1:
+            raise ConfigError(f"train.max_consecutive_skips={self.max_consecutive_skips} must be >= 1")
+        if self.on_anomaly == "rollback" and self.checkpoint_every == 0:
+            raise ConfigError(
+                "train.on_anomaly=rollback reloads the last checkpoint: set train.checkpoint_every > 0 "
+                "(or use train.on_anomaly=skip)"
+            )
+        if self.fp8_fallback not in FP8_FALLBACKS:
+            raise ConfigError(f"train.fp8_fallback={self.fp8_fallback!r} is not one of {', '.join(FP8_FALLBACKS)}")
+        if not (0.0 < self.fp8_fallback_threshold <= 1.0):
+            raise ConfigError(
+                f"train.fp8_fallback_threshold={self.fp8_fallback_threshold} must be in (0, 1] "
+                "(a share of a tensor's elements)"
+            )
+        if self.fp8_fallback_samples < 1:
+            raise ConfigError(f"train.fp8_fallback_samples={self.fp8_fallback_samples} must be >= 1")
+        if self.fp8_fallback == "layer" and self.telemetry_every == 0:
+            raise ConfigError(
+                "train.fp8_fallback=layer decides from the FP8 telemetry samples: set train.telemetry_every > 0"
+            )
+        bad = [b for b in self.skip_batches if b < 0]
+        if bad:
+            raise ConfigError(f"train.skip_batches holds {bad[0]}: batch indices are >= 0")
 
     @property
     def tokens_per_step(self) -> int:

@@ -7,7 +7,8 @@ Precision reaches these functions only as objects made by ``lowprec.train.build`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,22 +19,55 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets): token ids, each (batch, seq_len) int64."""
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the message gives the step and the value, the attributes
-    ``step``, ``loss`` and ``grad_norm`` (NaN when not computed) the numbers."""
+class AnomalyError(RuntimeError):
+    """The health policy failed the run (``lowprec.train.health``): the message gives the step, the anomaly and
+    the policy's limit when one was exhausted; the attributes ``step``, ``loss`` and ``grad_norm`` (NaN when not
+    computed) the numbers of the step that failed."""
 
     def __init__(self, message: str, step: int, loss: float, grad_norm: float = math.nan):
         super().__init__(message)
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
 
 
+class NonFiniteError(AnomalyError):
+    """The loss or gradient norm became NaN/inf and the policy does not go on past it (``train.on_anomaly=fail``,
+    or ``skip``/``rollback`` with their limit reached)."""
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What happens to a step whose gradients are ready: ``apply`` its update, or drop it; ``rollback``: the loop
+    reloads the last checkpoint (``lowprec.train.health``)."""
+
+    apply: bool = True
+    rollback: bool = False
+
+
+Judge = Callable[[int, float, float, bool], StepDecision]
+"""``(step, loss, grad_norm, scaler_skips_nonfinite) -> StepDecision``, called after backward and clipping and
+before the optimizer step; raises ``AnomalyError`` to fail the run."""
+
+
+def fail_on_nonfinite(step: int, loss: float, grad_norm: float, scaler_skips: bool) -> StepDecision:
+    """The default judge (``train.on_anomaly=fail`` without a health monitor): ``NonFiniteError`` for a non-finite
+    loss, or a non-finite gradient norm that no loss scaler is there to skip; else apply."""
+    if not math.isfinite(loss):
+        raise NonFiniteError(f"loss is {loss} at step {step}", step, loss, grad_norm)
+    if not math.isfinite(grad_norm) and not scaler_skips:
+        raise NonFiniteError(f"grad_norm is {grad_norm} at step {step} (loss {loss:.4f})", step, loss, grad_norm)
+    return StepDecision()
+
+
 @dataclass
 class StepResult:
     """``loss``: mean cross-entropy (nats/token) over the step's micro-batches and ranks; ``grad_norm``: total
-    L2 norm of the gradients before clipping (inf/NaN on a step the loss scaler skipped)."""
+    L2 norm of the gradients before clipping (inf/NaN on a step the loss scaler skipped). ``applied``: the
+    optimizer update ran (False when the loss scaler or the health policy skipped it); ``decision``: the judge's."""
 
     loss: float
     grad_norm: float
+    applied: bool = True
+    decision: StepDecision = field(default_factory=StepDecision)
 
 
 def forward_loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,13 +79,17 @@ def forward_loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return built.loss_fn(logits, y)
 
 
-def train_step(built: Built, micro_batches: list[Batch], grad_clip: float, step: int) -> StepResult:
+def train_step(
+    built: Built, micro_batches: list[Batch], grad_clip: float, step: int, judge: Judge = fail_on_nonfinite
+) -> StepResult:
     """One optimizer step over ``micro_batches`` (gradient accumulation), clipping and LR update.
 
     Gradients are zeroed at the start so they stay inspectable after the step. The loss scaler built from
     the recipe scales the loss, unscales the gradients and decides whether the step runs (a no-op scaler
-    for recipes without loss scaling). Raises ``NonFiniteError`` before the optimizer step if the loss is
-    not finite, or the gradient norm is not finite and no loss scaler is there to skip the step.
+    for recipes without loss scaling). After clipping and before the optimizer step, ``judge`` sees the loss and
+    the gradient norm: the default raises ``NonFiniteError`` if the loss is not finite, or the gradient norm is not
+    finite and no loss scaler is there to skip the step; a health monitor may drop the update instead
+    (``StepDecision.apply`` False: no optimizer step, no loss-scaler update, no LR-schedule step).
     """
     built.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=built.device)
@@ -65,18 +103,16 @@ def train_step(built: Built, micro_batches: list[Batch], grad_clip: float, step:
             scaler.scale(loss / len(micro_batches)).backward()
             total += loss.detach()
         loss_value = built.dist.mean(total) / len(micro_batches)
-        if not math.isfinite(loss_value):
-            raise NonFiniteError(f"loss is {loss_value} at step {step}", step, loss_value)
         scaler.unscale_(built.optimizer)
         grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
-    if not math.isfinite(grad_norm) and not scaler.skips_nonfinite:
-        raise NonFiniteError(
-            f"grad_norm is {grad_norm} at step {step} (loss {loss_value:.4f})", step, loss_value, grad_norm
-        )
-    scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
+    decision = judge(step, loss_value, grad_norm, scaler.skips_nonfinite)
+    if not decision.apply:
+        scaler.discard_step()
+        return StepResult(loss_value, grad_norm, applied=False, decision=decision)
+    stepped = scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
     scaler.update()
     built.scheduler.step()
-    return StepResult(loss=loss_value, grad_norm=grad_norm)
+    return StepResult(loss=loss_value, grad_norm=grad_norm, applied=stepped, decision=decision)
 
 
 @torch.no_grad()

@@ -106,6 +106,33 @@ BAD = [
         ["ablate", "recipes=[fp32]", "resume=runs/checkpoints/0c5e1f2a/step_4"],
         "resume=runs/checkpoints/0c5e1f2a/step_4 is not an ablation id: resume= of lowprec ablate takes the id",
     ),
+    (["train", "train.on_anomaly=retry"], "train.on_anomaly='retry' is not one of fail, skip, rollback"),
+    (["ablate", "recipes=[fp32]", "train.on_anomaly=retry"], "train.on_anomaly='retry' is not one of"),
+    (["train", "train.max_rollbacks=-1"], "train.max_rollbacks=-1 must be >= 0"),
+    (["train", "train.max_consecutive_skips=0"], "train.max_consecutive_skips=0 must be >= 1"),
+    (
+        ["train", "train.on_anomaly=rollback"],
+        "train.on_anomaly=rollback reloads the last checkpoint: set train.checkpoint_every > 0",
+    ),
+    (["train", "train.fp8_fallback=always"], "train.fp8_fallback='always' is not one of off, layer"),
+    (["train", "train.fp8_fallback_threshold=0"], "train.fp8_fallback_threshold=0.0 must be in (0, 1]"),
+    (["train", "train.fp8_fallback_samples=0"], "train.fp8_fallback_samples=0 must be >= 1"),
+    (["train", "train.fp8_fallback=layer", "train.telemetry_every=0"], "decides from the FP8 telemetry samples"),
+    (
+        ["train", "recipe=fp8_tensorwise", "train.fp8_fallback=layer"],
+        "cannot run recipe 'fp8_tensorwise': recipe.fp8.backend='torchao' records no per-layer FP8",
+    ),
+    (
+        ["ablate", "recipes=[bf16,fp8_tensorwise]", "train.fp8_fallback=layer"],
+        "train.fp8_fallback=layer cannot run recipe 'fp8_tensorwise'",
+    ),
+    (["train", "recipe=fp8_comm8", "train.fp8_fallback=layer"], "gathers the weights in FP8"),
+    (
+        ["train", "recipe=fp8_current", "train.fp8_fallback=layer", "train.compile=true"],
+        "train.fp8_fallback=layer cannot run with train.compile=true",
+    ),
+    (["train", "train.skip_batches=[3,-1]"], "train.skip_batches holds -1: batch indices are >= 0"),
+    (["train", "faults.nan_into=bias"], "faults.nan_into=bias is not one of weight, activation, gradient"),
 ]
 
 
