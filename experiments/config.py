@@ -298,21 +298,21 @@ def data_from_cfg(cfg: DictConfig) -> DataSpec:
     return DataSpec(**typed(DataSpec, cfg.data, "data"))
 
 
-def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
-    """Flattened ``key -> value`` of the run's settings, for MLflow params."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, obj) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
+def leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    """``{"a.b.c": value}`` for every leaf of the nested dict ``d`` (an empty dict is a leaf), in ``d``'s order."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(leaves(v, f"{prefix}{k}."))
         else:
-            out[prefix] = str(obj)
-
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("recipe", None)
-    plain.pop("recipes", None)
-    plain.pop("hydra", None)
-    walk("", plain)
-    walk("recipe", recipe.to_dict())
+            out[f"{prefix}{k}"] = v
     return out
+
+
+def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
+    """Flattened ``key -> value`` of the run's settings, for MLflow params (empty groups left out)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("recipe", "recipes", "hydra"):
+        plain.pop(key, None)
+    both = leaves(plain) | leaves(recipe.to_dict(), "recipe.")
+    return {k: str(v) for k, v in both.items() if v != {}}

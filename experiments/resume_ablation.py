@@ -37,6 +37,7 @@ from filelock import FileLock, Timeout
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config import leaves
 from experiments.continued_runs import Continuation, continue_from
 from experiments.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome, config_yaml
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
@@ -95,16 +96,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 _ABSENT = object()
 
 
@@ -116,7 +107,7 @@ def config_difference(original: dict, now: dict) -> str | None:
     """The first key (in the ablation's order, then keys it lacks) whose value differs between the ablation's
     resolved configuration ``original`` and this command's ``now``, ignoring ``MAY_DIFFER``, as
     ``key=<now> differs from the ablation's <original>``; None when they match."""
-    a, b = _leaves(original), _leaves(now)
+    a, b = leaves(original), leaves(now)
     for key in [*a, *(k for k in b if k not in a)]:
         if _may_differ(key) or a.get(key, _ABSENT) == b.get(key, _ABSENT):
             continue

@@ -24,6 +24,7 @@ from experiments.config import (
     RunConfig,
     TrainConfig,
     data_from_cfg,
+    leaves,
     model_from_cfg,
     optim_from_cfg,
     parallel_from_cfg,
@@ -232,16 +233,6 @@ def test_every_group_option_composes_into_its_objects(i, tmp_path):
         assert recipe_from_cfg(cfg.recipe) == CATALOG[row["recipe"]]
 
 
-def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _expected(schema: type, choices: dict, files: list[Path]) -> dict:
     """The registered defaults (root schema, and the chosen option of every group) with the leaves the yaml
     files set, in composition order."""
@@ -251,7 +242,7 @@ def _expected(schema: type, choices: dict, files: list[Path]) -> dict:
             exp[group] = OmegaConf.to_container(option_node(group, choices[group]), resolve=False)
     for path in files:
         _, prefix = schema_of(path)
-        for key, value in _leaves(_body(path), prefix).items():
+        for key, value in leaves(_body(path), prefix).items():
             node = exp
             *parents, last = key.split(".")
             for p in parents:
@@ -272,9 +263,9 @@ def test_composed_config_is_the_registered_defaults_plus_the_yaml(config_name, e
     got = OmegaConf.to_container(cfg, resolve=False)
     got.pop("hydra")
     assert list(got) == list(expected)  # same keys, in the order of the root schema: none added or lost
-    want = _leaves(expected)
-    diff = {k: (v, want.get(k, "<absent>")) for k, v in _leaves(got).items() if want.get(k, object()) != v}
-    diff.update({k: ("<absent>", v) for k, v in want.items() if k not in _leaves(got)})
+    want = leaves(expected)
+    diff = {k: (v, want.get(k, "<absent>")) for k, v in leaves(got).items() if want.get(k, object()) != v}
+    diff.update({k: ("<absent>", v) for k, v in want.items() if k not in leaves(got)})
     assert not diff, f"composed value != registered default or yaml value: {diff}"
     if experiment:
         assert cfg.name == experiment and set(cfg.recipes) <= set(CATALOG)

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
+from stop_handlers import restored_stop_handlers
 
 import experiments.ablate
 import experiments.scheduler
@@ -30,7 +31,7 @@ from experiments.report import load_runs
 from experiments.resume_ablation import config_difference
 from experiments.run import config_yaml
 from experiments.tracking import Tracker
-from lowprec.train.stop import STOP_SIGNALS, clear_stop
+from lowprec.train.stop import clear_stop
 from recipes import CATALOG, get_recipe
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
@@ -54,12 +55,8 @@ def own_handlers(monkeypatch):
     """The commands install their stop handlers in this (pytest) process: put pytest's back afterwards. Workers get
     one intra-op thread, as this process has, on any machine (2 workers on "2 cores"): the same numbers."""
     monkeypatch.setattr(experiments.scheduler, "cores", lambda: 2)
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    clear_stop()
-    yield
-    clear_stop()
-    for s, h in saved.items():
-        signal.signal(s, h)
+    with restored_stop_handlers():
+        yield
 
 
 def _client(root: Path) -> MlflowClient:
@@ -95,19 +92,15 @@ def _id(text: str) -> str:
 def baseline(tmp_path_factory):
     """An uninterrupted ``seeds=auto`` ablation of fp32 and fp8_delayed, in this process: (root, id). (Two workers
     with one thread each train every run exactly as this process does: tests/integration/test_seeds_and_workers.py.)"""
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     root = tmp_path_factory.mktemp("baseline")
     mp = pytest.MonkeyPatch()
     mp.setattr(experiments.scheduler, "cores", lambda: 2)
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out):
+        with restored_stop_handlers(), contextlib.redirect_stdout(out):
             rc = main(["ablate", RECIPES, *AUTO, "workers=1", *RUN, *_dirs(root)])
     finally:
         mp.undo()
-        clear_stop()
-        for s, h in saved.items():
-            signal.signal(s, h)
     assert rc == 0, out.getvalue()
     return root, _id(out.getvalue())
 

@@ -14,10 +14,11 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
+from stop_handlers import restored_stop_handlers
 
 from experiments.cli import main
 from lowprec.train.checkpoint_files import verify
-from lowprec.train.stop import STOP_SIGNALS, clear_stop
+from lowprec.train.stop import clear_stop
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp8_delayed"]
@@ -26,12 +27,8 @@ RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp8_delay
 @pytest.fixture
 def own_handlers():
     """The command installs its stop handlers in this (pytest) process: put pytest's back afterwards."""
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    clear_stop()
-    yield
-    clear_stop()
-    for s, h in saved.items():
-        signal.signal(s, h)
+    with restored_stop_handlers():
+        yield
 
 
 def _runs(tmp_path):

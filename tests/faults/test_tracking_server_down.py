@@ -21,10 +21,10 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServer
+from stop_handlers import restored_stop_handlers
 
 from experiments.cli import main
 from experiments.spool import SPOOLED_TAG
-from lowprec.train.stop import STOP_SIGNALS, clear_stop
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=100", "train.progress=false"]
@@ -44,14 +44,9 @@ def server(tmp_path_factory):
 def reference(tmp_path_factory):
     """The same run tracked in a local sqlite store: its loss per step."""
     d = tmp_path_factory.mktemp("reference")
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    clear_stop()
-    try:
+    with restored_stop_handlers():  # the command installs its stop handlers in this (pytest) process
         args = [f"paths.runs={d}", f"paths.reports={d}", f"tracking.uri=sqlite:///{d / 'mlflow.db'}"]
         assert main(["train", *RUN, *args]) == 0
-    finally:
-        for s, h in saved.items():  # the command installed its stop handlers in this (pytest) process
-            signal.signal(s, h)
     client = MlflowClient(f"sqlite:///{d / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
