@@ -21,6 +21,7 @@ from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
 from experiments.stats import SpendingPlan, check_margin
+from experiments.studies import check_studies
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from experiments.verdict_table import LEVEL
 from lowprec.data import check_vocab_fits
@@ -79,6 +80,7 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     ablation_workers(cfg)
     recipes = [get_recipe(n) for n in names]
     ablation_control(cfg, names)
+    check_studies(list(cfg.get("studies") or []))
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
     return recipes
 
@@ -253,6 +255,7 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
             **seeds_tags,
             "workers": str(workers),
             "control": control,
+            "studies": dumps(list(cfg.get("studies") or [])),
             "model": cfg.model.name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,

@@ -146,6 +146,8 @@ class AblateConfig(RunConfig):
     seeds: Any = 1
     max_seeds: int = 8
     workers: Any = 1  # an int >= 1 or auto (experiments/scheduler.py)
+    #: the experiment's own reports beside report.md (experiments/studies: registered names)
+    studies: list[str] = field(default_factory=list)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 

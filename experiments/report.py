@@ -30,6 +30,7 @@ from experiments.stats import (
     relative_loss_error,
     seed_band,
 )
+from experiments.studies import StudyContext, run_studies
 from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
 from experiments.verdict_table import LEVEL
 from lowprec.errors import UserError
@@ -267,6 +268,12 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     links = _run_links(tracker, runs)
     html_path.write_text(markdown_to_html(page(HTML_ORDER), out, title.replace("`", ""), links))
     log_report_artifacts(tracker, parent.info.run_id, path, html_path)
+    studies = json.loads(ptags.get("studies", "[]"))
+    if studies:
+        ctx = StudyContext(tracker, ablation_id, parent, runs, order, control, margin, table, out)
+        for study_md in run_studies(studies, ctx):
+            for f in (study_md, *report_figures(study_md)):
+                tracker.log_artifact(parent.info.run_id, f)
     return path
 
 

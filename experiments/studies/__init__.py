@@ -1,0 +1,69 @@
+"""Studies: an experiment's own report beside the ablation's verdict report.
+
+An experiment (``conf/experiment/<name>.yaml``) lists ``studies: [name, ...]``; the ablation records them on its
+parent run (tag ``studies``) and ``experiments.report.build_report`` calls each registered study after the main
+report, so ``lowprec report <id>`` rebuilds them too. A study reads the ablation's runs from the store (never from
+the process that trained them) and writes ``<reports>/<ablation id>/<study>.md`` with its figures.
+
+Register one with ``@register("name")`` in a module imported below; ``check_studies`` refuses unknown names
+before any training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowprec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    """What a study gets: the store, the ablation, its runs and the main report's verdict table.
+
+    ``tracker``: ``experiments.tracking.Tracker``. ``parent``: the parent ``mlflow.entities.Run``. ``runs``: the
+    ``experiments.report.RunData`` of every child run. ``table``: ``experiments.verdict_table`` rows (verdicts at
+    ``margin`` against ``control``). ``out``: the report folder (``<reports>/<ablation id>``).
+    """
+
+    tracker: Any
+    ablation_id: str
+    parent: Any
+    runs: list
+    order: list[str]
+    control: str
+    margin: float
+    table: Any
+    out: Path
+
+
+#: name -> study function; each returns the markdown path it wrote.
+STUDIES: dict[str, Callable[[StudyContext], Path]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[StudyContext], Path]], Callable[[StudyContext], Path]]:
+    """Decorator: make ``fn(ctx) -> Path`` the study called ``name``. Raises ``ValueError`` for a repeated name."""
+
+    def deco(fn: Callable[[StudyContext], Path]) -> Callable[[StudyContext], Path]:
+        if name in STUDIES:
+            raise ValueError(f"study {name!r} is registered twice")
+        STUDIES[name] = fn
+        return fn
+
+    return deco
+
+
+def check_studies(names: list[str]) -> list[str]:
+    """``names`` if every one is a registered study; ``ConfigError`` naming the known ones otherwise."""
+    names = list(names or [])
+    unknown = [n for n in names if n not in STUDIES]
+    if unknown:
+        raise ConfigError(f"studies={names}: unknown {unknown}; known: {sorted(STUDIES) or 'none'}")
+    return names
+
+
+def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:
+    """Each study of ``names`` on ``ctx``, in order; the markdown paths written."""
+    return [STUDIES[n](ctx) for n in check_studies(names)]
