@@ -86,6 +86,7 @@ BAD = [
     (["ablate", "recipes=[fp32]", "report.margin=nan"], "report.margin must be a finite relative margin > 0"),
     (["ablate", "recipes=[fp32]", "report.margin=abc"], "report.margin: Value 'abc'"),
     (["ablate", "recipes=[fp32,bf16]", "control=fp16_amp"], "control=fp16_amp is not among recipes=['fp32', 'bf16']"),
+    (["ablate", "recipes=[fp32,bf16]", "studies=[nope]"], "studies=['nope']: unknown ['nope']"),
     (["ablate", "recipes=[fp32,fp32]"], "names a recipe twice"),
     (["ablate", "recipes=[fp32,fp9]"], "unknown recipe 'fp9'; known: fp32, bf16"),
     (["ablate", "recipes=[fp32,fp8_current]", "train.grad_clip=-1"], "train.grad_clip=-1"),
