@@ -2,12 +2,15 @@
 
     lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
                      [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full]
-                     [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--json]
+                     [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--emulate] [--json]
 
 ``batch`` is sequences per data-parallel rank (default 1); ``seq`` defaults to the model's ``max_seq_len``;
 ``hardware`` defaults to ``h100_sxm``; ``efficiency`` (default 0.4) is the assumed MFU of the time
 prediction; ``recompute`` picks the column that ranks ``recipe=all``. Sizes are printed in decimal GB
-(1e9 bytes). A bad argument prints one line on stderr and returns 2. The figures come from
+(1e9 bytes). A bad argument prints one line on stderr and returns 2: every key is checked (``recompute`` also
+for a single recipe), and an FP8 recipe on hardware without FP8 tensor cores (A100) is refused unless
+``--emulate`` is given (the memory is then estimated and no step time is predicted: emulated FP8 GEMMs run at
+FP32 speed, which the model does not cover). The figures come from
 ``lowprec.estimate`` (its module doc states every rule and assumption).
 """
 
@@ -17,6 +20,7 @@ import dataclasses
 import json
 import sys
 
+from lowprec.estimate.activations import RECOMPUTE_MODES
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
@@ -26,7 +30,7 @@ from recipes import CATALOG, get_recipe
 USAGE = (
     "usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
     "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] "
-    "[model.<field>=V] [recipe.<group>.<field>=V] [--json]"
+    "[model.<field>=V] [recipe.<group>.<field>=V] [--emulate] [--json]"
 )
 _KEYS = ("model", "recipe", "parallel.dp_shard", "parallel.tp", "hardware", "batch", "seq", "efficiency", "recompute")
 _INTS = ("parallel.dp_shard", "parallel.tp", "batch", "seq")
@@ -55,14 +59,14 @@ def _value(text: str):
 
 def parse_args(argv: list[str]) -> dict:
     """``key=value`` pairs and ``--json`` into a dict; raises ``EstimateArgError`` for anything else."""
-    out: dict = {"json": False, "model_over": {}, "recipe_over": {}}
+    out: dict = {"json": False, "emulate": False, "model_over": {}, "recipe_over": {}}
     for a in argv:
-        if a == "--json":
-            out["json"] = True
+        if a in ("--json", "--emulate"):
+            out[a[2:]] = True
             continue
         key, eq, val = a.partition("=")
         if not eq or not key or not val:
-            raise EstimateArgError(f"argument {a!r} is not key=value (or --json)")
+            raise EstimateArgError(f"argument {a!r} is not key=value (or --json, --emulate)")
         if key.startswith("model."):
             out["model_over"][key.removeprefix("model.")] = _value(val)
         elif key.startswith("recipe."):
@@ -90,7 +94,23 @@ def parse_args(argv: list[str]) -> dict:
     for req in ("model", "recipe"):
         if req not in out:
             raise EstimateArgError(f"{req}= is required")
+    if out.get("recompute", "none") not in RECOMPUTE_MODES:
+        raise EstimateArgError(f"recompute={out['recompute']!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if "efficiency" in out and not 0.0 < out["efficiency"] <= 1.0:
+        raise EstimateArgError(f"efficiency={out['efficiency']} must be in (0, 1]")
     return out
+
+
+def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
+    """Refuse FP8 recipes on hardware without FP8 tensor cores unless ``emulate`` (``EstimateArgError``)."""
+    if emulate or hw.fp8_tflops is not None:
+        return
+    fp8 = [r.name for r in recipes if r.fp8.enabled]
+    if fp8:
+        raise EstimateArgError(
+            f"recipe {fp8[0]} runs FP8 GEMMs and hardware={hw.name} has no FP8 tensor cores; "
+            "pick an FP8 part (h100, h200, b200, mi300x) or pass --emulate"
+        )
 
 
 def _recipes(name: str, overrides: dict):
@@ -262,6 +282,7 @@ def run(opts: dict) -> str:
         efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
     )
     recipes = _recipes(opts["recipe"], opts["recipe_over"])
+    check_fp8_hardware(recipes if opts["recipe"] != "all" else [], hw, opts["emulate"])
     model_info = {"name": opts["model"], **dataclasses.asdict(args)}
     if opts["recipe"] == "all":
         r = estimate_all(args, recipes, recompute=opts.get("recompute", "none"), **kw)
