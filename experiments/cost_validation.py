@@ -275,3 +275,47 @@ def format_table(rows: list[Row], cal: Calibration) -> str:
         + "; ".join(f"{g}: {' > '.join(v)}" for g, v in s["ranking_published"].items())
     )
     return "\n".join(lines)
+
+
+README_BEGIN = "<!-- estimate-validate-table:begin (python -m experiments.fit_cost_model --readme) -->"
+README_END = "<!-- estimate-validate-table:end -->"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The README's predicted-vs-published table (Markdown), generated from ``published.yaml``."""
+    out = [
+        "| point | source | hardware | layout | catalog recipe (theirs) | published | predicted | error "
+        "| memory published / predicted GiB | split |",
+        "|---|---|---|---|---|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        p = r.point
+        lay = (
+            f"FSDP {p.dp_shard}"
+            + (f" x TP {p.tp}" + (" async" if p.async_tp else "") if p.tp > 1 else "")
+            + f", batch {p.batch}, seq {p.seq}, AC {p.ac}, {'compile' if p.compile else 'eager'}"
+        )
+        if p.tokens_per_s_per_gpu is not None:
+            pub, pred = f"{p.published:,.0f} tok/s/GPU", f"{r.predicted:,.0f}"
+        else:
+            pub, pred = f"{p.published:.3f}x bf16", f"{r.predicted:.3f}x"
+        mem = (
+            f"{p.memory_gib:g} / {r.predicted_memory_gib:.1f} ({100 * r.memory_error:+.0f}%)"
+            if r.memory_error is not None
+            else "-"
+        )
+        out.append(
+            f"| `{p.id}` | [{p.source}]({p.url}) {p.table} | {p.hardware} | {lay} "
+            f"| `{p.recipe}` ({p.published_recipe}) | {pub} | {pred} | {100 * r.error:+.1f}% | {mem} "
+            f"| {p.split.replace('_', '-')} |"
+        )
+    return "\n".join(out)
+
+
+def replace_readme_block(text: str, table: str) -> str:
+    """``text`` with the block between ``README_BEGIN`` and ``README_END`` replaced by ``table``; raises
+    ``ValueError`` if the markers are missing."""
+    a, b = text.find(README_BEGIN), text.find(README_END)
+    if a < 0 or b < a:
+        raise ValueError("README has no estimate-validate-table markers")
+    return text[: a + len(README_BEGIN)] + "\n" + table + "\n" + text[b:]

@@ -163,3 +163,16 @@ def test_layout_refuses_bad_fields():
     assert math.isfinite(
         step_cost(model_args("debug"), get_recipe("bf16"), get_hardware("h100"), Layout(seq=64)).step_time_s
     )
+
+
+def test_readme_table_is_generated_from_the_data_file(rows):
+    from pathlib import Path
+
+    from experiments.cost_validation import README_BEGIN, README_END, markdown_table
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text[text.index(README_BEGIN) + len(README_BEGIN) : text.index(README_END)].strip()
+    assert block == markdown_table(rows)
+    # the corrections of issue 17: torchtitan's batch 2, selective AC, the 96 GB / 500 W H100, FP8 all-gather
+    row = next(line for line in block.splitlines() if "`tt_8b_8gpu_fp8`" in line)
+    assert "batch 2" in row and "AC selective" in row and "h100_96gb_500w" in row and "`fp8_tensorwise_fsdp8`" in row
