@@ -74,7 +74,7 @@ PUBLISHED_EVIDENCE = {
     "rowwise": "torchao torchao/float8/README.md (throughput); PyTorch blog 'Accelerating Large Scale Training and "
     "Convergence with PyTorch Float8 Rowwise on Crusoe 2K H200s' (comparable convergence)",
     "int8": "Dettmers et al. 2021, '8-bit Optimizers via Block-wise Quantization' (arXiv 2110.02861): parity with "
-    "32-bit Adam on language-model pretraining up to 1.5B parameters",
+    "32-bit Adam on their language-model pretraining and fine-tuning benchmarks",
     "bf16": "the reference: BF16 mixed precision with FP32 master weights (torchtitan's default)",
 }
 
