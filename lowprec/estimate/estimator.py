@@ -39,7 +39,8 @@ FP8 recipes run ``6 * (weights of FP8 linears)`` FLOPs per token in FP8; their p
 harmonic blend ``1 / (f/peak_fp8 + (1-f)/peak_hp)`` (the time the FLOPs would take at each peak), where
 ``f`` is that FP8 share. ``predict_throughput`` is the flat-efficiency time, FLOPs / (peak * efficiency),
 efficiency 0.4 MFU by default, communication not modelled: it overstates FP8 about 2x; the per-op
-``lowprec.estimate.cost_model`` is what ``lowprec estimate`` and ``recommend`` print. Under ``tp`` each GPU does ``1/tp`` of its group's FLOPs.
+``lowprec.estimate.cost_model`` is what ``lowprec estimate`` and ``recommend`` print. Under ``tp`` each GPU
+does ``1/tp`` of its group's FLOPs.
 """
 
 from __future__ import annotations
