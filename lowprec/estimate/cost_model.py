@@ -55,10 +55,11 @@ torchtitan's op policy, whose save list (``torchtitan/models/llama3/parallelize_
 ``mm``, SDPA, ``reduce_scatter`` and ``max`` but not ``_scaled_mm``: under bf16 every second ``mm`` of a block
 (``wk wo w3``) is recomputed, under FP8 every FP8 GEMM is, plus every memory-bound forward kernel.
 
-**Communication**, bytes as ``lowprec.parallel`` meters them: FSDP2 all-gathers every block's parameters in
-forward and again in backward (``reshard_after_forward``) in the compute dtype, or 1 byte for FP8 linears
-under ``comm.weight_all_gather=fp8``, and reduce-scatters gradients in ``comm.grad_reduce`` (fp32 4, bf16 2,
-fp8 1 byte); a ring moves ``(n-1)/n`` of the gathered bytes per GPU. Tensor parallel with sequence
+**Communication**, FSDP2 bytes as ``lowprec.parallel.comm_meter`` measures them (``fsdp_comm_bytes``): the
+parameters all-gathered in forward and again in backward (``reshard_after_forward``; the last block stays
+gathered) in the compute dtype, or 1 byte for FP8 linears under ``comm.weight_all_gather=fp8``, and the
+gradients reduce-scattered in ``comm.grad_reduce`` (fp32 4, bf16 2, fp8 1 byte + block scales); a ring moves
+``(n-1)/n`` of the gathered bytes per GPU. Tensor parallel with sequence
 parallelism: per layer, forward two all-gathers and two reduce-scatters of ``M x dim`` activations (the
 all-gathers in FP8 for tensorwise FP8 linears, torchtitan's float8 TP), backward the same again, ``full``
 recompute once more. Bandwidth: ``intra_gb_s`` when the group fits in a node, else ``inter_gb_s``. Async TP
@@ -101,7 +102,7 @@ class Calibration:
     gemm_eff_fp8: float = 0.5959
     rowwise_gemm: float = 0.6952
     eager_factor: float = 2.8940
-    overlap: float = 0.9345
+    overlap: float = 0.9336
     rocm_rel: float = 0.5307
 
     def to_dict(self) -> dict:
@@ -277,18 +278,9 @@ def step_cost(
     # communication
     fsdp = 0.0
     if lo.dp_shard > 1:
-        pe = 2 if hp == "bf16" else 4
-        ag = rs = 0.0
-        fp8_ag = recipe.comm.weight_all_gather == "fp8" and gran is not None
-        grad_b = {"fp32": 4, "bf16": 2, "fp8": 1}[recipe.comm.grad_reduce]
-        for fqn, shape in inv.params:
-            numel = _numel(shape) / tp
-            li = inv.linears.get(fqn.removesuffix(".weight"))
-            b = 1 if (fp8_ag and li is not None and li.kind != "hp") else pe
-            ag += numel * b
-            rs += numel * grad_b
+        ag, rs = fsdp_comm_bytes(args, recipe, tp)
         span = lo.dp_shard * tp
-        fsdp = _ring(2 * ag, lo.dp_shard, hw, span) + _ring(rs, lo.dp_shard, hw, span)
+        fsdp = _ring(ag, lo.dp_shard, hw, span) + _ring(rs, lo.dp_shard, hw, span)
     tpc = 0.0
     if tp > 1:
         act = m_tok * args.dim
@@ -316,6 +308,33 @@ def step_cost(
         m_tok / tp / step,
         cal,
     )
+
+
+def fsdp_comm_bytes(args: ModelArgs, recipe: Recipe, tp: int = 1) -> tuple[float, float]:
+    """FSDP2 bytes of one step as ``lowprec.parallel.comm_meter.CommMeter`` counts them (all-gather: the gathered
+    output; reduce-scatter: the full input), summed over the step: ``(all_gather, reduce_scatter)``.
+
+    All-gathers: the root's parameters (embedding, final norm, output) twice and the blocks' ``2 * (L - 1)`` block
+    gathers in all (the last block stays unsharded from its forward to its backward, ``lowprec.parallel.fsdp``),
+    in the compute dtype, or 1 byte per element for FP8 linears under ``comm.weight_all_gather=fp8`` (scales,
+    under 1%, left out). Reduce-scatter: every parameter once in ``comm.grad_reduce`` (fp32 4, bf16 2 bytes; fp8
+    1 byte plus a 4-byte scale per ``grad_reduce_block`` elements). ``tp`` divides every parameter. Measured
+    by ``benchmarks/comm_bytes.py`` (FSDP2 world size 2): ``tests/unit/test_cost_model.py`` holds its figures.
+    """
+    inv = inventory(args, recipe.fp8)
+    pe = 4 if recipe.compute_dtype.itemsize == 4 else 2
+    fp8_ag = recipe.comm.weight_all_gather == "fp8" and recipe.fp8.enabled
+    c = recipe.comm
+    grad_b = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / c.grad_reduce_block}[c.grad_reduce]
+    block_gathers = 2 * (args.n_layers - 1) / args.n_layers  # per block, on average
+    ag = rs = 0.0
+    for fqn, shape in inv.params:
+        numel = _numel(shape) / tp
+        li = inv.linears.get(fqn.removesuffix(".weight"))
+        b = 1 if (fp8_ag and li is not None and li.kind != "hp") else pe
+        ag += numel * b * (block_gathers if fqn.startswith("layers.") else 2)
+        rs += numel * grad_b
+    return ag, rs
 
 
 def _exposed(comm: float, compute: float, overlap: float) -> float:

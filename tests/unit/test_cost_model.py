@@ -21,7 +21,7 @@ from experiments.cost_validation import (
     validate,
 )
 from experiments.estimate import MODEL_ERROR
-from lowprec.estimate.cost_model import D0, Calibration, Layout, gemm_time, step_cost
+from lowprec.estimate.cost_model import D0, Calibration, Layout, fsdp_comm_bytes, gemm_time, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
 from lowprec.model import model_args
@@ -116,21 +116,39 @@ def test_communication_bytes_and_overlap():
     one = step_cost(args, get_recipe("bf16"), hw, Layout(dp_shard=1, batch=1))
     assert one.fsdp_comm == one.tp_comm == one.exposed_comm == 0.0
     c8 = step_cost(args, get_recipe("bf16"), hw, Layout(dp_shard=8, batch=1))
-    # bf16 all-gather twice (forward, backward) + fp32 reduce-scatter, ring (n-1)/n, over NVLink 450 GB/s
-    from lowprec.estimate.inventory import inventory
-
-    numel = inventory(args, get_recipe("bf16").fp8).n_params
-    assert c8.fsdp_comm == pytest.approx((2 * 2 * numel + 4 * numel) * 7 / 8 / 450e9)
+    # the meter's bytes (fsdp_comm_bytes), ring (n-1)/n, over NVLink 450 GB/s
+    ag, rs = fsdp_comm_bytes(args, get_recipe("bf16"))
+    assert c8.fsdp_comm == pytest.approx((ag + rs) * 7 / 8 / 450e9)
     fp8ag = step_cost(args, get_recipe("fp8_tensorwise_fsdp8"), hw, Layout(dp_shard=8, batch=1))
     assert fp8ag.fsdp_comm < c8.fsdp_comm
     # across nodes the same bytes move at 50 GB/s per GPU
     c128 = step_cost(args, get_recipe("bf16"), hw, Layout(dp_shard=128, batch=1))
-    assert c128.fsdp_comm == pytest.approx((2 * 2 * numel + 4 * numel) * 127 / 128 / 50e9)
+    assert c128.fsdp_comm == pytest.approx((ag + rs) * 127 / 128 / 50e9)
     a70 = model_args("llama3_70b")
     lo = Layout(dp_shard=32, tp=8, batch=16, seq=8192, ac="full")
     plain = step_cost(a70, get_recipe("fp8_tensorwise_fsdp8"), hw, lo)
     asyn = step_cost(a70, get_recipe("fp8_tensorwise_fsdp8"), hw, dataclasses.replace(lo, async_tp=True))
     assert plain.tp_comm > 0 and asyn.exposed_comm < plain.exposed_comm and asyn.step_time_s < plain.step_time_s
+
+
+#: MiB per optimizer step on rank 0 measured by ``benchmarks/comm_bytes.py`` (lowprec's CommMeter, FSDP2 world
+#: size 2, gloo): (all-gather, reduce-scatter). tiny: README's table; debug: ``--model debug --steps 1``.
+METERED = {
+    ("tiny", "bf16"): (27.3, 31.0),
+    ("tiny", "fp32"): (54.5, 31.0),
+    ("tiny", "fp8_comm8"): (21.6, 8.0),
+    ("tiny", "fp8_tensorwise_fsdp8"): (21.6, 31.0),
+    ("debug", "bf16"): (2.047, 2.094),
+    ("debug", "fp8_comm8"): (2.024, 0.540),
+    ("debug", "deepseek_v3_comm8"): (2.026, 0.540),
+}
+
+
+@pytest.mark.parametrize("size, recipe", list(METERED))
+def test_fsdp_bytes_are_the_metered_ones(size, recipe):
+    ag, rs = fsdp_comm_bytes(model_args(size), get_recipe(recipe))
+    want_ag, want_rs = METERED[size, recipe]
+    assert ag / 2**20 == pytest.approx(want_ag, rel=0.005) and rs / 2**20 == pytest.approx(want_rs, rel=0.005)
 
 
 def test_memory_model_adds_tp_buffers_working_set_and_fp8_copies():
