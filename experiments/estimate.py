@@ -25,7 +25,7 @@ from lowprec.estimate.activations import RECOMPUTE_MODES
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
-from lowprec.model import model_args
+from lowprec.model import ModelArgs, model_args
 from lowprec.recipe import Recipe, RecipeError
 from recipes import CATALOG, get_recipe
 
@@ -133,6 +133,26 @@ def parse_args(argv: list[str]) -> dict:
     return out
 
 
+def check_model_overrides(over: dict) -> dict:
+    """``model.<field>=V`` overrides checked against ``ModelArgs``'s fields: known name, and an integer for the
+    integer fields, a number for the float ones (``None`` allowed where the default is). Raises
+    ``EstimateArgError``; the values themselves are checked by ``ModelArgs``."""
+    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    for k, v in over.items():
+        if k not in fields:
+            raise EstimateArgError(f"unknown model field model.{k}; known: {', '.join(fields)}")
+        default = fields[k].default
+        ok = (
+            (isinstance(v, int) and not isinstance(v, bool))
+            if isinstance(default, int)
+            else (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
+        )
+        if not ok:
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise EstimateArgError(f"model.{k}={v!r} is not {kind}")
+    return over
+
+
 def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
     """Refuse FP8 recipes on hardware without FP8 tensor cores unless ``emulate`` (``EstimateArgError``)."""
     if emulate or hw.fp8_tflops is not None:
@@ -155,7 +175,8 @@ def _recipes(name: str, overrides: dict):
         d = r.to_dict()
         for group, fields in overrides.items():
             if group not in d or not isinstance(d[group], dict):
-                raise EstimateArgError(f"unknown recipe group {group!r}; known: weights, compute, fp8, optim")
+                known = ", ".join(k for k, v in d.items() if isinstance(v, dict))
+                raise EstimateArgError(f"unknown recipe group {group!r}; known: {known}")
             d[group].update(fields)
         r = Recipe.from_dict(d)
     return [r]
@@ -330,10 +351,7 @@ def run(opts: dict) -> str:
         if opts["json"]:
             return json.dumps({"rows": [r.to_dict() for r in rows], **summary(rows)}, indent=1)
         return format_table(rows, Calibration())
-    try:
-        args = model_args(opts["model"], **opts["model_over"])
-    except TypeError as e:
-        raise EstimateArgError(f"bad model.<field> override: {e}") from None
+    args = model_args(opts["model"], **check_model_overrides(opts["model_over"]))
     hw = get_hardware(opts.get("hardware", "h100_sxm"))
     kw = dict(
         dp_shard=opts.get("parallel.dp_shard", 1),

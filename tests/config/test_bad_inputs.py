@@ -201,6 +201,12 @@ BAD_ESTIMATE = [
     (["model=llama3_8b", "recipe=bf16", "batch=two"], "batch='two' is not an integer"),
     (["model=llama3_8b", "recipe=fp8_current", "recipe.fp8.margin=-1"], "recipe.fp8.margin"),
     (["model=llama3_8b", "recipe=bf16", "--fast"], "'--fast' is not key=value"),
+    (["model=llama3_8b", "recipe=bf16", "model.dim=abc"], "model.dim='abc' is not an integer"),
+    (["model=llama3_8b", "recipe=bf16", "model.foo=1"], "unknown model field model.foo"),
+    (["model=llama3_8b", "recipe=bf16", "compile=maybe"], "compile='maybe' is not true or false"),
+    (["model=llama3_8b", "recipe=bf16", "async_tp=true"], "async_tp=true needs parallel.tp > 1"),
+    (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "unknown recipe group 'fp9'; known: weights"),
+    (["--validate", "model=llama3_8b"], "--validate takes no other key"),
 ]
 
 
