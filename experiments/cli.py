@@ -1,4 +1,5 @@
-"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``selfcheck``, ``ui``.
+"""The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``recommend``,
+``selfcheck``, ``ui``.
 
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
@@ -40,7 +41,7 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.train.stop import StopSignal, install_stop_handlers
 from recipes import CATALOG
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui,sync} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync} ...
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
@@ -48,7 +49,9 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,selfcheck,ui,syn
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]
   lowprec recipes [--json]
   lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
-                   [batch=N] [seq=N] [--json]
+                   [batch=N] [seq=N] [recompute=MODE] [compile=BOOL] [--emulate] [--json]
+  lowprec estimate --validate [--json]                   the cost model against published measurements
+  lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [--json]
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
   lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
   lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
@@ -215,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(rest)
     if cmd == "estimate":
         return estimate_main(rest)
+    if cmd == "recommend":
+        from experiments.recommend import recommend_main  # reads MLflow only when asked
+
+        return recommend_main(rest)
     if cmd == "selfcheck":
         return selfcheck_main(rest)
     if cmd == "sync":

@@ -2,12 +2,15 @@
 
     lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
                      [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full]
-                     [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--json]
+                     [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--emulate] [--json]
 
 ``batch`` is sequences per data-parallel rank (default 1); ``seq`` defaults to the model's ``max_seq_len``;
 ``hardware`` defaults to ``h100_sxm``; ``efficiency`` (default 0.4) is the assumed MFU of the time
 prediction; ``recompute`` picks the column that ranks ``recipe=all``. Sizes are printed in decimal GB
-(1e9 bytes). A bad argument prints one line on stderr and returns 2. The figures come from
+(1e9 bytes). A bad argument prints one line on stderr and returns 2: every key is checked (``recompute`` also
+for a single recipe), and an FP8 recipe on hardware without FP8 tensor cores (A100) is refused unless
+``--emulate`` is given (the memory is then estimated and no step time is predicted: emulated FP8 GEMMs run at
+FP32 speed, which the model does not cover). The figures come from
 ``lowprec.estimate`` (its module doc states every rule and assumption).
 """
 
@@ -17,19 +20,41 @@ import dataclasses
 import json
 import sys
 
+from experiments.cost_validation import format_table, load_points, summary, validate
+from lowprec.estimate.activations import RECOMPUTE_MODES
+from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
-from lowprec.model import model_args
+from lowprec.model import ModelArgs, model_args
 from lowprec.recipe import Recipe, RecipeError
 from recipes import CATALOG, get_recipe
 
 USAGE = (
     "usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
-    "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] "
-    "[model.<field>=V] [recipe.<group>.<field>=V] [--json]"
+    "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] [compile=true|false] "
+    "[async_tp=true|false] [model.<field>=V] [recipe.<group>.<field>=V] [--emulate] [--json]\n"
+    "       lowprec estimate --validate [--json]"
 )
-_KEYS = ("model", "recipe", "parallel.dp_shard", "parallel.tp", "hardware", "batch", "seq", "efficiency", "recompute")
+_KEYS = (
+    "model",
+    "recipe",
+    "parallel.dp_shard",
+    "parallel.tp",
+    "hardware",
+    "batch",
+    "seq",
+    "efficiency",
+    "recompute",
+    "compile",
+    "async_tp",
+)
+_BOOLS = ("compile", "async_tp")
 _INTS = ("parallel.dp_shard", "parallel.tp", "batch", "seq")
+
+
+#: The largest held-out throughput error of the shipped calibration (``lowprec estimate --validate``;
+#: ``tests/unit/test_cost_model.py`` keeps it equal to the table's).
+MODEL_ERROR = 0.157
 
 
 class EstimateArgError(ValueError):
@@ -55,14 +80,14 @@ def _value(text: str):
 
 def parse_args(argv: list[str]) -> dict:
     """``key=value`` pairs and ``--json`` into a dict; raises ``EstimateArgError`` for anything else."""
-    out: dict = {"json": False, "model_over": {}, "recipe_over": {}}
+    out: dict = {"json": False, "emulate": False, "validate": False, "model_over": {}, "recipe_over": {}}
     for a in argv:
-        if a == "--json":
-            out["json"] = True
+        if a in ("--json", "--emulate", "--validate"):
+            out[a[2:]] = True
             continue
         key, eq, val = a.partition("=")
         if not eq or not key or not val:
-            raise EstimateArgError(f"argument {a!r} is not key=value (or --json)")
+            raise EstimateArgError(f"argument {a!r} is not key=value (or --json, --emulate, --validate)")
         if key.startswith("model."):
             out["model_over"][key.removeprefix("model.")] = _value(val)
         elif key.startswith("recipe."):
@@ -76,6 +101,10 @@ def parse_args(argv: list[str]) -> dict:
                     out[key] = int(val)
                 except ValueError:
                     raise EstimateArgError(f"{key}={val!r} is not an integer") from None
+            elif key in _BOOLS:
+                if val.lower() not in ("true", "false"):
+                    raise EstimateArgError(f"{key}={val!r} is not true or false")
+                out[key] = val.lower() == "true"
             elif key == "efficiency":
                 try:
                     out[key] = float(val)
@@ -87,10 +116,53 @@ def parse_args(argv: list[str]) -> dict:
             raise EstimateArgError(
                 f"unknown key {key!r}; known: {', '.join(_KEYS)}, model.<field>, recipe.<group>.<field>"
             )
+    if out["validate"]:
+        extra = [k for k in out if k in _KEYS]
+        if extra:
+            raise EstimateArgError(f"--validate takes no other key (got {extra[0]}=): it predicts the published points")
+        return out
     for req in ("model", "recipe"):
         if req not in out:
             raise EstimateArgError(f"{req}= is required")
+    if out.get("recompute", "none") not in RECOMPUTE_MODES:
+        raise EstimateArgError(f"recompute={out['recompute']!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if "efficiency" in out and not 0.0 < out["efficiency"] <= 1.0:
+        raise EstimateArgError(f"efficiency={out['efficiency']} must be in (0, 1]")
+    if out.get("async_tp") and out.get("parallel.tp", 1) == 1:
+        raise EstimateArgError("async_tp=true needs parallel.tp > 1")
     return out
+
+
+def check_model_overrides(over: dict) -> dict:
+    """``model.<field>=V`` overrides checked against ``ModelArgs``'s fields: known name, and an integer for the
+    integer fields, a number for the float ones (``None`` allowed where the default is). Raises
+    ``EstimateArgError``; the values themselves are checked by ``ModelArgs``."""
+    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    for k, v in over.items():
+        if k not in fields:
+            raise EstimateArgError(f"unknown model field model.{k}; known: {', '.join(fields)}")
+        default = fields[k].default
+        ok = (
+            (isinstance(v, int) and not isinstance(v, bool))
+            if isinstance(default, int)
+            else (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
+        )
+        if not ok:
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise EstimateArgError(f"model.{k}={v!r} is not {kind}")
+    return over
+
+
+def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
+    """Refuse FP8 recipes on hardware without FP8 tensor cores unless ``emulate`` (``EstimateArgError``)."""
+    if emulate or hw.fp8_tflops is not None:
+        return
+    fp8 = [r.name for r in recipes if r.fp8.enabled]
+    if fp8:
+        raise EstimateArgError(
+            f"recipe {fp8[0]} runs FP8 GEMMs and hardware={hw.name} has no FP8 tensor cores; "
+            "pick an FP8 part (h100, h200, b200, mi300x) or pass --emulate"
+        )
 
 
 def _recipes(name: str, overrides: dict):
@@ -103,7 +175,8 @@ def _recipes(name: str, overrides: dict):
         d = r.to_dict()
         for group, fields in overrides.items():
             if group not in d or not isinstance(d[group], dict):
-                raise EstimateArgError(f"unknown recipe group {group!r}; known: weights, compute, fp8, optim")
+                known = ", ".join(k for k, v in d.items() if isinstance(v, dict))
+                raise EstimateArgError(f"unknown recipe group {group!r}; known: {known}")
             d[group].update(fields)
         r = Recipe.from_dict(d)
     return [r]
@@ -117,8 +190,21 @@ def _row(label: str, nbytes: int, note: str = "") -> str:
     return f"  {label:<40} {nbytes:>19,} {_gb(nbytes):>10}  {note}".rstrip()
 
 
-def format_one(e, args, model_name: str, unsharded) -> str:
-    """The per-GPU table of one ``lowprec.estimate.Estimate`` (``unsharded``: its state at dp_shard=tp=1)."""
+def cost_line(c) -> str:
+    """One line of a ``lowprec.estimate.cost_model.StepCost``: step, tokens/s/GPU and where the time goes."""
+    lo = c.layout
+    return (
+        f"predicted step {c.step_time_s:.4g} s, {c.tokens_per_s_per_gpu:,.0f} tokens/s/GPU on {c.hardware} "
+        f"(cost model, ac={lo.ac}, compile={str(lo.compile).lower()}): GEMMs {c.gemm:.3g} s, attention "
+        f"{c.attention:.3g} s, memory-bound kernels {c.kernels:.3g} s, FP8 casts {c.fp8_casts:.3g} s, "
+        f"communication {c.fsdp_comm + c.tp_comm:.3g} s of which {c.exposed_comm:.3g} s exposed; "
+        f"held-out error of the model up to {100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
+    )
+
+
+def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = False) -> str:
+    """The per-GPU table of one ``lowprec.estimate.Estimate`` (``unsharded``: its state at dp_shard=tp=1;
+    ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time)."""
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
@@ -175,83 +261,97 @@ def format_one(e, args, model_name: str, unsharded) -> str:
         f"(all but the token embedding); FP8 share {100 * fl.fp8_fraction:.0f}%"
     )
     t = e.throughput
-    if t is not None:
+    if t is not None and flat:
         lines.append(
-            f"predicted step {t.step_time_s:.4g} s, {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
-            f"{100 * t.efficiency:.0f}% MFU of {t.peak.label} peak {t.peak.tflops:,.0f} TFLOP/s "
-            f"({t.peak.hardware}); communication not modelled"
+            f"flat-efficiency step {t.step_time_s:.4g} s, {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
+            f"{100 * t.efficiency:.0f}% MFU of {t.peak.label} peak {t.peak.tflops:,.0f} TFLOP/s ({t.peak.hardware})"
         )
-    pub = published_for(e, model_name)
-    if pub is not None and t is not None:
-        lines.append(
-            f"published ({pub['source']}): {pub['tokens_per_s_per_gpu']:,} tokens/s/GPU, "
-            f"{pub['memory_gib']} GiB; lowprec's prediction is "
-            f"{100 * (t.tokens_per_s_per_gpu / pub['tokens_per_s_per_gpu'] - 1):+.0f}% "
-            "on tokens/s (measured on a GPU by them, predicted here, never measured by lowprec)"
-        )
+    if cost is not None:
+        lines.append(cost_line(cost))
+        pub = published_for(e, model_name, cost)
+        if pub is not None:
+            lines.append(
+                f"published ({pub.url}, {pub.table}): {pub.tokens_per_s_per_gpu:,} tokens/s/GPU, {pub.memory_gib} GiB; "
+                f"the cost model is {100 * (cost.tokens_per_s_per_gpu / pub.tokens_per_s_per_gpu - 1):+.1f}% on "
+                f"tokens/s ({pub.split.replace('_', '-')} point; measured on a GPU by them, never by lowprec)"
+            )
     for n in e.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
 
 
-#: Published measurements to print beside a matching estimate (torchtitan and torchao benchmark tables).
-PUBLISHED = {
-    ("llama3_8b", "bf16", 8): {
-        "source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile",
-        "tokens_per_s_per_gpu": 6667,
-        "memory_gib": 77.0,
-    },
-    ("llama3_8b", "fp8_tensorwise", 8): {
-        "source": "torchtitan, Llama-3.1-8B, 8xH100, FSDP2 + compile, float8 tensorwise + FP8 all-gather",
-        "tokens_per_s_per_gpu": 8532,
-        "memory_gib": 76.8,
-    },
-}
+def published_for(e, model_name: str, cost):
+    """The point of ``published.yaml`` with this model, recipe, hardware and layout, if there is one."""
+    lo = cost.layout
+    for p in load_points():
+        if (
+            p.tokens_per_s_per_gpu is not None
+            and (p.model, p.recipe, p.hardware) == (model_name, e.recipe, cost.hardware)
+            and (p.dp_shard, p.tp, p.batch, p.seq, p.ac, p.compile, p.async_tp)
+            == (lo.dp_shard, lo.tp, lo.batch, lo.seq, lo.ac, lo.compile, lo.async_tp)
+        ):
+            return p
+    return None
 
 
-def published_for(e, model_name: str) -> dict | None:
-    """The published measurement matching (model, recipe, dp_shard) on an H100, if there is one."""
-    hw = e.hardware
-    if hw is None or not hw.name.startswith("h100"):
-        return None
-    return PUBLISHED.get((model_name, e.recipe, e.dp_shard))
-
-
-def format_ranking(r, model_name: str) -> str:
-    """The ``recipe=all`` table of a ``lowprec.estimate.Ranking``."""
+def format_ranking(r, model_name: str, costs: dict) -> str:
+    """The ``recipe=all`` table of a ``lowprec.estimate.Ranking``; ``costs``: recipe -> ``StepCost`` or an
+    error string (why no time is predicted)."""
     e0 = r.rows[0]
     hw = e0.hardware
     head = (
         f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, batch={e0.batch} x "
         f"seq={e0.seq}, hardware={hw.name if hw else 'none'}; per GPU, ranked by total with recompute={r.recompute}"
     )
-    eff = next((x.throughput.efficiency for x in r.rows if x.throughput), None)
     cols = (
-        f"{'mem':>3} {'recipe':<15} {'state GB':>9} {'act GB':>8} {'total GB':>9} {'fits':>4} "
-        f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}  peak"
+        f"{'mem':>3} {'recipe':<21} {'state GB':>9} {'act GB':>8} {'total GB':>9} {'fits':>4} "
+        f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}"
     )
     lines = [head, "", cols]
+    timed = sorted((c.step_time_s, n) for n, c in costs.items() if not isinstance(c, str))
+    rank_time = {n: i + 1 for i, (_, n) in enumerate(timed)}
     for e in r.rows:
-        t = e.throughput
+        c = costs.get(e.recipe)
+        ok = c is not None and not isinstance(c, str)
         fits = {True: "yes", False: "no", None: "-"}[e.fits(r.recompute)]
         lines.append(
-            f"{r.rank_memory[e.recipe]:>3} {e.recipe:<15} {_gb(e.state.total):>9} "
+            f"{r.rank_memory[e.recipe]:>3} {e.recipe:<21} {_gb(e.state.total):>9} "
             f"{_gb(e.activations.recompute[r.recompute]):>8} {_gb(e.totals[r.recompute]):>9} {fits:>4} "
-            f"{(f'{t.step_time_s:.4g}' if t else '-'):>8} {(f'{t.tokens_per_s_per_gpu:,.0f}' if t else '-'):>10} "
-            f"{r.rank_time[e.recipe]:>4}  {t.peak.label if t else 'no prediction (see notes)'}"
+            f"{(f'{c.step_time_s:.4g}' if ok else '-'):>8} {(f'{c.tokens_per_s_per_gpu:,.0f}' if ok else '-'):>10} "
+            f"{rank_time.get(e.recipe, '-'):>4}"
         )
-    if eff is not None:
-        lines.append(f"\nstep time at {100 * eff:.0f}% MFU of each recipe's peak; communication not modelled")
+    if timed:
+        lines.append(
+            f"\nstep time from the per-op cost model (ac={r.recompute}); its held-out error reaches "
+            f"{100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
+        )
     notes = [f"note: {e.recipe}: {n}" for e in r.rows for n in e.notes]
+    notes += [
+        f"note: {e.recipe}: no step time: {c}"
+        for e in r.rows
+        if isinstance(c := costs.get(e.recipe), str) and c not in e.notes
+    ]
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _costs(args, recipes, hw, lo) -> dict:
+    out = {}
+    for r in recipes:
+        try:
+            out[r.name] = step_cost(args, r, hw, lo)
+        except ValueError as e:
+            out[r.name] = str(e)
+    return out
 
 
 def run(opts: dict) -> str:
     """Compute and format (text or JSON) the estimate for parsed ``opts``; raises on bad values."""
-    try:
-        args = model_args(opts["model"], **opts["model_over"])
-    except TypeError as e:
-        raise EstimateArgError(f"bad model.<field> override: {e}") from None
+    if opts["validate"]:
+        rows = validate()
+        if opts["json"]:
+            return json.dumps({"rows": [r.to_dict() for r in rows], **summary(rows)}, indent=1)
+        return format_table(rows, Calibration())
+    args = model_args(opts["model"], **check_model_overrides(opts["model_over"]))
     hw = get_hardware(opts.get("hardware", "h100_sxm"))
     kw = dict(
         dp_shard=opts.get("parallel.dp_shard", 1),
@@ -262,17 +362,51 @@ def run(opts: dict) -> str:
         efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
     )
     recipes = _recipes(opts["recipe"], opts["recipe_over"])
+    check_fp8_hardware(recipes if opts["recipe"] != "all" else [], hw, opts["emulate"])
     model_info = {"name": opts["model"], **dataclasses.asdict(args)}
+    ac = opts.get("recompute", "none")
     if opts["recipe"] == "all":
-        r = estimate_all(args, recipes, recompute=opts.get("recompute", "none"), **kw)
+        r = estimate_all(args, recipes, recompute=ac, **kw)
+        lo = Layout(
+            kw["dp_shard"],
+            kw["tp"],
+            kw["batch"],
+            r.rows[0].seq,
+            ac,
+            opts.get("compile", True),
+            opts.get("async_tp", False),
+        )
+        costs = _costs(args, recipes, hw, lo)
         if opts["json"]:
-            return json.dumps({"model": model_info, **r.to_dict()}, indent=1)
-        return format_ranking(r, opts["model"])
+            return json.dumps(
+                {
+                    "model": model_info,
+                    **r.to_dict(),
+                    "cost_model": {n: (c if isinstance(c, str) else c.to_dict()) for n, c in costs.items()},
+                },
+                indent=1,
+            )
+        return format_ranking(r, opts["model"], costs)
     e = estimate(args, recipes[0], **kw)
+    lo = Layout(
+        kw["dp_shard"], kw["tp"], kw["batch"], e.seq, ac, opts.get("compile", True), opts.get("async_tp", False)
+    )
+    cost = _costs(args, recipes, hw, lo)[recipes[0].name]
+    if isinstance(cost, str):  # FP8 under --emulate on a part without FP8 tensor cores
+        e = dataclasses.replace(e, notes=(*e.notes, f"no step time: {cost} (emulated FP8 speed is not modelled)"))
+        cost = None
     unsharded = predict_state_bytes(args, recipes[0])
     if opts["json"]:
-        return json.dumps({"model": model_info, "unsharded_state": unsharded.to_dict(), **e.to_dict()}, indent=1)
-    return format_one(e, args, opts["model"], unsharded)
+        return json.dumps(
+            {
+                "model": model_info,
+                "unsharded_state": unsharded.to_dict(),
+                **e.to_dict(),
+                "cost_model": cost.to_dict() if cost else None,
+            },
+            indent=1,
+        )
+    return format_one(e, args, opts["model"], unsharded, cost, flat="efficiency" in opts)
 
 
 def estimate_main(argv: list[str]) -> int:

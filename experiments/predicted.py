@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from experiments.config import model_from_cfg
 from experiments.verdict_table import Prediction
 from lowprec.errors import UserError
-from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate
+from lowprec.estimate.cost_model import Layout, step_cost
+from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
 from recipes import get_recipe
 
@@ -23,7 +24,8 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
     """What ``lowprec estimate`` predicts for each recipe of the ablation on ``PREDICT_HARDWARE``: tokens/s per GPU
     and total bytes per GPU (state + FSDP buffers + saved activations under the ablation's ``train.ac`` + the loss
     transient), for the ablation's model (``model`` tag and ``model.*`` params), ``train.batch_size`` /
-    ``parallel`` dp sequences of ``train.seq_len`` tokens per GPU, at ``DEFAULT_EFFICIENCY`` MFU for every recipe.
+    ``parallel`` dp sequences of ``train.seq_len`` tokens per GPU; tokens/s from the per-op cost model
+    (``lowprec.estimate.cost_model.step_cost``) under the ablation's ``train.ac`` and ``train.compile``.
 
     Returns ``({recipe: Prediction}, setup)``: ``setup`` is the sentence the report prints about the prediction,
     or why there is none (``{}`` then: a parent run without those params, e.g. from an older lowprec).
@@ -38,21 +40,23 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
         return {}, f"the ablation's parent run does not name its model and batch ({e})"
     hw = get_hardware(PREDICT_HARDWARE)
     ac = params.get("train.ac", "none")
+    compiled = str(params.get("train.compile", "False")).lower() == "true"
     out = {}
     for name in names:
         try:
-            e = estimate(model, get_recipe(name), dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
+            r = get_recipe(name)
+            e = estimate(model, r, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
+            tps = step_cost(model, r, hw, Layout(dp_shard, tp, batch, seq, ac, compiled)).tokens_per_s_per_gpu
         except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses
             out[name] = Prediction(hw.name, None, None)
             continue
-        tps = e.throughput.tokens_per_s_per_gpu if e.throughput else None
         out[name] = Prediction(hw.name, tps, float(e.totals[ac]))
     setup = (
         f"`lowprec estimate` for model `{parent.data.tags.get('model')}`, {batch} x {seq} tokens per GPU "
         f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing `{ac}`, on {hw.name} "
-        f"({hw.note.split(';')[0]}) at {DEFAULT_EFFICIENCY:.0%} MFU for every recipe, so the throughput ratio is the "
-        "ratio of the recipes' FLOP-weighted peaks (FP8 GEMMs at the FP8 peak); communication, kernel overheads and "
-        "FP8 casts are not modelled, which makes it an upper bound on the speedup"
+        f"({hw.note.split(';')[0]}), step time from the per-op cost model (GEMMs by shape and dtype, FP8 casts, "
+        "memory-bound kernels, communication; `lowprec estimate --validate` shows its error against published "
+        "measurements)"
     )
     return out, setup
 

@@ -2,7 +2,9 @@
 
 ``estimator`` (state bytes, FLOPs, MFU, throughput, the ``estimate`` entry point), ``activations`` (bytes
 saved for backward per recompute mode), ``inventory`` (parameters and linears of the real model code, with
-the FP8 selection applied), ``hardware`` (peak FLOP/s and memory of known accelerators, with sources).
+the FP8 selection applied), ``hardware`` (peak FLOP/s, memory and bandwidths of known accelerators, with
+sources), ``cost_model`` (per-op step time, calibrated on ``published.yaml``), ``memory_model`` (peak reserved
+memory: the estimator's totals plus transients and fragmentation).
 Every run logs the estimator's prediction beside its measurement (``pred_mem_*`` next to ``mem_*``).
 """
 

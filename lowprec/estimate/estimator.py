@@ -37,8 +37,10 @@ per token ``6*N + 12*L*dim*seq`` with ``N`` = every parameter except the token e
 the blocks, the final norm and the output layer; the attention term assumes no causal skipping.
 FP8 recipes run ``6 * (weights of FP8 linears)`` FLOPs per token in FP8; their peak is the FLOP-weighted
 harmonic blend ``1 / (f/peak_fp8 + (1-f)/peak_hp)`` (the time the FLOPs would take at each peak), where
-``f`` is that FP8 share. Predicted time = FLOPs / (peak * efficiency), efficiency 0.4 MFU by default;
-communication is not modelled. Under ``tp`` each GPU does ``1/tp`` of its group's FLOPs.
+``f`` is that FP8 share. ``predict_throughput`` is the flat-efficiency time, FLOPs / (peak * efficiency),
+efficiency 0.4 MFU by default, communication not modelled: it overstates FP8 about 2x; the per-op
+``lowprec.estimate.cost_model`` is what ``lowprec estimate`` and ``recommend`` print. Under ``tp`` each GPU
+does ``1/tp`` of its group's FLOPs.
 """
 
 from __future__ import annotations
@@ -350,8 +352,8 @@ class Estimate:
 
     The totals leave out other backward transients (activation gradients of one block, temporaries),
     gradient reduce-scatter buffers and allocator overhead (fragmentation, the CUDA context): treat them as
-    a lower bound on peak memory. For scale: torchtitan reports 77.0 GiB reserved for Llama 3 8B on 8 H100s
-    (FSDP2, selective AC, batch 1, seq 8192), where this total (selective) is about 51 GB.
+    a lower bound on peak memory; ``lowprec.estimate.memory_model`` adds those transients (torchtitan's 77.0 GiB
+    reserved for Llama 3 8B on 8 H100s, FSDP2, selective AC, batch 2, seq 8192, is predicted at 78.3 GiB).
     """
 
     recipe: str

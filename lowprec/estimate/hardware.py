@@ -6,10 +6,21 @@ decimal bytes (80 GB -> 80e9). CUDA reports a little more on most parts (HBM sta
 sizes: an "80GB" H100 shows about 79.6 GiB = 85.5e9 bytes total, of which the CUDA context takes
 roughly 0.5 GiB), so comparing an estimate against ``memory_bytes`` errs on the safe side.
 
-Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe columns); NVIDIA H200 datasheet
+Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5, PCIe and NVL columns); NVIDIA H200 datasheet
 (same SXM compute as H100, 141 GB HBM3e); NVIDIA A100 datasheet (80GB SXM); NVIDIA Blackwell/HGX
 B200 datasheet (per-GPU figures of the 8-GPU HGX B200, approximate: NVIDIA lists 180 GB or 192 GB
-depending on the document).
+depending on the document); AMD Instinct MI300X datasheet (dense figures); torchtitan
+``benchmarks/llama3_h100_202412_torchtitan.md`` for the 96 GB HBM2e H100 at 500 W of its benchmarks.
+
+The cost model (``lowprec.estimate.cost_model``) also reads ``hbm_tb_s`` (datasheet HBM bandwidth, TB/s),
+``intra_gb_s`` (per-GPU, per-direction bandwidth to the GPUs of its node: NVLink / Infinity Fabric / PCIe),
+``inter_gb_s`` (per-GPU network bandwidth to other nodes, the usual one 400 Gb/s NIC per GPU = 50 GB/s;
+A100 systems: 200 Gb/s), ``gpus_per_node``, ``vendor`` (``nvidia`` / ``amd``: the cost model fits one
+efficiency factor for the ROCm stack) and ``gemm_rel_fp8``: how much further from its peak the part's FP8
+GEMMs are than its bf16 ones, relative to an H100 (1.0 for NVIDIA parts; MI300X 0.9 from SemiAnalysis'
+"MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024, GEMM sweep: about 620 of 1307 TFLOP/s bf16 and
+990 of 2615 fp8, against H100's 720 of 989 and 1280 of 1979, i.e. (990/2615)/(620/1307) over
+(1280/1979)/(720/989); approximate readings).
 """
 
 from __future__ import annotations
@@ -33,6 +44,12 @@ class Hardware:
     fp8_tflops: float | None
     note: str
     fp32_tflops: float | None = None
+    hbm_tb_s: float = 3.35
+    intra_gb_s: float = 450.0
+    inter_gb_s: float = 50.0
+    gpus_per_node: int = 8
+    vendor: str = "nvidia"
+    gemm_rel_fp8: float = 1.0
 
     def peak_tflops(self, dtype: str) -> float:
         """Dense peak for ``dtype`` (``bf16``, ``fp16``, ``fp8``, ``fp32``) in TFLOP/s.
@@ -64,32 +81,57 @@ HARDWARE: dict[str, Hardware] = {
             80 * 10**9,
             989.0,
             1979.0,
-            "NVIDIA H100 SXM5 80GB HBM3 datasheet, dense (sparse figures / 2); FP32 67 TFLOP/s",
+            "NVIDIA H100 SXM5 80GB HBM3 datasheet, dense (sparse figures / 2); FP32 67 TFLOP/s; HBM3 3.35 TB/s; "
+            "NVLink 4 900 GB/s bidirectional",
             67.0,
+            3.35,
+            450.0,
+        ),
+        Hardware(
+            "h100_96gb_500w",
+            96 * 10**9,
+            912.0,
+            1825.0,
+            "H100 SXM with 96 GB HBM2e (2.4 TB/s) at the 500 W power limit, torchtitan's benchmark machine "
+            "(benchmarks/llama3_h100_202412_torchtitan.md: 'the actual peak TFLOPs number is between SXM and NVL, "
+            "and we don't know its exact value'): peaks are the midpoint of SXM (989/1979) and NVL (835/1671) "
+            "dense; NVLink 4; 400 Gb/s RDMA per GPU",
+            63.0,
+            2.4,
+            450.0,
         ),
         Hardware(
             "h100_pcie",
             80 * 10**9,
             756.0,
             1513.0,
-            "NVIDIA H100 PCIe 80GB datasheet, dense (sparse figures / 2); FP32 51 TFLOP/s",
+            "NVIDIA H100 PCIe 80GB datasheet, dense (sparse figures / 2); FP32 51 TFLOP/s; HBM2e 2.0 TB/s; "
+            "GPUs talk over PCIe Gen5 (64 GB/s per direction) without NVLink bridges",
             51.0,
+            2.0,
+            64.0,
         ),
         Hardware(
             "h200",
             141 * 10**9,
             989.0,
             1979.0,
-            "NVIDIA H200 SXM 141GB HBM3e datasheet: H100 SXM compute, dense; FP32 67 TFLOP/s",
+            "NVIDIA H200 SXM 141GB HBM3e datasheet: H100 SXM compute, dense; FP32 67 TFLOP/s; HBM3e 4.8 TB/s; NVLink 4",
             67.0,
+            4.8,
+            450.0,
         ),
         Hardware(
             "a100_80gb",
             80 * 10**9,
             312.0,
             None,
-            "NVIDIA A100 80GB SXM datasheet, dense; no FP8 tensor cores (SM80); FP32 19.5 TFLOP/s",
+            "NVIDIA A100 80GB SXM datasheet, dense; no FP8 tensor cores (SM80); FP32 19.5 TFLOP/s; HBM2e "
+            "2.039 TB/s; NVLink 3 600 GB/s bidirectional; 200 Gb/s HDR per GPU",
             19.5,
+            2.039,
+            300.0,
+            25.0,
         ),
         Hardware(
             "b200",
@@ -97,8 +139,25 @@ HARDWARE: dict[str, Hardware] = {
             2250.0,
             4500.0,
             "NVIDIA HGX B200 datasheet per GPU, approximate (~2.25 PF bf16, ~4.5 PF fp8 dense); "
-            "some documents list 180 GB; FP32 ~75 TFLOP/s",
+            "some documents list 180 GB; FP32 ~75 TFLOP/s; HBM3e 8 TB/s; NVLink 5 1.8 TB/s bidirectional",
             75.0,
+            8.0,
+            900.0,
+        ),
+        Hardware(
+            "mi300x",
+            192 * 10**9,
+            1307.4,
+            2614.9,
+            "AMD Instinct MI300X datasheet, dense (bf16 1307.4, fp8 2614.9 TFLOP/s; FP32 vector 163.4); HBM3 "
+            "5.3 TB/s; 7 Infinity Fabric links of 64 GB/s per direction to the other 7 GPUs of the node",
+            163.4,
+            5.3,
+            448.0,
+            50.0,
+            8,
+            "amd",
+            0.9,
         ),
     )
 }
@@ -109,6 +168,7 @@ ALIASES = {
     "h100-pcie": "h100_pcie",
     "a100": "a100_80gb",
     "a100-80gb": "a100_80gb",
+    "h100-96gb-500w": "h100_96gb_500w",
 }
 
 
@@ -135,6 +195,8 @@ def hardware_from_device_name(device_name: str | None) -> Hardware | None:
         return HARDWARE["h200"]
     if "B200" in n:
         return HARDWARE["b200"]
+    if "MI300X" in n:
+        return HARDWARE["mi300x"]
     if "A100" in n and "80GB" in n.replace(" ", ""):
         return HARDWARE["a100_80gb"]
     return None

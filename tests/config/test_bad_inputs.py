@@ -185,3 +185,41 @@ def test_a_bug_inside_a_run_is_recorded_failed_with_its_traceback(run_dirs, tmp_
     assert run.data.tags["failure_reason"] == "KeyError: 'internal bug in accounting'"
     tb = Path(client.download_artifacts(run.info.run_id, "failure_traceback.txt", str(tmp_path)))
     assert "measure_state_bytes" in tb.read_text() or "bug" in tb.read_text()
+
+
+BAD_ESTIMATE = [
+    # issue 17 item 5: what a new user tried on `lowprec estimate`, each refused with one line
+    (["model=llama3_8b", "recipe=bf16", "model.n_layers=-10"], "model.n_layers=-10 must be >= 1"),
+    (["model=llama3_8b", "recipe=bf16", "recompute=sometimes"], "recompute='sometimes' is not one of none"),
+    (["model=llama3_8b", "recipe=fp8_tensorwise", "hardware=a100"], "has no FP8 tensor cores"),
+    (["model=llama3_8b", "recipe=bf16", "batch=0"], "batch=0"),
+    (["model=llama3_8b", "recipe=bf16", "seq=-1"], "seq=-1"),
+    (["model=llama3_8b", "recipe=bf16", "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+    (["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=0"], "parallel.dp_shard=0"),
+    (["model=llama3_8b", "recipe=bf16", "parallel.tp=3"], "parallel.tp=3 must divide"),
+    (["model=llama3_8b", "recipe=bf16", "efficiency=1.5"], "efficiency=1.5 must be in (0, 1]"),
+    (["model=llama3_8b", "recipe=bf16", "hardware=tpu"], "unknown hardware 'tpu'"),
+    (["model=llama3_8b", "recipe=bf16", "batch=two"], "batch='two' is not an integer"),
+    (["model=llama3_8b", "recipe=fp8_current", "recipe.fp8.margin=-1"], "recipe.fp8.margin"),
+    (["model=llama3_8b", "recipe=bf16", "--fast"], "'--fast' is not key=value"),
+    (["model=llama3_8b", "recipe=bf16", "model.dim=abc"], "model.dim='abc' is not an integer"),
+    (["model=llama3_8b", "recipe=bf16", "model.foo=1"], "unknown model field model.foo"),
+    (["model=llama3_8b", "recipe=bf16", "compile=maybe"], "compile='maybe' is not true or false"),
+    (["model=llama3_8b", "recipe=bf16", "async_tp=true"], "async_tp=true needs parallel.tp > 1"),
+    (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "unknown recipe group 'fp9'; known: weights"),
+    (["--validate", "model=llama3_8b"], "--validate takes no other key"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_ESTIMATE, ids=[" ".join(a[1:]) for a, _ in BAD_ESTIMATE])
+def test_bad_estimate_input_is_one_line(args, needle, capsys):
+    assert main(["estimate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lowprec estimate: error: ") and needle in err, err
+
+
+def test_fp8_on_a100_runs_with_emulate_and_predicts_no_time(capsys):
+    assert main(["estimate", "model=llama3_8b", "recipe=fp8_tensorwise", "hardware=a100", "--emulate"]) == 0
+    out = capsys.readouterr().out
+    assert "total, recompute none" in out and "predicted step" not in out

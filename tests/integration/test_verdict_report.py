@@ -37,6 +37,7 @@ from experiments.report import build_report, find_ablation, load_runs
 from experiments.stats import StabilityMetrics, stability_metrics
 from experiments.tracking import ABLATION_TAG, Tracker
 from experiments.verdict_table import build_table, parent_records, verdict_section
+from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
 from recipes import get_recipe
@@ -399,8 +400,10 @@ def test_stability_verdicts_are_recorded_on_the_parent_run(store):
 
 
 def _predicted(name: str):
-    e = estimate(MODEL, get_recipe(name), batch=BATCH, seq=SEQ, hardware=get_hardware("h100_sxm"))
-    return e.throughput.tokens_per_s_per_gpu, e.totals["none"]
+    hw = get_hardware("h100_sxm")
+    e = estimate(MODEL, get_recipe(name), batch=BATCH, seq=SEQ, hardware=hw)
+    c = step_cost(MODEL, get_recipe(name), hw, Layout(batch=BATCH, seq=SEQ, ac="none", compile=False))
+    return c.tokens_per_s_per_gpu, e.totals["none"]
 
 
 def test_predicted_h100_ratios_come_from_the_estimator_for_the_ablations_model(store):
@@ -414,8 +417,10 @@ def test_predicted_h100_ratios_come_from_the_estimator_for_the_ablations_model(s
         assert _cells(_row(text, name))[-2:] == [f"{tps / ctrl_tps:.2f}x", f"{mem / ctrl_mem:.2f}x"]
         assert r[f"metrics.predicted/throughput_ratio.{name}"] == pytest.approx(tps / ctrl_tps, rel=1e-9)
         assert r[f"metrics.predicted/memory_ratio.{name}"] == pytest.approx(mem / ctrl_mem, rel=1e-9)
-    # FP8 GEMMs run at the FP8 peak; bf16_pure keeps half the state bytes
-    assert r["metrics.predicted/throughput_ratio.fp8_rowwise"] > 1 > r["metrics.predicted/memory_ratio.bf16_pure"]
+    # on the debug model's 32-wide GEMMs FP8 casts cost more than the FP8 GEMMs save (the cost model; torchao's
+    # float8 README finds the same below ~1k shapes); bf16_pure keeps half the state bytes
+    assert r["metrics.predicted/throughput_ratio.fp8_rowwise"] < 1
+    assert r["metrics.predicted/memory_ratio.bf16_pure"] < 1
     assert _cells(_row(text, CONTROL))[-2:] == ["1.00x", "1.00x"]
     section = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
     assert "model `debug`, 2 x 8 tokens per GPU" in section and "says nothing about GPU throughput" in section

@@ -1,0 +1,501 @@
+"""``lowprec recommend``: which catalog recipe (and layout) to pretrain with, and what is known about its loss.
+
+    lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N]
+                      [recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b,...]]
+                      [tracking.uri=URI] [--json]
+
+For every catalog recipe the hardware can run, every tensor-parallel degree ``tp`` in 1, 2, 4, 8 that divides
+``gpus`` and the head counts (FSDP over the rest, ``dp_shard = gpus / tp``), and every activation-checkpointing
+mode (the lightest that fits unless ``recompute=`` pins one), ``lowprec.estimate.memory_model`` predicts the peak
+reserved memory and ``lowprec.estimate.cost_model`` the step time. Each recipe keeps its fastest layout that fits
+in memory with ``MEMORY_MARGIN`` of it free; recipes are ranked by predicted time to train ``tokens`` tokens
+(``batch`` sequences of ``seq`` tokens per data-parallel rank and step), then by memory headroom.
+
+Loss evidence per recipe: the verdicts ``experiments.verdict_table.log_verdicts`` recorded on the parent runs of
+the user's own ablations (``tracking.uri``, default the sqlite store under ``runs/``; read only, and a store
+that does not exist is read as empty), with their paired intervals and seed counts, marked comparable when the
+ablation's model has the same family and size class; otherwise the exact ``lowprec ablate`` command that would
+produce one. Published evidence is cited per recipe kind (``PUBLISHED_EVIDENCE``). A recipe with an
+``inferior`` verdict in the store is never recommended (it is listed as excluded); the text says when a
+predicted speedup over bf16 is below the cost model's held-out error.
+
+A bad argument prints one line on stderr and returns 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from experiments.estimate import MODEL_ERROR, EstimateArgError, _value
+from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
+from lowprec.estimate.hardware import get_hardware
+from lowprec.estimate.inventory import inventory
+from lowprec.estimate.memory_model import peak_breakdown
+from lowprec.model import model_args
+from lowprec.recipe import Recipe
+from recipes import CATALOG, get_recipe
+
+USAGE = (
+    "usage: lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N] "
+    "[recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b]] [tracking.uri=URI] [--json]"
+)
+_KEYS = (
+    "model",
+    "hardware",
+    "gpus",
+    "tokens",
+    "max_loss_gap",
+    "batch",
+    "seq",
+    "recompute",
+    "compile",
+    "recipes",
+    "tracking.uri",
+)
+DEFAULT_URI = "sqlite:///runs/mlflow.db"
+DEFAULT_GAP = 0.0025
+CONTROL = "bf16"
+TP_DEGREES = (1, 2, 4, 8)
+#: A layout fits when its predicted peak leaves this fraction of device memory free: the memory model's largest
+#: held-out error on the H100 points of ``published.yaml`` (README, estimate section).
+MEMORY_MARGIN = 0.07
+
+#: Published loss evidence per recipe kind (first matching key wins; see ``published_evidence``).
+PUBLISHED_EVIDENCE = {
+    "blockwise": "DeepSeek-V3 technical report (arXiv 2412.19437, section 3.3): 1x128/128x128 FP8 GEMMs with FP32 "
+    "promotion, relative loss error below 0.25% against BF16 at about 1T tokens on its validation models",
+    "tensorwise": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md and torchao torchao/float8/README.md "
+    "(throughput); IBM+Meta 'Supercharging Training using float8 and FSDP2' (loss parity at 8B/100B tokens, "
+    "70B/50B tokens)",
+    "rowwise": "torchao torchao/float8/README.md (throughput); PyTorch blog 'Accelerating Large Scale Training and "
+    "Convergence with PyTorch Float8 Rowwise on Crusoe 2K H200s' (comparable convergence)",
+    "int8": "Dettmers et al. 2021, '8-bit Optimizers via Block-wise Quantization' (arXiv 2110.02861): parity with "
+    "32-bit Adam on their language-model pretraining and fine-tuning benchmarks",
+    "bf16": "the reference: BF16 mixed precision with FP32 master weights (torchtitan's default)",
+}
+
+
+class RecommendArgError(EstimateArgError):
+    """A bad ``lowprec recommend`` argument; the message names it."""
+
+
+def _gap(text: str) -> float:
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise RecommendArgError(f"max_loss_gap={text!r} is not a number or a percentage like 0.25%") from None
+    if not (0.0 < v < 1.0 and math.isfinite(v)):
+        raise RecommendArgError(f"max_loss_gap={text!r} must be a relative gap in (0, 100%)")
+    return v
+
+
+def parse_args(argv: list[str]) -> dict:
+    """``key=value`` pairs and ``--json`` into a dict with every field checked; raises ``RecommendArgError``."""
+    out: dict = {"json": False}
+    for a in argv:
+        if a == "--json":
+            out["json"] = True
+            continue
+        key, eq, val = a.partition("=")
+        if not eq or not key or not val:
+            raise RecommendArgError(f"argument {a!r} is not key=value (or --json)")
+        if key not in _KEYS:
+            raise RecommendArgError(f"unknown key {key!r}; known: {', '.join(_KEYS)}")
+        out[key] = val
+    for req in ("model", "hardware", "gpus", "tokens"):
+        if req not in out:
+            raise RecommendArgError(f"{req}= is required")
+    for k in ("gpus", "batch", "seq"):
+        if k in out:
+            try:
+                out[k] = int(out[k])
+            except ValueError:
+                raise RecommendArgError(f"{k}={out[k]!r} is not an integer") from None
+            if out[k] < 1:
+                raise RecommendArgError(f"{k}={out[k]} must be >= 1")
+    try:
+        out["tokens"] = float(out["tokens"])
+    except ValueError:
+        raise RecommendArgError(f"tokens={out['tokens']!r} is not a number (e.g. 2e12)") from None
+    if not (out["tokens"] > 0 and math.isfinite(out["tokens"])):
+        raise RecommendArgError(f"tokens={out['tokens']:g} must be a finite number > 0")
+    out["max_loss_gap"] = _gap(out.get("max_loss_gap", str(DEFAULT_GAP)))
+    rc = out.get("recompute", "auto")
+    if rc not in ("auto", *AC_MODES):
+        raise RecommendArgError(f"recompute={rc!r} is not one of auto, {', '.join(AC_MODES)}")
+    out["recompute"] = rc
+    c = str(out.get("compile", "true")).lower()
+    if c not in ("true", "false"):
+        raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
+    out["compile"] = c == "true"
+    if "recipes" in out:
+        names = _value(out["recipes"])
+        if not isinstance(names, list) or not names:
+            raise RecommendArgError(f"recipes={out['recipes']!r} is not a list like [bf16,fp8_rowwise]")
+        out["recipes"] = [get_recipe(str(n)).name for n in names]
+    return out
+
+
+# ---- evidence from the user's MLflow store ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredVerdict:
+    """One verdict recorded on an ablation's parent run: ``verdict`` (non-inferior, inferior, inconclusive,
+    no-interval, no-data), relative ``effect`` and 95% interval ``lo``/``hi`` of the final validation loss
+    against ``control`` (0.01 = 1% worse), ``seeds``, ``margin``; ``comparable``: same model family and size
+    class as the recommendation."""
+
+    ablation_id: str
+    model: str
+    control: str
+    verdict: str
+    effect: float | None
+    lo: float | None
+    hi: float | None
+    seeds: int | None
+    margin: float | None
+    comparable: bool
+
+    def describe(self) -> str:
+        iv = f" {100 * self.effect:+.2f}% [{100 * self.lo:+.2f}%, {100 * self.hi:+.2f}%]" if self.hi is not None else ""
+        n = f", {self.seeds} seeds" if self.seeds is not None else ""
+        m = f", margin {100 * self.margin:.2f}%" if self.margin is not None else ""
+        where = "" if self.comparable else ", other size class"
+        return f"{self.verdict}{iv} vs {self.control} ({self.ablation_id}, model {self.model}{n}{m}{where})"
+
+
+def size_class(n_params: int) -> str:
+    """``toy`` (< 100M), ``small`` (< 3B), ``medium`` (< 30B), ``large``: ablations compare within a class."""
+    return "toy" if n_params < 1e8 else "small" if n_params < 3e9 else "medium" if n_params < 3e10 else "large"
+
+
+def _n_params(name: str, params: dict) -> int | None:
+    over = {}
+    for k, v in params.items():
+        if k.startswith("model.") and k != "model.name":
+            over[k.removeprefix("model.")] = _value(v)
+    try:
+        args = model_args(name)
+        fields = {f for f in asdict(args)}
+        args = model_args(name, **{k: v for k, v in over.items() if k in fields})
+        return inventory(args, get_recipe(CONTROL).fp8).n_params
+    except Exception:  # an ablation of a model this version does not know: not comparable
+        return None
+
+
+def _store_exists(uri: str) -> bool:
+    prefix = "sqlite:///"
+    if uri.startswith(prefix):
+        return Path(uri[len(prefix) :].split("?", 1)[0]).exists()
+    return True
+
+
+def stored_verdicts(uri: str, model: str, family_class: str) -> dict[str, list[StoredVerdict]]:
+    """recipe -> the verdicts recorded on every ablation parent run of the store (newest first). A sqlite store
+    that does not exist is empty (nothing is created)."""
+    if not _store_exists(uri):
+        return {}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exps = [e.experiment_id for e in client.search_experiments()]
+    if not exps:
+        return {}
+    out: dict[str, list[StoredVerdict]] = {}
+    runs = client.search_runs(exps, "tags.`lowprec.kind` = 'ablation'", order_by=["attributes.start_time DESC"])
+    for run in runs:
+        tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
+        mname = tags.get("model") or params.get("model.name") or "?"
+        n = _n_params(mname, params)
+        comparable = n is not None and size_class(n) == family_class
+        control = tags.get("verdict_control") or tags.get("control") or CONTROL
+        for k, v in tags.items():
+            if not k.startswith("verdict.") or k.startswith("verdict_"):
+                continue
+            recipe = k.removeprefix("verdict.")
+
+            def m(key, recipe=recipe):
+                x = metrics.get(f"verdict/{key}.{recipe}")
+                return None if x is None or not math.isfinite(x) else x
+
+            seeds = m("seeds")
+            out.setdefault(recipe, []).append(
+                StoredVerdict(
+                    tags.get("lowprec.ablation_id", run.info.run_name),
+                    mname,
+                    control,
+                    v,
+                    m("effect"),
+                    m("lo"),
+                    m("hi"),
+                    None if seeds is None else int(seeds),
+                    metrics.get("verdict/margin"),
+                    comparable,
+                )
+            )
+    return out
+
+
+def published_evidence(r: Recipe) -> str:
+    """The citation for the recipe's kind: its FP8 granularity, else its 8-bit optimizer, else bf16."""
+    if r.fp8.enabled:
+        return PUBLISHED_EVIDENCE[r.fp8.scaling]
+    if r.optim.state == "int8":
+        return PUBLISHED_EVIDENCE["int8"]
+    if r.name == CONTROL:
+        return PUBLISHED_EVIDENCE["bf16"]
+    return "none found for this recipe"
+
+
+# ---- ranking -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """A recipe's best layout: ``dp_shard``, ``tp``, ``ac``; predicted ``tokens_per_s_per_gpu``, ``days`` to
+    train, ``speedup`` over bf16's best layout (``None`` without a bf16 row), peak ``reserved_gib`` and
+    ``headroom`` (fraction of device memory left)."""
+
+    recipe: str
+    dp_shard: int
+    tp: int
+    ac: str
+    tokens_per_s_per_gpu: float
+    days: float
+    reserved_gib: float
+    headroom: float
+    speedup: float | None = None
+    evidence: list[StoredVerdict] = field(default_factory=list)
+    ablate_command: str | None = None
+    published: str = ""
+    excluded: str | None = None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "evidence": [asdict(e) for e in self.evidence]}
+
+
+def _layouts(args, gpus: int, recipe: Recipe):
+    for tp in TP_DEGREES:
+        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp:
+            continue
+        dp = gpus // tp
+        if recipe.comm.weight_all_gather == "fp8" and tp > 1:
+            continue  # lowprec refuses the FP8 weight all-gather with TP
+        if (recipe.comm.weight_all_gather == "fp8" or recipe.comm.grad_reduce == "fp8") and dp == 1:
+            continue  # FP8 communication needs FSDP
+        yield dp, tp
+
+
+def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
+    """The fastest (layout, AC) of ``recipe`` that fits ``hw``'s memory, or why none does."""
+    batch, seq = opts.get("batch", 1), opts.get("seq", args.max_seq_len)
+    modes = AC_MODES if opts["recompute"] == "auto" else (opts["recompute"],)
+    best = None
+    for dp, tp in _layouts(args, opts["gpus"], recipe):
+        for ac in modes:
+            pk = peak_breakdown(args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac)
+            if pk.reserved > (1 - MEMORY_MARGIN) * hw.memory_bytes:
+                continue
+            c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, opts["compile"]))
+            days = opts["tokens"] / (c.tokens_per_s_per_gpu * opts["gpus"]) / 86400
+            o = Option(
+                recipe.name,
+                dp,
+                tp,
+                ac,
+                c.tokens_per_s_per_gpu,
+                days,
+                pk.reserved / 2**30,
+                1 - pk.reserved / hw.memory_bytes,
+            )
+            if best is None or (o.days, -o.headroom) < (best.days, -best.headroom):
+                best = o
+            break  # a heavier AC mode of the same layout is only slower
+    if best is None:
+        return (
+            f"no layout of {opts['gpus']} GPUs leaves {100 * MEMORY_MARGIN:.0f}% of "
+            f"{hw.memory_bytes / 1e9:.0f} GB free at batch {batch} x seq {seq}"
+        )
+    return best
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """``options`` ranked (fastest first; excluded ones after, with the reason), ``top`` (first not excluded,
+    or ``None``), ``not_runnable`` (recipe -> why no layout), ``paragraph`` (the top choice in words)."""
+
+    query: dict
+    options: list[Option]
+    top: str | None
+    not_runnable: dict[str, str]
+    paragraph: str
+
+    def to_dict(self) -> dict:
+        return {
+            "query": self.query,
+            "top": self.top,
+            "options": [o.to_dict() for o in self.options],
+            "not_runnable": self.not_runnable,
+            "paragraph": self.paragraph,
+            "model_error": MODEL_ERROR,
+        }
+
+
+def ablate_command(model: str, recipe: str, gap: float) -> str:
+    return f"lowprec ablate 'recipes=[{CONTROL},{recipe}]' model={model} report.margin={gap:g}"
+
+
+def recommend(opts: dict) -> Recommendation:
+    """Rank the candidate recipes for parsed ``opts`` (see the module doc). Raises ``ConfigError`` for an unknown
+    model, ``KeyError`` for unknown hardware, ``ValueError`` for a sequence longer than the model's."""
+    args = model_args(opts["model"])
+    hw = get_hardware(opts["hardware"])
+    seq = opts.get("seq", args.max_seq_len)
+    if seq > args.max_seq_len:
+        raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
+    names = opts.get("recipes") or list(CATALOG)
+    n_params = inventory(args, get_recipe(CONTROL).fp8).n_params
+    evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], size_class(n_params))
+    gap = opts["max_loss_gap"]
+    options, not_runnable = [], {}
+    for name in dict.fromkeys([*names, CONTROL]):
+        r = get_recipe(name)
+        if r.fp8.enabled and hw.fp8_tflops is None:
+            not_runnable[name] = f"{hw.name} has no FP8 tensor cores"
+            continue
+        o = best_option(args, r, hw, {**opts, "seq": seq})
+        if isinstance(o, str):
+            not_runnable[name] = o
+            continue
+        ev = evidence.get(name, [])
+        inferior = [e for e in ev if e.verdict == "inferior"]
+        excluded = f"measured inferior: {inferior[0].describe()}" if inferior else None
+        if name not in names:
+            excluded = "the reference (not among recipes=)"
+        has_comparable = any(e.comparable and e.verdict != "no-data" for e in ev)
+        options.append(
+            replace(
+                o,
+                evidence=ev,
+                ablate_command=None if has_comparable or name == CONTROL else ablate_command(opts["model"], name, gap),
+                published=published_evidence(r),
+                excluded=excluded,
+            )
+        )
+    base = next((o for o in options if o.recipe == CONTROL), None)
+    if base is not None:
+        options = [replace(o, speedup=base.days / o.days) for o in options]
+    options.sort(key=lambda o: (o.excluded is not None, o.days, -o.headroom))
+    top = next((o for o in options if o.excluded is None), None)
+    query = {k: v for k, v in opts.items() if k != "json"}
+    return Recommendation(query, options, top.recipe if top else None, not_runnable, paragraph(top, base, opts, gap))
+
+
+def _verdict_words(o: Option, gap: float) -> str:
+    comp = [e for e in o.evidence if e.comparable and e.verdict != "no-data"]
+    other = [e for e in o.evidence if not e.comparable and e.verdict != "no-data"]
+    if comp:
+        e = comp[0]
+        meets = e.hi is not None and e.hi <= gap
+        return f"Your own ablation {e.ablation_id} found it {e.describe()}" + (
+            "; its upper bound is within your max_loss_gap."
+            if meets
+            else f"; that does not show a gap below {100 * gap:.2f}%."
+        )
+    words = "Your MLflow store holds no comparable verdict for it"
+    if other:
+        words += f" (only {other[0].describe()})"
+    return words + f": run `{o.ablate_command}` before committing the GPU hours."
+
+
+def paragraph(top: Option | None, base: Option | None, opts: dict, gap: float) -> str:
+    """The top choice in plain words: why it ranks first, its loss evidence, and the model's error."""
+    if top is None:
+        return "No recipe fits and is not excluded; see the table."
+    lay = f"FSDP over {top.dp_shard} GPUs" + (f" with tensor parallel {top.tp}" if top.tp > 1 else "")
+    s = (
+        f"Recommended: {top.recipe}, {lay}, activation checkpointing {top.ac}: predicted "
+        f"{top.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {top.days:,.1f} days for {opts['tokens']:.3g} tokens on "
+        f"{opts['gpus']} {opts['hardware']} GPUs, with {100 * top.headroom:.0f}% of memory to spare. "
+    )
+    if base is not None and top.recipe != base.recipe and top.speedup is not None:
+        pct = top.speedup - 1
+        s += f"That is {100 * pct:+.0f}% over bf16 ({base.days:,.1f} days). "
+        if abs(pct) < MODEL_ERROR:
+            s += (
+                f"The predicted speedup is below the cost model's held-out error ({100 * MODEL_ERROR:.0f}%, "
+                "lowprec estimate --validate): measure both on a few steps of your own hardware before choosing. "
+            )
+    s += _verdict_words(top, gap) + f" Published evidence: {top.published}."
+    return s
+
+
+def format_table(rec: Recommendation) -> str:
+    q = rec.query
+    lines = [
+        f"model={q['model']} hardware={q['hardware']} gpus={q['gpus']} tokens={q['tokens']:.3g} "
+        f"max_loss_gap={100 * q['max_loss_gap']:.2f}%; ranked by predicted time to train, then memory headroom",
+        "",
+        f"{'#':>2} {'recipe':<21} {'layout':<16} {'tok/s/GPU':>9} {'days':>8} {'vs bf16':>8} {'peak GiB':>8} "
+        f"{'free':>5}  loss evidence",
+    ]
+    for i, o in enumerate(rec.options, 1):
+        lay = f"{o.dp_shard}x{o.tp} ac={o.ac}"
+        sp = f"{100 * (o.speedup - 1):+.0f}%" if o.speedup is not None else "-"
+        if o.excluded:
+            ev = f"EXCLUDED: {o.excluded}"
+        elif o.evidence:
+            ev = o.evidence[0].describe()
+        elif o.recipe == CONTROL:
+            ev = "the reference of every verdict"
+        else:
+            ev = f"no evidence: run `{o.ablate_command}`"
+        lines.append(
+            f"{i:>2} {o.recipe:<21} {lay:<16} {o.tokens_per_s_per_gpu:>9,.0f} {o.days:>8,.1f} {sp:>8} "
+            f"{o.reserved_gib:>8.1f} {100 * o.headroom:>4.0f}%  {ev}"
+        )
+    for name, why in rec.not_runnable.items():
+        lines.append(f"   {name:<21} not runnable: {why}")
+    lines += ["", "Published evidence:"]
+    seen = set()
+    for o in rec.options:
+        if o.published not in seen:
+            seen.add(o.published)
+            lines.append(f"  - {o.published}")
+    lines += [
+        "",
+        f"Times are predictions of the per-op cost model (held-out error up to {100 * MODEL_ERROR:.0f}%, "
+        "lowprec estimate --validate); memory of lowprec.estimate.memory_model. Never measured by lowprec on a GPU.",
+        "",
+        rec.paragraph,
+    ]
+    return "\n".join(lines)
+
+
+def recommend_main(argv: list[str]) -> int:
+    """Entry point of ``lowprec recommend``; returns the exit status (0, or 2 for bad input)."""
+    from lowprec.errors import ConfigError
+    from lowprec.recipe import RecipeError
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    try:
+        opts = parse_args(argv)
+        rec = recommend(opts)
+    except (EstimateArgError, ConfigError, RecipeError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"lowprec recommend: error: {str(msg).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec.to_dict(), indent=1) if opts["json"] else format_table(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(recommend_main(sys.argv[1:]))

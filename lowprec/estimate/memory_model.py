@@ -1,0 +1,83 @@
+"""Peak reserved memory of a training step: the estimator's totals plus the transients it leaves out.
+
+``lowprec.estimate.Estimate.totals[ac]`` (training state, FSDP2 unsharded blocks, saved activations, the loss
+transient) is a lower bound on what the CUDA caching allocator reserves. ``peak_breakdown`` adds:
+
+- ``backward_working_set``: during a block's backward its recomputed activations exist at once: under ``full``
+  one block's activations without recompute (``recompute['none'] / n_layers``), under ``selective`` the part
+  the policy recomputes (``(recompute['none'] - recompute['selective']) / n_layers``), under ``none`` nothing;
+- ``tp_buffers`` (``tp > 1``, sequence parallel): the all-gathered input of a column-parallel linear and the
+  partial output waiting for its reduce-scatter, ``2 * batch * seq * dim`` elements in the compute dtype; async
+  TP (torchtitan's symmetric-memory pipeline) keeps a second pair;
+- ``fp8_transposed``: FP8 linears keep, for the block being computed and the prefetched one, the transposed
+  FP8 copy of each gathered weight (1 byte per element) beside the FSDP2 buffer the estimator counts.
+
+The allocator's fragmentation is a stated factor ``FRAGMENTATION`` (reserved / allocated at peak), fitted by
+``experiments/fit_cost_model.py`` on the same ``fit`` points of ``published.yaml`` as the step-time model.
+MoE models are not covered (their expert parameters and all-to-all buffers are left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lowprec.estimate.estimator import estimate
+from lowprec.estimate.inventory import inventory
+from lowprec.model import ModelArgs
+from lowprec.recipe import Recipe
+
+FRAGMENTATION = 1.0
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Bytes per GPU: ``lower_bound`` (the estimator's total for the AC mode) and the added transients;
+    ``allocated`` their sum; ``reserved`` = ``allocated * fragmentation``."""
+
+    lower_bound: int
+    backward_working_set: int
+    tp_buffers: int
+    fp8_transposed: int
+    fragmentation: float
+
+    @property
+    def allocated(self) -> int:
+        return self.lower_bound + self.backward_working_set + self.tp_buffers + self.fp8_transposed
+
+    @property
+    def reserved(self) -> float:
+        return self.allocated * self.fragmentation
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "allocated": self.allocated, "reserved": self.reserved}
+
+
+def peak_breakdown(
+    args: ModelArgs,
+    recipe: Recipe,
+    *,
+    dp_shard: int = 1,
+    tp: int = 1,
+    batch: int = 1,
+    seq: int | None = None,
+    ac: str = "selective",
+    async_tp: bool = False,
+    fragmentation: float = FRAGMENTATION,
+) -> PeakMemory:
+    """Peak memory of rank 0 (rules in the module doc). Raises ``ValueError`` for a bad layout or AC mode."""
+    e = estimate(args, recipe, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq)
+    if ac not in e.totals:
+        raise ValueError(f"ac={ac!r} is not one of {', '.join(e.totals)}")
+    rec = e.activations.recompute
+    per_layer = {"none": 0, "selective": rec["none"] - rec["selective"], "full": rec["none"]}[ac]
+    work = per_layer // args.n_layers
+    cs = 4 if recipe.compute_dtype.itemsize == 4 else 2
+    tp_buf = 0
+    if tp > 1:
+        tp_buf = 2 * e.batch * e.seq * args.dim * cs * (2 if async_tp else 1)
+    fp8_t = 0
+    if recipe.fp8.enabled and dp_shard > 1:
+        inv = inventory(args, recipe.fp8)
+        block = sum(li.numel for f, li in inv.linears.items() if f.startswith("layers.0.") and li.kind != "hp")
+        fp8_t = 2 * block // tp
+    return PeakMemory(e.totals[ac], work, tp_buf, fp8_t, fragmentation)

@@ -1,0 +1,106 @@
+"""``lowprec recommend`` (issue 17 item 4): offline on an empty store, and on a real sqlite MLflow store holding an
+ablation whose verdicts are known (the fabricated ablation of ``fabricated_ablation.py``: real MLflow runs with
+known per-seed losses, verdicts recorded on the parent run by the real report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fabricated_ablation import CONTROL, SEEDS, fabricate_ablation
+
+from experiments.cli import main
+from experiments.report import build_report
+from experiments.tracking import Tracker
+
+BASE = ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11"]
+
+
+def test_empty_store_is_offline_published_evidence_only(tmp_path, capsys):
+    db = tmp_path / "nothing" / "mlflow.db"
+    argv = [*BASE, "recipes=[fp8_rowwise,fp8_tensorwise_fsdp8,fp8_blockwise]", f"tracking.uri=sqlite:///{db}"]
+    assert main(["recommend", *argv]) == 0
+    out = capsys.readouterr().out
+    assert not db.exists()  # read only: an absent store stays absent
+    assert "no evidence: run `lowprec ablate 'recipes=[bf16,fp8_rowwise]' model=llama3_8b report.margin=0.0025`" in out
+    assert "DeepSeek-V3 technical report" in out and "Crusoe" in out
+    assert main(["recommend", *argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    names = [o["recipe"] for o in d["options"]]
+    # the cost model's granularity order, the measured one: tensorwise (FP8 all-gather) > rowwise > bf16
+    assert names.index("fp8_tensorwise_fsdp8") < names.index("fp8_rowwise") < names.index("bf16")
+    assert d["top"] == "fp8_tensorwise_fsdp8" and "Recommended: fp8_tensorwise_fsdp8" in d["paragraph"]
+    assert all(o["headroom"] >= 0.07 for o in d["options"])
+    bf16 = next(o for o in d["options"] if o["recipe"] == "bf16")
+    assert bf16["excluded"] == "the reference (not among recipes=)"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A real sqlite store with one ablation on the ``debug`` model: bf16 (control), bf16_pure about 2% worse
+    (inferior at 0.25%) and fp8_rowwise within 0.03% (non-inferior), 4 seeds each; the report records the verdicts."""
+    root = tmp_path_factory.mktemp("rec")
+    uri = f"sqlite:///{root / 'runs' / 'mlflow.db'}"
+    tracker = Tracker(uri, "lowprec", root / "runs")
+    ctrl = [4.00, 4.05, 3.98, 4.02]
+    runs = {
+        CONTROL: dict(zip(SEEDS, ctrl, strict=True)),
+        "bf16_pure": {s: ctrl[s] * (1 + d) for s, d in zip(SEEDS, [0.020, 0.022, 0.019, 0.021], strict=True)},
+        "fp8_rowwise": {s: ctrl[s] * (1 + d) for s, d in zip(SEEDS, [0.0001, -0.0002, 0.0003, 0.0], strict=True)},
+    }
+    fabricate_ablation(tracker, "abl-rec", runs, margin=0.0025)
+    build_report(tracker, "abl-rec", root / "reports")
+    return uri
+
+
+def test_stored_verdicts_are_cited_and_an_inferior_recipe_is_never_recommended(store, capsys):
+    argv = ["model=debug", "hardware=h100", "gpus=1", "tokens=1e9", "seq=512", f"tracking.uri={store}"]
+    assert main(["recommend", *argv, "recipes=[bf16_pure,fp8_rowwise]", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    by = {o["recipe"]: o for o in d["options"]}
+    assert by["bf16_pure"]["excluded"].startswith("measured inferior: inferior")
+    (ev,) = by["fp8_rowwise"]["evidence"]
+    assert ev["verdict"] == "non-inferior" and ev["seeds"] == 4 and ev["comparable"] and ev["ablation_id"] == "abl-rec"
+    assert ev["lo"] < ev["effect"] < ev["hi"] < 0.0025 and ev["margin"] == pytest.approx(0.0025)
+    assert by["fp8_rowwise"]["ablate_command"] is None
+    assert d["top"] == "fp8_rowwise" and "abl-rec" in d["paragraph"] and "non-inferior" in d["paragraph"]
+    # the only candidate is inferior: nothing is recommended, whatever its speed
+    assert main(["recommend", *argv, "recipes=[bf16_pure]"]) == 0
+    out = capsys.readouterr().out
+    assert "EXCLUDED: measured inferior" in out and "No recipe fits and is not excluded" in out
+    # on a tiny model every FP8 speedup is predicted below the model's error, and the text says so
+    assert main(["recommend", *argv, "recipes=[fp8_rowwise]"]) == 0
+    assert "below the cost model's held-out error" in capsys.readouterr().out
+
+
+def test_a_different_size_class_is_evidence_but_not_comparable(store, capsys):
+    argv = [*BASE, "recipes=[fp8_rowwise]", f"tracking.uri={store}", "--json"]
+    assert main(["recommend", *argv]) == 0
+    d = json.loads(capsys.readouterr().out)
+    o = next(o for o in d["options"] if o["recipe"] == "fp8_rowwise")
+    assert o["evidence"][0]["comparable"] is False and o["ablate_command"].startswith("lowprec ablate")
+    assert "other size class" in d["paragraph"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["hardware=h100", "gpus=8", "tokens=1e9"], "model= is required"),
+        ([*BASE[:3], "tokens=lots"], "tokens='lots' is not a number"),
+        ([*BASE[:3], "tokens=-5"], "tokens=-5 must be"),
+        ([*BASE[:2], "gpus=0", "tokens=1e9"], "gpus=0 must be >= 1"),
+        ([*BASE, "max_loss_gap=150%"], "max_loss_gap='150%' must be a relative gap"),
+        ([*BASE, "max_loss_gap=abc"], "max_loss_gap='abc' is not a number"),
+        ([*BASE, "recompute=sometimes"], "recompute='sometimes' is not one of auto"),
+        ([*BASE, "compile=maybe"], "compile='maybe' is not true or false"),
+        ([*BASE, "recipes=[fp9]"], "unknown recipe 'fp9'"),
+        ([*BASE, "hardwre=h100"], "unknown key 'hardwre'"),
+        (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "unknown model size 'nope'"),
+        (["model=llama3_8b", "hardware=tpu", "gpus=8", "tokens=1e9"], "unknown hardware 'tpu'"),
+        ([*BASE, "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+    ],
+)
+def test_bad_recommend_input_is_one_line(argv, needle, capsys):
+    assert main(["recommend", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("lowprec recommend: error: ") and needle in err, err
