@@ -47,14 +47,14 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
 
 
 def check_expert_patterns(model: nn.Module, spec: Float8Spec) -> None:
-    """Refuse a ``keep_hp_fqns`` pattern that names experts (has an ``experts`` or ``shared_experts`` part) and
+    """Refuse a ``keep_hp_fqns`` pattern that names experts (a dotted part containing ``expert``) and
     matches no linear of ``model``: a typo there (``moe.experts.16.w1`` in a 16-expert model, ``expert.w1``) would
     silently leave those experts in FP8. Raises ``RecipeError`` with an expert linear's FQN for comparison."""
     if not spec.enabled:
         return
     linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
     for p in spec.keep_hp_fqns:
-        if not {"experts", "shared_experts"} & set(p.split(".")):
+        if not any("expert" in part for part in p.split(".")):
             continue
         if not any(fqn == p or fqn.endswith("." + p) for fqn in linears):
             example = next((f for f in linears if ".experts." in f), "none: this model has no experts")
