@@ -213,3 +213,14 @@ def test_the_sequence_loss_reaches_the_router_gradient_not_the_reported_loss(tok
 
 def test_load_metrics_of_no_tokens_are_zero():
     assert load_metrics(torch.zeros(4)) == {"max_over_mean": 0.0, "load_cv": 0.0}
+
+
+def test_lowprec_estimate_states_the_activated_parameters(capsys):
+    from experiments.estimate import estimate_main
+
+    assert estimate_main(["model=moe_debug", "recipe=deepseek_v3"]) == 0
+    out = capsys.readouterr().out
+    assert "model=moe_debug: 586,400 parameters" in out
+    assert "MoE: 549,536 parameters activated per token of 586,400" in out
+    assert estimate_main(["model=debug", "recipe=bf16"]) == 0
+    assert "activated" not in capsys.readouterr().out
