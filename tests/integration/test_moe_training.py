@@ -87,3 +87,21 @@ def test_lowprec_train_logs_expert_load_metrics(run_dirs, tmp_path):
     assert m["moe/seq_aux_loss"] > 0
     assert json.loads(run.data.tags["effective_recipe"])["router_dtype"] == {"float32": 2}
     assert run.data.params["model.n_routed_experts"] == "8"
+
+
+def test_a_resumed_moe_run_continues_bit_identically(token_data, tmp_path):
+    """The load-balancing biases are checkpointed (a buffer): resumed at step 3, the losses and biases equal the
+    uninterrupted run's."""
+    spec = dataclasses.replace(SPEC, steps=6, checkpoint_every=3)
+    args = model_args("moe_debug", bias_update_speed=0.01)
+
+    def run(**kw):
+        built = build(CATALOG["deepseek_v3"], args, spec, OptimHParams(lr=3e-3), 0, torch.device("cpu"))
+        sink = _Rows()
+        batches = TokenBatches(token_data.train, token_data.val, spec.seq_len, spec.batch_size, 0)
+        run_training(built, batches, spec, sink, **kw)
+        return [r["loss"] for r in sink.rows], built.model.layers["1"].moe.router.expert_bias
+
+    full, bias = run(checkpoint_dir=tmp_path)
+    resumed, bias_resumed = run(resume_from=tmp_path / "step_3")
+    assert resumed == full[3:] and torch.equal(bias, bias_resumed) and bias.abs().sum() > 0
