@@ -2,7 +2,7 @@
 into lowprec objects.
 
 One source for defaults: the dataclasses (``TrainSpec``, ``OptimHParams``, ``ParallelDims``, ``DataSpec``,
-``ModelArgs`` via ``LLAMA_CONFIGS``, recipes via the catalog, and the app-level ones below) hold every
+``ModelArgs`` / ``MoEArgs`` via ``MODEL_CONFIGS``, recipes via the catalog, and the app-level ones below) hold every
 default; ``register_configs`` stores them in Hydra's ConfigStore as structured configs, and the yaml files
 under conf/ keep only what differs (which group options a command uses, Hydra's own settings, and each
 experiment's values). While composing, Hydra refuses unknown keys and checks the type of every value in the
@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from experiments.stats.stability import SpikeRule
 from lowprec.data import DataSpec
 from lowprec.errors import ConfigError
-from lowprec.model import LLAMA_CONFIGS, ModelArgs, model_args
+from lowprec.model import MODEL_CONFIGS, ModelArgs, model_args
 from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
@@ -94,7 +94,7 @@ class RunConfig:
     to continue (experiments/resume_ablation.py). ``train.checkpoint_every=N`` writes one every N steps.
     """
 
-    model: Any = MISSING  # group: model/<size> (LLAMA_CONFIGS)
+    model: Any = MISSING  # group: model/<size> (MODEL_CONFIGS: Llama and MoE sizes)
     # group: data/<source> (DATA_SOURCES), each option a DataSpec node. Any, not DataSpec: a typed field would be
     # filled with DataSpec's defaults before the option merges in, and text/tokens' required `path: ???` (MISSING
     # never overrides a value) would compose as null.
@@ -203,17 +203,18 @@ _registered = False
 def register_configs() -> None:
     """Register every config group and the root schemas in Hydra's ConfigStore.
 
-    ``model/<size>`` from LLAMA_CONFIGS and ``recipe/<name>`` from the catalog (the catalog stays the single
-    source of truth; Hydra sees every field, so ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2``
-    override it and multirun can sweep it); ``data/*``, ``optim/adamw``, ``parallel/single`` and
-    ``tracking/sqlite`` from ``GROUPS``; ``train_schema`` and ``ablate_schema`` (``TrainConfig``,
-    ``AblateConfig``: ``train``, ``paths``, ``faults`` and the top-level keys) from ``SCHEMAS``.
+    ``model/<size>`` from MODEL_CONFIGS (Llama sizes and the ``moe_*`` DeepSeekMoE ones) and ``recipe/<name>`` from
+    the catalog (the catalog stays the single source of truth; Hydra sees every field, so
+    ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2`` override it and multirun can sweep it); ``data/*``,
+    ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``train_schema`` and
+    ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``, ``paths``, ``faults`` and the top-level keys)
+    from ``SCHEMAS``.
     """
     global _registered
     if _registered:
         return
     cs = ConfigStore.instance()
-    for name, args in LLAMA_CONFIGS.items():
+    for name, args in MODEL_CONFIGS.items():
         cs.store(group="model", name=name, node={"name": name, **dataclasses.asdict(args)})
     for name, recipe in CATALOG.items():
         cs.store(group="recipe", name=name, node=recipe.to_dict())
@@ -267,7 +268,8 @@ def model_from_cfg(node) -> ModelArgs:
     d = _plain(node)
     name = d.pop("name")
     base = model_args(name)  # ConfigError listing the sizes for an unknown name
-    return dataclasses.replace(base, **typed(ModelArgs, {**dataclasses.asdict(base), **d}, "model"))
+    # The size's own class (ModelArgs or MoEArgs): a field it does not have is refused, naming model.<field>.
+    return dataclasses.replace(base, **typed(type(base), {**dataclasses.asdict(base), **d}, "model"))
 
 
 def train_from_cfg(cfg: DictConfig) -> TrainSpec:

@@ -25,6 +25,7 @@ from lowprec.estimate.activations import RECOMPUTE_MODES
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
+from lowprec.estimate.inventory import param_counts
 from lowprec.model import ModelArgs, model_args
 from lowprec.recipe import Recipe, RecipeError
 from recipes import CATALOG, get_recipe
@@ -190,6 +191,14 @@ def _row(label: str, nbytes: int, note: str = "") -> str:
     return f"  {label:<40} {nbytes:>19,} {_gb(nbytes):>10}  {note}".rstrip()
 
 
+def _activated_line(args) -> list[str]:
+    """For a MoE model, one line with its activated parameters per token (``param_counts``); none for a dense one."""
+    pc = param_counts(args)
+    if pc.activated == pc.total:
+        return []
+    return [f"MoE: {pc.activated:,} parameters activated per token of {pc.total:,} (every expert is in the state)"]
+
+
 def cost_line(c) -> str:
     """One line of a ``lowprec.estimate.cost_model.StepCost``: step, tokens/s/GPU and where the time goes."""
     lo = c.layout
@@ -211,6 +220,7 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
         f"model={model_name}: {s.n_params:,} parameters ({s.n_tensors} tensors); recipe={e.recipe} ({e.short})",
         f"layout: parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}; batch={e.batch} x seq={e.seq} per "
         f"data-parallel rank; figures are per GPU (rank 0)",
+        *_activated_line(args),
         "",
         f"  {'component':<40} {'bytes':>19} {'GB':>10}",
         _row(f"weights ({pdt})", s.params, "fp32 weights are the master" if pdt == "fp32" else ""),

@@ -34,6 +34,7 @@ from lowprec.train.build import build_model_meta, check_compile, check_fp8_fallb
 from lowprec.train.checkpoint import check_resume_recipe, read_trainer_state
 from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.data_position import resumed_position
+from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.spec import TrainSpec
 
 
@@ -73,6 +74,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         )
     if dims.enabled:
         dims.check(batch_size=spec.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
+    check_moe_layout(args, dims, spec)
     meta = build_model_meta(args)
     for r in recipes:
         check_runtime(r, device)

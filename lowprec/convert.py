@@ -35,6 +35,7 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
     ``min_features`` above every linear's width), so such a run stops before training instead of
     finishing in high precision.
     """
+    check_expert_patterns(model, spec)
     fqns = fp8_candidate_fqns(model, spec)
     if spec.enabled and not fqns:
         raise RecipeError(
@@ -43,6 +44,24 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
             f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none"
         )
     return fqns
+
+
+def check_expert_patterns(model: nn.Module, spec: Float8Spec) -> None:
+    """Refuse a ``keep_hp_fqns`` pattern that names experts (a dotted part containing ``expert``) and
+    matches no linear of ``model``: a typo there (``moe.experts.16.w1`` in a 16-expert model, ``expert.w1``) would
+    silently leave those experts in FP8. Raises ``RecipeError`` with an expert linear's FQN for comparison."""
+    if not spec.enabled:
+        return
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for p in spec.keep_hp_fqns:
+        if not any("expert" in part for part in p.split(".")):
+            continue
+        if not any(fqn == p or fqn.endswith("." + p) for fqn in linears):
+            example = next((f for f in linears if ".experts." in f), "none: this model has no experts")
+            raise RecipeError(
+                f"recipe.fp8.keep_hp_fqns pattern {p!r} names experts but matches no linear of this model "
+                f"(an expert linear: {example}); fix the pattern"
+            )
 
 
 def convert_fp8(

@@ -1,4 +1,5 @@
-"""Predicted bytes saved for backward by ``lowprec.model.llama.Transformer`` under a recipe.
+"""Predicted bytes saved for backward by ``lowprec.model.llama.Transformer`` under a recipe (and, approximately,
+by the DeepSeekMoE blocks of ``lowprec.model.moe.MoETransformer``: ``_moe_ffn``).
 
 The prediction replays, op by op, what autograd saves in ``lowprec/model/llama.py`` (read from the code
 and checked against ``lowprec.measure.saved_tensors.measure_saved_bytes``, which counts the same way: distinct
@@ -182,6 +183,9 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
     _linear(led, scope, lin["attention.wo"], attn, p, spec, rows)
     h = _T(f"{pre}.h", torch.promote_types(x.dtype, c), rows * a.dim)
     xn2 = _norm(led, scope, f"{pre}.ffn_norm", h, p, a.dim, rows)
+    if "moe.experts.0.w1" in lin:  # a DeepSeekMoE block
+        _moe_ffn(led, scope, pre, lin, xn2, inv, p, spec, batch, seq)
+        return _T(f"{pre}.out", h.dtype, rows * a.dim)
     a1 = _linear(led, scope, lin["feed_forward.w1"], xn2, p, spec, rows)
     a3 = _linear(led, scope, lin["feed_forward.w3"], xn2, p, spec, rows)
     led.save_t(a1, scope)
@@ -189,6 +193,49 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
     led.save_t(a3, scope)
     _linear(led, scope, lin["feed_forward.w2"], _T(f"{pre}.swiglu_product", c, a1.numel), p, spec, rows)
     return _T(f"{pre}.out", h.dtype, rows * a.dim)
+
+
+def _swiglu(led: _Ledger, scope: str, lin: dict, prefix: str, x: _T, p: _Precision, spec: Float8Spec, rows: int):
+    a1 = _linear(led, scope, lin[f"{prefix}.w1"], x, p, spec, rows)
+    a3 = _linear(led, scope, lin[f"{prefix}.w3"], x, p, spec, rows)
+    led.save_t(a1, scope)
+    led.save(f"{a1.key}.silu_out", _size(p.compute) * a1.numel, scope)
+    led.save_t(a3, scope)
+    _linear(led, scope, lin[f"{prefix}.w2"], _T(f"{a1.key}.swiglu_product", p.compute, a1.numel), p, spec, rows)
+
+
+def _moe_ffn(
+    led: _Ledger, scope: str, pre: str, lin: dict, xn: _T, inv: Inventory, p: _Precision, spec, batch: int, seq: int
+) -> None:
+    """What a DeepSeekMoE FFN (``lowprec.model.moe.MoE``) saves, APPROXIMATE (not checked against
+    ``measure_saved_bytes``): the FP32 router (input cast, gate weight cast, sigmoid scores ``4TE``, the top-k
+    gather's indices ``8Tk`` and the normalised gates ``4Tk``), the routed tokens (``T*k`` rows: every token goes
+    to exactly ``top_k`` experts, so the experts together are one SwiGLU over ``T*k`` rows, counted with expert 0's
+    shapes, plus every other expert's autocast weight copy), the gate products' inputs, and the shared experts'
+    SwiGLU over ``T`` rows. Measured on ``moe_debug`` / ``moe_tiny`` (batch 4 x 128, CPU): activations 1-4% below
+    ``measure_saved_bytes`` (the sequence-wise loss's tensors are not modelled), weight copies exact."""
+    a, rows = inv.args, batch * seq
+    k, n_exp = a.top_k, a.n_routed_experts
+    if xn.dtype != F32:
+        led.save(f"{pre}.moe.router.x_fp32", 4 * rows * a.dim, scope)
+    else:
+        led.save_t(xn, scope)
+    if p.weight_fwd != F32:
+        led.save(f"{pre}.moe.router.weight_fp32", 4 * n_exp * a.dim, scope, kind="weight")
+    led.save(f"{pre}.moe.router.scores", 4 * rows * n_exp, scope)
+    led.save(f"{pre}.moe.router.topk_idx", 8 * rows * k, scope)
+    led.save(f"{pre}.moe.router.gates", 4 * rows * k + 4 * rows, scope)
+    led.save(f"{pre}.moe.dispatch_idx", 2 * 8 * rows * k, scope)  # the sort order and the token of each slot
+    routed = _T(f"{pre}.moe.routed_in", xn.dtype, rows * k * a.dim)
+    _swiglu(led, scope, lin, "moe.experts.0", routed, p, spec, rows * k)
+    for e in range(1, n_exp):  # every expert that runs casts its own weights under autocast
+        for w in ("w1", "w2", "w3"):
+            li = lin[f"moe.experts.{e}.{w}"]
+            if li.kind == "hp" and p.autocast is not None and p.weight_fwd != p.autocast:
+                led.save(f"{li.fqn}.weight_cast", li.numel * _size(p.autocast), scope, kind="weight")
+    led.save(f"{pre}.moe.routed_out", _size(p.compute) * rows * k * (a.dim + 1), scope)
+    if "moe.shared_experts.w1" in lin:
+        _swiglu(led, scope, lin, "moe.shared_experts", xn, p, spec, rows)
 
 
 def _kept(inv: Inventory, p: _Precision, batch: int, seq: int, mode: str) -> dict[str, int]:
@@ -203,6 +250,8 @@ def _kept(inv: Inventory, p: _Precision, batch: int, seq: int, mode: str) -> dic
         kept[f"{pre}.sdpa_out"] = cs * rows * a.n_heads * a.head_dim
         kept[f"{pre}.sdpa_logsumexp"] = 4 * batch * a.n_heads * seq
         for name in ("attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"):
+            if f"{pre}.{name}" not in inv.linears:  # a MoE block: its experts' matmuls are not modelled here
+                continue
             kept[f"{pre}.{name}.out"] = cs * rows * inv.linears[f"{pre}.{name}"].out_features
     return kept
 

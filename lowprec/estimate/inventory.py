@@ -2,7 +2,8 @@
 
 The estimator (``lowprec.estimate``) works from this inventory so that it follows the real model code
 and the real FP8 selection (``lowprec.convert.fp8_candidate_fqns``) instead of re-deriving shapes by
-hand. Building a ``Transformer`` on the ``meta`` device allocates no memory (even for Llama 3 70B).
+hand. Building a model (``lowprec.model.build_model``: Llama or DeepSeekMoE) on the ``meta`` device allocates no
+memory (even for Llama 3 70B).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from lowprec.convert import fp8_candidate_fqns
-from lowprec.model import ModelArgs, Transformer
+from lowprec.model import ModelArgs, MoEArgs, build_model
 from lowprec.recipe import Float8Spec
 
 #: Linears whose weight torchtitan's tensor parallel plan shards by rows of the GEMM input (RowwiseParallel);
@@ -41,7 +42,7 @@ class LinearInfo:
 @dataclass(frozen=True)
 class Inventory:
     """Parameter shapes (``params``: ``(fqn, shape)`` in ``model.named_parameters()`` order) and
-    ``linears`` (fqn -> ``LinearInfo``) of ``Transformer(args)`` after the FP8 conversion of ``fp8``."""
+    ``linears`` (fqn -> ``LinearInfo``) of ``build_model(args)`` after the FP8 conversion of ``fp8``."""
 
     args: ModelArgs
     params: tuple[tuple[str, tuple[int, ...]], ...]
@@ -89,12 +90,12 @@ def fsdp_local_numel(shape: tuple[int, ...], dp_shard: int) -> int:
 
 @lru_cache(maxsize=64)
 def inventory(args: ModelArgs, fp8: Float8Spec) -> Inventory:
-    """Inventory of ``Transformer(args)`` with the linears ``fp8`` selects marked by backend.
+    """Inventory of ``build_model(args)`` (Llama or DeepSeekMoE) with the linears ``fp8`` selects marked by backend.
 
     Raises ``ValueError`` from ``ModelArgs`` for an inconsistent shape.
     """
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     selected = set(fp8_candidate_fqns(model, fp8))
     linears = {
         fqn: LinearInfo(fqn, m.in_features, m.out_features, fp8.backend if fqn in selected else "hp")
@@ -103,3 +104,33 @@ def inventory(args: ModelArgs, fp8: Float8Spec) -> Inventory:
     }
     params = tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
     return Inventory(args=args, params=params, linears=linears)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """``total``: every trainable parameter; ``activated``: those one token's forward uses (a MoE model's routed
+    experts count ``top_k`` of ``n_routed_experts`` per MoE block; equal to ``total`` for a dense model)."""
+
+    total: int
+    activated: int
+
+
+def param_counts(args: ModelArgs) -> ParamCounts:
+    """Total and activated parameters of ``build_model(args)``, counted on the meta-device model's parameter
+    shapes (``inventory``): per MoE block the routed experts ``layers.N.moe.experts.E.*`` are summed per expert
+    and only ``top_k`` experts' worth is activated (all experts of a block have one shape)."""
+    inv = inventory(args, Float8Spec())
+    total = inv.n_params
+    if not isinstance(args, MoEArgs):
+        return ParamCounts(total, total)
+    experts: dict[tuple[str, str], int] = {}
+    for fqn, shape in inv.params:
+        head, sep, tail = fqn.partition(".moe.experts.")
+        if sep:
+            key = (head, tail.split(".", 1)[0])
+            experts[key] = experts.get(key, 0) + math.prod(shape)
+    idle = 0
+    for block in {b for b, _ in experts}:
+        sizes = [n for (b, _), n in experts.items() if b == block]
+        idle += sum(sizes) - args.top_k * max(sizes)
+    return ParamCounts(total, total - idle)

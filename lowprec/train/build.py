@@ -26,7 +26,7 @@ from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
 from lowprec.kernels import KernelPolicy, resolve_kernels
 from lowprec.measure.telemetry import FP8Telemetry
-from lowprec.model import ModelArgs, Transformer
+from lowprec.model import ModelArgs, Transformer, build_model
 from lowprec.optim.builder import OptimHParams, build_optimizer
 from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
 from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
@@ -37,6 +37,7 @@ from lowprec.parallel.runtime import DistContext
 from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.ac import apply_ac
 from lowprec.train.compile import apply_compile, compile_loss, cross_entropy_fp32
+from lowprec.train.moe_balance import ExpertBalance, check_moe_layout
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
 
@@ -71,6 +72,9 @@ class Built:
     #: ``(logits (B, S, V), targets (B, S) int64) -> 0-dim FP32 mean cross-entropy``; compiled under
     #: ``train.compile`` (torchtitan compiles the loss apart from the blocks).
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_fp32
+    #: The model's auxiliary loss of its last training forward, added to the objective (0-dim FP32), or
+    #: ``None``: the MoE sequence-wise balance loss (``MoETransformer.aux_loss``); always ``None`` for Llama.
+    aux_loss: Callable[[], torch.Tensor | None] = lambda: None
 
     def step_context(self, step: int) -> AbstractContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
@@ -91,8 +95,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model_meta(args: ModelArgs) -> Transformer:
+    """The model of ``args`` (``lowprec.model.build_model``: Llama or DeepSeekMoE) on the meta device."""
     with torch.device("meta"):
-        return Transformer(args)
+        return build_model(args)
 
 
 def materialize(model: Transformer, device: torch.device, seed: int) -> None:
@@ -230,6 +235,8 @@ def build(
     check_runtime(recipe, device)
     check_fp8_fallback(recipe, train)
     check_compile(recipe, train)
+    dims = parallel or ParallelDims()
+    check_moe_layout(args, dims, train)
     kernels = resolve_kernels(cpu_kernels, device)
     if dist.is_available() and dist.is_initialized():
         # One decision for every rank (rank 0's probe): ranks that timed the kernels differently must not run
@@ -237,7 +244,6 @@ def build(
         box = [kernels]
         dist.broadcast_object_list(box, src=0)
         kernels = box[0]
-    dims = parallel or ParallelDims()
 
     check_layout(recipe, dims)
     model = build_model_meta(args)  # 1
@@ -278,6 +284,11 @@ def build(
         after.append(state_tel.after_step)
     if recipe.compute.autocast_dtype == "fp16" and train.telemetry_every > 0:
         after.append(underflow_probe(model, train.telemetry_every))
+    before = [telemetry.before_step] if telemetry else []
+    balance = ExpertBalance.of(model, train.telemetry_every)
+    if balance is not None:  # MoE: the load-balancing bias update and the expert-load metrics
+        before.append(balance.before_step)
+        after.append(balance.after_step)
     comm_metrics = None
     if plan is not None:
         comm_metrics = StepCommMetrics(train.telemetry_every)
@@ -292,7 +303,7 @@ def build(
         fp8_fqns=fp8_fqns,
         master_params=list(getattr(optimizer, "master_params", [])),
         loss_scaler=scaler,
-        before_step=[telemetry.before_step] if telemetry else [],
+        before_step=before,
         after_step=after,
         dist=dctx,
         parallel=plan,
@@ -301,6 +312,7 @@ def build(
         ac=train.ac,
         compiled=train.compile,
         loss_fn=compile_loss(cross_entropy_fp32) if train.compile else cross_entropy_fp32,
+        aux_loss=getattr(model, "aux_loss", lambda: None),
     )
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from lowprec.backends import fp8_backend, fp8_backends, optim_impl
 from lowprec.kernels import EmulatedLinear, emulated_sdpa
+from lowprec.model.moe import RouterGate
 from lowprec.optim.builder import moment_kind
 from lowprec.parallel.comm_metrics import observed_comm_dtypes
 from lowprec.train.ac import is_checkpointed
@@ -81,7 +82,8 @@ def _is_linear(m: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def record_linear_output_dtypes(model: nn.Module) -> Iterator[dict[str, str]]:
-    """Record the output dtype of every linear (``fqn -> dtype name``) during the forward passes run inside.
+    """Record the output dtype of every linear and MoE router gate (``fqn -> dtype name``) during the forward
+    passes run inside.
 
     The loop wraps the first real training step in it, so the inspection needs no forward of its own: an
     extra forward would record amaxes into delayed-scaling histories and change the next step's scales.
@@ -91,7 +93,11 @@ def record_linear_output_dtypes(model: nn.Module) -> Iterator[dict[str, str]]:
     def hook(fqn):
         return lambda mod, inp, out: seen.__setitem__(fqn, _dt(out.dtype))
 
-    handles = [m.register_forward_hook(hook(fqn)) for fqn, m in model.named_modules() if _is_linear(m)]
+    handles = [
+        m.register_forward_hook(hook(fqn))
+        for fqn, m in model.named_modules()
+        if _is_linear(m) or isinstance(m, RouterGate)
+    ]
     try:
         yield seen
     finally:
@@ -108,6 +114,9 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
     """
     params = [p for p in built.model.parameters() if p.requires_grad]
     opt = built.optimizer
+    routers = _router_fqns(built.model)
+    router_out = Counter(v for k, v in linear_output_dtypes.items() if k in routers)
+    linear_output_dtypes = {k: v for k, v in linear_output_dtypes.items() if k not in routers}
     return {
         "param_dtype": dict(_count(params, lambda p: _dt(p.dtype))),
         "grad_dtype": dict(_count([p for p in params if p.grad is not None], lambda p: _dt(p.grad.dtype))),
@@ -120,7 +129,14 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
         "kernels": _observed_kernels(built.model),
         "blocks": _observed_blocks(built.model),
         **({"comm": _observed_comm(built)} if built.parallel is not None else {}),
+        **({"router_dtype": dict(router_out)} if routers else {}),
     }
+
+
+def _router_fqns(model: nn.Module) -> set[str]:
+    """FQNs of the MoE router gates (``lowprec.model.moe.RouterGate``), which stay out of FP8 and compute in FP32
+    (DeepSeek-V3 3.3.1): the effective recipe records their output dtype apart from the linears'."""
+    return {fqn for fqn, m in model.named_modules() if isinstance(m, RouterGate)}
 
 
 def _observed_comm(built: Built) -> dict:
@@ -212,6 +228,7 @@ def expected_effective(built: Built) -> dict:
             "compiled": len(built.model.layers) if built.compiled else 0,
         },
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
+        **({"router_dtype": {"float32": len(routers)}} if (routers := _router_fqns(built.model)) else {}),
     }
 
 

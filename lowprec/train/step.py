@@ -84,12 +84,13 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over ``micro_batches`` (gradient accumulation), clipping and LR update.
 
-    Gradients are zeroed at the start so they stay inspectable after the step. The loss scaler built from
-    the recipe scales the loss, unscales the gradients and decides whether the step runs (a no-op scaler
-    for recipes without loss scaling). After clipping and before the optimizer step, ``judge`` sees the loss and
-    the gradient norm: the default raises ``NonFiniteError`` if the loss is not finite, or the gradient norm is not
-    finite and no loss scaler is there to skip the step; a health monitor may drop the update instead
-    (``StepDecision.apply`` False: no optimizer step, no loss-scaler update, no LR-schedule step).
+    Gradients are zeroed at the start so they stay inspectable after the step. The loss scaler built from the recipe
+    scales the loss, unscales the gradients and decides whether the step runs (a no-op scaler for recipes without
+    loss scaling). The objective is the loss plus ``built.aux_loss()`` when the model has one (the MoE sequence-wise
+    balance loss); the reported ``loss`` is the cross-entropy alone. After clipping and before the optimizer step,
+    ``judge`` sees the loss and the gradient norm: the default raises ``NonFiniteError`` if the loss is not finite,
+    or the gradient norm is not finite and no loss scaler is there to skip the step; a health monitor may drop the
+    update instead (``StepDecision.apply`` False: no optimizer step, no loss-scaler update, no LR-schedule step).
     """
     built.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=built.device)
@@ -100,7 +101,9 @@ def train_step(
         for x, y in micro_batches:
             x, y = built.dist.shard_batch(x, y)
             loss = forward_loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
-            scaler.scale(loss / len(micro_batches)).backward()
+            aux = built.aux_loss()  # the MoE balance loss joins the objective, not the reported loss
+            objective = loss if aux is None else loss + aux
+            scaler.scale(objective / len(micro_batches)).backward()
             total += loss.detach()
         loss_value = built.dist.mean(total) / len(micro_batches)
         scaler.unscale_(built.optimizer)

@@ -134,6 +134,15 @@ BAD = [
     ),
     (["train", "train.skip_batches=[3,-1]"], "train.skip_batches holds -1: batch indices are >= 0"),
     (["train", "faults.nan_into=bias"], "faults.nan_into=bias is not one of weight, activation, gradient"),
+    # issue 16: the DeepSeekMoE model (model=moe_*)
+    (["train", "model=moe_debug", "+model.n_experts=4"], "model.n_experts: Key 'n_experts' not in 'MoEArgs'"),
+    (["train", "model=moe_debug", "model.top_k=9"], "model.top_k=9 is larger than model.n_routed_experts=8"),
+    (
+        ["train", "model=moe_debug", "recipe=fp8_current", "recipe.fp8.keep_hp_fqns=[output,experts.8.w1]"],
+        "recipe.fp8.keep_hp_fqns pattern 'experts.8.w1' names experts but matches no linear of this model",
+    ),
+    (["train", "model=moe_debug", "parallel.tp=2"], "parallel.tp=2 is not supported for MoE models"),
+    (["train", "model=moe_debug", "train.compile=true"], "train.compile=true is not supported for MoE models"),
 ]
 
 

@@ -33,7 +33,7 @@ from experiments.config import (
     train_from_cfg,
 )
 from lowprec.data import DataSpec
-from lowprec.model import LLAMA_CONFIGS, ModelArgs
+from lowprec.model import MODEL_CONFIGS, ModelArgs
 from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec
@@ -52,7 +52,7 @@ PRIMARY = {"base.yaml": RunConfig, "train.yaml": TrainConfig, "ablate.yaml": Abl
 GLOBAL_GROUPS = {"experiment": AblateConfig}
 #: The options of every group registered from Python tables, and those added as yaml files (none today).
 REGISTERED = {
-    "model": sorted(LLAMA_CONFIGS),
+    "model": sorted(MODEL_CONFIGS),
     "recipe": sorted(CATALOG),
     "data": sorted(DATA_SOURCES),
     **{g: sorted(opts) for g, opts in GROUPS.items()},
@@ -194,7 +194,7 @@ def option_node(group: str, option: str):
             OmegaConf.structured(_field_type(TrainConfig, group)), _body(CONF / group / f"{option}.yaml")
         )
     if group == "model":
-        return OmegaConf.create({"name": option, **dataclasses.asdict(LLAMA_CONFIGS[option])})
+        return OmegaConf.create({"name": option, **dataclasses.asdict(MODEL_CONFIGS[option])})
     if group == "recipe":
         return OmegaConf.create(CATALOG[option].to_dict())
     return OmegaConf.structured(GROUPS[group][option])
@@ -219,7 +219,8 @@ def test_every_group_option_composes_into_its_objects(i, tmp_path):
     if OmegaConf.is_missing(cfg.data, "path"):  # a value the user must give (data=text|tokens)
         cfg = OmegaConf.merge(cfg, {"data": {"path": str(tmp_path)}})
     plain = OmegaConf.to_container(cfg, resolve=True)
-    assert model_from_cfg(cfg.model) == ModelArgs(**{k: v for k, v in plain["model"].items() if k != "name"})
+    args_cls = type(MODEL_CONFIGS[row["model"]]) if row["model"] in MODEL_CONFIGS else ModelArgs
+    assert model_from_cfg(cfg.model) == args_cls(**{k: v for k, v in plain["model"].items() if k != "name"})
     assert recipe_from_cfg(cfg.recipe) == Recipe.from_dict(plain["recipe"])
     assert dataclasses.asdict(optim_from_cfg(cfg)) == plain["optim"]
     assert dataclasses.asdict(parallel_from_cfg(cfg)) == plain["parallel"]
@@ -228,8 +229,8 @@ def test_every_group_option_composes_into_its_objects(i, tmp_path):
         and plain["data"]["cache_dir"] == plain["paths"]["cache"]
     )
     assert train_from_cfg(cfg) == TrainSpec()
-    if row["model"] in LLAMA_CONFIGS and row["recipe"] in CATALOG:
-        assert model_from_cfg(cfg.model) == LLAMA_CONFIGS[row["model"]]
+    if row["model"] in MODEL_CONFIGS and row["recipe"] in CATALOG:
+        assert model_from_cfg(cfg.model) == MODEL_CONFIGS[row["model"]]
         assert recipe_from_cfg(cfg.recipe) == CATALOG[row["recipe"]]
 
 
