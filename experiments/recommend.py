@@ -297,7 +297,10 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
     batch, seq = opts.get("batch", 1), opts.get("seq", args.max_seq_len)
     modes = AC_MODES if opts["recompute"] == "auto" else (opts["recompute"],)
     best = None
-    for dp, tp in _layouts(args, opts["gpus"], recipe):
+    layouts = list(_layouts(args, opts["gpus"], recipe))
+    if not layouts:
+        return f"no layout of {opts['gpus']} GPUs can run it (FP8 communication needs FSDP and, in lowprec, no TP)"
+    for dp, tp in layouts:
         for ac in modes:
             pk = peak_breakdown(args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac)
             if pk.reserved > (1 - MEMORY_MARGIN) * hw.memory_bytes:
