@@ -131,29 +131,52 @@ def round_to_codes(
     (``ValueError``), which has none."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not one of {list(ROUNDINGS)}")
-    grid = _grid(fmt).to(y.device)
     mag = y.abs().clamp(max=fmt.max)
     nan = torch.isnan(y)
     if fmt.dtype is None and bool(nan.any()):
         raise ValueError("E2M1 has no NaN; the block holds NaN")
     mag = torch.where(nan, torch.zeros_like(mag), mag)
-    hi = torch.searchsorted(grid, mag).clamp(max=len(grid) - 1)  # first grid value >= mag
-    lo = (hi - 1).clamp(min=0)
-    exact = grid[hi] == mag
-    lo = torch.where(exact, hi, lo)
-    gap = grid[hi] - grid[lo]
-    frac = torch.where(exact, torch.zeros_like(mag), (mag - grid[lo]) / torch.where(exact, torch.ones_like(gap), gap))
-    if rounding == "nearest":
-        up = (frac > 0.5) | ((frac == 0.5) & (hi % 2 == 0))
+    if fmt.dtype is None:
+        idx = _e2m1_index(mag, rounding, generator)
     else:
-        up = torch.rand(mag.shape, generator=generator, device=mag.device) < frac
-    idx = torch.where(up, hi, lo).to(torch.uint8)
+        idx = _grid_index(mag, fmt, rounding, generator)
+    idx = idx.to(torch.uint8)
     sign_bit = fmt.bits - 1
     codes = idx | (torch.signbit(y).to(torch.uint8) << sign_bit)
     if fmt.dtype is not None:
         nan_code = torch.tensor(float("nan"), dtype=torch.float32).to(fmt.dtype).view(torch.uint8)
         codes = torch.where(nan, nan_code.to(y.device), codes)
     return codes
+
+
+def _e2m1_index(mag: torch.Tensor, rounding: str, generator) -> torch.Tensor:
+    """E2M1 code index of magnitudes in [0, 6]: the grid is uniform on [0, 2) (step 0.5), [2, 4) (step 1) and
+    [4, 6] (step 2, codes 6-7), so the position inside each segment is exact in FP32 (a product by a power of two or
+    a Sterbenz subtraction); rounding it half-to-even picks the even code on ties (each segment starts at an even
+    code)."""
+    low, mid = mag < 2, mag < 4
+    base = torch.where(low, 0.0, torch.where(mid, 4.0, 6.0))
+    rel = torch.where(low, mag * 2, torch.where(mid, mag - 2, (mag - 4) * 0.5))
+    if rounding == "nearest":
+        return base + torch.round(rel)  # half to even
+    lo = torch.floor(rel)
+    return base + lo + (torch.rand(rel.shape, generator=generator, device=rel.device) < rel - lo)
+
+
+def _grid_index(mag: torch.Tensor, fmt: ElementFormat, rounding: str, generator) -> torch.Tensor:
+    """Code index of magnitudes on ``fmt``'s table of non-negative values (any format; used for FP8 SR)."""
+    grid = _grid(fmt).to(mag.device)
+    hi = torch.searchsorted(grid, mag.contiguous()).clamp(max=len(grid) - 1)  # first grid value >= mag
+    lo = (hi - 1).clamp(min=0)
+    exact = grid[hi] == mag
+    lo = torch.where(exact, hi, lo)
+    gap = torch.where(exact, torch.ones_like(mag), grid[hi] - grid[lo])
+    frac = torch.where(exact, torch.zeros_like(mag), (mag - grid[lo]) / gap)
+    if rounding == "nearest":
+        up = (frac > 0.5) | ((frac == 0.5) & (hi % 2 == 0))
+    else:
+        up = torch.rand(mag.shape, generator=generator, device=mag.device) < frac
+    return torch.where(up, hi, lo)
 
 
 def codes_to_float32(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -304,7 +327,7 @@ def quantize_nvfp4(
     """NVFP4-quantize ``x`` (rows, K): E2M1 elements in 16-element blocks along K, E4M3 block scales, one FP32
     tensor scale (module doc; torchao ``nvfp4_quantize`` with a per-tensor scale, bit for bit under ``nearest``).
 
-    ``two_d``: one scale per 16x16 tile (the paper's weight scaling, section 4.2), so forward and backward use
+    ``two_d``: one scale per 16x16 tile (the paper's weight scaling, section 4.3), so forward and backward use
     the same quantized weight; needs rows divisible by 16. ``tensor_amax`` overrides the tensor's own amax.
     Raises ``ValueError`` for K (or, with ``two_d``, rows) not a multiple of 16."""
     fmt = ELEMENTS["e2m1"]
@@ -339,7 +362,7 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def random_hadamard(signs: torch.Tensor) -> torch.Tensor:
     """``diag(signs) @ H`` (float32, n x n) for a vector of +-1 ``signs`` of power-of-2 length: orthogonal, so
-    applying it to both GEMM operands along K leaves the product unchanged (arXiv 2509.25149 section 4.1)."""
+    applying it to both GEMM operands along K leaves the product unchanged (arXiv 2509.25149 section 4.2)."""
     return signs.float()[:, None] * hadamard(signs.numel())
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from lowprec.backends import fp8_backend
-from lowprec.convert import convert_fp8, convert_kernels
+from lowprec.convert import convert_fp8, convert_kernels, fp8_candidate_fqns
 from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
 from lowprec.kernels import KernelPolicy, resolve_kernels
@@ -98,8 +98,9 @@ def build_model_meta(args: ModelArgs) -> Transformer:
 def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """Allocate on ``device`` and initialise with a generator seeded by ``seed`` (same seed, same weights).
 
-    Modules with state buffers (FP8 amax histories) define ``init_buffers()``, called here because
-    ``to_empty`` leaves buffers uninitialised.
+    Modules with state buffers (FP8 amax histories, RHT sign vectors) define ``init_buffers(generator)``, called
+    here with the seeded generator (after the weights drew from it) because ``to_empty`` leaves buffers
+    uninitialised.
     """
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -107,13 +108,22 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
         model.init_weights(generator=gen)
         for m in model.modules():
             if hasattr(m, "init_buffers"):
-                m.init_buffers()
+                m.init_buffers(gen)
 
 
 def check_runtime(recipe: Recipe, device: torch.device) -> None:
     """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback):
     the FP8 backend's own check (``Float8Backend.check_runtime``). Raises ``RecipeError``."""
     fp8_backend(recipe.fp8.backend).check_runtime(recipe.fp8, device)
+
+
+def check_fp8_shapes(recipe: Recipe, model: nn.Module, train: TrainSpec) -> None:
+    """Refuse, before anything is built, GEMM shapes the FP8 backend cannot take (``Float8Backend.check_shapes``:
+    e.g. block sizes that do not divide a selected linear's features or a step's tokens). ``model`` may be on
+    the meta device. Raises ``RecipeError``."""
+    modules = dict(model.named_modules())
+    shapes = {f: (modules[f].in_features, modules[f].out_features) for f in fp8_candidate_fqns(model, recipe.fp8)}
+    fp8_backend(recipe.fp8.backend).check_shapes(recipe.fp8, shapes, train.batch_size * train.seq_len)
 
 
 def check_compile(recipe: Recipe, train: TrainSpec) -> None:
@@ -241,6 +251,7 @@ def build(
 
     check_layout(recipe, dims)
     model = build_model_meta(args)  # 1
+    check_fp8_shapes(recipe, model, train)
     # FP8 weight all-gather: some backends choose it at conversion (torchao's weight wrapper) and need a hook
     # after each optimizer step (step 6).
     fp8_gather = dims.fsdp and recipe.comm.weight_all_gather == "fp8"
@@ -268,6 +279,7 @@ def build(
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     fp8_backend(recipe.fp8.backend).register_hooks(model, optimizer, fp8_gather)  # 6
+    fp8_backend(recipe.fp8.backend).register_schedule(model, optimizer, recipe.fp8, train.steps)
     telemetry = build_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)
     after = [telemetry.after_step] if telemetry else []
