@@ -77,6 +77,44 @@ def _cell(v) -> str:
     return f"{e.mean:+.3%}{iv} **{v.verdict}**"
 
 
+def _mean_of(runs, name: str, suffix: str) -> float | None:
+    vals = [
+        v
+        for r in runs
+        if r.recipe == name and r.comparable
+        for k, v in r.metrics.items()
+        if k.startswith("mx/") and k.endswith(suffix) and math.isfinite(v)
+    ]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _telemetry_lines(ctx: StudyContext) -> list[str]:
+    """Block-scale telemetry of the last sampled step (``lowprec.measure.block_telemetry``), mean over linears and
+    seeds: the weight-gradient GEMM's SQNR with and without RHT, and the gradients' underflow."""
+    rows = []
+    for name in ctx.order:
+        rht, plain = _mean_of(ctx.runs, name, "/wgrad_sqnr_db_rht"), _mean_of(ctx.runs, name, "/wgrad_sqnr_db_plain")
+        under = _mean_of(ctx.runs, name, "/grad_output/elem_underflow")
+        sqnr = _mean_of(ctx.runs, name, "/output/sqnr_db")
+        if under is None:
+            continue
+
+        def f(x, fmt):
+            return "" if x is None else format(x, fmt)
+
+        rows.append(f"| `{name}` | {f(sqnr, '.1f')} | {f(plain, '.1f')} | {f(rht, '.1f')} | {f(under, '.2%')} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## Block-scale telemetry (last sampled step, mean over linears and seeds)",
+        "",
+        "| recipe | forward SQNR dB | wgrad SQNR dB, no RHT | wgrad SQNR dB, RHT | gradient elements to zero |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 @register("nvfp4")
 def nvfp4_study(ctx: StudyContext) -> Path:
     """Write ``nvfp4.md`` beside the report (module doc); returns its path."""
@@ -107,6 +145,7 @@ def nvfp4_study(ctx: StudyContext) -> Path:
             lines.append(f"| (reference) | `{name}` | | {_cell(vs_control.get(name))} | |")
     if not present:
         lines.append("| (no nvfp4_no_* recipe in this ablation) | | | | |")
+    lines += _telemetry_lines(ctx)
     lines += ["", "## What this scale cannot show", ""] + [f"- {c}" for c in CANNOT_SHOW] + [""]
     path = ctx.out / "nvfp4.md"
     path.write_text("\n".join(lines))

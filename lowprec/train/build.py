@@ -24,7 +24,9 @@ from lowprec.backends import fp8_backend
 from lowprec.convert import convert_fp8, convert_kernels, fp8_candidate_fqns
 from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
+from lowprec.float8.mx_linear import MXLinear
 from lowprec.kernels import KernelPolicy, resolve_kernels
+from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.measure.telemetry import FP8Telemetry
 from lowprec.model import ModelArgs, Transformer
 from lowprec.optim.builder import OptimHParams, build_optimizer
@@ -207,6 +209,14 @@ def build_telemetry(model: nn.Module, every: int):
     return FP8Telemetry(model, every)
 
 
+def build_block_telemetry(model: nn.Module, every: int):
+    """A ``BlockScaleTelemetry`` over the model's block-scaled linears, or ``None`` when there are none or
+    ``every`` <= 0."""
+    if every <= 0 or not any(isinstance(m, MXLinear) for m in model.modules()):
+        return None
+    return BlockScaleTelemetry(model, every)
+
+
 def materialize_sharded(model: nn.Module, args: ModelArgs, recipe: Recipe, device: torch.device, seed: int) -> None:
     """Step 4 for a sharded model: the same weights as one process with the same seed, whatever the layout.
 
@@ -281,8 +291,9 @@ def build(
     fp8_backend(recipe.fp8.backend).register_hooks(model, optimizer, fp8_gather)  # 6
     fp8_backend(recipe.fp8.backend).register_schedule(model, optimizer, recipe.fp8, train.steps)
     telemetry = build_telemetry(model, train.telemetry_every)
+    block_telemetry = build_block_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)
-    after = [telemetry.after_step] if telemetry else []
+    after = [t.after_step for t in (telemetry, block_telemetry) if t]
     if scaler.enabled:
         after.append(lambda step, built: built.loss_scaler.metrics())
     state_tel = build_state_telemetry(model, optimizer, recipe, train.telemetry_every)
@@ -304,7 +315,7 @@ def build(
         fp8_fqns=fp8_fqns,
         master_params=list(getattr(optimizer, "master_params", [])),
         loss_scaler=scaler,
-        before_step=[telemetry.before_step] if telemetry else [],
+        before_step=[t.before_step for t in (telemetry, block_telemetry) if t],
         after_step=after,
         dist=dctx,
         parallel=plan,

@@ -19,3 +19,4 @@ def test_nvfp4_quick_ablation_writes_the_stabiliser_table(run_dirs, tmp_path, ca
         assert re.fullmatch(r"[+-]\d+\.\d+% \[[+-]\d+\.\d+%, [+-]\d+\.\d+%\] \*\*[a-z-]+\*\*", cell), cell
     assert cells[4] == finding and "section 4.4" in finding
     assert "| (reference) | `nvfp4` |" in text and "## What this scale cannot show" in text
+    assert re.search(r"\| `nvfp4` \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d% \|", text)  # RHT telemetry
