@@ -105,3 +105,26 @@ def test_precision_switch_runs_the_high_precision_linear():
 )
 def test_each_ablation_variant_is_nvfp4_with_one_override(variant, field, value):
     assert CATALOG["nvfp4"].with_fields("fp8", **{field: value}).hash() == CATALOG[variant].hash()
+
+
+def test_precision_switch_at_a_fraction_of_the_run(token_data):
+    from lowprec.data import TokenBatches
+    from lowprec.model import model_args
+    from lowprec.optim.builder import OptimHParams
+    from lowprec.train.build import build
+    from lowprec.train.loop import run_training
+    from lowprec.train.spec import TrainSpec
+
+    recipe = CATALOG["nvfp4"].with_fields("fp8", precision_switch_at=0.5)
+    spec = TrainSpec(steps=4, batch_size=2, seq_len=64, warmup_steps=1, val_every=0, val_batches=1,
+                     timing_warmup_steps=1, telemetry_every=0, progress=False)  # fmt: skip
+    b = build(recipe, model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))
+    mx = [m for m in b.model.modules() if isinstance(m, MXLinear)]
+    assert mx and all(int(m.hp_after_step) == 2 and not m.high_precision for m in mx)
+
+    class Sink:
+        def log_metrics(self, m, step):
+            pass
+
+    run_training(b, TokenBatches(token_data.train, token_data.val, 64, 2, 0), spec, Sink())
+    assert all(int(m.steps_done) == 4 and m.high_precision for m in mx)
