@@ -48,8 +48,8 @@ PAPER: dict[str, tuple[str, str, str]] = {
 
 CANNOT_SHOW = [
     "Token horizon: the paper's divergences and loss gaps grow over 10T tokens (the 12B run needed BF16 layers to "
-    "stay stable, and switched to BF16 for the last 18% of tokens to close the remaining gap); these runs see a few "
-    "hundred thousand tokens, where round-to-nearest's bias has not accumulated and nothing diverges.",
+    "stay stable, and switched to BF16 for the last 18% of tokens to close the remaining gap); these runs see "
+    "{tokens} tokens each, where round-to-nearest's bias has not accumulated and nothing diverges.",
     "Outliers: RHT and 2-D scaling act on block outliers of large models' activations, gradients and weights; a "
     "model of a few million parameters trained for minutes has few, so their removal may show no effect here even "
     "when it matters at 12B.",
@@ -146,7 +146,9 @@ def nvfp4_study(ctx: StudyContext) -> Path:
     if not present:
         lines.append("| (no nvfp4_no_* recipe in this ablation) | | | | |")
     lines += _telemetry_lines(ctx)
-    lines += ["", "## What this scale cannot show", ""] + [f"- {c}" for c in CANNOT_SHOW] + [""]
+    tokens = max((r.tokens(ctx.table.steps - 1) for r in ctx.runs), default=0)
+    cannot = [c.format(tokens=f"{tokens:,}") for c in CANNOT_SHOW]
+    lines += ["", "## What this scale cannot show", ""] + [f"- {c}" for c in cannot] + [""]
     path = ctx.out / "nvfp4.md"
     path.write_text("\n".join(lines))
     return path
