@@ -8,20 +8,21 @@ Transformer Engine do).
 
 Stabilisers (arXiv 2509.25149, "Pretraining Large Language Models with NVFP4", section 4), each a recipe field:
 
-- ``rht_size`` (section 4.1): the wgrad GEMM's two operands are multiplied, along tokens, by one random Hadamard
+- ``rht_size`` (section 4.2): the wgrad GEMM's two operands are multiplied, along tokens, by one random Hadamard
   transform ``diag(signs) @ H_n`` (orthogonal, so the product is unchanged in exact arithmetic) to spread outliers
   across each block. ``signs`` is a fixed random +-1 vector per linear, drawn at build from the run's seed and
   kept in the state dict (``rht_signs``).
-- ``weight_scaling_2d`` (section 4.2): NVFP4 weights take one scale per 16x16 tile, so the dgrad GEMM uses
+- ``weight_scaling_2d`` (section 4.3): NVFP4 weights take one scale per 16x16 tile, so the dgrad GEMM uses
   exactly the quantized weight of the forward GEMM (its transpose), which 1x16 scaling along the other
   dimension would not.
-- ``grad_rounding='stochastic'`` (section 4.3): gradient operands (dgrad's and wgrad's ``grad_output``) are
+- ``grad_rounding='stochastic'`` (section 4.4): gradient operands (dgrad's and wgrad's ``grad_output``) are
   rounded stochastically; weights and activations round to nearest even. The random numbers come from torch's
   global generator, which the build seeds with the run's seed (so the run's seed reproduces them).
-- ``hp_last_blocks`` and ``precision_switch_at`` (sections 4.4 and 5): the first is linear selection
-  (``Float8Spec.selects_linear``); the second switches every block-scaled linear to a plain high-precision
-  ``F.linear`` (the compute dtype) once ``steps_done`` reaches ``hp_after_step`` (set by the ``mx`` backend from
-  ``train.steps``; both are buffers, so a resumed run switches at the same step).
+- ``hp_last_blocks`` (section 4.1) and ``precision_switch_at`` (the 12B run's switch to BF16 for its last
+  tokens): the first is linear selection (``Float8Spec.selects_linear``); the second switches every
+  block-scaled linear to a plain high-precision ``F.linear`` (the compute dtype) once ``steps_done`` reaches
+  ``hp_after_step`` (set by the ``mx`` backend from ``train.steps``; both are buffers, so a resumed run switches
+  at the same step).
 
 Kernels: ``fp8_kernel='native'`` runs one ``torch.nn.functional.scaled_mm`` block-scaled call on CUDA (sm100);
 on CPU there is no block-scaled kernel, so both settings run the exact emulation
