@@ -1,9 +1,11 @@
 """FP8 linear on this machine, side by side in one run.
 
 1. fwd+bwd time of lowprec's FP8 linear per scaling against torchao's ``Float8Linear`` (tensorwise and
-   rowwise), a BF16 linear and an FP32 linear; ratio lowprec/torchao for tensorwise (target <= 1.1).
+   rowwise), a BF16 linear and an FP32 linear; ratio lowprec/torchao for tensorwise (target <= 1.1); and
+   lowprec's block-scaled linear (``MXLinear``: ``mxfp8``, ``nvfp4`` with its stabilisers), emulated exactly.
 2. Quantization throughput (GB/s of high-precision input read) per granularity against a plain copy of
-   the same bytes.
+   the same bytes, block-scaled formats included (MXFP8 RCEIL and FLOOR, MXFP4, NVFP4 1x16 and 16x16, and NVFP4
+   with stochastic rounding; ``lowprec.numerics.microscaling``, exact CPU code) beside the per-tensor FP8 ones.
 3. Bytes saved for backward with and without FP8 activation caching, for one linear and for one training
    step of the `tiny` Llama under ``fp8_blockwise``.
 4. Telemetry cost: the `tiny` Llama's ``fp8_current`` step with telemetry on every step against off, and
@@ -26,7 +28,9 @@ import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8.mx_linear import MXConfig, MXLinear
 from lowprec.numerics.formats import E4M3
+from lowprec.numerics.microscaling import quantize_mx, quantize_nvfp4
 from lowprec.numerics.scaling import quantize_operand
 from lowprec.recipe import Float8Spec
 
@@ -99,6 +103,12 @@ def main() -> None:
         mod = Float8Linear.from_linear(copy.deepcopy(base), LinearFP8Config.from_spec(spec))
         mod.init_buffers()
         fns[f"lowprec {name}"] = fwd_bwd(mod, x, g, False)
+    for name in ("mxfp8", "nvfp4"):
+        from recipes import get_recipe
+
+        mod = MXLinear.from_linear(copy.deepcopy(base), MXConfig.from_spec(get_recipe(name).fp8))
+        mod.init_buffers(torch.Generator().manual_seed(0))
+        fns[f"lowprec mx {name}"] = fwd_bwd(mod, x, g, True)
     t = timeit(fns, a.reps)
     print("1. fwd+bwd time (median)")
     for k, v in t.items():
@@ -116,13 +126,21 @@ def main() -> None:
     q = {"plain copy (clone)": lambda: big.clone()}
     for gran in ("tensorwise", "rowwise", "tile1x128", "block128x128"):
         q[gran] = (lambda gg: lambda: quantize_operand(big, E4M3, gg))(gran)
+    q |= {
+        "mxfp8 rceil": lambda: quantize_mx(big, "e4m3", 32, "rceil"),
+        "mxfp8 floor": lambda: quantize_mx(big, "e4m3", 32, "floor"),
+        "mxfp4 rceil": lambda: quantize_mx(big, "e2m1", 32, "rceil"),
+        "nvfp4 1x16": lambda: quantize_nvfp4(big),
+        "nvfp4 16x16": lambda: quantize_nvfp4(big, two_d=True),
+        "nvfp4 1x16 SR": lambda: quantize_nvfp4(big, "stochastic"),
+    }
     tq = timeit(q, a.reps)
     nbytes = big.numel() * big.element_size()
-    print(f"\n2. quantization of a {tuple(big.shape)} fp32 tensor to e4m3 ({nbytes / 2**20:.0f} MiB read)")
+    print(f"\n2. quantization of a {tuple(big.shape)} fp32 tensor ({nbytes / 2**20:.0f} MiB read; e4m3 unless named)")
     for k, v in tq.items():
         print(
-            f"   {k:<20} {nbytes / v / 1e9:7.2f} GB/s   {v * 1e3:7.1f} ms   x{v / tq['plain copy (clone)']:.1f} of a "
-            "copy"
+            f"   {k:<20} {nbytes / v / 1e9:7.2f} GB/s   {v * 1e3:7.1f} ms   "
+            f"{tq['plain copy (clone)'] / v:5.3f} of a copy's throughput"
         )
 
     print("\n3. bytes saved for backward")

@@ -7,7 +7,8 @@ numbers. One command on an H100/H200 node:
 
 Defaults: ``llama3_8b`` with 8 or more GPUs (torchtitan's benchmark: FSDP2 over 8 GPUs, local batch 1, seq 8192),
 ``llama3_1b`` below that (one GPU: no sharding); recipes ``bf16`` plus every catalog recipe with FP8 GEMMs (those
-with FP8 communication only with 2+ GPUs; ``te_*`` only with Transformer Engine installed). Each recipe is one
+with FP8 communication only with 2+ GPUs; ``te_*`` only with Transformer Engine installed; block-scaled recipes,
+``mxfp8``/``nvfp4``/``te_mxfp8``/``te_nvfp4``..., only on Blackwell sm100). Each recipe is one
 ``lowprec train`` run (``python -m experiments train ... device=cuda train.compile=true train.ac=selective
 parallel.dp_shard=<GPUs>``; the command line starts torchrun itself for more than one GPU) on the stdlib corpus,
 tracked in a fresh MLflow store under ``runs/gpu_suite/<time>/``, one log per run beside it.
@@ -103,6 +104,10 @@ def default_recipes(ngpu: int) -> list[str]:
 def skip_reason(name: str, ngpu: int) -> str | None:
     if get_recipe(name).fp8.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         return "Transformer Engine is not installed (pip install -e '.[te]')"
+    if get_recipe(name).fp8.scaling in ("mxfp8", "mxfp4", "nvfp4"):
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+        if cap < (10, 0):
+            return f"block-scaled GEMMs (MXFP8/MXFP4/NVFP4) need Blackwell sm100; this GPU is sm{cap[0]}{cap[1]}"
     if ngpu == 1 and needs_fsdp(name):
         return "FP8 communication needs FSDP2 (2+ GPUs)"
     return None

@@ -30,7 +30,14 @@ from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
-from lowprec.train.build import build_model_meta, check_compile, check_fp8_fallback, check_runtime, resolve_device
+from lowprec.train.build import (
+    build_model_meta,
+    check_compile,
+    check_fp8_fallback,
+    check_fp8_shapes,
+    check_runtime,
+    resolve_device,
+)
 from lowprec.train.checkpoint import check_resume_recipe, read_trainer_state
 from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.data_position import resumed_position
@@ -81,6 +88,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         check_fp8_fallback(r, spec)
         check_compile(r, spec)
         require_fp8_selection(meta, r.fp8)
+        check_fp8_shapes(r, meta, spec)
         check_layout(r, dims)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     nan_target(cfg.faults.nan_into)

@@ -30,6 +30,8 @@ from lowprec.backends.registry import refuse_inert
 from lowprec.errors import RecipeError
 
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
+#: Float8Spec fields of block-scaled (microscaling) backends; others refuse them when set.
+BLOCK_FIELDS = ("mx_scale_mode", "rht_size", "weight_scaling_2d", "grad_rounding", "precision_switch_at")
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -123,6 +125,17 @@ class Float8Spec:
     Which linears: all ``nn.Linear`` except those matching ``keep_hp_fqns`` (a pattern matches an FQN
     equal to it or ending with ``.<pattern>``), the first ``hp_first_blocks`` and last ``hp_last_blocks``
     transformer blocks, and linears with ``min(in, out) < min_features``.
+
+    Block-scaled (microscaling) backends (``mx``: lowprec's own, ``te``'s ``mxfp8``/``nvfp4``) take ``scaling``
+    ``mxfp8`` (E4M3 elements, 32-element blocks, E8M0 scales; ``fp8_format=hybrid`` puts gradients in E5M2),
+    ``mxfp4`` (E2M1, 32-element blocks, E8M0) or ``nvfp4`` (E2M1, 16-element blocks, E4M3 block scales and an FP32
+    tensor scale), and these fields (refused by backends that do not implement them): ``mx_scale_mode``
+    (``rceil``: torchao's default, no element saturates; ``floor``: OCP MX v1.0 section 6.3), and NVIDIA's NVFP4
+    stabilisers (arXiv 2509.25149 section 4): ``rht_size`` (random Hadamard transform of that power-of-2 size on
+    the weight-gradient GEMM's inputs; 0 = off), ``weight_scaling_2d`` (16x16 weight scale tiles),
+    ``grad_rounding`` (``stochastic`` rounding of gradient operands) and ``precision_switch_at`` (fraction of
+    ``train.steps`` after which the block-scaled linears run in the compute dtype; null = never), with
+    ``hp_last_blocks`` for the BF16 tail blocks.
     """
 
     backend: str = "none"
@@ -142,6 +155,11 @@ class Float8Spec:
     hp_first_blocks: int = 0
     hp_last_blocks: int = 0
     min_features: int = 0
+    mx_scale_mode: str = "rceil"
+    rht_size: int = 0
+    weight_scaling_2d: bool = False
+    grad_rounding: str = "nearest"
+    precision_switch_at: float | None = None
 
     def __post_init__(self) -> None:
         # Hydra hands lists; freeze them so the recipe stays hashable.
@@ -171,9 +189,22 @@ class Float8Spec:
         for name in ("hp_first_blocks", "hp_last_blocks", "min_features"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"recipe.fp8.{name}={getattr(self, name)} must be >= 0")
+        _check_choice("fp8", "mx_scale_mode", self.mx_scale_mode, ("rceil", "floor"))
+        _check_choice("fp8", "grad_rounding", self.grad_rounding, ("nearest", "stochastic"))
+        if self.rht_size < 0 or self.rht_size & (self.rht_size - 1) or self.rht_size == 1:
+            raise RecipeError(
+                f"recipe.fp8.rht_size={self.rht_size} must be 0 (off) or a power of 2 >= 2: the random Hadamard "
+                "transform uses a Sylvester Hadamard matrix, which exists for powers of 2 only"
+            )
+        if self.precision_switch_at is not None and not 0 < self.precision_switch_at < 1:
+            raise RecipeError(
+                f"recipe.fp8.precision_switch_at={self.precision_switch_at} must be a fraction of train.steps in "
+                "(0, 1), or null"
+            )
         backend = fp8_backend(self.backend)  # RecipeError listing the registered backends
         if not backend.enabled:
             backend.validate(self)  # ``none`` refuses FP8 fields that would be inert
+            self._refuse_block_fields(backend)
             return
         if self.strategy != "delayed":
             refuse_inert(
@@ -190,6 +221,12 @@ class Float8Spec:
                 "delayed and static scaling keep one scale per tensor; use scaling=tensorwise"
             )
         backend.validate(self)
+        self._refuse_block_fields(backend)
+
+    def _refuse_block_fields(self, backend) -> None:
+        # after the backend's own check, so e.g. nvfp4 on torchao names the missing training path first
+        unimplemented = tuple(f for f in BLOCK_FIELDS if f not in backend.block_fields)
+        refuse_inert(self, "fp8", unimplemented, f"backend={self.backend!r} (a block-scaling field)")
 
     @property
     def enabled(self) -> bool:
@@ -224,10 +261,22 @@ class Float8Spec:
             s += f"/delayed{self.amax_history_len}-{self.amax_compute_algo}-m{self.margin}"
         elif self.strategy == "static":
             s += "/static"
-        if fp8_backend(self.backend).format_in_name:
+        if fp8_backend(self.backend).format_in_name and self.scaling not in ("mxfp4", "nvfp4"):  # E2M1 only
             s += f"/{self.fp8_format}"
         if self.cache_fp8_activations:
             s += "+fp8cache"
+        if self.mx_scale_mode != "rceil":
+            s += f"/{self.mx_scale_mode}"
+        if self.rht_size:
+            s += f"+rht{self.rht_size}"
+        if self.weight_scaling_2d:
+            s += "+w2d"
+        if self.grad_rounding == "stochastic":
+            s += "+sr"
+        if self.precision_switch_at is not None:
+            s += f"+hp@{self.precision_switch_at:g}"
+        if self.hp_last_blocks:
+            s += f"+hplast{self.hp_last_blocks}"
         return s
 
 

@@ -238,6 +238,102 @@ def deepseek_v3_comm8() -> Recipe:
     )
 
 
+def mxfp8() -> Recipe:
+    return replace(
+        bf16(),
+        name="mxfp8",
+        description=(
+            "bf16 + MXFP8 for all three GEMMs of the blocks' linears (OCP MX: e4m3 elements, 32-element blocks along "
+            "K, E8M0 scales, torchao's RCEIL rounding) on lowprec's block-scaled linear (backend=mx; exact emulation "
+            "on CPU). Linears narrower than one block stay BF16."
+        ),
+        fp8=Float8Spec(backend="mx", scaling="mxfp8", fp8_format="e4m3", min_features=32),
+    )
+
+
+def mxfp4() -> Recipe:
+    return replace(
+        bf16(),
+        name="mxfp4",
+        description=(
+            "bf16 + MXFP4 (E2M1, 32-element blocks, E8M0 scales) for all three GEMMs, no stabilisers: the negative "
+            "control NVFP4 is measured against (arXiv 2509.25149 section 5)."
+        ),
+        fp8=Float8Spec(backend="mx", scaling="mxfp4", min_features=32),
+    )
+
+
+def nvfp4() -> Recipe:
+    return replace(
+        bf16(),
+        name="nvfp4",
+        description=(
+            "NVIDIA's NVFP4 training recipe (arXiv 2509.25149 section 4): E2M1 in 16-element blocks with E4M3 block "
+            "scales and an FP32 tensor scale for the blocks' linears; the last block in BF16 (4.1), a 16x16 random "
+            "Hadamard transform on the weight-gradient GEMM inputs (4.2), 16x16 weight scale tiles (4.3), "
+            "stochastic rounding of gradients (4.4)."
+        ),
+        fp8=Float8Spec(
+            backend="mx",
+            scaling="nvfp4",
+            rht_size=16,
+            weight_scaling_2d=True,
+            grad_rounding="stochastic",
+            hp_last_blocks=1,
+        ),
+    )
+
+
+def _nvfp4_without(name: str, what: str, **fields) -> Recipe:
+    r = nvfp4()
+    return replace(r, name=name, description=f"nvfp4 without {what}.", fp8=replace(r.fp8, **fields))
+
+
+def nvfp4_no_rht() -> Recipe:
+    return _nvfp4_without("nvfp4_no_rht", "the random Hadamard transform on the weight-gradient GEMM", rht_size=0)
+
+
+def nvfp4_no_2d() -> Recipe:
+    return _nvfp4_without(
+        "nvfp4_no_2d", "2-D weight scaling (1x16 blocks along each GEMM's K)", weight_scaling_2d=False
+    )
+
+
+def nvfp4_no_sr() -> Recipe:
+    return _nvfp4_without(
+        "nvfp4_no_sr", "stochastic rounding (gradients round to nearest even)", grad_rounding="nearest"
+    )
+
+
+def nvfp4_no_hp() -> Recipe:
+    return _nvfp4_without("nvfp4_no_hp", "the BF16 last block (every block's linears in NVFP4)", hp_last_blocks=0)
+
+
+def te_mxfp8() -> Recipe:
+    return replace(
+        mxfp8(),
+        name="te_mxfp8",
+        description="Transformer Engine MXFP8BlockScaling (e4m3, 32-element blocks, E8M0; GPU sm100 only).",
+        fp8=Float8Spec(backend="te", scaling="mxfp8", fp8_format="e4m3", min_features=32),
+    )
+
+
+def te_nvfp4() -> Recipe:
+    return replace(
+        nvfp4(),
+        name="te_nvfp4",
+        description="Transformer Engine NVFP4BlockScaling with its RHT, 2-D weight and SR stabilisers (sm100 only).",
+        fp8=Float8Spec(
+            backend="te",
+            scaling="nvfp4",
+            rht_size=16,
+            weight_scaling_2d=True,
+            grad_rounding="stochastic",
+            hp_last_blocks=1,
+        ),
+    )
+
+
 _BUILDERS: list[Callable[[], Recipe]] = [
     fp32,
     bf16,
@@ -262,6 +358,15 @@ _BUILDERS: list[Callable[[], Recipe]] = [
     fp8_tensorwise_fsdp8,
     fp8_comm8,
     deepseek_v3_comm8,
+    mxfp8,
+    mxfp4,
+    nvfp4,
+    nvfp4_no_rht,
+    nvfp4_no_2d,
+    nvfp4_no_sr,
+    nvfp4_no_hp,
+    te_mxfp8,
+    te_nvfp4,
 ]
 
 #: name -> Recipe, in catalog order.

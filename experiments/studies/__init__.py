@@ -67,3 +67,6 @@ def check_studies(names: list[str]) -> list[str]:
 def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:
     """Each study of ``names`` on ``ctx``, in order; the markdown paths written."""
     return [STUDIES[n](ctx) for n in check_studies(names)]
+
+
+from experiments.studies import nvfp4  # noqa: E402,F401

@@ -11,11 +11,34 @@ from lowprec.float8.te import require_te, te_context, te_linear_from
 
 class TransformerEngineFloat8(Float8Backend):
     name = "te"
-    scalings = ("tensorwise", "blockwise")
+    scalings = ("tensorwise", "blockwise", "mxfp8", "nvfp4")
     module_class = "transformer_engine.pytorch.module.linear.Linear"
+    #: NVFP4BlockScaling's switches (``disable_rht``, ``disable_2d_quantization``, ``disable_stochastic_rounding``)
+    block_fields = ("rht_size", "weight_scaling_2d", "grad_rounding")
+
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        if spec.scaling != "nvfp4":
+            from lowprec.backends.registry import refuse_inert
+
+            refuse_inert(spec, "fp8", self.block_fields, f"scaling={spec.scaling!r} with backend='te'")
+        elif spec.rht_size not in (0, 16):
+            raise RecipeError(
+                f"recipe.fp8.rht_size={spec.rht_size} conflicts with recipe.fp8.backend='te': Transformer Engine's "
+                "NVFP4 random Hadamard transform is 16x16 (rht_size=16) or off (0)"
+            )
 
     def check_runtime(self, spec, device) -> None:
         require_te()
+        if spec.scaling in ("mxfp8", "nvfp4"):
+            import torch
+
+            cap = torch.cuda.get_device_capability()
+            if cap[0] < 10:
+                raise RecipeError(
+                    f"recipe.fp8.scaling={spec.scaling!r} with backend='te' needs Blackwell (sm100) block-scaled "
+                    f"tensor cores; this GPU is SM{cap[0]}{cap[1]} (backend=mx emulates it on CPU)"
+                )
 
     def compile_blocker(self, spec, telemetry_every) -> str | None:
         return "Transformer Engine's te.Linear runs its own kernels outside torch.compile (use train.compile=false)"

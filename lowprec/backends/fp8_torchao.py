@@ -31,6 +31,8 @@ class TorchaoFloat8(Float8Backend):
     format_in_name = False
 
     def validate(self, spec) -> None:
+        if spec.scaling in ("nvfp4", "mxfp4", "mxfp8"):
+            raise RecipeError(_no_block_scaled_training(spec.scaling))
         super().validate(spec)
         if spec.strategy != "current":
             raise RecipeError(
@@ -115,6 +117,28 @@ class TorchaoFloat8(Float8Backend):
     def saved_input(self, spec, rows, in_features, device_type) -> tuple[str, int]:
         # torchao's Float8Linear follows CUDA autocast only; on CPU it computes from the uncast input.
         return ("cast", 0) if device_type == "cuda" else ("raw", 0)
+
+
+def _no_block_scaled_training(scaling: str) -> str:
+    """Why ``backend=torchao`` cannot train ``scaling`` here: the installed torchao's NVFP4 and MXFP4 configs are
+    inference-only (``NVFP4DynamicActivationNVFP4WeightConfig``, ``MXDynamicActivationMXWeightConfig``); its MXFP8
+    training (``torchao.prototype.moe_training.MXFP8TrainingOpConfig``) is not wired into lowprec yet."""
+    try:
+        import torchao
+
+        version = torchao.__version__
+    except ImportError:
+        version = "not installed"
+    if scaling == "mxfp8":
+        return (
+            f"recipe.fp8.scaling='mxfp8' with backend='torchao' is not wired in lowprec (torchao {version}'s "
+            "MXFP8TrainingOpConfig); use backend=mx (recipe=mxfp8), lowprec's exact MXFP8 linear"
+        )
+    return (
+        f"recipe.fp8.scaling={scaling!r} conflicts with recipe.fp8.backend='torchao': the installed torchao "
+        f"({version}) has no {scaling.upper()} training path (its {scaling.upper()} configs are inference-only); "
+        f"use backend=mx (recipe={scaling}) or backend=te on a Blackwell GPU"
+    )
 
 
 def _check_even(model, dp_shard: int) -> None:

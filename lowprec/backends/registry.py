@@ -54,7 +54,8 @@ class Float8Backend(ABC):
     Attributes: ``name`` (the value of ``recipe.fp8.backend``), ``scalings`` (the ``recipe.fp8.scaling``
     values it implements), ``enabled`` (False only for ``none``), ``module_class`` (qualified class name
     of its FP8 linear, which the effective-recipe check counts), ``format_in_name`` (whether
-    ``fp8_format`` is a free choice and belongs in ``short_str``).
+    ``fp8_format`` is a free choice and belongs in ``short_str``), ``block_fields`` (the block-scaling fields of
+    ``Float8Spec`` it implements: ``mx_scale_mode``, ``rht_size``, ...; the recipe refuses them elsewhere).
     """
 
     name: str = ""
@@ -62,6 +63,7 @@ class Float8Backend(ABC):
     enabled: bool = True
     module_class: str = ""
     format_in_name: bool = True
+    block_fields: tuple[str, ...] = ()
 
     # ---- recipe -------------------------------------------------------------------------------------
     def validate(self, spec: Float8Spec) -> None:
@@ -79,6 +81,11 @@ class Float8Backend(ABC):
     # ---- build ----------------------------------------------------------------------------------------
     def check_runtime(self, spec: Float8Spec, device: torch.device) -> None:
         """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked."""
+
+    def check_shapes(self, spec: Float8Spec, shapes: dict[str, tuple[int, int]], tokens: int) -> None:
+        """Refuse (``RecipeError``) GEMM shapes the backend cannot take: ``shapes`` maps each selected linear's FQN to
+        ``(in_features, out_features)``, ``tokens`` is a step's batch_size x seq_len (e.g. block-scaled GEMMs whose
+        contraction dims the blocks must divide)."""
 
     def compile_blocker(self, spec: Float8Spec, telemetry_every: int) -> str | None:
         """Why this backend's linears cannot run inside a ``torch.compile``d block (``train.compile``) with
@@ -111,6 +118,11 @@ class Float8Backend(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, fp8_weight_all_gather: bool
     ) -> list[str]:
         """Install post-optimizer-step hooks (build step 6); returns a description of each."""
+        return []
+
+    def register_schedule(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: Float8Spec, total_steps: int):
+        """Install what depends on the run's length (``total_steps`` optimizer steps), e.g. a switch to high
+        precision for the last part of training; returns a description of each."""
         return []
 
     # ---- sharding -------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ class Float8Linear(nn.Linear):
             new.bias = mod.bias
         return new
 
-    def init_buffers(self) -> None:
-        """Reset FP8 scaling state (called after ``to_empty`` at build)."""
+    def init_buffers(self, generator: torch.Generator | None = None) -> None:
+        """Reset FP8 scaling state (called after ``to_empty`` at build; draws nothing from ``generator``)."""
         for s in self.scalers.values():
             s.reset()
 

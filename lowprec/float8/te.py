@@ -1,7 +1,8 @@
 """Transformer Engine adapter (GPU only, imported lazily).
 
 ``te.Linear`` replaces the selected linears; the forward runs under ``te.fp8_autocast`` with the recipe's
-``DelayedScaling`` / ``Float8CurrentScaling`` / ``Float8BlockScaling``
+``DelayedScaling`` / ``Float8CurrentScaling`` / ``Float8BlockScaling`` / ``MXFP8BlockScaling`` /
+``NVFP4BlockScaling``
 (``transformer_engine/common/recipe/__init__.py``). On a machine without CUDA or without the ``te`` extra
 every entry point raises ``RecipeError`` before training; there is no fallback to another backend.
 """
@@ -37,6 +38,16 @@ def te_fp8_recipe(spec):
     from transformer_engine.common import recipe as te_recipe
 
     fmt = te_recipe.Format.HYBRID if spec.fp8_format == "hybrid" else te_recipe.Format.E4M3
+    if spec.scaling == "mxfp8":
+        return te_recipe.MXFP8BlockScaling(fp8_format=fmt)
+    if spec.scaling == "nvfp4":
+        # NVFP4BlockScaling (TE 2.8+): RHT on the wgrad inputs, 2-D weight scaling and SR of gradients are on by
+        # default; each lowprec stabiliser field maps to one of its switches.
+        return te_recipe.NVFP4BlockScaling(
+            disable_rht=spec.rht_size == 0,
+            disable_2d_quantization=not spec.weight_scaling_2d,
+            disable_stochastic_rounding=spec.grad_rounding != "stochastic",
+        )
     if spec.scaling == "blockwise":
         return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     if spec.strategy == "delayed":

@@ -21,10 +21,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from lowprec.backends import fp8_backend
-from lowprec.convert import convert_fp8, convert_kernels
+from lowprec.convert import convert_fp8, convert_kernels, fp8_candidate_fqns
 from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
+from lowprec.float8.mx_linear import MXLinear
 from lowprec.kernels import KernelPolicy, resolve_kernels
+from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.measure.telemetry import FP8Telemetry
 from lowprec.model import ModelArgs, Transformer, build_model
 from lowprec.optim.builder import OptimHParams, build_optimizer
@@ -103,8 +105,9 @@ def build_model_meta(args: ModelArgs) -> Transformer:
 def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """Allocate on ``device`` and initialise with a generator seeded by ``seed`` (same seed, same weights).
 
-    Modules with state buffers (FP8 amax histories) define ``init_buffers()``, called here because
-    ``to_empty`` leaves buffers uninitialised.
+    Modules with state buffers (FP8 amax histories, RHT sign vectors) define ``init_buffers(generator)``, called
+    here with the seeded generator (after the weights drew from it) because ``to_empty`` leaves buffers
+    uninitialised.
     """
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -112,13 +115,22 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
         model.init_weights(generator=gen)
         for m in model.modules():
             if hasattr(m, "init_buffers"):
-                m.init_buffers()
+                m.init_buffers(gen)
 
 
 def check_runtime(recipe: Recipe, device: torch.device) -> None:
     """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback):
     the FP8 backend's own check (``Float8Backend.check_runtime``). Raises ``RecipeError``."""
     fp8_backend(recipe.fp8.backend).check_runtime(recipe.fp8, device)
+
+
+def check_fp8_shapes(recipe: Recipe, model: nn.Module, train: TrainSpec) -> None:
+    """Refuse, before anything is built, GEMM shapes the FP8 backend cannot take (``Float8Backend.check_shapes``:
+    e.g. block sizes that do not divide a selected linear's features or a step's tokens). ``model`` may be on
+    the meta device. Raises ``RecipeError``."""
+    modules = dict(model.named_modules())
+    shapes = {f: (modules[f].in_features, modules[f].out_features) for f in fp8_candidate_fqns(model, recipe.fp8)}
+    fp8_backend(recipe.fp8.backend).check_shapes(recipe.fp8, shapes, train.batch_size * train.seq_len)
 
 
 def check_compile(recipe: Recipe, train: TrainSpec) -> None:
@@ -202,6 +214,14 @@ def build_telemetry(model: nn.Module, every: int):
     return FP8Telemetry(model, every)
 
 
+def build_block_telemetry(model: nn.Module, every: int):
+    """A ``BlockScaleTelemetry`` over the model's block-scaled linears, or ``None`` when there are none or
+    ``every`` <= 0."""
+    if every <= 0 or not any(isinstance(m, MXLinear) for m in model.modules()):
+        return None
+    return BlockScaleTelemetry(model, every)
+
+
 def materialize_sharded(model: nn.Module, args: ModelArgs, recipe: Recipe, device: torch.device, seed: int) -> None:
     """Step 4 for a sharded model: the same weights as one process with the same seed, whatever the layout.
 
@@ -247,6 +267,7 @@ def build(
 
     check_layout(recipe, dims)
     model = build_model_meta(args)  # 1
+    check_fp8_shapes(recipe, model, train)
     # FP8 weight all-gather: some backends choose it at conversion (torchao's weight wrapper) and need a hook
     # after each optimizer step (step 6).
     fp8_gather = dims.fsdp and recipe.comm.weight_all_gather == "fp8"
@@ -274,9 +295,11 @@ def build(
     optimizer = build_optimizer(model, recipe, hp)  # 5
     scheduler = build_scheduler(optimizer, train.warmup_steps, train.steps, train.min_lr_ratio)
     fp8_backend(recipe.fp8.backend).register_hooks(model, optimizer, fp8_gather)  # 6
+    fp8_backend(recipe.fp8.backend).register_schedule(model, optimizer, recipe.fp8, train.steps)
     telemetry = build_telemetry(model, train.telemetry_every)
+    block_telemetry = build_block_telemetry(model, train.telemetry_every)
     scaler = build_loss_scaler(recipe)
-    after = [telemetry.after_step] if telemetry else []
+    after = [t.after_step for t in (telemetry, block_telemetry) if t]
     if scaler.enabled:
         after.append(lambda step, built: built.loss_scaler.metrics())
     state_tel = build_state_telemetry(model, optimizer, recipe, train.telemetry_every)
@@ -284,7 +307,7 @@ def build(
         after.append(state_tel.after_step)
     if recipe.compute.autocast_dtype == "fp16" and train.telemetry_every > 0:
         after.append(underflow_probe(model, train.telemetry_every))
-    before = [telemetry.before_step] if telemetry else []
+    before = [t.before_step for t in (telemetry, block_telemetry) if t]
     balance = ExpertBalance.of(model, train.telemetry_every)
     if balance is not None:  # MoE: the load-balancing bias update and the expert-load metrics
         before.append(balance.before_step)

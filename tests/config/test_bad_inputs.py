@@ -143,6 +143,21 @@ BAD = [
     ),
     (["train", "model=moe_debug", "parallel.tp=2"], "parallel.tp=2 is not supported for MoE models"),
     (["train", "model=moe_debug", "train.compile=true"], "train.compile=true is not supported for MoE models"),
+    # block-scaled recipes (issue 18): lowprec refuses, never pads, a block that does not divide a contraction dim
+    (
+        ["train", "recipe=mxfp8", "recipe.fp8.min_features=0"],
+        "multiples of its 32-element blocks (lowprec refuses rather than pads); layers.0.attention.wk is 32->16",
+    ),
+    (
+        ["train", "recipe=nvfp4", "train.batch_size=1", "train.seq_len=40"],
+        "train.batch_size x train.seq_len = 40 must be a multiple of 16",
+    ),
+    (["train", "recipe=nvfp4", "recipe.fp8.backend=torchao"], "has no NVFP4 training path"),
+    (["train", "recipe=nvfp4", "recipe.fp8.rht_size=12"], "recipe.fp8.rht_size=12 must be 0 (off) or a power of 2"),
+    (["train", "recipe=te_nvfp4"], "recipe.fp8.backend='te' needs a CUDA GPU"),
+    (["train", "recipe=te_mxfp8"], "recipe.fp8.backend='te' needs a CUDA GPU"),
+    (["train", "recipe=bf16", "recipe.fp8.rht_size=16"], "recipe.fp8.rht_size=16 has no effect with"),
+    (["train", "recipe=mxfp8", "recipe.fp8.weight_scaling_2d=true"], "weight_scaling_2d=true needs"),
 ]
 
 

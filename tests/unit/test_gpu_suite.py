@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.cli import compose
 from lowprec.estimate.estimator import flops_per_token
@@ -46,6 +47,8 @@ def test_layout_defaults(suite):
     assert "fp8_comm8" not in one and {"fp8_comm8", "fp8_tensorwise_fsdp8"} <= set(eight)
     assert all(get_recipe(n).fp8.enabled for n in eight[1:])
     assert suite.skip_reason("fp8_comm8", 1) == "FP8 communication needs FSDP2 (2+ GPUs)"
+    if not torch.cuda.is_available():
+        assert suite.skip_reason("nvfp4", 1).startswith("block-scaled GEMMs (MXFP8/MXFP4/NVFP4) need Blackwell sm100")
 
 
 def test_overrides_compose_to_compile_selective_ac_fsdp2(suite, tmp_path):
