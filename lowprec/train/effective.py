@@ -116,6 +116,7 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
     opt = built.optimizer
     routers = _router_fqns(built.model)
     router_out = Counter(v for k, v in linear_output_dtypes.items() if k in routers)
+    idle = idle_expert_linears(built.model, linear_output_dtypes) if routers else []
     linear_output_dtypes = {k: v for k, v in linear_output_dtypes.items() if k not in routers}
     return {
         "param_dtype": dict(_count(params, lambda p: _dt(p.dtype))),
@@ -129,8 +130,19 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
         "kernels": _observed_kernels(built.model),
         "blocks": _observed_blocks(built.model),
         **({"comm": _observed_comm(built)} if built.parallel is not None else {}),
-        **({"router_dtype": dict(router_out)} if routers else {}),
+        **({"router_dtype": dict(router_out), "moe_idle_expert_linears": len(idle)} if routers else {}),
     }
+
+
+def idle_expert_linears(model: nn.Module, linear_output_dtypes: dict[str, str]) -> list[str]:
+    """FQNs of the routed experts' linears (``*.moe.experts.E.*``) that did not run in the recorded step: no token
+    was routed to their expert. Their output dtype cannot be observed; the effective recipe reports their number
+    (``moe_idle_expert_linears``) and the linear-output check covers the linears that ran."""
+    return [
+        fqn
+        for fqn, m in model.named_modules()
+        if _is_linear(m) and ".moe.experts." in fqn and fqn not in linear_output_dtypes
+    ]
 
 
 def _router_fqns(model: nn.Module) -> set[str]:
@@ -194,8 +206,10 @@ def _all_fp32(params) -> bool:
     return all(p.dtype == torch.float32 for p in params)
 
 
-def expected_effective(built: Built) -> dict:
-    """The summary ``inspect_effective`` must return if the recipe ran exactly as requested."""
+def expected_effective(built: Built, idle_linears: int = 0) -> dict:
+    """The summary ``inspect_effective`` must return if the recipe ran exactly as requested. ``idle_linears``: the
+    MoE expert linears that received no token in the inspected step (``idle_expert_linears``), left out of the
+    expected linear-output count."""
     r = built.recipe
     params = [p for p in built.model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
@@ -212,7 +226,7 @@ def expected_effective(built: Built) -> dict:
     return {
         "param_dtype": {_dt(r.param_dtype): n},
         "grad_dtype": {_dt(r.param_dtype): n},
-        "linear_output_dtype": {_dt(r.compute_dtype): n_linears},
+        "linear_output_dtype": {_dt(r.compute_dtype): n_linears - idle_linears},
         "fp8_linears": {fp8_backend(r.fp8.backend).module_class: len(fp8)} if fp8 else {},
         "linears": n_linears,
         "moment_dtype": dict(moments),

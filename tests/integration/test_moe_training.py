@@ -105,3 +105,17 @@ def test_a_resumed_moe_run_continues_bit_identically(token_data, tmp_path):
     full, bias = run(checkpoint_dir=tmp_path)
     resumed, bias_resumed = run(resume_from=tmp_path / "step_3")
     assert resumed == full[3:] and torch.equal(bias, bias_resumed) and bias.abs().sum() > 0
+
+
+def test_an_expert_without_tokens_in_the_first_step_is_reported_not_refused(token_data):
+    """Expert 7's bias keeps every token away from it in the first step: its three linears never run, so their
+    output dtype cannot be seen; the effective recipe counts them and checks the linears that ran."""
+    spec = SPEC
+    built = build(CATALOG["fp8_current"], model_args("moe_debug"), spec, OptimHParams(), 0, torch.device("cpu"))
+    for m in built.model.moe_layers().values():
+        m.router.expert_bias[7] = -100.0
+    batches = TokenBatches(token_data.train, token_data.val, spec.seq_len, spec.batch_size, 0)
+    res = run_training(built, batches, spec, _Rows())
+    assert res.effective_checked
+    assert res.effective["moe_idle_expert_linears"] == 2 * 3
+    assert res.effective["linear_output_dtype"] == {"bfloat16": 2 * (4 + 8 * 3 + 3) + 1 - 6}
