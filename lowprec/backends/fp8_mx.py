@@ -83,17 +83,9 @@ class LowprecMX(Float8Backend):
             )
 
     def check_shapes(self, spec, shapes, tokens) -> None:
+        # Any number of tokens: MXLinear zero-pads the weight-gradient GEMM's token dimension to the block.
         for fqn, (fin, fout) in shapes.items():
             self.check_features(spec, fqn, fin, fout)
-        block = 16 if spec.scaling == "nvfp4" else 32
-        need = max(block, spec.rht_size)
-        if tokens % need:
-            raise RecipeError(
-                f"recipe.fp8.scaling={spec.scaling!r} contracts the weight-gradient GEMM over the step's tokens, so "
-                f"train.batch_size x train.seq_len = {tokens} must be a multiple of {need} (the {block}-element "
-                + (f"blocks and the {spec.rht_size}-point RHT" if spec.rht_size else "blocks")
-                + "); lowprec refuses rather than pads"
-            )
 
     def compile_blocker(self, spec, telemetry_every) -> str | None:
         return "the block-scaled linear (backend=mx) quantizes with data-dependent indexing; use train.compile=false"

@@ -83,9 +83,9 @@ class MXConfig:
 class MXLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run block-scaled as ``config`` says (module doc).
 
-    Shapes: input (..., in_features) -> (..., out_features); in_features, out_features and the number of tokens
-    per step must be multiples of the block size (32 for MX, 16 for NVFP4) and of ``rht_size`` (the ``mx``
-    backend refuses the features before training; tokens raise ``ValueError`` at the first step). Buffers:
+    Shapes: input (..., in_features) -> (..., out_features); in_features and out_features must be multiples of the
+    block size (32 for MX, 16 for NVFP4) and of ``rht_size`` (the ``mx`` backend refuses others before training);
+    any number of tokens: the weight-gradient GEMM zero-pads them to the block. Buffers:
     ``rht_signs`` (rht_size,) float32, ``steps_done`` and ``hp_after_step`` (int64, -1 = never).
     """
 
@@ -161,6 +161,13 @@ class MXLinear(nn.Linear):
         )
 
 
+def _pad_tokens(t: torch.Tensor, cfg: MXConfig) -> torch.Tensor:
+    """``t`` (features, tokens) with zero token columns appended up to a multiple of the block and ``rht_size``."""
+    need = max(cfg.block, cfg.rht_size)
+    short = -t.shape[1] % need
+    return F.pad(t, (0, short)) if short else t
+
+
 class _MXMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: MXLinear) -> torch.Tensor:
@@ -186,8 +193,10 @@ class _MXMatmul(torch.autograd.Function):
             qdy = mod.quantize("grad_output", dy, cfg.grad_rounding)
             qwt = mod.quantize("weight", weight).t() if cfg.weight_scaling_2d else mod.quantize("weight", weight.t())
             grad_input = mod.gemm(qdy, qwt, ctx.x_dtype)
-            # wgrad: contraction over tokens, optionally through the random Hadamard transform.
-            dyt, xt = dy.t(), x.t()
+            # wgrad: contraction over tokens, optionally through the random Hadamard transform. Tokens are
+            # zero-padded to the block (and RHT) size: a MoE expert receives any number of tokens, and zero tokens
+            # add nothing to grad_output.T @ input (grouped MoE kernels pad each expert's tokens the same way).
+            dyt, xt = _pad_tokens(dy.t(), cfg), _pad_tokens(x.t(), cfg)
             if cfg.rht_size:
                 r = mod.rht()
                 dyt_r, xt_r = apply_rht(dyt, r), apply_rht(xt, r)

@@ -183,7 +183,8 @@ class Router(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return out
 
-    def init_buffers(self) -> None:
+    def init_buffers(self, generator: torch.Generator | None = None) -> None:
+        """Zero the load-balancing bias (``generator``: the build's, unused: nothing here is random)."""
         self.expert_bias.zero_()
         self.tokens_per_expert = None
 
