@@ -14,6 +14,13 @@ class TransformerEngineFloat8(Float8Backend):
     scalings = ("tensorwise", "blockwise")
     module_class = "transformer_engine.pytorch.module.linear.Linear"
 
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        lowprec_only = {"e5m6_inputs": (), "swiglu_cache": "none", "grad_output_granularity": None, "promotion": True}
+        bad = [k for k, v in lowprec_only.items() if getattr(spec, k) != v]
+        if bad:
+            raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'")
+
     def check_runtime(self, spec, device) -> None:
         require_te()
 
