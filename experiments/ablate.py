@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from contextlib import ExitStack
@@ -9,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.auto_seeds import plan_for, replay_results
-from experiments.config import flat_params, parallel_from_cfg
+from experiments.config import flat_params, model_node, parallel_from_cfg
 from experiments.orphans import close_orphans, owner_tags
 from experiments.preflight import preflight
 from experiments.report import build_report
@@ -21,7 +22,7 @@ from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.scheduler import resolve_workers, run_jobs
 from experiments.startup import prepare_data, start_parallel
 from experiments.stats import SpendingPlan, check_margin
-from experiments.studies import check_studies
+from experiments.studies import GROUP_TAG, check_studies
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from experiments.verdict_table import LEVEL
 from lowprec.data import check_vocab_fits
@@ -40,6 +41,8 @@ class AblationOutcome:
     runs: list[RunOutcome] = field(default_factory=list)
     report: Path | None = None
     wall_s: float = 0.0
+    #: ``models``: every model's ablation id, in order (the ``ablation_group`` is the first)
+    group: list[str] = field(default_factory=list)
 
 
 def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
@@ -80,7 +83,8 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     ablation_workers(cfg)
     recipes = [get_recipe(n) for n in names]
     ablation_control(cfg, names)
-    check_studies(list(cfg.get("studies") or []))
+    study = cfg.get("study")
+    check_studies(list(cfg.get("studies") or []), OmegaConf.to_container(study) if study else {})
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
     return recipes
 
@@ -108,6 +112,35 @@ def ablation_description(cfg: DictConfig, names: list[str], how: str, control: s
 
 
 def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
+    """``cfg.models`` empty: ``ablate_one``. Otherwise one ``ablate_one`` per listed model, in order (``model=<name>``
+    with every other setting shared), all tagged with the first one's id as ``ablation_group`` so the last one's
+    studies read every model's ablation; returns the last outcome (``group`` lists every id). Raises ``ConfigError``
+    for an unknown model name or ``resume`` with ``models`` (resume each ablation by its id), before any training."""
+    models = list(cfg.get("models") or [])
+    if not models:
+        return ablate_one(cfg, echo)
+    if cfg.get("resume"):
+        raise ConfigError(f"resume={cfg.resume} with models={models}: resume each model's ablation by its own id")
+    nodes = {m: model_node(m) for m in models}  # ConfigError for an unknown name
+    cfgs = []
+    for m in models:
+        one = copy.deepcopy(cfg)
+        with open_dict(one):
+            one.model = OmegaConf.create(nodes[m])
+            one.models = []
+        preflight(one, ablation_recipes(one))  # every model's recipes checked before the first trains
+        cfgs.append(one)
+    group: str | None = None
+    ids: list[str] = []
+    for one in cfgs:
+        out = ablate_one(one, echo, group=group)
+        group = group or out.ablation_id
+        ids.append(out.ablation_id)
+    out.group = ids
+    return out
+
+
+def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> AblationOutcome:
     """Run ``cfg.recipes`` x seeds (``cfg.seed``, ``cfg.seed+1``, ...; ``seeds=auto``: more only where the verdict
     is still open) and write the report.
 
@@ -145,7 +178,9 @@ def ablate(cfg: DictConfig, echo=print) -> AblationOutcome:
             ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             if is_rank0():
                 held.callback(lock_ablation(cfg, ablation_id).release)
-            parent = _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims)
+            parent = _start_parent(
+                cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims, group or ablation_id
+            )
             tracker.set_description(parent, ablation_description(cfg, names, how, control))
         else:
             ablation_id, parent = resume.ablation_id, resume.parent_id
@@ -240,7 +275,7 @@ def _resume_plan(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
     return mine if is_rank0() else box[0]
 
 
-def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims) -> str:
+def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims, group) -> str:
     """The ablation's parent run: its tags, params (the settings shared by its runs) and ``config.yaml``."""
     seeds_tags = {"seeds": dumps(seeds)}
     if plan is not None:
@@ -256,6 +291,7 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
             "workers": str(workers),
             "control": control,
             "studies": dumps(list(cfg.get("studies") or [])),
+            GROUP_TAG: group,
             "model": cfg.model.name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,

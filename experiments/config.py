@@ -148,6 +148,12 @@ class AblateConfig(RunConfig):
     workers: Any = 1  # an int >= 1 or auto (experiments/scheduler.py)
     #: the experiment's own reports beside report.md (experiments/studies: registered names)
     studies: list[str] = field(default_factory=list)
+    #: each study's own settings under its name (``study.deepseek_v3.capture_batches=4``; the study documents them)
+    study: dict[str, Any] = field(default_factory=dict)
+    #: empty: the ablation runs on ``model``. A list of model names: one ablation per model (``model=<name>`` with
+    #: every other setting shared), tagged with the first one's id as ``ablation_group``; the studies of the last
+    #: one see every model's ablation
+    models: list[str] = field(default_factory=list)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
@@ -200,6 +206,12 @@ def _writable(obj) -> DictConfig:
 _registered = False
 
 
+def model_node(name: str) -> dict[str, Any]:
+    """The ``model`` config group's option ``name`` as a plain mapping (``model=<name>``); ``ConfigError`` listing
+    the sizes for an unknown name."""
+    return {"name": name, **dataclasses.asdict(model_args(name))}
+
+
 def register_configs() -> None:
     """Register every config group and the root schemas in Hydra's ConfigStore.
 
@@ -214,8 +226,8 @@ def register_configs() -> None:
     if _registered:
         return
     cs = ConfigStore.instance()
-    for name, args in MODEL_CONFIGS.items():
-        cs.store(group="model", name=name, node={"name": name, **dataclasses.asdict(args)})
+    for name in MODEL_CONFIGS:
+        cs.store(group="model", name=name, node=model_node(name))
     for name, recipe in CATALOG.items():
         cs.store(group="recipe", name=name, node=recipe.to_dict())
     for group, options in GROUPS.items():

@@ -12,6 +12,7 @@ from torch import nn
 
 from lowprec.backends import fp8_backend
 from lowprec.kernels import EmulatedLinear, KernelPolicy, emulated_sdpa
+from lowprec.model.llama import SwiGLU
 from lowprec.recipe import Float8Spec, RecipeError
 
 
@@ -29,7 +30,9 @@ def fp8_candidate_fqns(model: nn.Module, spec: Float8Spec) -> list[str]:
 
 
 def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
-    """``fp8_candidate_fqns``, refusing a spec that asks for FP8 and selects no linear of ``model``.
+    """``fp8_candidate_fqns``, refusing a spec that asks for FP8 and selects no linear of ``model``, an
+    ``e5m6_inputs`` pattern that matches none of the selected linears, and ``swiglu_cache`` for a model without
+    ``lowprec.model.llama.SwiGLU``.
 
     Raises ``RecipeError`` naming the filters (e.g. ``hp_first_blocks`` covering every block, or a
     ``min_features`` above every linear's width), so such a run stops before training instead of
@@ -42,6 +45,17 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
             f"recipe.fp8.backend={spec.backend!r} asks for FP8 but its filters select no linear of this model "
             f"(keep_hp_fqns={list(spec.keep_hp_fqns)}, hp_first_blocks={spec.hp_first_blocks}, "
             f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none"
+        )
+    empty = [p for p in spec.e5m6_inputs if not any(f == p or f.endswith("." + p) for f in fqns)]
+    if empty:
+        raise RecipeError(
+            f"recipe.fp8.e5m6_inputs={list(spec.e5m6_inputs)}: {empty} match no FP8 linear of this model, so there "
+            "is no such activation to keep in E5M6"
+        )
+    if spec.enabled and spec.swiglu_cache != "none" and not any(isinstance(m, SwiGLU) for m in model.modules()):
+        raise RecipeError(
+            f"recipe.fp8.swiglu_cache={spec.swiglu_cache!r} asks for cached SwiGLU inputs but this model has no SwiGLU "
+            "(lowprec.model.llama.SwiGLU); use swiglu_cache=none"
         )
     return fqns
 

@@ -36,6 +36,16 @@ BLOCK_FIELDS = ("mx_scale_mode", "rht_size", "weight_scaling_2d", "grad_rounding
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: Float8Spec fields added after recipes were first hashed, with their defaults (``Recipe.hash``).
+_HASH_OMITS_AT_DEFAULT: dict[str, Any] = {
+    "amax_floor": 1e-12,
+    "promotion": True,
+    "grad_output_granularity": None,
+    "e5m6_inputs": [],
+    "swiglu_cache": "none",
+}
+
+
 def _check_choice(group: str, name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise RecipeError(f"recipe.{group}.{name}={value!r} is not one of {list(choices)}")
@@ -122,6 +132,17 @@ class Float8Spec:
     ``promotion_interval``: N_C, elements of K accumulated before promotion to FP32 (null: 128 for
     blockwise, all of K otherwise); ``accum_mantissa_bits`` emulates a limited-precision accumulator.
     ``cache_fp8_activations``: save the FP8 input and its scales for backward instead of the input.
+    ``amax_floor``: current scaling computes ``scale = fmt.max / max(amax, amax_floor)``; 1e-12 is torchao's
+    ``EPS``, 1e-4 the clamp of DeepSeek's reference kernels (DeepSeek-V3 ``inference/kernel.py`` ``act_quant``,
+    DeepGEMM ``per_token_cast_to_fp8``), which flushes tiles whose amax is below about 1e-10 to zero.
+    ``promotion``: False accumulates all of K in the emulated limited-precision accumulator (the tile/block
+    scales applied per WGMMA step), i.e. Hopper without DeepSeek-V3's promotion; needs ``accum_mantissa_bits``.
+    ``grad_output_granularity``: overrides the scaling preset's granularity of the activation gradients
+    (``block128x128``: DeepSeek-V3 appendix B.2's diverging variant; blockwise scaling only).
+    ``e5m6_inputs``: FQN patterns (``keep_hp_fqns`` rule) of FP8 linears whose input is saved for backward in
+    E5M6 with power-of-2 1x128 tile scales (``lowprec.numerics.e5m6``; DeepSeek-V3 3.3.3: ``attention.wo``).
+    ``swiglu_cache``: ``none`` or ``fp8``: the SwiGLU's inputs (``feed_forward.w1`` / ``w3`` outputs) are saved
+    in e4m3 with power-of-2 1x128 tile scales and its output recomputed in backward (DeepSeek-V3 3.3.3).
     Which linears: all ``nn.Linear`` except those matching ``keep_hp_fqns`` (a pattern matches an FQN
     equal to it or ending with ``.<pattern>``), the first ``hp_first_blocks`` and last ``hp_last_blocks``
     transformer blocks, and linears with ``min(in, out) < min_features``.
@@ -151,6 +172,11 @@ class Float8Spec:
     promotion_interval: int | None = None
     accum_mantissa_bits: int | None = None
     cache_fp8_activations: bool = False
+    amax_floor: float = 1e-12
+    promotion: bool = True
+    grad_output_granularity: str | None = None
+    e5m6_inputs: tuple[str, ...] = ()
+    swiglu_cache: str = "none"
     keep_hp_fqns: tuple[str, ...] = ("tok_embeddings", "output")
     hp_first_blocks: int = 0
     hp_last_blocks: int = 0
@@ -165,6 +191,17 @@ class Float8Spec:
         # Hydra hands lists; freeze them so the recipe stays hashable.
         object.__setattr__(self, "keep_hp_fqns", tuple(self.keep_hp_fqns))
         object.__setattr__(self, "static_scales", tuple(float(x) for x in self.static_scales))
+        object.__setattr__(self, "e5m6_inputs", tuple(self.e5m6_inputs))
+        _check_choice("fp8", "swiglu_cache", self.swiglu_cache, ("none", "fp8"))
+        grans = (None, "tile1x128", "block128x128")
+        _check_choice("fp8", "grad_output_granularity", self.grad_output_granularity, grans)
+        if not 1e-30 <= self.amax_floor <= 1.0:
+            raise RecipeError(f"recipe.fp8.amax_floor={self.amax_floor} must be in [1e-30, 1] (scales stay finite)")
+        if not self.promotion and self.accum_mantissa_bits is None:
+            raise RecipeError(
+                "recipe.fp8.promotion=false needs recipe.fp8.accum_mantissa_bits: with an FP32 accumulator there is "
+                "nothing to promote"
+            )
         _check_choice("fp8", "strategy", self.strategy, ("current", "delayed", "static"))
         _check_choice("fp8", "fp8_format", self.fp8_format, ("hybrid", "e4m3"))
         _check_choice("fp8", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
@@ -215,6 +252,13 @@ class Float8Spec:
             )
         if self.strategy != "static":
             refuse_inert(self, "fp8", ("static_scales",), f"strategy={self.strategy!r}")
+        if self.strategy != "current":
+            refuse_inert(self, "fp8", ("amax_floor",), f"strategy={self.strategy!r} (it bounds current scales)")
+        if self.grad_output_granularity is not None and self.scaling != "blockwise":
+            raise RecipeError(
+                f"recipe.fp8.grad_output_granularity={self.grad_output_granularity!r} conflicts with "
+                f"recipe.fp8.scaling={self.scaling!r}: it chooses between blockwise scaling's tile and block"
+            )
         if self.strategy != "current" and self.scaling != "tensorwise":
             raise RecipeError(
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
@@ -235,6 +279,10 @@ class Float8Spec:
     def keeps_high_precision(self, fqn: str) -> bool:
         """True if the linear at ``fqn`` stays out of FP8 by name."""
         return any(fqn == p or fqn.endswith("." + p) for p in self.keep_hp_fqns)
+
+    def saves_e5m6_input(self, fqn: str) -> bool:
+        """True if the FP8 linear at ``fqn`` saves its input for backward in E5M6 (``e5m6_inputs`` matches it)."""
+        return any(fqn == p or fqn.endswith("." + p) for p in self.e5m6_inputs)
 
     def selects_linear(self, fqn: str, in_features: int, out_features: int, n_blocks: int) -> bool:
         """True if the linear at ``fqn`` (``in_features`` -> ``out_features``) of a model with ``n_blocks``
@@ -263,8 +311,18 @@ class Float8Spec:
             s += "/static"
         if fp8_backend(self.backend).format_in_name and self.scaling not in ("mxfp4", "nvfp4"):  # E2M1 only
             s += f"/{self.fp8_format}"
+        if self.accum_mantissa_bits is not None:
+            s += f"/acc{self.accum_mantissa_bits}" + ("" if self.promotion else "-nopromo")
+        if self.grad_output_granularity is not None:
+            s += f"/dy:{self.grad_output_granularity}"
+        if self.amax_floor != 1e-12:
+            s += f"/floor{self.amax_floor:g}"
         if self.cache_fp8_activations:
             s += "+fp8cache"
+        if self.e5m6_inputs:
+            s += "+e5m6"
+        if self.swiglu_cache != "none":
+            s += f"+swiglu:{self.swiglu_cache}"
         if self.mx_scale_mode != "rceil":
             s += f"/{self.mx_scale_mode}"
         if self.rht_size:
@@ -405,12 +463,17 @@ class Recipe:
         d = dataclasses.asdict(self)
         d["fp8"]["keep_hp_fqns"] = list(self.fp8.keep_hp_fqns)
         d["fp8"]["static_scales"] = list(self.fp8.static_scales)
+        d["fp8"]["e5m6_inputs"] = list(self.fp8.e5m6_inputs)
         return d
 
     def hash(self) -> str:
         """Stable 12-hex-digit hash of every field that changes numerics (name and description excluded)."""
         d = self.to_dict()
         d.pop("name"), d.pop("description")
+        for name, default in _HASH_OMITS_AT_DEFAULT.items():
+            # fields added later hash only when set, so recipes (and checkpoints) from before keep their hash
+            if d["fp8"][name] == default:
+                del d["fp8"][name]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_fields(self, group: str, **fields: Any) -> Recipe:

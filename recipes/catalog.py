@@ -201,9 +201,62 @@ def deepseek_v3() -> Recipe:
         fp8_blockwise(),
         name="deepseek_v3",
         description=(
-            "DeepSeek-V3 (arXiv 2412.19437 section 3.3): fp8_blockwise GEMMs, FP32 master weights, BF16 AdamW moments."
+            "DeepSeek-V3 (arXiv 2412.19437 section 3.3): fp8_blockwise GEMMs with the reference kernels' amax floor "
+            "1e-4, attention.wo inputs saved in E5M6 and SwiGLU inputs in FP8 (power-of-2 scales, output "
+            "recomputed), FP32 master weights, BF16 AdamW moments."
         ),
+        fp8=replace(fp8_blockwise().fp8, amax_floor=1e-4, e5m6_inputs=("attention.wo",), swiglu_cache="fp8"),
         optim=OptimSpec(state="bf16", impl="lowprec"),
+    )
+
+
+# deepseek_v3 with one choice undone: the component ablation of experiment=deepseek_v3 (DeepSeek-V3 3.3, B.2).
+
+
+def deepseek_v3_no_promotion() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_no_promotion",
+        description="deepseek_v3 without promotion: all of K in an emulated 14-bit accumulator (Hopper's, 3.3.2).",
+        fp8=replace(deepseek_v3().fp8, accum_mantissa_bits=14, promotion=False),
+    )
+
+
+def deepseek_v3_tensorwise() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_tensorwise",
+        description="deepseek_v3 with one scale per tensor instead of 1x128 tiles / 128x128 blocks (3.3.2).",
+        fp8=replace(deepseek_v3().fp8, scaling="tensorwise"),
+    )
+
+
+def deepseek_v3_fp32_moments() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_fp32_moments",
+        description="deepseek_v3 with FP32 instead of BF16 AdamW moments (3.3.3).",
+        optim=OptimSpec(state="fp32", impl="lowprec"),
+    )
+
+
+def deepseek_v3_no_fp8_cache() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_no_fp8_cache",
+        description="deepseek_v3 saving every activation for backward in the compute dtype: no FP8 linear-input "
+        "cache, no E5M6 attention.wo input, no FP8 SwiGLU inputs (3.3.3).",
+        fp8=replace(deepseek_v3().fp8, cache_fp8_activations=False, e5m6_inputs=(), swiglu_cache="none"),
+    )
+
+
+def deepseek_v3_grad_blocks() -> Recipe:
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_grad_blocks",
+        description="deepseek_v3 with 128x128 blocks instead of 1x128 tiles for activation gradients: the "
+        "variant appendix B.2 reports diverging on a 16B MoE.",
+        fp8=replace(deepseek_v3().fp8, grad_output_granularity="block128x128"),
     )
 
 
@@ -355,6 +408,11 @@ _BUILDERS: list[Callable[[], Recipe]] = [
     fp16_amp,
     fp16_noscale,
     deepseek_v3,
+    deepseek_v3_no_promotion,
+    deepseek_v3_tensorwise,
+    deepseek_v3_fp32_moments,
+    deepseek_v3_no_fp8_cache,
+    deepseek_v3_grad_blocks,
     fp8_tensorwise_fsdp8,
     fp8_comm8,
     deepseek_v3_comm8,

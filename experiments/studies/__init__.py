@@ -39,28 +39,49 @@ class StudyContext:
     out: Path
 
 
+#: Parent-run tag naming the first ablation of a ``models`` list (``experiments.ablate.ablate``); an ablation run
+#: alone is its own group.
+GROUP_TAG = "ablation_group"
+
 #: name -> study function; each returns the markdown path it wrote.
 STUDIES: dict[str, Callable[[StudyContext], Path]] = {}
 
 
-def register(name: str) -> Callable[[Callable[[StudyContext], Path]], Callable[[StudyContext], Path]]:
-    """Decorator: make ``fn(ctx) -> Path`` the study called ``name``. Raises ``ValueError`` for a repeated name."""
+#: name -> validator of the study's settings (``study.<name>`` in the experiment): raises ``ConfigError``.
+SETTINGS_CHECKS: dict[str, Callable[[dict], Any]] = {}
+
+
+def register(
+    name: str, check_settings: Callable[[dict], Any] | None = None
+) -> Callable[[Callable[[StudyContext], Path]], Callable[[StudyContext], Path]]:
+    """Decorator: make ``fn(ctx) -> Path`` the study called ``name``; ``check_settings(dict)`` validates its
+    ``study.<name>`` settings before any training. Raises ``ValueError`` for a repeated name."""
 
     def deco(fn: Callable[[StudyContext], Path]) -> Callable[[StudyContext], Path]:
         if name in STUDIES:
             raise ValueError(f"study {name!r} is registered twice")
         STUDIES[name] = fn
+        if check_settings is not None:
+            SETTINGS_CHECKS[name] = check_settings
         return fn
 
     return deco
 
 
-def check_studies(names: list[str]) -> list[str]:
-    """``names`` if every one is a registered study; ``ConfigError`` naming the known ones otherwise."""
+def check_studies(names: list[str], settings: dict | None = None) -> list[str]:
+    """``names`` if every one is a registered study and ``settings`` (``study``: name -> mapping) names only listed
+    studies, each valid for its study; ``ConfigError`` otherwise."""
     names = list(names or [])
     unknown = [n for n in names if n not in STUDIES]
     if unknown:
         raise ConfigError(f"studies={names}: unknown {unknown}; known: {sorted(STUDIES) or 'none'}")
+    settings = dict(settings or {})
+    stray = sorted(set(settings) - set(names))
+    if stray:
+        raise ConfigError(f"study.{stray[0]} configures a study that is not in studies={names}")
+    for n, d in settings.items():
+        if n in SETTINGS_CHECKS:
+            SETTINGS_CHECKS[n](dict(d or {}))
     return names
 
 
@@ -69,4 +90,5 @@ def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:
     return [STUDIES[n](ctx) for n in check_studies(names)]
 
 
+from experiments.studies import deepseek_v3  # noqa: E402,F401
 from experiments.studies import nvfp4  # noqa: E402,F401

@@ -4,6 +4,7 @@ and strategy, on CPU and CUDA; FP8 weight all-gather through ``fsdp_pre_all_gath
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from torch import nn
@@ -11,6 +12,8 @@ from torch import nn
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8.swiglu import Float8CachedSwiGLU
+from lowprec.model.llama import SwiGLU
 from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
 
 
@@ -39,10 +42,15 @@ class LowprecFloat8(Float8Backend):
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         cfg = LinearFP8Config.from_spec(spec)
+        e5m6_cfg = dataclasses.replace(cfg, saved_input="e5m6")
+        # lowprec.convert.require_fp8_selection refused patterns that match nothing and a model without SwiGLU
         for fqn in fqns:
-            new = Float8Linear.from_linear(model.get_submodule(fqn), cfg)
+            new = Float8Linear.from_linear(model.get_submodule(fqn), e5m6_cfg if spec.saves_e5m6_input(fqn) else cfg)
             new.fp8_kernel = fp8_kernel
             swap_module(model, fqn, new)
+        if spec.swiglu_cache == "fp8":
+            for fqn in [f for f, m in model.named_modules() if isinstance(m, SwiGLU)]:
+                swap_module(model, fqn, Float8CachedSwiGLU())
 
     def compile_blocker(self, spec, telemetry_every) -> str | None:
         if telemetry_every > 0:

@@ -28,6 +28,13 @@ class TransformerEngineFloat8(Float8Backend):
                 "NVFP4 random Hadamard transform is 16x16 (rht_size=16) or off (0)"
             )
 
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        lowprec_only = {"e5m6_inputs": (), "swiglu_cache": "none", "grad_output_granularity": None, "promotion": True}
+        bad = [k for k, v in lowprec_only.items() if getattr(spec, k) != v]
+        if bad:
+            raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'")
+
     def check_runtime(self, spec, device) -> None:
         require_te()
         if spec.scaling in ("mxfp8", "nvfp4"):

@@ -21,6 +21,11 @@ _LOWPREC_ONLY = {
     "accum_mantissa_bits": None,
     "cache_fp8_activations": False,
     "power_of_2_scales": False,
+    "amax_floor": 1e-12,
+    "promotion": True,
+    "grad_output_granularity": None,
+    "e5m6_inputs": (),
+    "swiglu_cache": "none",
 }
 
 

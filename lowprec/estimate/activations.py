@@ -22,7 +22,9 @@ With ``T = batch * seq`` tokens, ``D`` dim, ``F`` ffn hidden, ``H``/``KV`` heads
   and the logsumexp (``4*batch*H*seq``); ``wo`` reads the SDPA output through a view (the kernel's output
   is laid out (batch, seq, heads, hd)), so it adds nothing.
 - SwiGLU: ``w1`` out (silu input), ``silu`` out, ``w3`` out (the product's inputs) and the product (``w2``'s
-  input): ``4 * c*T*F``.
+  input): ``4 * c*T*F``. With ``swiglu_cache='fp8'`` the two inputs are saved as e4m3 plus a float32 scale per
+  1x128 tile each (``T*F + 4*T*ceil(F/128)``) and ``silu`` is recomputed; a linear of ``e5m6_inputs`` saves its
+  input as emulated E5M6 held in float32 (``4*T*in``; 1.5 bytes per element packed, which lowprec does not do).
 - head and loss: final norm, the output linear, ``log_softmax`` in fp32 (``4*T*vocab``, also what
   ``nll_loss`` saves), the targets (int64 ``8T``), ``total_weight`` (4), and the embedding's token ids
   (int64 ``8T``).
@@ -137,6 +139,9 @@ def _linear(led: _Ledger, scope: str, lin: LinearInfo, x: _T, p: _Precision, spe
         led.save_t(cast or x, scope)
         if ac is not None and p.weight_fwd != ac:
             led.save(f"{lin.fqn}.weight_cast", lin.numel * _size(ac), scope, kind="weight")
+    elif lin.kind == "lowprec" and spec.saves_e5m6_input(lin.fqn):
+        # emulated E5M6 (lowprec.numerics.e5m6): the rounded values are held in float32; packed would be 1.5 B
+        led.save(f"{lin.fqn}.e5m6_input", 4 * rows * lin.in_features, scope)
     else:
         what, nbytes = fp8_backend(lin.kind).saved_input(spec, rows, lin.in_features, p.device_type)
         if what == "own":
@@ -188,9 +193,15 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
         return _T(f"{pre}.out", h.dtype, rows * a.dim)
     a1 = _linear(led, scope, lin["feed_forward.w1"], xn2, p, spec, rows)
     a3 = _linear(led, scope, lin["feed_forward.w3"], xn2, p, spec, rows)
-    led.save_t(a1, scope)
-    led.save(f"{pre}.silu_out", cs * a1.numel, scope)
-    led.save_t(a3, scope)
+    if spec.enabled and spec.swiglu_cache == "fp8":
+        # lowprec.float8.swiglu: both inputs in e4m3 with a float32 scale per 1x128 tile; silu(a) is recomputed
+        tiles = rows * -(-(a1.numel // rows) // 128)
+        led.save(f"{pre}.swiglu_a_fp8", a1.numel + 4 * tiles, scope)
+        led.save(f"{pre}.swiglu_b_fp8", a3.numel + 4 * tiles, scope)
+    else:
+        led.save_t(a1, scope)
+        led.save(f"{pre}.silu_out", cs * a1.numel, scope)
+        led.save_t(a3, scope)
     _linear(led, scope, lin["feed_forward.w2"], _T(f"{pre}.swiglu_product", c, a1.numel), p, spec, rows)
     return _T(f"{pre}.out", h.dtype, rows * a.dim)
 

@@ -48,10 +48,17 @@ class LinearFP8Config:
     promotion_interval: int | None = None
     accum_mantissa_bits: int | None = None
     cache_fp8_activations: bool = False
+    amax_floor: float = 1e-12
+    promotion: bool = True
+    #: ``fp8`` (or the input itself, as ``cache_fp8_activations`` says) | ``e5m6``: how the input is saved for
+    #: backward (per linear: ``Float8Spec.e5m6_inputs`` names the linears).
+    saved_input: str = "fp8"
 
     @classmethod
     def from_spec(cls, spec) -> LinearFP8Config:
-        grans = SCALING_PRESETS[spec.scaling]
+        grans = list(SCALING_PRESETS[spec.scaling])
+        if spec.grad_output_granularity is not None:
+            grans[2] = spec.grad_output_granularity
         fmts = FORMAT_PRESETS[spec.fp8_format]
         roles = [
             RoleConfig(get_format(f), g, spec.strategy, float(s)) for f, g, s in zip(fmts, grans, spec.static_scales)
@@ -66,6 +73,8 @@ class LinearFP8Config:
             promotion_interval=spec.promotion_interval,
             accum_mantissa_bits=spec.accum_mantissa_bits,
             cache_fp8_activations=spec.cache_fp8_activations,
+            amax_floor=spec.amax_floor,
+            promotion=spec.promotion,
         )
 
     def role(self, name: str) -> RoleConfig:

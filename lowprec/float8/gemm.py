@@ -151,11 +151,14 @@ def fp8_gemm(
     promotion_interval: int | None = None,
     accum_mantissa_bits: int | None = None,
     kernel: str = "native",
+    promotion: bool = True,
 ) -> torch.Tensor:
     """``a @ bt.T`` -> (M, N) in ``out_dtype``. ``kernel`` (``native`` | ``emulated``) runs the ``scaled_mm``
-    backend's calls on the device's kernel or as exact FP32 arithmetic (``lowprec.kernels``). Raises
-    ``ValueError`` for an unknown backend or kernel, mismatched K, or a promotion interval the scaling cannot
-    honour."""
+    backend's calls on the device's kernel or as exact FP32 arithmetic (``lowprec.kernels``). ``promotion=False``
+    (only with ``accum_mantissa_bits``) keeps all of K in the limited-precision accumulator, tile/block scales
+    applied to each WGMMA step's products: Hopper without DeepSeek-V3's promotion. Raises ``ValueError`` for an
+    unknown backend or kernel, mismatched K, a promotion interval the scaling cannot honour, or
+    ``promotion=False`` without ``accum_mantissa_bits``."""
     (_, k), (_, k2) = a.shape, bt.shape
     if k != k2:
         raise ValueError(f"contraction dims differ: a is {a.shape}, bt is {bt.shape}")
@@ -163,6 +166,10 @@ def fp8_gemm(
         raise ValueError(f"unknown GEMM backend {backend!r}; known: {BACKENDS}")
     if kernel not in SCALED_MM_KERNELS:
         raise ValueError(f"unknown FP8 GEMM kernel {kernel!r}; known: {tuple(SCALED_MM_KERNELS)}")
+    if not promotion:
+        if accum_mantissa_bits is None:
+            raise ValueError("promotion=False needs accum_mantissa_bits (an FP32 accumulator has nothing to promote)")
+        return _limited_accumulation(a, bt, [(0, k)], accum_mantissa_bits).to(out_dtype)
     chunks = _chunk_bounds(k, a, bt, promotion_interval)
     if accum_mantissa_bits is not None:
         return _limited_accumulation(a, bt, chunks, accum_mantissa_bits).to(out_dtype)
@@ -219,8 +226,19 @@ def _limited_accumulation(a: QTensor, bt: QTensor, chunks, bits: int) -> torch.T
     m, n = a.shape[0], bt.shape[0]
     out = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     ar, br = fp8_to_float32(a.data), fp8_to_float32(bt.data)
+    tiled = {a.granularity, bt.granularity} & {"tile1x128", "block128x128"}
     for k0, k1 in chunks:
         acc = torch.zeros_like(out)
+        if tiled and k1 - k0 > BLOCK:
+            # No promotion across tiles: each WGMMA step's products take their tile's scales (32 divides 128, so
+            # a step never straddles two) and join the rounded running sum, which is never promoted.
+            for s in range(k0, k1, WGMMA_K):
+                e = min(s + WGMMA_K, k1)
+                g = s - s % BLOCK  # the step's scale group starts on the 128-grid
+                dec = _per_row_scale(a, g, e) * _per_row_scale(bt, g, e).reshape(1, n)
+                acc = round_mantissa(acc + (ar[:, s:e] @ br[:, s:e].t()) / dec, bits)
+            out += acc
+            continue
         for s in range(k0, k1, WGMMA_K):
             e = min(s + WGMMA_K, k1)
             acc = round_mantissa(acc + ar[:, s:e] @ br[:, s:e].t(), bits)

@@ -28,6 +28,7 @@ from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.kernels import recompute
 from lowprec.kernels.emulated import emulated_linear
+from lowprec.numerics.e5m6 import e5m6_tiles
 from lowprec.numerics.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
 
 _TRANSPOSABLE = ("tensorwise", "block128x128")
@@ -101,7 +102,7 @@ class Float8Linear(nn.Linear):
         cfg = self.fp8_config
         rc = cfg.role(role)
         if rc.strategy == "current":
-            q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2)
+            q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2, amax_floor=cfg.amax_floor)
         elif rc.strategy == "delayed":
             scaler = self.scalers[role]
             # A checkpointed block's recompute casts with the same scale and must not record its amax again
@@ -123,7 +124,14 @@ class Float8Linear(nn.Linear):
     def gemm(self, a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
         cfg = self.fp8_config
         return fp8_gemm(
-            a, bt, out_dtype, cfg.gemm_backend, cfg.promotion_interval, cfg.accum_mantissa_bits, self.fp8_kernel
+            a,
+            bt,
+            out_dtype,
+            cfg.gemm_backend,
+            cfg.promotion_interval,
+            cfg.accum_mantissa_bits,
+            self.fp8_kernel,
+            cfg.promotion,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,14 +177,15 @@ class Float8Linear(nn.Linear):
         fallback = f", fallback={self.fallback_kernel}" if self.fallback_kernel is not None else ""
         return (
             f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
-            f"fp8_cache={c.cache_fp8_activations}{fallback}"
+            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}{fallback}"
         )
 
 
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: Float8Linear) -> torch.Tensor:
-        cache = mod.fp8_config.cache_fp8_activations
+        e5m6 = mod.fp8_config.saved_input == "e5m6"
+        cache = mod.fp8_config.cache_fp8_activations and not e5m6
         # One matmul for activation checkpointing's selective policy; the forward GEMM's output may be
         # served from its cache during a recompute (lowprec.kernels.recompute).
         with recompute.matmul_unit() as unit, torch.autocast(x.device.type, enabled=False):
@@ -189,10 +198,14 @@ class _Float8Matmul(torch.autograd.Function):
             out = unit.output(gemm)
             if mod.telemetry is not None and not recompute.in_recompute():
                 mod.telemetry.observe_gemm(mod, "output", x, weight, out)
-        ctx.mod, ctx.x_dtype = mod, x.dtype
-        if mod.fp8_config.cache_fp8_activations:
+        ctx.mod, ctx.x_dtype, ctx.cached = mod, x.dtype, cache
+        if cache:
             ctx.q_meta = (qx.granularity, qx.fmt)
             ctx.save_for_backward(qx.data, qx.scale, weight)
+        elif e5m6:
+            # DeepSeek-V3 3.3.3: this input is kept for backward in E5M6 with power-of-2 1x128 tile scales; the
+            # weight-gradient GEMM requantizes it (128x1 tiles along tokens) like an uncached input.
+            ctx.save_for_backward(e5m6_tiles(x)[0], weight)
         else:
             ctx.save_for_backward(x, weight)
         return out
@@ -201,7 +214,7 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         mod: Float8Linear = ctx.mod
         cfg = mod.fp8_config
-        if cfg.cache_fp8_activations:
+        if ctx.cached:
             data, scale, weight = ctx.saved_tensors
             qx_cached = QTensor(data, scale, *ctx.q_meta)
             x = None

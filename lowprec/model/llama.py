@@ -183,6 +183,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
+class SwiGLU(nn.Module):
+    """``silu(a) * b``, the SwiGLU operator between ``w1``/``w3`` and ``w2``; a module (no parameters) so a
+    recipe can swap how its inputs are saved for backward (``lowprec.float8.swiglu``)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020)."""
 
@@ -191,9 +199,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.swiglu = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.swiglu(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -51,14 +51,18 @@ def get_format(name: str) -> Format:
 
 
 @torch.no_grad()
-def amax_to_scale(amax: torch.Tensor, fmt: Format, power_of_2: bool = False, margin: int = 0) -> torch.Tensor:
-    """``scale = fmt.max / max(amax, AMAX_EPS) / 2**margin`` as float32, same shape as ``amax``.
+def amax_to_scale(
+    amax: torch.Tensor, fmt: Format, power_of_2: bool = False, margin: int = 0, amax_floor: float = AMAX_EPS
+) -> torch.Tensor:
+    """``scale = fmt.max / max(amax, amax_floor) / 2**margin`` as float32, same shape as ``amax``.
 
     Computed in float64 then cast, as torchao does, so eager and compiled code agree bit for bit.
     ``power_of_2`` rounds the scale down to a power of two (exact dequantization; torchao's
     ``round_scales_to_power_of_2``, TE's ``power_2_scale``). ``margin`` is TE's ``DelayedScaling.margin``.
+    ``amax_floor``: 1e-12 is torchao's ``EPS``; DeepSeek's reference kernels clamp amax at 1e-4
+    (DeepSeek-V3 ``inference/kernel.py`` ``act_quant``, DeepGEMM ``per_token_cast_to_fp8``).
     """
-    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)).to(torch.float32)
+    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=amax_floor)).to(torch.float32)
     if margin:
         scale = scale / (2.0**margin)
     if power_of_2:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.numerics.formats import Format, amax_to_scale, dequantize, quantize
+from lowprec.numerics.formats import AMAX_EPS, Format, amax_to_scale, dequantize, quantize
 
 GRANULARITIES = ("tensorwise", "rowwise", "tile1x128", "block128x128")
 STRATEGIES = ("current", "delayed", "static")
@@ -121,12 +121,18 @@ class QTensor:
 
 
 def quantize_operand(
-    x: torch.Tensor, fmt: Format, granularity: str, scale: torch.Tensor | None = None, power_of_2: bool = False
+    x: torch.Tensor,
+    fmt: Format,
+    granularity: str,
+    scale: torch.Tensor | None = None,
+    power_of_2: bool = False,
+    amax_floor: float = AMAX_EPS,
 ) -> QTensor:
-    """Quantize the 2-D operand ``x`` (R, K). With ``scale=None`` the scale is current (from ``x``'s amax);
-    otherwise the given compact scale is used (delayed or static strategies)."""
+    """Quantize the 2-D operand ``x`` (R, K). With ``scale=None`` the scale is current (from ``x``'s amax, each
+    group's amax floored at ``amax_floor``: ``amax_to_scale``); otherwise the given compact scale is used
+    (delayed or static strategies)."""
     if scale is None:
-        scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2)
+        scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2, amax_floor=amax_floor)
     blocked = _blocked_views(x, scale, granularity)
     if blocked is not None:  # the same products, without materialising an (R, K) scale
         xb, sb, unview = blocked

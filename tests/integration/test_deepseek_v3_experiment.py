@@ -1,0 +1,56 @@
+"""`lowprec ablate experiment=deepseek_v3_quick` (issue 16): one command writes reports/<id>/deepseek_v3.md with
+every section, the paper's figures quoted beside the measured ones, and an accumulation error that grows with K
+without promotion and is removed by promotion."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import main
+from experiments.report import report_figures
+from experiments.studies import GROUP_TAG
+
+
+def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=deepseek_v3_quick", *run_dirs]) == 0
+    abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
+    out = tmp_path / "reports" / abl
+    text = (out / "deepseek_v3.md").read_text()
+    for heading in (
+        "## Headline: measured against the paper",
+        "## 1. Accumulation precision (paper 3.3.2)",
+        "## 2. Granularity under outliers (paper 3.3.2)",
+        "## 3. Training parity (paper 3.3, appendix B.1)",
+        "## 4. Component ablations (paper 3.3, appendix B.2)",
+        "### model `debug`",
+    ):
+        assert heading in text, heading
+    assert "maximum relative error of nearly 2%" in text and "below 0.25%" in text  # the paper, quoted
+    assert "captured layers." in text and "checkpoint `step_8`" in text  # operands from the trained control
+    assert "| `deepseek_v3_no_promotion` |" in text and "| `deepseek_v3_grad_blocks` |" in text
+    assert all(f.exists() for f in report_figures(out / "deepseek_v3.md"))
+    assert {"dsv3_accumulation.png", "dsv3_outliers.png"} <= {f.name for f in report_figures(out / "deepseek_v3.md")}
+
+    head = json.loads((out / "deepseek_v3.json").read_text())
+    by_k = {nc: {int(k): e for k, e in d.items()} for nc, d in head["accumulation"]["gaussian_rel_err_by_k"].items()}
+    none, promoted = by_k["none"], by_k["128"]
+    ks = sorted(none)
+    assert ks[0] == 256 and ks[-1] == 4096
+    assert none[ks[-1]] > 2.5 * none[ks[0]]  # grows with K without promotion
+    assert max(promoted.values()) < 1.5 * min(promoted.values())  # flat with promotion every 128
+    assert promoted[4096] < none[4096] / 3
+    acc = head["accumulation"]
+    assert f"max relative error {100 * acc['k4096_no_promotion_max_rel_err']:.3f}% (paper: nearly 2%)" in text
+    parity = head["models"]["debug"]["parity"]
+    assert parity["n"] == 2 and parity["verdict"] in ("non-inferior", "inferior", "inconclusive")
+    assert set(head["models"]["debug"]["components"]) == {"deepseek_v3_no_promotion", "deepseek_v3_grad_blocks"}
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (parent,) = client.search_runs(
+        [exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
+    )
+    assert parent.data.tags[GROUP_TAG] == abl  # a models list of one: its own group
