@@ -90,5 +90,4 @@ def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:
     return [STUDIES[n](ctx) for n in check_studies(names)]
 
 
-from experiments.studies import deepseek_v3  # noqa: E402,F401
-from experiments.studies import nvfp4  # noqa: E402,F401
+from experiments.studies import deepseek_v3, nvfp4  # noqa: E402,F401

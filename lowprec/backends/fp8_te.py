@@ -27,9 +27,6 @@ class TransformerEngineFloat8(Float8Backend):
                 f"recipe.fp8.rht_size={spec.rht_size} conflicts with recipe.fp8.backend='te': Transformer Engine's "
                 "NVFP4 random Hadamard transform is 16x16 (rht_size=16) or off (0)"
             )
-
-    def validate(self, spec) -> None:
-        super().validate(spec)
         lowprec_only = {"e5m6_inputs": (), "swiglu_cache": "none", "grad_output_granularity": None, "promotion": True}
         bad = [k for k, v in lowprec_only.items() if getattr(spec, k) != v]
         if bad:
