@@ -16,7 +16,7 @@ from experiments.studies import GROUP_TAG
 
 def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, capsys):
     assert main(["ablate", "experiment=deepseek_v3_quick", *run_dirs]) == 0
-    abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
+    first, abl = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)  # debug, then moe_debug
     out = tmp_path / "reports" / abl
     text = (out / "deepseek_v3.md").read_text()
     for heading in (
@@ -26,6 +26,7 @@ def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, caps
         "## 3. Training parity (paper 3.3, appendix B.1)",
         "## 4. Component ablations (paper 3.3, appendix B.2)",
         "### model `debug`",
+        "### model `moe_debug`",
     ):
         assert heading in text, heading
     assert "maximum relative error of nearly 2%" in text and "below 0.25%" in text  # the paper, quoted
@@ -44,13 +45,14 @@ def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, caps
     assert promoted[4096] < none[4096] / 3
     acc = head["accumulation"]
     assert f"max relative error {100 * acc['k4096_no_promotion_max_rel_err']:.3f}% (paper: nearly 2%)" in text
-    parity = head["models"]["debug"]["parity"]
-    assert parity["n"] == 2 and parity["verdict"] in ("non-inferior", "inferior", "inconclusive")
-    assert set(head["models"]["debug"]["components"]) == {"deepseek_v3_no_promotion", "deepseek_v3_grad_blocks"}
+    for model in ("debug", "moe_debug"):  # parity and components on the dense and the MoE model
+        parity = head["models"][model]["parity"]
+        assert parity["n"] == 2 and parity["verdict"] in ("non-inferior", "inferior", "inconclusive")
+        assert set(head["models"][model]["components"]) == {"deepseek_v3_no_promotion", "deepseek_v3_grad_blocks"}
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (parent,) = client.search_runs(
         [exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
     )
-    assert parent.data.tags[GROUP_TAG] == abl  # a models list of one: its own group
+    assert parent.data.tags[GROUP_TAG] == first  # the MoE ablation is in the dense one's group
