@@ -268,7 +268,13 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
     fl = e.flops
     lines.append(
         f"FLOPs/token {fl.flops_per_token / 1e9:,.4g} G = 6*N + 12*L*dim*seq, N = {fl.n_flop_params:,} "
-        f"(all but the token embedding); FP8 share {100 * fl.fp8_fraction:.0f}%"
+        + (
+            f"activated parameters (top-k routed + shared experts + router, all but the token embedding; "
+            f"{fl.n_total_params:,} in total)"
+            if fl.is_moe
+            else "(all but the token embedding)"
+        )
+        + f"; FP8 share {100 * fl.fp8_fraction:.0f}%"
     )
     t = e.throughput
     if t is not None and flat:
