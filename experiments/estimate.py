@@ -26,7 +26,7 @@ from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
-from lowprec.model import ModelArgs, model_args
+from lowprec.model import ModelArgs, MoEArgs, model_args
 from lowprec.recipe import Recipe, RecipeError
 from recipes import CATALOG, get_recipe
 
@@ -132,6 +132,20 @@ def parse_args(argv: list[str]) -> dict:
     if out.get("async_tp") and out.get("parallel.tp", 1) == 1:
         raise EstimateArgError("async_tp=true needs parallel.tp > 1")
     return out
+
+
+def compile_for(args, asked: bool | None) -> bool:
+    """Whether the cost model times the elementwise kernels fused (``compile``): as asked, by default ``true``
+    for a dense model and ``false`` for a DeepSeekMoE model, which lowprec trains eager
+    (``lowprec.train.moe_balance`` refuses ``train.compile`` there). ``compile=true`` on a MoE model raises
+    ``EstimateArgError`` (one line)."""
+    moe = isinstance(args, MoEArgs)
+    if asked and moe:
+        raise EstimateArgError(
+            "compile=true: lowprec trains MoE models eager (train.compile is refused for their per-expert loop); "
+            "drop it or set compile=false"
+        )
+    return (not moe) if asked is None else asked
 
 
 def check_model_overrides(over: dict) -> dict:
@@ -389,7 +403,7 @@ def run(opts: dict) -> str:
             kw["batch"],
             r.rows[0].seq,
             ac,
-            opts.get("compile", True),
+            compile_for(args, opts.get("compile")),
             opts.get("async_tp", False),
         )
         costs = _costs(args, recipes, hw, lo)
@@ -405,7 +419,13 @@ def run(opts: dict) -> str:
         return format_ranking(r, opts["model"], costs)
     e = estimate(args, recipes[0], **kw)
     lo = Layout(
-        kw["dp_shard"], kw["tp"], kw["batch"], e.seq, ac, opts.get("compile", True), opts.get("async_tp", False)
+        kw["dp_shard"],
+        kw["tp"],
+        kw["batch"],
+        e.seq,
+        ac,
+        compile_for(args, opts.get("compile")),
+        opts.get("async_tp", False),
     )
     cost = _costs(args, recipes, hw, lo)[recipes[0].name]
     if isinstance(cost, str):  # FP8 under --emulate on a part without FP8 tensor cores

@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.estimate import MODEL_ERROR, EstimateArgError, _value
+from experiments.estimate import MODEL_ERROR, EstimateArgError, _value, compile_for
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
@@ -131,10 +131,11 @@ def parse_args(argv: list[str]) -> dict:
     if rc not in ("auto", *AC_MODES):
         raise RecommendArgError(f"recompute={rc!r} is not one of auto, {', '.join(AC_MODES)}")
     out["recompute"] = rc
-    c = str(out.get("compile", "true")).lower()
-    if c not in ("true", "false"):
-        raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
-    out["compile"] = c == "true"
+    if "compile" in out:  # unset: experiments.estimate.compile_for decides per model
+        c = str(out["compile"]).lower()
+        if c not in ("true", "false"):
+            raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
+        out["compile"] = c == "true"
     if "recipes" in out:
         names = _value(out["recipes"])
         if not isinstance(names, list) or not names:
@@ -374,6 +375,7 @@ def recommend(opts: dict) -> Recommendation:
     if seq > args.max_seq_len:
         raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
     names = opts.get("recipes") or list(CATALOG)
+    opts = {**opts, "compile": compile_for(args, opts.get("compile"))}
     evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], model_class(args))
     gap = opts["max_loss_gap"]
     options, not_runnable = [], {}

@@ -219,6 +219,7 @@ BAD_ESTIMATE = [
     (["--validate", "model=llama3_8b"], "--validate takes no other key"),
     # a MoE model's experts under tensor parallel: neither the memory nor the cost model covers it
     (["model=moe_debug", "recipe=bf16", "parallel.tp=2"], "tensor/expert parallelism of a MoE model is not modelled"),
+    (["model=moe_debug", "recipe=bf16", "compile=true"], "compile=true: lowprec trains MoE models eager"),
 ]
 
 

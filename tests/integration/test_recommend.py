@@ -89,6 +89,7 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
     assert main(["recommend", *argv, "recipes=[fp8_rowwise,bf16_pure]"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["options"] and all(o["tp"] == 1 and o["dp_shard"] == 4 for o in d["options"])
+    assert d["query"]["compile"] is False  # lowprec trains MoE models eager
     by = {o["recipe"]: o for o in d["options"]}
     (ev,) = by["fp8_rowwise"]["evidence"]
     assert ev["model"] == "debug" and ev["comparable"] is False
@@ -117,6 +118,10 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
         (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "unknown model size 'nope'"),
         (["model=llama3_8b", "hardware=tpu", "gpus=8", "tokens=1e9"], "unknown hardware 'tpu'"),
         ([*BASE, "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+        (
+            ["model=moe_debug", "hardware=h100", "gpus=2", "tokens=1e9", "compile=true"],
+            "lowprec trains MoE models eager",
+        ),
     ],
 )
 def test_bad_recommend_input_is_one_line(argv, needle, capsys):
