@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.estimate import MODEL_ERROR, EstimateArgError, _value, compile_for
+from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
@@ -375,7 +375,7 @@ def recommend(opts: dict) -> Recommendation:
     if seq > args.max_seq_len:
         raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
     names = opts.get("recipes") or list(CATALOG)
-    opts = {**opts, "compile": compile_for(args, opts.get("compile"))}
+    opts = {**opts, "compile": compile_for(args, opts.get("compile")), "moe": isinstance(args, MoEArgs)}
     evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], model_class(args))
     gap = opts["max_loss_gap"]
     options, not_runnable = [], {}
@@ -487,6 +487,7 @@ def format_table(rec: Recommendation) -> str:
         "",
         f"Times are predictions of the per-op cost model (held-out error up to {100 * MODEL_ERROR:.0f}%, "
         "lowprec estimate --validate); memory of lowprec.estimate.memory_model. Never measured by lowprec on a GPU.",
+        *([MOE_NOTE + "."] if rec.query.get("moe") else []),
         "",
         rec.paragraph,
     ]

@@ -89,7 +89,7 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
     assert main(["recommend", *argv, "recipes=[fp8_rowwise,bf16_pure]"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["options"] and all(o["tp"] == 1 and o["dp_shard"] == 4 for o in d["options"])
-    assert d["query"]["compile"] is False  # lowprec trains MoE models eager
+    assert d["query"]["compile"] is False and d["query"]["moe"]  # lowprec trains MoE models eager
     by = {o["recipe"]: o for o in d["options"]}
     (ev,) = by["fp8_rowwise"]["evidence"]
     assert ev["model"] == "debug" and ev["comparable"] is False
@@ -99,7 +99,8 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
     # an inferior verdict is still never recommended, whatever the model family
     assert by["bf16_pure"]["excluded"].startswith("measured inferior")
     assert main(["recommend", *argv[:-1], "recipes=[fp8_rowwise]"]) == 0
-    assert "other size class or family" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "other size class or family" in out and "MoE step time NOT validated" in out
 
 
 @pytest.mark.parametrize(
