@@ -24,7 +24,13 @@ Per recipe, read back from MLflow (units in the names):
 - ``peak_mem_gib``: ``mem_peak_bytes`` / 2^30, rank 0's ``torch.cuda.max_memory_allocated`` (torchtitan's
   "Memory" column is the allocator's reserved peak, which is larger);
 - ``final_loss`` (the last step's training loss, nats/token), ``mean_loss_last10``, ``final_val_loss``;
-- ``predicted_tokens_per_s_per_gpu``: ``lowprec estimate``'s prediction at its default 40% efficiency;
+- ``predicted_tokens_per_s_per_gpu``: the per-op cost model's prediction (``lowprec.estimate.cost_model.step_cost``,
+  calibrated on ``published.yaml``, held-out error up to 16%) for the suite's layout: FSDP2 over the GPUs, local
+  batch, seq, selective AC, compile; ``measured_over_predicted`` their ratio; ``predicted_step_parts_s`` its
+  breakdown (GEMMs, attention, memory-bound kernels, FP8 casts, exposed communication); ``None`` where the
+  hardware cannot run the recipe (FP8 on A100) or is unknown;
+- ``predicted_allocated_gib``: ``lowprec.estimate.memory_model.peak_breakdown(...).allocated`` / 2^30, to set
+  beside ``peak_mem_gib`` (both allocated, not reserved);
 - ``published``: the matching published rows with ``measured / published``; ``same_setup`` says whether the
   model, GPU count, local batch and sequence length are theirs.
 
@@ -49,8 +55,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lowprec.estimate.estimator import mfu, predict_throughput  # noqa: E402
+from lowprec.estimate.cost_model import Layout, step_cost  # noqa: E402
+from lowprec.estimate.estimator import mfu  # noqa: E402
 from lowprec.estimate.hardware import Hardware, hardware_from_device_name  # noqa: E402
+from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from recipes import CATALOG, get_recipe  # noqa: E402
 
@@ -125,7 +133,7 @@ def overrides(name: str, model: str, ngpu: int, a: argparse.Namespace, runs: Pat
         f"train.seq_len={a.seq}",
         f"train.timing_warmup_steps={a.warmup}",
         "train.compile=true",
-        "train.ac=selective",
+        f"train.ac={AC}",
         "train.val_every=0",
         "train.val_batches=1",
         "train.telemetry_every=0",
@@ -148,6 +156,21 @@ def published_for(name: str, model: str, ngpu: int, local_batch: int, seq: int, 
     return out
 
 
+#: the suite's activation checkpointing (``train.ac``), also the layout the cost model predicts
+AC = "selective"
+
+
+def predicted(args, recipe, ngpu: int, local_batch: int, seq: int, hw: Hardware | None):
+    """The cost model's ``StepCost`` for the suite's layout (FSDP2 over ``ngpu``, selective AC, compile), or
+    ``None`` without hardware or where it cannot run the recipe."""
+    if hw is None:
+        return None
+    try:
+        return step_cost(args, recipe, hw, Layout(dp_shard=ngpu, batch=local_batch, seq=seq, ac=AC, compile=True))
+    except ValueError:
+        return None
+
+
 def summarize(
     name: str,
     model: str,
@@ -162,7 +185,11 @@ def summarize(
     args, recipe = model_args(model), get_recipe(name)
     per_gpu = metrics["mean_tokens_per_s"] / ngpu
     m = mfu(args, recipe, seq, per_gpu, hw)
-    pred = predict_throughput(args, recipe, local_batch, seq, hw) if hw is not None else None
+    pred = predicted(args, recipe, ngpu, local_batch, seq, hw)
+    try:
+        mem_pred = peak_breakdown(args, recipe, dp_shard=ngpu, batch=local_batch, seq=seq, ac=AC).allocated / 2**30
+    except ValueError:
+        mem_pred = None
     return {
         "tokens_per_s_per_gpu": per_gpu,
         "achieved_tflops_per_gpu": m.achieved_tflops,
@@ -178,6 +205,17 @@ def summarize(
         "mean_loss_last10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "final_val_loss": metrics.get("final_val_loss"),
         "predicted_tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu if pred else None,
+        "measured_over_predicted": per_gpu / pred.tokens_per_s_per_gpu if pred else None,
+        "predicted_step_parts_s": {
+            "gemm": pred.gemm,
+            "attention": pred.attention,
+            "kernels": pred.kernels,
+            "fp8_casts": pred.fp8_casts,
+            "exposed_comm": pred.exposed_comm,
+        }
+        if pred
+        else None,
+        "predicted_allocated_gib": mem_pred,
     }
 
 

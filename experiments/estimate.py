@@ -26,7 +26,7 @@ from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
-from lowprec.model import ModelArgs, model_args
+from lowprec.model import ModelArgs, MoEArgs, model_args
 from lowprec.recipe import Recipe, RecipeError
 from recipes import CATALOG, get_recipe
 
@@ -56,6 +56,11 @@ _INTS = ("parallel.dp_shard", "parallel.tp", "batch", "seq")
 #: The largest held-out throughput error of the shipped calibration (``lowprec estimate --validate``;
 #: ``tests/unit/test_cost_model.py`` keeps it equal to the table's).
 MODEL_ERROR = 0.157
+#: said wherever a MoE model's step time is printed: the held-out error above is that of dense models
+MOE_NOTE = (
+    "MoE step time NOT validated (no published MoE measurement): routed experts timed as separate GEMMs at "
+    "tokens*top_k/n_routed rows each; a GPU grouped GEMM would run them faster"
+)
 
 
 class EstimateArgError(ValueError):
@@ -132,6 +137,20 @@ def parse_args(argv: list[str]) -> dict:
     if out.get("async_tp") and out.get("parallel.tp", 1) == 1:
         raise EstimateArgError("async_tp=true needs parallel.tp > 1")
     return out
+
+
+def compile_for(args, asked: bool | None) -> bool:
+    """Whether the cost model times the elementwise kernels fused (``compile``): as asked, by default ``true``
+    for a dense model and ``false`` for a DeepSeekMoE model, which lowprec trains eager
+    (``lowprec.train.moe_balance`` refuses ``train.compile`` there). ``compile=true`` on a MoE model raises
+    ``EstimateArgError`` (one line)."""
+    moe = isinstance(args, MoEArgs)
+    if asked and moe:
+        raise EstimateArgError(
+            "compile=true: lowprec trains MoE models eager (train.compile is refused for their per-expert loop); "
+            "drop it or set compile=false"
+        )
+    return (not moe) if asked is None else asked
 
 
 def check_model_overrides(over: dict) -> dict:
@@ -268,7 +287,13 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
     fl = e.flops
     lines.append(
         f"FLOPs/token {fl.flops_per_token / 1e9:,.4g} G = 6*N + 12*L*dim*seq, N = {fl.n_flop_params:,} "
-        f"(all but the token embedding); FP8 share {100 * fl.fp8_fraction:.0f}%"
+        + (
+            f"activated parameters (top-k routed + shared experts + router, all but the token embedding; "
+            f"{fl.n_total_params:,} in total)"
+            if fl.is_moe
+            else "(all but the token embedding)"
+        )
+        + f"; FP8 share {100 * fl.fp8_fraction:.0f}%"
     )
     t = e.throughput
     if t is not None and flat:
@@ -278,6 +303,8 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
         )
     if cost is not None:
         lines.append(cost_line(cost))
+        if fl.is_moe:
+            lines.append(f"note: {MOE_NOTE}")
         pub = published_for(e, model_name, cost)
         if pub is not None:
             lines.append(
@@ -334,6 +361,7 @@ def format_ranking(r, model_name: str, costs: dict) -> str:
         lines.append(
             f"\nstep time from the per-op cost model (ac={r.recompute}); its held-out error reaches "
             f"{100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
+            + (f"\n{MOE_NOTE}" if r.rows[0].flops.is_moe else "")
         )
     notes = [f"note: {e.recipe}: {n}" for e in r.rows for n in e.notes]
     notes += [
@@ -383,7 +411,7 @@ def run(opts: dict) -> str:
             kw["batch"],
             r.rows[0].seq,
             ac,
-            opts.get("compile", True),
+            compile_for(args, opts.get("compile")),
             opts.get("async_tp", False),
         )
         costs = _costs(args, recipes, hw, lo)
@@ -399,7 +427,13 @@ def run(opts: dict) -> str:
         return format_ranking(r, opts["model"], costs)
     e = estimate(args, recipes[0], **kw)
     lo = Layout(
-        kw["dp_shard"], kw["tp"], kw["batch"], e.seq, ac, opts.get("compile", True), opts.get("async_tp", False)
+        kw["dp_shard"],
+        kw["tp"],
+        kw["batch"],
+        e.seq,
+        ac,
+        compile_for(args, opts.get("compile")),
+        opts.get("async_tp", False),
     )
     cost = _costs(args, recipes, hw, lo)[recipes[0].name]
     if isinstance(cost, str):  # FP8 under --emulate on a part without FP8 tensor cores

@@ -9,15 +9,17 @@ For every catalog recipe the hardware can run, every tensor-parallel degree ``tp
 mode (the lightest that fits unless ``recompute=`` pins one), ``lowprec.estimate.memory_model`` predicts the peak
 reserved memory and ``lowprec.estimate.cost_model`` the step time. Each recipe keeps its fastest layout that fits
 in memory with ``MEMORY_MARGIN`` of it free; recipes are ranked by predicted time to train ``tokens`` tokens
-(``batch`` sequences of ``seq`` tokens per data-parallel rank and step), then by memory headroom.
+(``batch`` sequences of ``seq`` tokens per data-parallel rank and step), then by memory headroom. A DeepSeekMoE
+model (``model=moe_*``) gets FSDP layouts only (``tp = 1``: the cost and memory models do not cover tensor or
+expert parallelism of its experts), its time from the activated experts and its memory from all of them.
 
 Loss evidence per recipe: the verdicts ``experiments.verdict_table.log_verdicts`` recorded on the parent runs of
 the user's own ablations (``tracking.uri``, default the sqlite store under ``runs/``; read only, and a store
 that does not exist is read as empty), with their paired intervals and seed counts, marked comparable when the
-ablation's model has the same family and size class; otherwise the exact ``lowprec ablate`` command that would
-produce one. Published evidence is cited per recipe kind (``PUBLISHED_EVIDENCE``). A recipe with an
-``inferior`` verdict in the store is never recommended (it is listed as excluded); the text says when a
-predicted speedup over bf16 is below the cost model's held-out error.
+ablation's model has the same family (dense or MoE: ``model_class``) and size class; otherwise the exact
+``lowprec ablate`` command that would produce one. Published evidence is cited per recipe kind
+(``PUBLISHED_EVIDENCE``). A recipe with an ``inferior`` verdict in the store is never recommended (it is listed
+as excluded); the text says when a predicted speedup over bf16 is below the cost model's held-out error.
 
 A bad argument prints one line on stderr and returns 2.
 """
@@ -30,12 +32,12 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.estimate import MODEL_ERROR, EstimateArgError, _value
+from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
 from lowprec.estimate.memory_model import peak_breakdown
-from lowprec.model import model_args
+from lowprec.model import MoEArgs, model_args
 from lowprec.recipe import Recipe
 from recipes import CATALOG, get_recipe
 
@@ -129,10 +131,11 @@ def parse_args(argv: list[str]) -> dict:
     if rc not in ("auto", *AC_MODES):
         raise RecommendArgError(f"recompute={rc!r} is not one of auto, {', '.join(AC_MODES)}")
     out["recompute"] = rc
-    c = str(out.get("compile", "true")).lower()
-    if c not in ("true", "false"):
-        raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
-    out["compile"] = c == "true"
+    if "compile" in out:  # unset: experiments.estimate.compile_for decides per model
+        c = str(out["compile"]).lower()
+        if c not in ("true", "false"):
+            raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
+        out["compile"] = c == "true"
     if "recipes" in out:
         names = _value(out["recipes"])
         if not isinstance(names, list) or not names:
@@ -166,7 +169,7 @@ class StoredVerdict:
         iv = f" {100 * self.effect:+.2f}% [{100 * self.lo:+.2f}%, {100 * self.hi:+.2f}%]" if self.hi is not None else ""
         n = f", {self.seeds} seeds" if self.seeds is not None else ""
         m = f", margin {100 * self.margin:.2f}%" if self.margin is not None else ""
-        where = "" if self.comparable else ", other size class"
+        where = "" if self.comparable else ", other size class or family"
         return f"{self.verdict}{iv} vs {self.control} ({self.ablation_id}, model {self.model}{n}{m}{where})"
 
 
@@ -175,7 +178,15 @@ def size_class(n_params: int) -> str:
     return "toy" if n_params < 1e8 else "small" if n_params < 3e9 else "medium" if n_params < 3e10 else "large"
 
 
-def _n_params(name: str, params: dict) -> int | None:
+def model_class(args) -> str:
+    """``<family> <size class>`` of a model: ``dense`` (Llama) or ``moe`` (DeepSeekMoE, sized by its total
+    parameters), e.g. ``moe toy``. Ablations are comparable within a class: a MoE's verdict says little about a
+    dense model's and the other way round (the MoE's routed experts see fewer, outlier-heavier tokens)."""
+    n = inventory(args, get_recipe(CONTROL).fp8).n_params
+    return f"{'moe' if isinstance(args, MoEArgs) else 'dense'} {size_class(n)}"
+
+
+def _model_class(name: str, params: dict) -> str | None:
     over = {}
     for k, v in params.items():
         if k.startswith("model.") and k != "model.name":
@@ -184,7 +195,7 @@ def _n_params(name: str, params: dict) -> int | None:
         args = model_args(name)
         fields = {f for f in asdict(args)}
         args = model_args(name, **{k: v for k, v in over.items() if k in fields})
-        return inventory(args, get_recipe(CONTROL).fp8).n_params
+        return model_class(args)
     except Exception:  # an ablation of a model this version does not know: not comparable
         return None
 
@@ -212,8 +223,7 @@ def stored_verdicts(uri: str, model: str, family_class: str) -> dict[str, list[S
     for run in runs:
         tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
         mname = tags.get("model") or params.get("model.name") or "?"
-        n = _n_params(mname, params)
-        comparable = n is not None and size_class(n) == family_class
+        comparable = _model_class(mname, params) == family_class
         control = tags.get("verdict_control") or tags.get("control") or CONTROL
         for k, v in tags.items():
             if not k.startswith("verdict.") or k.startswith("verdict_"):
@@ -284,6 +294,8 @@ def _layouts(args, gpus: int, recipe: Recipe):
     for tp in TP_DEGREES:
         if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp:
             continue
+        if tp > 1 and isinstance(args, MoEArgs):
+            continue  # tensor/expert parallelism of a MoE model is not modelled (lowprec.estimate.cost_model)
         dp = gpus // tp
         if recipe.comm.weight_all_gather == "fp8" and tp > 1:
             continue  # lowprec refuses the FP8 weight all-gather with TP
@@ -363,8 +375,8 @@ def recommend(opts: dict) -> Recommendation:
     if seq > args.max_seq_len:
         raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
     names = opts.get("recipes") or list(CATALOG)
-    n_params = inventory(args, get_recipe(CONTROL).fp8).n_params
-    evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], size_class(n_params))
+    opts = {**opts, "compile": compile_for(args, opts.get("compile")), "moe": isinstance(args, MoEArgs)}
+    evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], model_class(args))
     gap = opts["max_loss_gap"]
     options, not_runnable = [], {}
     for name in dict.fromkeys([*names, CONTROL]):
@@ -475,6 +487,7 @@ def format_table(rec: Recommendation) -> str:
         "",
         f"Times are predictions of the per-op cost model (held-out error up to {100 * MODEL_ERROR:.0f}%, "
         "lowprec estimate --validate); memory of lowprec.estimate.memory_model. Never measured by lowprec on a GPU.",
+        *([MOE_NOTE + "."] if rec.query.get("moe") else []),
         "",
         rec.paragraph,
     ]

@@ -65,6 +65,21 @@ all-gathers in FP8 for tensorwise FP8 linears, torchtitan's float8 TP), backward
 recompute once more. Bandwidth: ``intra_gb_s`` when the group fits in a node, else ``inter_gb_s``. Async TP
 (torchtitan ``enable_async_tensor_parallel``) hides TP comm like FSDP's; plain TP comm is exposed.
 
+**DeepSeekMoE models** (``lowprec.model.moe``, ``tp == 1`` only: tensor and expert parallelism of a MoE model are
+not modelled and raise ``ValueError``): each routed expert ``layers.N.moe.experts.E.{w1,w3,w2}`` is its own GEMM
+triple at the expected ``M_e = M * top_k / n_routed_experts`` tokens (perfect balance, what the bias of the
+auxiliary-loss-free balancing aims at), so the small-shape efficiency ``m / (m + d0)`` applies to the expert shapes
+and the step's expert FLOPs are those of the ``top_k`` activated experts; the shared experts run at ``M``; the
+router gate is an FP32 GEMM ``M x dim x n_routed`` per MoE block (forward, dgrad, wgrad; recomputed only under
+``full``). FP8 casts follow each expert's ``M_e``-row input and gradient, and every expert's weight is cast each
+step (all experts' states exist). Memory-bound kernels add the routing (``_moe_kernel_elements``). This is the
+per-expert loop lowprec runs on CPU. A grouped GEMM on GPU (``torch._grouped_mm``, torchtitan's
+``GroupedExperts``, torchao's ``moe_training``) runs all experts of a block as one kernel: its efficiency follows
+the concatenated ``M * top_k`` rows more than the per-expert ``M_e`` (fewer, fuller waves; no per-expert launch),
+so this model is pessimistic for fine-grained experts there; load imbalance (the busiest expert sets a grouped
+GEMM's tail) works the other way. Neither is calibrated: ``published.yaml`` holds no MoE measurement, so MoE
+predictions are not validated.
+
 ``Calibration`` holds the six fitted numbers; ``experiments/fit_cost_model.py`` fits them on the
 ``fit`` points of ``lowprec/estimate/published.yaml`` and reports the held-out error.
 """
@@ -74,8 +89,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from lowprec.estimate.hardware import Hardware
-from lowprec.estimate.inventory import inventory
-from lowprec.model import ModelArgs
+from lowprec.estimate.inventory import inventory, is_routed_expert, tokens_per_expert
+from lowprec.model import ModelArgs, MoEArgs
 from lowprec.recipe import Recipe
 
 ATTENTION_EFF = 0.35
@@ -201,6 +216,9 @@ def step_cost(
     tp = lo.tp
     if args.n_heads % tp or args.n_kv_heads % tp:
         raise ValueError(f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}")
+    moe = isinstance(args, MoEArgs)
+    if moe and tp > 1:
+        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
     inv = inventory(args, recipe.fp8)
     gran = _granularity(recipe)
     hp = "fp32" if recipe.compute_dtype.itemsize == 4 else "bf16"
@@ -223,26 +241,35 @@ def step_cost(
                 n //= tp
         is_fp8 = li.kind != "hp"
         dt = "fp8" if is_fp8 else hp
+        m = tokens_per_expert(args, m_tok) if is_routed_expert(fqn) else m_tok
         s_fd = s_wg = 1.0
         if is_fp8 and gran == "rowwise":
             s_fd = s_wg = cal.rowwise_gemm
         elif is_fp8 and gran == "blockwise":
             s_fd, s_wg = cal.rowwise_gemm, cal.rowwise_gemm * BLOCKWISE_WGRAD
-        f = gemm_time(m_tok, k, n, dt, hw, cal, s_fd)
+        f = gemm_time(m, k, n, dt, hw, cal, s_fd)
         fwd_gemm += f
-        bwd_gemm += gemm_time(m_tok, n, k, dt, hw, cal, s_fd) + gemm_time(k, m_tok, n, dt, hw, cal, s_wg)
+        bwd_gemm += gemm_time(m, n, k, dt, hw, cal, s_fd) + gemm_time(k, m, n, dt, hw, cal, s_wg)
         if lo.ac == "full" or (
             lo.ac == "selective" and fqn.startswith("layers.") and (is_fp8 or short in SELECTIVE_RECOMPUTED_MM)
         ):
             recompute_gemm += f
         if is_fp8:
-            e_x, e_g, e_w = m_tok * k, m_tok * n, k * n
+            e_x, e_g, e_w = m * k, m * n, k * n
             fwd_cast += _cast_bytes(e_x, recipe, lo.compile, h)
             bwd_cast += _cast_bytes(e_g, recipe, lo.compile, h)
             if recipe.comm.weight_all_gather == "fp8" and lo.dp_shard > 1:
                 cast_weight_bytes += _cast_bytes(e_w / lo.dp_shard, recipe, lo.compile, h) + 2 * e_w
             else:
                 cast_weight_bytes += 2 * _cast_bytes(e_w, recipe, lo.compile, h)
+
+    if moe:  # the router gate of every MoE block: an FP32 GEMM (T x dim x n_routed), never FP8, never recomputed
+        n_moe = args.n_layers - args.n_dense_layers  # but under full AC
+        d, ne = args.dim, args.n_routed_experts
+        f = n_moe * gemm_time(m_tok, d, ne, "fp32", hw, cal)
+        fwd_gemm += f
+        bwd_gemm += n_moe * (gemm_time(m_tok, ne, d, "fp32", hw, cal) + gemm_time(d, m_tok, ne, "fp32", hw, cal))
+        recompute_gemm += f if lo.ac == "full" else 0.0
 
     # attention
     nh = args.n_heads // tp
@@ -255,13 +282,16 @@ def step_cost(
     )
 
     # memory-bound kernels
-    ffn = inv.linears["layers.0.feed_forward.w1"].out_features
     q = args.dim
     kv = args.n_kv_heads * hd
-    per_tok_layer = 2 * args.dim + 2 * (q + kv) + 4 * args.dim + 3 * ffn / tp + 3 * args.dim
-    if tp > 1:  # norms and residuals run on the 1/tp sequence shard; RoPE and SwiGLU on the local heads/columns
-        per_tok_layer = (9 * args.dim) / tp + 2 * (q + kv) / tp + 3 * ffn / tp
-    fwd_elem = per_tok_layer * m_tok * args.n_layers * h
+    if moe:
+        fwd_elem = _moe_kernel_elements(args, inv, m_tok) * h
+    else:
+        ffn = inv.linears["layers.0.feed_forward.w1"].out_features
+        per_tok_layer = 2 * args.dim + 2 * (q + kv) + 4 * args.dim + 3 * ffn / tp + 3 * args.dim
+        if tp > 1:  # norms and residuals run on the 1/tp sequence shard; RoPE and SwiGLU on the local heads/columns
+            per_tok_layer = (9 * args.dim) / tp + 2 * (q + kv) / tp + 3 * ffn / tp
+        fwd_elem = per_tok_layer * m_tok * args.n_layers * h
     eager = 1.0 if lo.compile else cal.eager_factor
     fwd_k = fwd_elem * eager / bw
     rec_k = fwd_k if lo.ac in ("selective", "full") else 0.0
@@ -335,6 +365,26 @@ def fsdp_comm_bytes(args: ModelArgs, recipe: Recipe, tp: int = 1) -> tuple[float
         ag += numel * b * (block_gathers if fqn.startswith("layers.") else 2)
         rs += numel * grad_b
     return ag, rs
+
+
+def _moe_kernel_elements(args: MoEArgs, inv, m_tok: int) -> float:
+    """Elements read + written by the forward's memory-bound kernels of a DeepSeekMoE model (``tp == 1``),
+    summed over the blocks: the dense block's rule of the module doc with the SwiGLU over the activated hidden
+    (shared + ``top_k`` routed) in MoE blocks, plus the routing: sigmoid and top-k over ``n_routed_experts``
+    scores (3 per expert), the dispatch gather of ``top_k`` copies of each token (read + write ``2*top_k*dim``)
+    and the gated combine (``top_k*dim`` read, ``dim`` written)."""
+    d, hd = args.dim, args.dim // args.n_heads
+    base = 2 * d + 2 * (d + args.n_kv_heads * hd) + 4 * d + 3 * d
+    total = 0.0
+    for i in range(args.n_layers):
+        dense = inv.linears.get(f"layers.{i}.feed_forward.w1")
+        if dense is not None:
+            total += base + 3 * dense.out_features
+            continue
+        shared = inv.linears.get(f"layers.{i}.moe.shared_experts.w1")
+        hidden = (shared.out_features if shared else 0) + args.top_k * args.moe_inter_dim
+        total += base + 3 * hidden + 3 * args.n_routed_experts + 3 * args.top_k * d + d
+    return total * m_tok
 
 
 def _exposed(comm: float, compute: float, overlap: float) -> float:

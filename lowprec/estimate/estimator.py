@@ -34,7 +34,9 @@ reduce-scatter buffers are not included.
 
 **Throughput** (PaLM, Chowdhery et al. 2022, appendix B): model FLOPs
 per token ``6*N + 12*L*dim*seq`` with ``N`` = every parameter except the token embedding (a lookup), i.e.
-the blocks, the final norm and the output layer; the attention term assumes no causal skipping.
+the blocks, the final norm and the output layer; the attention term assumes no causal skipping. For a
+DeepSeekMoE model ``N`` counts the *activated* parameters (``top_k`` routed experts per MoE block, the shared
+experts, the router gate), as DeepSeek-V3 reports its 37B activated of 671B.
 FP8 recipes run ``6 * (weights of FP8 linears)`` FLOPs per token in FP8; their peak is the FLOP-weighted
 harmonic blend ``1 / (f/peak_fp8 + (1-f)/peak_hp)`` (the time the FLOPs would take at each peak), where
 ``f`` is that FP8 share. ``predict_throughput`` is the flat-efficiency time, FLOPs / (peak * efficiency),
@@ -52,9 +54,9 @@ from dataclasses import asdict, dataclass, field
 from lowprec.backends import fp8_backend, optim_impl
 from lowprec.estimate.activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
 from lowprec.estimate.hardware import Hardware
-from lowprec.estimate.inventory import fsdp_local_numel, inventory, tp_local_shape
+from lowprec.estimate.inventory import fsdp_local_numel, inventory, is_routed_expert, param_counts, tp_local_shape
 from lowprec.measure.accounting import StateBytes
-from lowprec.model import ModelArgs
+from lowprec.model import ModelArgs, MoEArgs
 from lowprec.recipe import Float8Spec, Recipe
 
 DEFAULT_EFFICIENCY = 0.4
@@ -66,13 +68,16 @@ def _elt(recipe: Recipe) -> int:
 
 def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
     """Raise ``ValueError`` unless ``dp_shard >= 1``, ``tp >= 1`` and ``tp`` divides the head counts
-    (torchtitan's tensor-parallel plan shards attention by heads)."""
+    (torchtitan's tensor-parallel plan shards attention by heads), and for ``tp > 1`` on a DeepSeekMoE model
+    (how its experts would be split, tensor or expert parallel, is not modelled)."""
     if dp_shard < 1 or tp < 1:
         raise ValueError(f"parallel.dp_shard={dp_shard} and parallel.tp={tp} must be >= 1")
     if args.n_heads % tp or args.n_kv_heads % tp:
         raise ValueError(
             f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and model.n_kv_heads={args.n_kv_heads}"
         )
+    if tp > 1 and isinstance(args, MoEArgs):
+        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
 
 
 # ---- training state -------------------------------------------------------------------------------------
@@ -210,9 +215,12 @@ def predict_fsdp_buffers(args: ModelArgs, recipe: Recipe, dp_shard: int, tp: int
 class FlopsEstimate:
     """Model FLOPs per token (forward + backward) at sequence length ``seq``.
 
-    ``n_flop_params``: N = all parameters except ``tok_embeddings`` (blocks + final norm + output).
-    ``flops_per_token`` = ``6*N + 12*L*dim*seq``; ``fp8_flops_per_token`` = ``6 * n_fp8_params`` (weights of
-    FP8 linears); ``fp8_fraction`` their share.
+    ``n_flop_params``: N = the parameters one token's forward uses, except ``tok_embeddings`` (blocks + final
+    norm + output; for a DeepSeekMoE model the activated ones: ``top_k`` of the ``n_routed_experts`` routed
+    experts of each MoE block, the shared experts and the router gate, ``lowprec.estimate.inventory.param_counts``).
+    ``flops_per_token`` = ``6*N + 12*L*dim*seq``; ``fp8_flops_per_token`` = ``6 * n_fp8_params`` (activated
+    weights of FP8 linears); ``fp8_fraction`` their share. ``n_total_params``: every parameter but the token
+    embedding (equal to ``n_flop_params`` for a dense model).
     """
 
     seq: int
@@ -220,6 +228,11 @@ class FlopsEstimate:
     n_fp8_params: int
     flops_per_token: int
     fp8_flops_per_token: int
+    n_total_params: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_total_params != self.n_flop_params
 
     @property
     def fp8_fraction(self) -> float:
@@ -235,14 +248,22 @@ def flops_per_token(args: ModelArgs, seq: int, recipe: Recipe | None = None) -> 
     if seq < 1:
         raise ValueError(f"seq={seq} must be >= 1")
     inv = inventory(args, recipe.fp8 if recipe is not None else Float8Spec())
-    n = inv.n_params - inv.n_embedding
+    counts = param_counts(args)
+    n = counts.activated - inv.n_embedding
+    # a routed expert's weights do FLOPs for top_k / n_routed_experts of the tokens; every expert of a block has
+    # one shape, so the sum over a block's experts is top_k experts' worth exactly
+    k, e = (args.top_k, args.n_routed_experts) if isinstance(args, MoEArgs) else (1, 1)
+    fp8_all = sum(li.numel for li in inv.linears.values() if li.kind != "hp" and not is_routed_expert(li.fqn))
+    fp8_exp = sum(li.numel for li in inv.linears.values() if li.kind != "hp" and is_routed_expert(li.fqn))
+    n_fp8 = fp8_all + fp8_exp * k // e
     total = 6 * n + 12 * args.n_layers * args.dim * seq
     return FlopsEstimate(
         seq=seq,
         n_flop_params=n,
-        n_fp8_params=inv.n_fp8_linear,
+        n_fp8_params=n_fp8,
         flops_per_token=total,
-        fp8_flops_per_token=6 * inv.n_fp8_linear,
+        fp8_flops_per_token=6 * n_fp8,
+        n_total_params=counts.total - inv.n_embedding,
     )
 
 

@@ -106,6 +106,20 @@ def inventory(args: ModelArgs, fp8: Float8Spec) -> Inventory:
     return Inventory(args=args, params=params, linears=linears)
 
 
+def is_routed_expert(fqn: str) -> bool:
+    """Whether ``fqn`` (a parameter or linear) belongs to a routed expert ``layers.N.moe.experts.E.*`` of a
+    DeepSeekMoE block (``lowprec.model.moe``): one token uses ``top_k`` of the ``n_routed_experts`` of a block."""
+    return ".moe.experts." in fqn
+
+
+def tokens_per_expert(args: ModelArgs, tokens: int) -> float:
+    """Expected tokens of one routed expert when ``tokens`` tokens are routed: ``tokens * top_k /
+    n_routed_experts`` (perfect balance, the aim of the auxiliary-loss-free bias); ``tokens`` for a dense model."""
+    if not isinstance(args, MoEArgs):
+        return float(tokens)
+    return tokens * args.top_k / args.n_routed_experts
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """``total``: every trainable parameter; ``activated``: those one token's forward uses (a MoE model's routed

@@ -14,7 +14,14 @@ transient) is a lower bound on what the CUDA caching allocator reserves. ``peak_
 
 The allocator's fragmentation is a stated factor ``FRAGMENTATION`` (reserved / allocated at peak), fitted by
 ``experiments/fit_cost_model.py`` on the same ``fit`` points of ``published.yaml`` as the step-time model.
-MoE models are not covered (their expert parameters and all-to-all buffers are left out).
+DeepSeekMoE models (``lowprec.model.moe``, FSDP2 without expert parallelism, ``tp == 1``): weights, gradients and
+optimizer states hold every expert (``predict_state_bytes`` counts the built model's parameters: the *total*,
+not the activated ones), the FSDP2 unsharded buffers hold two whole MoE blocks (all their experts); saved
+activations are those of the ``top_k`` experts each token visits plus the routing buffers (FP32 router input and
+scores, top-k indices and gates, the dispatch order, the routed input and output copies:
+``lowprec.estimate.activations._moe_ffn``, approximate, 1-4% below measured on CPU); ``fp8_transposed`` counts
+the transposed FP8 copy of every expert's weight (each expert is its own FP8 linear) of the largest block. No
+all-to-all buffers: without expert parallelism tokens never leave their rank.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.inventory import inventory
-from lowprec.model import ModelArgs
+from lowprec.model import ModelArgs, MoEArgs
 from lowprec.recipe import Recipe
 
 FRAGMENTATION = 1.0
@@ -64,7 +71,10 @@ def peak_breakdown(
     async_tp: bool = False,
     fragmentation: float = FRAGMENTATION,
 ) -> PeakMemory:
-    """Peak memory of rank 0 (rules in the module doc). Raises ``ValueError`` for a bad layout or AC mode."""
+    """Peak memory of rank 0 (rules in the module doc). Raises ``ValueError`` for a bad layout or AC mode, and
+    for ``tp > 1`` on a MoE model (tensor/expert parallelism of its experts is not modelled)."""
+    if isinstance(args, MoEArgs) and tp > 1:
+        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
     e = estimate(args, recipe, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq)
     if ac not in e.totals:
         raise ValueError(f"ac={ac!r} is not one of {', '.join(e.totals)}")
@@ -78,6 +88,10 @@ def peak_breakdown(
     fp8_t = 0
     if recipe.fp8.enabled and dp_shard > 1:
         inv = inventory(args, recipe.fp8)
-        block = sum(li.numel for f, li in inv.linears.items() if f.startswith("layers.0.") and li.kind != "hp")
+        # the largest block: a DeepSeekMoE model's dense first blocks differ from its MoE blocks
+        block = max(
+            sum(li.numel for f, li in inv.linears.items() if f.startswith(f"layers.{i}.") and li.kind != "hp")
+            for i in range(args.n_layers)
+        )
         fp8_t = 2 * block // tp
     return PeakMemory(e.totals[ac], work, tp_buf, fp8_t, fragmentation)

@@ -239,6 +239,9 @@ BAD_ESTIMATE = [
     (["model=llama3_8b", "recipe=bf16", "async_tp=true"], "async_tp=true needs parallel.tp > 1"),
     (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "unknown recipe group 'fp9'; known: weights"),
     (["--validate", "model=llama3_8b"], "--validate takes no other key"),
+    # a MoE model's experts under tensor parallel: neither the memory nor the cost model covers it
+    (["model=moe_debug", "recipe=bf16", "parallel.tp=2"], "tensor/expert parallelism of a MoE model is not modelled"),
+    (["model=moe_debug", "recipe=bf16", "compile=true"], "compile=true: lowprec trains MoE models eager"),
 ]
 
 

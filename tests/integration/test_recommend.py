@@ -82,6 +82,27 @@ def test_a_different_size_class_is_evidence_but_not_comparable(store, capsys):
     assert "other size class" in d["paragraph"]
 
 
+def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store, capsys):
+    """A MoE model: FSDP only (tp = 1), time from the activated experts (faster per token than counting every
+    expert), and the dense ``debug`` ablation of the store is cited but not comparable (other family)."""
+    argv = ["model=moe_debug", "hardware=h100", "gpus=4", "tokens=1e9", "seq=512", f"tracking.uri={store}", "--json"]
+    assert main(["recommend", *argv, "recipes=[fp8_rowwise,bf16_pure]"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["options"] and all(o["tp"] == 1 and o["dp_shard"] == 4 for o in d["options"])
+    assert d["query"]["compile"] is False and d["query"]["moe"]  # lowprec trains MoE models eager
+    by = {o["recipe"]: o for o in d["options"]}
+    (ev,) = by["fp8_rowwise"]["evidence"]
+    assert ev["model"] == "debug" and ev["comparable"] is False
+    assert by["fp8_rowwise"]["ablate_command"] == (
+        "lowprec ablate 'recipes=[bf16,fp8_rowwise]' model=moe_debug report.margin=0.0025"
+    )
+    # an inferior verdict is still never recommended, whatever the model family
+    assert by["bf16_pure"]["excluded"].startswith("measured inferior")
+    assert main(["recommend", *argv[:-1], "recipes=[fp8_rowwise]"]) == 0
+    out = capsys.readouterr().out
+    assert "other size class or family" in out and "MoE step time NOT validated" in out
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -98,6 +119,10 @@ def test_a_different_size_class_is_evidence_but_not_comparable(store, capsys):
         (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "unknown model size 'nope'"),
         (["model=llama3_8b", "hardware=tpu", "gpus=8", "tokens=1e9"], "unknown hardware 'tpu'"),
         ([*BASE, "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+        (
+            ["model=moe_debug", "hardware=h100", "gpus=2", "tokens=1e9", "compile=true"],
+            "lowprec trains MoE models eager",
+        ),
     ],
 )
 def test_bad_recommend_input_is_one_line(argv, needle, capsys):

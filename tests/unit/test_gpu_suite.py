@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from experiments.cli import compose
+from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import flops_per_token
 from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
@@ -70,4 +71,13 @@ def test_result_row_is_per_gpu_and_sits_beside_published(suite):
     assert [p["tokens_per_s_per_gpu"] for p in pub] == [6667, 6150] and all(p["same_setup"] for p in pub)
     assert pub[0]["measured_over_published"] == pytest.approx(6000 / 6667)
     assert not suite.published_for("bf16", "llama3_1b", 1, 1, 8192, 6000.0)[0]["same_setup"]
+    # the prediction is the cost model's for the suite's layout, not the flat 40% efficiency
+    want = step_cost(model_args("llama3_8b"), get_recipe("bf16"), hw, Layout(8, 1, 1, 8192, "selective", True))
+    assert row["predicted_tokens_per_s_per_gpu"] == want.tokens_per_s_per_gpu
+    assert row["measured_over_predicted"] == pytest.approx(6000.0 / want.tokens_per_s_per_gpu)
+    assert sum(row["predicted_step_parts_s"].values()) == pytest.approx(want.step_time_s)
+    assert 30 < row["predicted_allocated_gib"] < 80
+    assert (
+        suite.predicted(model_args("llama3_8b"), get_recipe("fp8_tensorwise"), 8, 1, 8192, get_hardware("a100")) is None
+    )
     assert suite.published_for("fp8_current", "llama3_8b", 8, 1, 8192, 6000.0) == []
