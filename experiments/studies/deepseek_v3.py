@@ -41,7 +41,7 @@ from experiments.studies import deepseek_numerics as dn  # noqa: E402
 from experiments.tracking import ABLATION_TAG  # noqa: E402
 from experiments.verdict_table import LEVEL  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
-from lowprec.model import Transformer  # noqa: E402
+from lowprec.model import build_model  # noqa: E402
 
 REFERENCE = "deepseek_v3"
 CONTROL = "bf16"
@@ -112,7 +112,7 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
         return [], f"`{ctx.control}` seed {run.seed} left no checkpoint (the experiment sets train.checkpoint_every)"
     cfg = _config(ctx.tracker, run.run_id)
     torch.manual_seed(0)
-    model = Transformer(model_from_cfg(cfg.model))
+    model = build_model(model_from_cfg(cfg.model))  # the Llama or the DeepSeekMoE model
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(steps[-1]))
     model.load_state_dict(state["model"])
