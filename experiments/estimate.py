@@ -22,7 +22,7 @@ import sys
 
 from experiments.cost_validation import format_table, load_points, summary, validate
 from lowprec.estimate.activations import RECOMPUTE_MODES
-from lowprec.estimate.cost_model import Calibration, Layout, step_cost
+from lowprec.estimate.cost_model import Calibration, Layout, gemm_dtype, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
@@ -174,8 +174,17 @@ def check_model_overrides(over: dict) -> dict:
 
 
 def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
-    """Refuse FP8 recipes on hardware without FP8 tensor cores unless ``emulate`` (``EstimateArgError``)."""
-    if emulate or hw.fp8_tflops is not None:
+    """Refuse FP8 recipes on hardware without FP8 tensor cores, and E2M1 (MXFP4 / NVFP4) recipes on hardware without
+    FP4 tensor cores, unless ``emulate`` (``EstimateArgError``)."""
+    if emulate:
+        return
+    fp4 = [r.name for r in recipes if r.fp8.enabled and gemm_dtype(r) == "fp4"]
+    if fp4 and hw.fp4_tflops is None:
+        raise EstimateArgError(
+            f"recipe {fp4[0]} runs FP4 (E2M1) GEMMs and hardware={hw.name} has no FP4 tensor cores; "
+            "pick a Blackwell part (b200, gb200) or pass --emulate"
+        )
+    if hw.fp8_tflops is not None:
         return
     fp8 = [r.name for r in recipes if r.fp8.enabled]
     if fp8:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for
-from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
+from lowprec.estimate.cost_model import AC_MODES, Layout, gemm_dtype, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
 from lowprec.estimate.memory_model import peak_breakdown
@@ -383,6 +383,9 @@ def recommend(opts: dict) -> Recommendation:
         r = get_recipe(name)
         if r.fp8.enabled and hw.fp8_tflops is None:
             not_runnable[name] = f"{hw.name} has no FP8 tensor cores"
+            continue
+        if r.fp8.enabled and gemm_dtype(r) == "fp4" and hw.fp4_tflops is None:
+            not_runnable[name] = f"{hw.name} has no FP4 tensor cores (Blackwell: b200, gb200)"
             continue
         o = best_option(args, r, hw, {**opts, "seq": seq})
         if isinstance(o, str):

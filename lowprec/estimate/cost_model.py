@@ -177,20 +177,31 @@ class StepCost:
         return {**asdict(self), "compute": self.compute}
 
 
+#: Block-scaled scalings whose elements are E2M1 (4 bits): their GEMMs run at the part's FP4 peak.
+E2M1_SCALINGS = ("mxfp4", "nvfp4")
+
+
+def gemm_dtype(recipe: Recipe) -> str:
+    """The peak a recipe's low-precision GEMMs run at: ``fp4`` for E2M1 elements (MXFP4, NVFP4), ``fp8`` otherwise
+    (MXFP8 runs at the FP8 rate on Blackwell)."""
+    return "fp4" if recipe.fp8.scaling in E2M1_SCALINGS else "fp8"
+
+
 def _granularity(recipe: Recipe) -> str | None:
     """``tensorwise``/``rowwise``/``blockwise`` of the recipe's FP8 GEMMs, ``None`` without FP8."""
     return recipe.fp8.scaling if recipe.fp8.enabled else None
 
 
 def gemm_time(m: int, k: int, n: int, dtype: str, hw: Hardware, cal: Calibration, scale: float = 1.0) -> float:
-    """Roofline seconds of one ``m x k x n`` GEMM in ``dtype`` (``bf16``/``fp32``/``fp8``) on ``hw``;
+    """Roofline seconds of one ``m x k x n`` GEMM in ``dtype`` (``bf16``/``fp32``/``fp8``/``fp4``) on ``hw``;
     ``scale`` multiplies the FP8 rate (rowwise/blockwise kernels)."""
     peak = hw.peak_tflops(dtype) * 1e12
     rel = cal.rocm_rel if hw.vendor == "amd" else 1.0
-    eff = (cal.gemm_eff_fp8 * scale * hw.gemm_rel_fp8 * rel) if dtype == "fp8" else cal.gemm_eff_bf16 * rel
+    low = dtype in ("fp8", "fp4")  # FP4 GEMMs take the FP8 efficiency: no published FP4 training point to fit
+    eff = (cal.gemm_eff_fp8 * scale * hw.gemm_rel_fp8 * rel) if low else cal.gemm_eff_bf16 * rel
     small = min(m, k, n)
-    rate = peak * eff * small / (small + D0["fp8" if dtype == "fp8" else "bf16"])
-    ib = 1 if dtype == "fp8" else (4 if dtype == "fp32" else 2)
+    rate = peak * eff * small / (small + D0["fp8" if low else "bf16"])
+    ib = {"fp8": 1, "fp4": 0.5, "fp32": 4}.get(dtype, 2)
     nbytes = (m * k + k * n) * ib + m * n * 2
     return max(2.0 * m * k * n / rate, nbytes / (hw.hbm_tb_s * 1e12 * BW_FRAC))
 
@@ -222,8 +233,9 @@ def step_cost(
     inv = inventory(args, recipe.fp8)
     gran = _granularity(recipe)
     hp = "fp32" if recipe.compute_dtype.itemsize == 4 else "bf16"
+    low = gemm_dtype(recipe)
     if gran is not None:
-        hw.peak_tflops("fp8")  # raises for hardware without FP8 tensor cores
+        hw.peak_tflops(low)  # raises for hardware without FP8 (or, for E2M1 recipes, FP4) tensor cores
     m_tok = lo.batch * lo.seq
     bw = hw.hbm_tb_s * 1e12 * BW_FRAC
     h = 2 if hp == "bf16" else 4
@@ -240,7 +252,7 @@ def step_cost(
             else:
                 n //= tp
         is_fp8 = li.kind != "hp"
-        dt = "fp8" if is_fp8 else hp
+        dt = low if is_fp8 else hp
         m = tokens_per_expert(args, m_tok) if is_routed_expert(fqn) else m_tok
         s_fd = s_wg = 1.0
         if is_fp8 and gran == "rowwise":
@@ -401,6 +413,12 @@ def _numel(shape) -> int:
 def _cast_bytes(e: float, recipe: Recipe, compiled: bool, h: int) -> float:
     """HBM bytes to make both FP8 layouts of an ``e``-element high-precision tensor (module doc)."""
     spec = recipe.fp8
+    if spec.scaling in E2M1_SCALINGS or spec.scaling == "mxfp8":
+        # block-scaled (OCP MX / NVFP4): per-block amax fused with the cast, once per layout as rowwise, writing
+        # the elements (1 byte, or 0.5 for E2M1) and one 1-byte scale per 32 (16 for NVFP4) elements
+        eb = 0.5 if spec.scaling in E2M1_SCALINGS else 1.0
+        blk = 16 if spec.scaling == "nvfp4" else 32
+        return 2 * (e * h + e * eb + e / blk) + (0 if compiled else 2 * e * eb)
     if spec.scaling in ("rowwise", "blockwise"):
         return 2 * (e * h + e) + (0 if compiled else 2 * e)
     amax = 0 if spec.strategy in ("delayed", "static") else e * h

@@ -50,9 +50,12 @@ class Hardware:
     gpus_per_node: int = 8
     vendor: str = "nvidia"
     gemm_rel_fp8: float = 1.0
+    #: dense FP4 (E2M1: NVFP4 / MXFP4) tensor-core peak, TFLOP/s; ``None`` before Blackwell. FP6 runs at the FP8
+    #: rate on Blackwell, so ``fp8_tflops`` is its peak too.
+    fp4_tflops: float | None = None
 
     def peak_tflops(self, dtype: str) -> float:
-        """Dense peak for ``dtype`` (``bf16``, ``fp16``, ``fp8``, ``fp32``) in TFLOP/s.
+        """Dense peak for ``dtype`` (``bf16``, ``fp16``, ``fp8``, ``fp6``, ``fp4``, ``fp32``) in TFLOP/s.
 
         Raises ``ValueError`` if the part has no such units (e.g. FP8 on A100) or the dtype is unknown.
         """
@@ -60,10 +63,12 @@ class Hardware:
             "bf16": self.bf16_tflops,
             "fp16": self.bf16_tflops,
             "fp8": self.fp8_tflops,
+            "fp6": self.fp8_tflops if self.fp4_tflops is not None else None,  # Blackwell: FP6 at the FP8 rate
+            "fp4": self.fp4_tflops,
             "fp32": self.fp32_tflops,
         }.get(dtype, "unknown")
         if value == "unknown":
-            raise ValueError(f"unknown compute dtype {dtype!r}; known: bf16, fp16, fp8, fp32")
+            raise ValueError(f"unknown compute dtype {dtype!r}; known: bf16, fp16, fp8, fp6, fp4, fp32")
         if value is None:
             raise ValueError(f"{self.name} has no {dtype} peak (no {dtype} tensor cores or figure unknown)")
         return float(value)
@@ -138,11 +143,29 @@ HARDWARE: dict[str, Hardware] = {
             192 * 10**9,
             2250.0,
             4500.0,
-            "NVIDIA HGX B200 datasheet per GPU, approximate (~2.25 PF bf16, ~4.5 PF fp8 dense); "
-            "some documents list 180 GB; FP32 ~75 TFLOP/s; HBM3e 8 TB/s; NVLink 5 1.8 TB/s bidirectional",
+            "NVIDIA HGX B200 datasheet per GPU, approximate (~2.25 PF bf16, ~4.5 PF fp8/fp6, ~9 PF fp4 dense: the "
+            "sparse figures 18 PF fp4, 9 PF fp8/fp6, 4.5 PF bf16 halved); some documents list 180 GB; FP32 ~75 "
+            "TFLOP/s; HBM3e 8 TB/s; NVLink 5 1.8 TB/s bidirectional",
             75.0,
             8.0,
             900.0,
+            fp4_tflops=9000.0,
+        ),
+        Hardware(
+            "gb200",
+            186 * 10**9,
+            2500.0,
+            5000.0,
+            "NVIDIA GB200 NVL72 datasheet divided by its 72 Blackwell GPUs, approximate (rack: 1,440 PF fp4, 720 PF "
+            "fp8/fp6, 360 PF bf16, all with sparsity; dense = half: per GPU 10 PF fp4, 5 PF fp8/fp6, 2.5 PF bf16); "
+            "13.4 TB HBM3e per rack = 186 GB per GPU at 8 TB/s; NVLink 5 1.8 TB/s bidirectional within the 72-GPU "
+            "domain; FP32 5,760 TFLOP/s per rack = 80 per GPU",
+            80.0,
+            8.0,
+            900.0,
+            50.0,
+            72,
+            fp4_tflops=10000.0,
         ),
         Hardware(
             "mi300x",

@@ -96,6 +96,23 @@ def test_gemm_time_from_first_principles():
     assert gemm_time(8, 8, 8, "bf16", hw, cal) >= (8 * 8 * 2 * 2 + 8 * 8 * 2) / (3.35e12 * 0.8)
 
 
+def test_e2m1_recipes_run_at_the_fp4_peak_on_blackwell():
+    b200, cal = get_hardware("b200"), Calibration()
+    assert (b200.peak_tflops("fp4"), b200.peak_tflops("fp6"), get_hardware("gb200").peak_tflops("fp4")) == (
+        9000.0,
+        4500.0,
+        10000.0,
+    )
+    with pytest.raises(ValueError, match="no fp4 peak"):
+        get_hardware("h100").peak_tflops("fp4")
+    m, k, n = 16384, 4096, 4096  # compute bound: twice the FP8 rate, the FP8 efficiency (nothing to fit FP4 on)
+    rate4 = 9000e12 * cal.gemm_eff_fp8 * n / (n + D0["fp8"])
+    assert gemm_time(m, k, n, "fp4", b200, cal) == pytest.approx(2 * m * k * n / rate4)
+    args, lo = model_args("llama3_8b"), Layout(dp_shard=8, batch=2, seq=8192, ac="selective")
+    gemm = {r: step_cost(args, get_recipe(r), b200, lo).gemm for r in ("bf16", "mxfp8", "nvfp4")}
+    assert gemm["nvfp4"] < gemm["mxfp8"] < gemm["bf16"]
+
+
 def test_granularity_and_strategy_change_the_step():
     args, hw = model_args("llama3_8b"), get_hardware("h100_sxm")
     lo = Layout(dp_shard=8, batch=2, seq=8192, ac="selective")
