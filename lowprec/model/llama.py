@@ -231,9 +231,13 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed by str(i), as torchtitan, so FQNs are layers.N.* and blocks can be sharded one by one.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def make_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
+        """Block ``layer_id``: a Llama ``TransformerBlock`` (a subclass builds its own, e.g. the DeepSeekMoE one)."""
+        return TransformerBlock(layer_id, args)
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Initialise every parameter in place (torchtitan's scheme: normal(0, 1) embeddings,

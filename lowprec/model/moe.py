@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.errors import ConfigError
-from lowprec.model.llama import Attention, FeedForward, ModelArgs, RMSNorm, rope_cos_sin
+from lowprec.model.llama import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 
 
 @dataclass(frozen=True)
@@ -303,17 +303,12 @@ class MoEBlock(nn.Module):
         return h + self.ffn(self.ffn_norm(h))
 
 
-class MoETransformer(nn.Module):
-    """DeepSeekMoE decoder with Llama attention: ``forward(tokens (B, S) int64) -> logits (B, S, vocab_size)``,
-    the same interface and top-level names as ``lowprec.model.llama.Transformer``."""
+class MoETransformer(Transformer):
+    """DeepSeekMoE decoder with Llama attention: ``lowprec.model.llama.Transformer`` (its embeddings, norm, output
+    and ``forward(tokens (B, S) int64) -> logits (B, S, vocab_size)``) with ``MoEBlock`` blocks."""
 
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+    def make_block(self, layer_id: int, args: MoEArgs) -> nn.Module:
+        return MoEBlock(layer_id, args)
 
     def moe_layers(self) -> dict[str, MoE]:
         """``{"layers.N.moe": MoE}`` of the MoE blocks, in order."""
@@ -350,13 +345,3 @@ class MoETransformer(nn.Module):
         for m in self.moe_layers().values():
             m.last_aux_loss = None
         return torch.stack(losses).sum() if losses else None
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.args.max_seq_len}")
-        cos, sin = rope_cos_sin(self.args.head_dim, seq, self.args.rope_theta, device=tokens.device)
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        return self.output(self.norm(h))
