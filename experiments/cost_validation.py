@@ -171,14 +171,14 @@ def recipe_ranking(rows: list[Row], key: str = "predicted") -> dict[str, list[st
     return out
 
 
-FITTED = ("gemm_eff_bf16", "gemm_eff_fp8", "rowwise_gemm", "eager_factor", "overlap", "rocm_rel")
+FITTED = ("gemm_eff_bf16", "gemm_eff_fp8", "rowwise_gemm", "eager_factor", "overlap", "rocm_attention")
 BOUNDS = {
     "gemm_eff_bf16": (0.2, 1.0),
     "gemm_eff_fp8": (0.1, 1.0),
     "rowwise_gemm": (0.3, 1.0),
     "eager_factor": (1.0, 6.0),
     "overlap": (0.0, 1.0),
-    "rocm_rel": (0.2, 1.5),
+    "rocm_attention": (0.2, 1.5),
 }
 
 

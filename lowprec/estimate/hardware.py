@@ -16,11 +16,27 @@ The cost model (``lowprec.estimate.cost_model``) also reads ``hbm_tb_s`` (datash
 ``intra_gb_s`` (per-GPU, per-direction bandwidth to the GPUs of its node: NVLink / Infinity Fabric / PCIe),
 ``inter_gb_s`` (per-GPU network bandwidth to other nodes, the usual one 400 Gb/s NIC per GPU = 50 GB/s;
 A100 systems: 200 Gb/s), ``gpus_per_node``, ``vendor`` (``nvidia`` / ``amd``: the cost model fits one
-efficiency factor for the ROCm stack) and ``gemm_rel_fp8``: how much further from its peak the part's FP8
-GEMMs are than its bf16 ones, relative to an H100 (1.0 for NVIDIA parts; MI300X 0.9 from SemiAnalysis'
-"MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024, GEMM sweep: about 620 of 1307 TFLOP/s bf16 and
-990 of 2615 fp8, against H100's 720 of 989 and 1280 of 1979, i.e. (990/2615)/(620/1307) over
-(1280/1979)/(720/989); approximate readings).
+factor for attention on the ROCm stack) and ``gemm_rel_bf16`` / ``gemm_rel_fp8``: the part's measured
+maximum-achievable matmul efficiency (achieved / dense peak) in that dtype, relative to the H100 SXM's, whose
+efficiency the calibration carries. The efficiencies are measured ceilings of large GEMMs, not fitted:
+
+| part | bf16 | fp8 | source |
+|---|---|---|---|
+| H100 SXM | 794.5 / 989 = 80.3% | 1402.6 / 1979 = 70.9% | MAMF [1] (torch 2.7.0+cu126) |
+| H200 | "the same" as H100 | 1453.4 / 1979 = 73.4% | MAMF [1] |
+| B200 | 1745.0 / 2250 = 77.6% | 3432.5 / 4500 = 76.3% | MAMF [1] (torch 2.7.1+cu128) |
+| GB200 | 1822.0 / 2500 = 72.9% | 3615.6 / 5000 = 72.3% | MAMF [1] (torch 2.10.0.dev+cu130) |
+| A100 SXM | 271.2 / 312 = 86.9% | (no FP8) | MAMF [1] |
+| MI300X | 708 / 1307.4 = 54.2% | 1273 / 2614.9 = 48.7% | AMD MAF [2] (hipBLASLt) |
+
+[1] Stas Bekman, ml-engineering, ``compute/accelerator/README.md``, "Maximum Achievable Matmul FLOPS comparison
+table" (commit 744d01e, 2026-08), ``mamf-finder.py``, mean of 100 iterations, best shape of a sweep. [2] AMD ROCm
+blog "Measuring Max-Achievable FLOPs - Part 2" (Sander et al., 2025-02-28), Table 1, ``hipblaslt-bench``. Both
+MI300X dtypes come from [2], so its bf16 : fp8 ratio is one campaign's; [1] has no MI300X FP8 row. The H100 96 GB
+/ 500 W and H100 PCIe/NVL have no measurement: 1.0 (the calibration is fitted on the 96 GB part). FP4 GEMMs take
+``gemm_rel_fp8``. These replace an earlier MI300X FP8 factor of 0.9 read off a SemiAnalysis chart
+("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024), which the two measured tables do not support
+(they give 1.02).
 """
 
 from __future__ import annotations
@@ -49,7 +65,9 @@ class Hardware:
     inter_gb_s: float = 50.0
     gpus_per_node: int = 8
     vendor: str = "nvidia"
+    #: measured max-achievable matmul efficiency relative to the H100 SXM's, per dtype (module doc)
     gemm_rel_fp8: float = 1.0
+    gemm_rel_bf16: float = 1.0
     #: dense FP4 (E2M1: NVFP4 / MXFP4) tensor-core peak, TFLOP/s; ``None`` before Blackwell. FP6 runs at the FP8
     #: rate on Blackwell, so ``fp8_tflops`` is its peak too.
     fp4_tflops: float | None = None
@@ -75,6 +93,24 @@ class Hardware:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: measured max-achievable matmul efficiency (achieved TFLOP/s / dense peak) per dtype (module doc, [1] and [2])
+H100_MAMF = {"bf16": 794.5 / 989.0, "fp8": 1402.6 / 1979.0}
+MI300X_MAF = {"bf16": 708.0 / 1307.4, "fp8": 1273.0 / 2614.9}
+MEASURED_MATMUL_EFF = {
+    "h100_sxm": H100_MAMF,
+    "h200": {"bf16": H100_MAMF["bf16"], "fp8": 1453.4 / 1979.0},
+    "b200": {"bf16": 1745.0 / 2250.0, "fp8": 3432.5 / 4500.0},
+    "gb200": {"bf16": 1822.0 / 2500.0, "fp8": 3615.6 / 5000.0},
+    "a100_80gb": {"bf16": 271.2 / 312.0},
+    "mi300x": MI300X_MAF,
+}
+
+
+def _rel(name: str) -> dict:
+    """``gemm_rel_*`` keyword arguments of part ``name``: its measured matmul efficiency over the H100 SXM's."""
+    return {f"gemm_rel_{k}": v / H100_MAMF[k] for k, v in MEASURED_MATMUL_EFF[name].items()}
 
 
 #: name -> Hardware. Names are lower-case; ``get_hardware`` also accepts the aliases in ``ALIASES``.
@@ -125,6 +161,7 @@ HARDWARE: dict[str, Hardware] = {
             67.0,
             4.8,
             450.0,
+            **_rel("h200"),
         ),
         Hardware(
             "a100_80gb",
@@ -137,6 +174,7 @@ HARDWARE: dict[str, Hardware] = {
             2.039,
             300.0,
             25.0,
+            **_rel("a100_80gb"),
         ),
         Hardware(
             "b200",
@@ -150,6 +188,7 @@ HARDWARE: dict[str, Hardware] = {
             8.0,
             900.0,
             fp4_tflops=9000.0,
+            **_rel("b200"),
         ),
         Hardware(
             "gb200",
@@ -166,6 +205,7 @@ HARDWARE: dict[str, Hardware] = {
             50.0,
             72,
             fp4_tflops=10000.0,
+            **_rel("gb200"),
         ),
         Hardware(
             "mi300x",
@@ -180,7 +220,7 @@ HARDWARE: dict[str, Hardware] = {
             50.0,
             8,
             "amd",
-            0.9,
+            **_rel("mi300x"),
         ),
     )
 }
