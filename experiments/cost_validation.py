@@ -49,10 +49,13 @@ class Point:
     memory_gib: float | None = None
     async_tp: bool = False
     max_seq_len: int | None = None
+    compiled_loss: bool | None = None
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp_shard, self.tp, self.batch, self.seq, self.ac, self.compile, self.async_tp)
+        return Layout(
+            self.dp_shard, self.tp, self.batch, self.seq, self.ac, self.compile, self.async_tp, self.compiled_loss
+        )
 
     @property
     def published(self) -> float:
@@ -124,6 +127,7 @@ def predict_allocated_gib(p: Point) -> float:
         seq=p.seq,
         ac=p.ac,
         async_tp=p.async_tp,
+        compiled_loss=p.layout.loss_compiled,
     )
     return pk.allocated / 2**30
 

@@ -140,7 +140,8 @@ def parse_args(argv: list[str]) -> dict:
 
 
 def compile_for(args, asked: bool | None) -> bool:
-    """Whether the cost model times the elementwise kernels fused (``compile``): as asked, by default ``true``
+    """Whether the cost model times the elementwise kernels fused and the memory model counts the loss compiled
+    (``compile``, what ``train.compile`` does): as asked, by default ``true``
     for a dense model and ``false`` for a DeepSeekMoE model, which lowprec trains eager
     (``lowprec.train.moe_balance`` refuses ``train.compile`` there). ``compile=true`` on a MoE model raises
     ``EstimateArgError`` (one line)."""
@@ -407,6 +408,7 @@ def run(opts: dict) -> str:
         seq=opts.get("seq"),
         hardware=hw,
         efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
+        compiled_loss=compile_for(args, opts.get("compile")),  # lowprec compiles the loss with the blocks
     )
     recipes = _recipes(opts["recipe"], opts["recipe_over"])
     check_fp8_hardware(recipes if opts["recipe"] != "all" else [], hw, opts["emulate"])

@@ -45,7 +45,7 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
     for name in names:
         try:
             r = get_recipe(name)
-            e = estimate(model, r, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw)
+            e = estimate(model, r, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw, compiled_loss=compiled)
             tps = step_cost(model, r, hw, Layout(dp_shard, tp, batch, seq, ac, compiled)).tokens_per_s_per_gpu
         except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses
             out[name] = Prediction(hw.name, None, None)

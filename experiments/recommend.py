@@ -314,7 +314,9 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
         return f"no layout of {opts['gpus']} GPUs can run it (FP8 communication needs FSDP and, in lowprec, no TP)"
     for dp, tp in layouts:
         for ac in modes:
-            pk = peak_breakdown(args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac)
+            pk = peak_breakdown(
+                args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac, compiled_loss=opts["compile"]
+            )
             if pk.reserved > (1 - MEMORY_MARGIN) * hw.memory_bytes:
                 continue
             c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, opts["compile"]))

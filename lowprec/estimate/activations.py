@@ -27,7 +27,11 @@ With ``T = batch * seq`` tokens, ``D`` dim, ``F`` ffn hidden, ``H``/``KV`` heads
   input as emulated E5M6 held in float32 (``4*T*in``; 1.5 bytes per element packed, which lowprec does not do).
 - head and loss: final norm, the output linear, ``log_softmax`` in fp32 (``4*T*vocab``, also what
   ``nll_loss`` saves), the targets (int64 ``8T``), ``total_weight`` (4), and the embedding's token ids
-  (int64 ``8T``).
+  (int64 ``8T``). A compiled loss (``compiled_loss=True``: ``torch.compile`` of the FP32 cross-entropy, what
+  ``lowprec.train.compile.compile_loss`` does under ``train.compile`` and torchtitan does since commit bbb1b61,
+  2025-04-02) saves instead the logits themselves in their dtype (``c*T*vocab``) and two FP32 statistics per row
+  (max and logsumexp, ``8T``): AOTAutograd's partitioner recomputes the softmax in the fused backward
+  (measured on CPU, ``tests/unit/test_estimate.py``).
 
 Mechanism: on one device (``dp_shard == 1``) precision is ``torch.autocast`` as ``lowprec.train.build``
 sets it; under FSDP2 (``dp_shard > 1``) it is ``MixedPrecisionPolicy(param_dtype=compute dtype)``, so the
@@ -278,8 +282,9 @@ class ActivationEstimate:
     copies included): what the forward keeps plus the largest block being recomputed, counted as
     ``measure_saved_bytes`` counts under ``lowprec.train.ac``; ``recompute_activations``: the same without
     the weight copies (what a run logs as ``mem_saved_activations_bytes``). ``loss_transient``: not saved
-    but alive at the loss during backward: the gradient of the fp32 ``log_softmax`` output and of its input,
-    ``8 * T * vocab`` (divided by ``tp``), an estimate not checked by measurement. ``korthikanti``: the
+    but alive at the loss during backward: eager, the gradient of the fp32 ``log_softmax`` output and of its
+    input, ``8 * T * vocab``; compiled, the fused backward's one output, the logits' gradient in their dtype
+    (``c * T * vocab``); divided by ``tp``; an estimate not checked by measurement. ``korthikanti``: the
     reference ``L*s*b*h*(34 + 5*a*s/h)`` bytes (Korthikanti et al. 2022, 16-bit, no recompute, the ``s x s``
     attention scores stored, i.e. no flash attention), and ``korthikanti_selective`` ``L*s*b*h*34`` (scores
     recomputed); both ignore the head, the loss and the recipe's dtypes.
@@ -314,9 +319,19 @@ def korthikanti_bytes(args: ModelArgs, batch: int, seq: int, tp: int = 1, select
 
 
 def predict_saved_activations(
-    args: ModelArgs, recipe: Recipe, batch: int, seq: int, device_type: str = "cuda", dp_shard: int = 1, tp: int = 1
+    args: ModelArgs,
+    recipe: Recipe,
+    batch: int,
+    seq: int,
+    device_type: str = "cuda",
+    dp_shard: int = 1,
+    tp: int = 1,
+    compiled_loss: bool = False,
 ) -> ActivationEstimate:
     """Predict the bytes autograd saves for one micro-batch of ``batch`` x ``seq`` tokens (per GPU).
+
+    ``compiled_loss``: the loss runs ``torch.compile``d (module doc); the blocks are counted eager either way
+    (a run's ``mem_saved_activations_bytes`` is measured eager too, ``lowprec.train.meter``).
 
     ``device_type``: ``cuda`` or ``cpu`` (torchao FP8 linears cast their input only under CUDA autocast).
     Raises ``ValueError`` for non-positive sizes, ``seq > args.max_seq_len`` or an unknown device type.
@@ -338,8 +353,13 @@ def predict_saved_activations(
     for i in range(args.n_layers):
         x = _block(led, i, x, inv, p, recipe.fp8, batch, seq)
     xn = _norm(led, "head", "norm", x, p, args.dim, rows)
-    _linear(led, "head", inv.linears["output"], xn, p, recipe.fp8, rows)
-    led.save("loss.log_softmax", 4 * rows * args.vocab_size, "head")
+    logits = _linear(led, "head", inv.linears["output"], xn, p, recipe.fp8, rows)
+    logit_bytes = logits.dtype.itemsize * logits.numel
+    if compiled_loss:
+        led.save("loss.logits", logit_bytes, "head")
+        led.save("loss.row_max_logsumexp", 8 * rows, "head")
+    else:
+        led.save("loss.log_softmax", 4 * rows * args.vocab_size, "head")
     led.save("loss.target", 8 * rows, "head", tp_divides=False)
     led.save("loss.total_weight", 4, "head", tp_divides=False)
 
@@ -368,7 +388,7 @@ def predict_saved_activations(
         by_scope={"blocks": blocks, "head": head, "globals": glob},
         recompute=recompute,
         recompute_activations=recompute_acts,
-        loss_transient=-(-8 * rows * args.vocab_size // tp),
+        loss_transient=-(-(logit_bytes if compiled_loss else 8 * rows * args.vocab_size) // tp),
         korthikanti=korthikanti_bytes(args, batch, seq, tp),
         korthikanti_selective=korthikanti_bytes(args, batch, seq, tp, selective=True),
     )

@@ -427,8 +427,10 @@ def estimate(
     hardware: Hardware | None = None,
     efficiency: float = DEFAULT_EFFICIENCY,
     device_type: str = "cuda",
+    compiled_loss: bool = False,
 ) -> Estimate:
-    """Everything for one recipe on rank 0 of the layout. ``seq`` defaults to ``args.max_seq_len``.
+    """Everything for one recipe on rank 0 of the layout. ``seq`` defaults to ``args.max_seq_len``;
+    ``compiled_loss``: the loss is ``torch.compile``d (``lowprec.estimate.activations``).
 
     Raises ``ValueError`` for a bad layout, size or efficiency; a hardware that cannot run the recipe (FP8 on A100)
     leaves ``throughput=None`` with a note instead of raising.
@@ -438,7 +440,7 @@ def estimate(
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
     seq = args.max_seq_len if seq is None else seq
     state = predict_state_bytes(args, recipe, dp_shard, tp)
-    acts = predict_saved_activations(args, recipe, batch, seq, device_type, dp_shard, tp)
+    acts = predict_saved_activations(args, recipe, batch, seq, device_type, dp_shard, tp, compiled_loss)
     fsdp = predict_fsdp_buffers(args, recipe, dp_shard, tp)
     notes = list(state.notes)
     thr = None

@@ -70,12 +70,15 @@ def peak_breakdown(
     ac: str = "selective",
     async_tp: bool = False,
     fragmentation: float = FRAGMENTATION,
+    compiled_loss: bool = False,
 ) -> PeakMemory:
-    """Peak memory of rank 0 (rules in the module doc). Raises ``ValueError`` for a bad layout or AC mode, and
-    for ``tp > 1`` on a MoE model (tensor/expert parallelism of its experts is not modelled)."""
+    """Peak memory of rank 0 (rules in the module doc); ``compiled_loss``: the loss is ``torch.compile``d
+    (``lowprec.estimate.activations``: what it saves and its backward transient). Raises ``ValueError`` for a
+    bad layout or AC mode, and for ``tp > 1`` on a MoE model (tensor/expert parallelism of its experts is not
+    modelled)."""
     if isinstance(args, MoEArgs) and tp > 1:
         raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
-    e = estimate(args, recipe, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq)
+    e = estimate(args, recipe, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, compiled_loss=compiled_loss)
     if ac not in e.totals:
         raise ValueError(f"ac={ac!r} is not one of {', '.join(e.totals)}")
     rec = e.activations.recompute

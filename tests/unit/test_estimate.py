@@ -101,6 +101,33 @@ def test_saved_activation_prediction_equals_measurement(size, name, seq):
     assert predicted.recompute["full"] < predicted.recompute["selective"] < predicted.recompute["none"]
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp32"])
+def test_compiled_loss_saved_bytes_equal_the_prediction(name):
+    """``train.compile`` compiles the loss (``compile_loss``): AOTAutograd keeps the logits and two FP32 row
+    statistics instead of the FP32 log-softmax; the ledger with ``compiled_loss=True`` counts exactly that."""
+    from lowprec.train.compile import compile_loss, cross_entropy_fp32
+
+    args, recipe, batch, seq = model_args("debug"), get_recipe(name), 4, 128
+    b = build(recipe, args, SPEC, OptimHParams(), 0, CPU)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, args.vocab_size, (batch, seq), generator=gen) for _ in range(2))
+    loss_fn = compile_loss(cross_entropy_fp32)
+
+    def forward_and_loss():
+        with b.precision():
+            logits = b.model(x)
+        return loss_fn(logits, y)
+
+    measured = measure_saved_bytes(forward_and_loss, b.model)
+    predicted = predict_saved_activations(args, recipe, batch, seq, device_type="cpu", compiled_loss=True)
+    assert (predicted.activations, predicted.weight_copies) == (measured.activations, measured.weight_copies)
+    eager = predict_saved_activations(args, recipe, batch, seq, device_type="cpu")
+    logit_bytes = recipe.compute_dtype.itemsize * batch * seq * args.vocab_size
+    assert (
+        eager.activations - predicted.activations == 4 * batch * seq * args.vocab_size - logit_bytes - 8 * batch * seq
+    )
+
+
 def test_fp8_activation_cache_saves_memory_in_the_prediction():
     args = model_args("tiny")
     cached = predict_saved_activations(args, get_recipe("fp8_blockwise"), 8, 256, "cpu")
