@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 from torch import nn
 
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
@@ -52,13 +53,13 @@ class LowprecFloat8(Float8Backend):
             for fqn in [f for f, m in model.named_modules() if isinstance(m, SwiGLU)]:
                 swap_module(model, fqn, Float8CachedSwiGLU())
 
-    def compile_blocker(self, spec, telemetry_every) -> str | None:
+    def compile_blocker(self, spec, telemetry_every, device_type="cpu") -> str | None:
         if telemetry_every > 0:
             return (
                 f"lowprec FP8 telemetry (train.telemetry_every={telemetry_every}) computes data-dependent "
                 "statistics that cannot be traced; set train.telemetry_every=0 to compile"
             )
-        return None
+        return cuda_compile_blocker(spec, device_type, torch.__version__)
 
     def kernel_of(self, module) -> str:
         return module.fp8_kernel
@@ -130,3 +131,36 @@ def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
 
 
 register_fp8_backend(LowprecFloat8())
+
+
+#: The first torch release whose dynamo traced every lowprec FP8 linear (checked on CPU, torch 2.13; the CUDA-only
+#: native blockwise kernel path under 2.13 is untested).
+COMPILE_OK_TORCH = (2, 13)
+
+
+def cuda_compile_blocker(spec, device_type: str, torch_version: str) -> str | None:
+    """Why ``train.compile`` cannot compile a lowprec FP8 linear of ``spec`` on ``device_type`` under
+    ``torch_version``, or ``None``. Seen on an H100 with torch 2.11.0+cu130 (2026-11-25, dynamo of
+    ``torch.compile(fullgraph=True)``): a linear with ``cache_fp8_activations`` or blockwise scaling failed to
+    trace ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", or a fake-tensor dtype
+    mismatch at the attention), while tensorwise and rowwise without the cache compiled and trained. Refused
+    before training for torch older than ``COMPILE_OK_TORCH`` on CUDA."""
+    if device_type != "cuda" or not spec.enabled:
+        return None
+    major, minor = (int(p) for p in torch_version.split("+")[0].split(".")[:2])
+    if (major, minor) >= COMPILE_OK_TORCH:
+        return None
+    parts = [
+        p
+        for p, on in (
+            ("cache_fp8_activations=true", spec.cache_fp8_activations),
+            ("blockwise scaling", spec.scaling == "blockwise"),
+        )
+        if on
+    ]
+    if not parts:
+        return None
+    return (
+        f"torch {torch_version}'s dynamo cannot trace lowprec's FP8 linear with {' and '.join(parts)} on CUDA "
+        f"(seen on an H100 with torch 2.11); use torch>={'.'.join(map(str, COMPILE_OK_TORCH))} or train.compile=false"
+    )

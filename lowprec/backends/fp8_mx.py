@@ -87,7 +87,7 @@ class LowprecMX(Float8Backend):
         for fqn, (fin, fout) in shapes.items():
             self.check_features(spec, fqn, fin, fout)
 
-    def compile_blocker(self, spec, telemetry_every) -> str | None:
+    def compile_blocker(self, spec, telemetry_every, device_type="cpu") -> str | None:
         return "the block-scaled linear (backend=mx) quantizes with data-dependent indexing; use train.compile=false"
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:

@@ -44,7 +44,7 @@ class TransformerEngineFloat8(Float8Backend):
                     f"tensor cores; this GPU is SM{cap[0]}{cap[1]} (backend=mx emulates it on CPU)"
                 )
 
-    def compile_blocker(self, spec, telemetry_every) -> str | None:
+    def compile_blocker(self, spec, telemetry_every, device_type="cpu") -> str | None:
         return "Transformer Engine's te.Linear runs its own kernels outside torch.compile (use train.compile=false)"
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:

@@ -87,9 +87,10 @@ class Float8Backend(ABC):
         ``(in_features, out_features)``, ``tokens`` is a step's batch_size x seq_len (e.g. block-scaled GEMMs whose
         contraction dims the blocks must divide)."""
 
-    def compile_blocker(self, spec: Float8Spec, telemetry_every: int) -> str | None:
-        """Why this backend's linears cannot run inside a ``torch.compile``d block (``train.compile``) with
-        FP8 telemetry sampled every ``telemetry_every`` steps, or ``None`` when they can."""
+    def compile_blocker(self, spec: Float8Spec, telemetry_every: int, device_type: str = "cpu") -> str | None:
+        """Why this backend's linears cannot run inside a ``torch.compile``d block (``train.compile``) on a
+        ``device_type`` (``cpu`` / ``cuda``) device with FP8 telemetry sampled every ``telemetry_every`` steps, or
+        ``None`` when they can."""
         return None
 
     def fallback_blocker(self, spec: Float8Spec, comm: CommSpec) -> str | None:

@@ -2,7 +2,9 @@
 
 ``SCALED_MM_OP`` is chosen once, at import: torch's public ``torch.nn.functional.scaled_mm`` (with
 ``ScalingType``) where the installed torch has it, the private ``torch._scaled_mm`` otherwise (tensorwise and
-rowwise only). Both compute ``out = (mat_a * scale_a) @ (mat_b * scale_b)`` with *decoding* scales (the
+rowwise only). It names what blockwise calls need; tensorwise and rowwise calls always run ``torch._scaled_mm``
+and blockwise ones the aten op under the public function (``native_scaled_mm`` says why). Both compute
+``out = (mat_a * scale_a) @ (mat_b * scale_b)`` with *decoding* scales (the
 reciprocal of lowprec's ``fp8 = hp * scale``), FP32 accumulation and one rounding to ``out_dtype``.
 
 The contract a call must meet on CUDA (torch's own checks: ``torch/_meta_registrations.py``
@@ -64,22 +66,34 @@ class ScaledMMCall:
 
 
 def native_scaled_mm(call: ScaledMMCall) -> torch.Tensor:
-    """Run ``call`` on the device's own kernel through ``SCALED_MM_OP``. Raises ``RuntimeError`` (torch's) when
-    the device has no kernel for the scaling, and ``ValueError`` for blockwise scaling without the public op."""
-    if SCALED_MM_OP == "torch.nn.functional.scaled_mm":
-        return F.scaled_mm(
-            call.mat_a,
-            call.mat_b,
-            call.scale_a,
-            getattr(F.ScalingType, call.recipe_a),
-            call.scale_b,
-            getattr(F.ScalingType, call.recipe_b),
-            output_dtype=call.out_dtype,
+    """Run ``call`` on the device's own kernel. Tensorwise and rowwise calls go to ``torch._scaled_mm`` on every
+    torch (the op torchao's FP8 linears use: dynamo traces it); blockwise calls, where ``SCALED_MM_OP`` is the
+    public op, to the aten op under ``torch.nn.functional.scaled_mm`` (``torch.ops.aten._scaled_mm_v2``) with the
+    arguments that function builds. Why not the public function itself: on torch 2.11 + CUDA 13.0 (an H100,
+    2026-11-25) dynamo refused to trace it (``_VariableFunctionsClass._scaled_mm_v2`` "marked as skipped"), so
+    every lowprec FP8 recipe failed under ``train.compile``; the OpOverload is traceable. Raises ``RuntimeError``
+    (torch's) when the device has no kernel for the scaling, and ``ValueError`` for blockwise scaling without the
+    public op."""
+    blockwise = call.recipe_a.startswith("BlockWise") or call.recipe_b.startswith("BlockWise")
+    if not blockwise:
+        return torch._scaled_mm(
+            call.mat_a, call.mat_b, scale_a=call.scale_a, scale_b=call.scale_b, out_dtype=call.out_dtype
         )
-    if call.recipe_a.startswith("BlockWise") or call.recipe_b.startswith("BlockWise"):
+    if SCALED_MM_OP != "torch.nn.functional.scaled_mm":
         raise ValueError(f"torch._scaled_mm has no {call.recipe_a} x {call.recipe_b} scaling; it needs torch>=2.10")
-    return torch._scaled_mm(
-        call.mat_a, call.mat_b, scale_a=call.scale_a, scale_b=call.scale_b, out_dtype=call.out_dtype
+    return torch.ops.aten._scaled_mm_v2.default(
+        call.mat_a,
+        call.mat_b,
+        [call.scale_a],
+        [getattr(F.ScalingType, call.recipe_a).value],
+        [],
+        [call.scale_b],
+        [getattr(F.ScalingType, call.recipe_b).value],
+        [],
+        None,
+        call.out_dtype,
+        [],
+        False,
     )
 
 

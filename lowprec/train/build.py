@@ -133,12 +133,14 @@ def check_fp8_shapes(recipe: Recipe, model: nn.Module, train: TrainSpec) -> None
     fp8_backend(recipe.fp8.backend).check_shapes(recipe.fp8, shapes, train.batch_size * train.seq_len)
 
 
-def check_compile(recipe: Recipe, train: TrainSpec) -> None:
-    """With ``train.compile``, refuse before training a recipe whose blocks cannot be compiled whole (no
-    silent fallback to eager): ``Float8Backend.compile_blocker``. Raises ``RecipeError`` naming the part."""
+def check_compile(recipe: Recipe, train: TrainSpec, device: torch.device | None = None) -> None:
+    """With ``train.compile``, refuse before training a recipe whose blocks cannot be compiled whole on ``device``
+    (default CPU; no silent fallback to eager): ``Float8Backend.compile_blocker``. Raises ``RecipeError`` naming
+    the part."""
     if not train.compile:
         return
-    reason = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, train.telemetry_every)
+    dev = "cpu" if device is None else device.type
+    reason = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, train.telemetry_every, dev)
     if reason:
         raise RecipeError(f"train.compile=true cannot compile recipe {recipe.name!r}: {reason}")
 
@@ -254,7 +256,7 @@ def build(
     ``emulated`` (``lowprec.kernels.policy``; ignored on CUDA, which never emulates)."""
     check_runtime(recipe, device)
     check_fp8_fallback(recipe, train)
-    check_compile(recipe, train)
+    check_compile(recipe, train, device)
     dims = parallel or ParallelDims()
     check_moe_layout(args, dims, train)
     kernels = resolve_kernels(cpu_kernels, device)

@@ -90,11 +90,35 @@ def test_cuda_blockwise_native_and_chunked_paths_match_reference(gran_b, shape):
     x, w = _operand(m, k, 0), _operand(n, k, 1)
     a, bt = quantize_operand(x, E4M3, "tile1x128"), quantize_operand(w, E4M3, gran_b)
     ref = fp8_gemm(a, bt, torch.float32, backend="emulated")
-    chunks = [(k0, min(k0 + 128, k)) for k0 in range(0, k, 128)]
     paths = [False] + ([True] if native_blockwise_supported(torch.device("cuda")) else [])
     for native in paths:
-        calls = scaled_mm_calls(_to(a, "cuda"), _to(bt, "cuda"), torch.float32, chunks, native_blockwise=native)
+        calls = scaled_mm_calls(_to(a, "cuda"), _to(bt, "cuda"), torch.float32, 128, native_blockwise=native)
         assert len(calls) == (1 if native else k // 128), (native, len(calls))
         out = sum(native_scaled_mm(c).float() for c in calls)
         db = sqnr_db(ref, out.cpu())
         assert db >= MIN_SQNR_DB, f"tile1x128 x {gran_b} {shape} native={native}: {db:.1f} dB"
+
+
+@pytest.mark.parametrize("gran", ["tensorwise", "rowwise", "tile1x128"])
+@SM90
+def test_cuda_fp8_gemm_compiles_fullgraph_and_matches_eager(gran):
+    """``train.compile`` compiles each block with ``fullgraph=True``: dynamo must trace the scaled-matmul op.
+    Found on an H100 with torch 2.11: ``torch.nn.functional.scaled_mm`` was "marked as skipped" and every lowprec
+    FP8 recipe failed to compile (``lowprec.kernels.scaled_mm.native_scaled_mm`` says what runs instead)."""
+    m, n, k = 256, 384, 1024
+    a = quantize_operand(_operand(m, k, 0), E4M3, gran)
+    bt = quantize_operand(_operand(n, k, 1), E4M3, "block128x128" if gran == "tile1x128" else gran)
+    a, bt = _to(a, "cuda"), _to(bt, "cuda")
+
+    def gemm(a, bt):
+        return fp8_gemm(a, bt, torch.bfloat16)
+
+    eager = gemm(a, bt)
+    compiled = torch.compile(gemm, fullgraph=True)(a, bt)
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    # Inductor's blockwise path is not bit-identical to eager (55.6 dB against the FP32 reference either way on
+    # an H100, torch 2.11): the same accuracy is asserted, and bit equality where one call runs.
+    ref = fp8_gemm(a, bt, torch.float32, backend="emulated").cpu()
+    assert sqnr_db(ref, compiled.float().cpu()) >= sqnr_db(ref, eager.float().cpu()) - 0.5, gran
+    if gran != "tile1x128":
+        assert torch.equal(compiled, eager), gran

@@ -65,6 +65,27 @@ def test_what_cannot_compile_is_refused_naming_the_part(recipe, telemetry_every,
     check_compile(CATALOG[recipe], TrainSpec(compile=False, telemetry_every=telemetry_every))  # eager: fine
 
 
+@pytest.mark.parametrize(
+    "recipe, version, refused",
+    [
+        ("fp8_blockwise", "2.11.0+cu130", True),
+        ("deepseek_v3_tensorwise", "2.11.0+cu130", True),  # cache_fp8_activations
+        ("fp8_current", "2.11.0+cu130", False),
+        ("fp8_rowwise", "2.11.0+cu130", False),
+        ("fp8_blockwise", "2.13.0+cu130", False),
+    ],
+)
+def test_lowprec_fp8_linears_torch_2_11_cannot_trace_on_cuda_are_refused_there(recipe, version, refused):
+    # What an H100 run with torch 2.11 showed (lowprec.backends.fp8_lowprec.cuda_compile_blocker); CPU is unaffected.
+    from lowprec.backends.fp8_lowprec import cuda_compile_blocker
+
+    reason = cuda_compile_blocker(CATALOG[recipe].fp8, "cuda", version)
+    assert (reason is not None) == refused, reason
+    assert cuda_compile_blocker(CATALOG[recipe].fp8, "cpu", version) is None
+    if refused:
+        assert "train.compile=false" in reason and "\n" not in reason
+
+
 def test_a_compiled_run_logs_compile_time_apart_and_records_its_blocks(run_dirs, tmp_path):
     import json
 

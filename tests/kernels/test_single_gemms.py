@@ -96,6 +96,20 @@ def test_emulated_scaled_mm_equals_native_with_power_of_two_scales():
     assert torch.equal(emulated_scaled_mm(call), native_scaled_mm(call))
 
 
+def test_native_scaled_mm_traces_fullgraph_under_dynamo():
+    # train.compile compiles blocks with fullgraph=True, so the native op must be traceable (on torch 2.11 + CUDA
+    # the public F.scaled_mm was not; lowprec.kernels.scaled_mm.native_scaled_mm).
+    call = _fp8_call(0.5, 2.0, 256, torch.bfloat16)
+
+    def run(a, b):
+        return native_scaled_mm(
+            ScaledMMCall(a, b, call.scale_a, "TensorWise", call.scale_b, "TensorWise", call.out_dtype)
+        )
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(call.mat_a, call.mat_b)
+    assert torch.equal(out, native_scaled_mm(call))
+
+
 @pytest.mark.parametrize(
     "ga,gb",
     [("tensorwise", "tensorwise"), ("rowwise", "rowwise"), ("tile1x128", "block128x128"), ("tile1x128", "tile1x128")],
