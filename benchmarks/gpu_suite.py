@@ -25,7 +25,7 @@ Per recipe, read back from MLflow (units in the names):
   "Memory" column is the allocator's reserved peak, which is larger);
 - ``final_loss`` (the last step's training loss, nats/token), ``mean_loss_last10``, ``final_val_loss``;
 - ``predicted_tokens_per_s_per_gpu``: the per-op cost model's prediction (``lowprec.estimate.cost_model.step_cost``,
-  calibrated on ``published.yaml``, held-out error up to 16%) for the suite's layout: FSDP2 over the GPUs, local
+  calibrated on ``published.yaml``, held-out error up to 13%) for the suite's layout: FSDP2 over the GPUs, local
   batch, seq, selective AC, compile; ``measured_over_predicted`` their ratio; ``predicted_step_parts_s`` its
   breakdown (GEMMs, attention, memory-bound kernels, FP8 casts, exposed communication); ``None`` where the
   hardware cannot run the recipe (FP8 on A100) or is unknown;
