@@ -18,8 +18,6 @@ emulation (``lowprec.kernels.emulated_linear``) when the run emulates its BF16 G
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -183,12 +181,6 @@ class Float8Linear(nn.Linear):
         )
 
 
-def _forward_gemm(mod: Float8Linear, x: torch.Tensor, weight: torch.Tensor, qx: QTensor | None) -> torch.Tensor:
-    """The forward GEMM of ``mod``: the cached FP8 input ``qx`` (or ``x`` quantized now) times the weight."""
-    qin = qx if qx is not None else mod.quantize("input", x)
-    return mod.gemm(qin, mod.quantize("weight", weight), x.dtype)
-
-
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: Float8Linear) -> torch.Tensor:
@@ -198,9 +190,12 @@ class _Float8Matmul(torch.autograd.Function):
         # served from its cache during a recompute (lowprec.kernels.recompute).
         with recompute.matmul_unit() as unit, torch.autocast(x.device.type, enabled=False):
             qx = mod.quantize("input", x) if cache else None
-            # a partial, not a closure over qx: torch 2.11's dynamo failed to lift a tensor made inside this
-            # Function's traced forward into a closure ("lift_tracked_freevar_to_input", an H100 run, 2026-11-25)
-            out = unit.output(functools.partial(_forward_gemm, mod, x, weight, qx))
+
+            def gemm() -> torch.Tensor:
+                qin = qx if qx is not None else mod.quantize("input", x)
+                return mod.gemm(qin, mod.quantize("weight", weight), x.dtype)
+
+            out = unit.output(gemm)
             if mod.telemetry is not None and not recompute.in_recompute():
                 mod.telemetry.observe_gemm(mod, "output", x, weight, out)
         ctx.mod, ctx.x_dtype, ctx.cached = mod, x.dtype, cache

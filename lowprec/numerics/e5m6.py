@@ -25,6 +25,7 @@ MIN_NORMAL = 2.0 ** (1 - BIAS)
 MIN_SUBNORMAL = 2.0 ** (1 - BIAS - MAN_BITS)
 
 
+@torch.no_grad()
 def round_e5m6(x: torch.Tensor) -> torch.Tensor:
     """``x`` (any shape, any float dtype) rounded to the nearest E5M6 value (ties to even), saturated to
     ``±MAX``; float32, same shape. NaN stays NaN; ``±inf`` saturates to ``±MAX``.
@@ -32,12 +33,13 @@ def round_e5m6(x: torch.Tensor) -> torch.Tensor:
     Computed in float64, where every step is exact: the spacing of E5M6 values at ``|x|`` is
     ``2**(max(e, -14) - 6)`` with ``e = floor(log2 |x|)``, and ``torch.round`` rounds halves to even.
     """
-    xd = x.detach().to(torch.float64).clamp(-MAX, MAX)  # no grad (see compute_amax)
+    xd = x.to(torch.float64).clamp(-MAX, MAX)
     _, e = torch.frexp(xd)  # xd = m * 2**e, 0.5 <= |m| < 1, so floor(log2 |xd|) = e - 1
     ulp = torch.exp2((torch.clamp(e - 1, min=1 - BIAS) - MAN_BITS).to(torch.float64))
     return (torch.round(xd / ulp) * ulp).to(torch.float32)
 
 
+@torch.no_grad()
 def e5m6_tiles(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the 2-D activation ``x`` (R, K) in E5M6 with one power-of-2 scale per 1 x ``block`` tile along K
     (section 3.3.3: "power-of-2 scaling factors"), returning ``(values, scale)``: ``values`` float32 (R, K) is
@@ -51,7 +53,7 @@ def e5m6_tiles(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"e5m6_tiles needs a 2-D (rows, K) tensor; got shape {tuple(x.shape)}")
     r, k = x.shape
     nk = -(-k // block)
-    xf = torch.nn.functional.pad(x.detach().float(), (0, nk * block - k)).view(r, nk, block)  # no grad
+    xf = torch.nn.functional.pad(x.float(), (0, nk * block - k)).view(r, nk, block)
     amax = xf.abs().amax(dim=2).double()
     scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(MAX / amax))), torch.ones_like(amax))
     scale = scale.clamp(max=2.0**126).float()  # stays a finite float32 power of 2 for any amax

@@ -50,6 +50,7 @@ def get_format(name: str) -> Format:
         raise ValueError(f"unknown FP8 format {name!r}; known: {list(FORMATS)}") from None
 
 
+@torch.no_grad()
 def amax_to_scale(
     amax: torch.Tensor, fmt: Format, power_of_2: bool = False, margin: int = 0, amax_floor: float = AMAX_EPS
 ) -> torch.Tensor:
@@ -61,9 +62,7 @@ def amax_to_scale(
     ``amax_floor``: 1e-12 is torchao's ``EPS``; DeepSeek's reference kernels clamp amax at 1e-4
     (DeepSeek-V3 ``inference/kernel.py`` ``act_quant``, DeepGEMM ``per_token_cast_to_fp8``).
     """
-    # detach, not @torch.no_grad(): torch 2.11's dynamo failed on the decorator inside lowprec's FP8 autograd.Function
-    # (an H100 run, 2026-11-25: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")
-    scale = (fmt.max / torch.clamp(amax.detach().to(torch.float64), min=amax_floor)).to(torch.float32)
+    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=amax_floor)).to(torch.float32)
     if margin:
         scale = scale / (2.0**margin)
     if power_of_2:

@@ -36,11 +36,9 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return x if (r, c) == (rows, cols) else F.pad(x, (0, cols - c, 0, rows - r))
 
 
+@torch.no_grad()
 def compute_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
-    """max(|x|) over each scaling group of the 2-D operand ``x`` (R, K), in float32, compact shape (no grad)."""
-    # detach, not @torch.no_grad(): torch 2.11's dynamo failed on the decorator inside lowprec's FP8 autograd.Function
-    # (an H100 run, 2026-11-25: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")
-    x = x.detach()
+    """max(|x|) over each scaling group of the 2-D operand ``x`` (R, K), in float32, compact shape."""
     if x.dim() != 2:
         raise ValueError(f"operands are 2-D (rows, K); got shape {tuple(x.shape)}")
     if granularity in ("tile1x128", "block128x128") and _is_transposed(x) and x.shape[1] % BLOCK == 0:
@@ -106,8 +104,8 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         blocked = _blocked_views(self.data, self.scale, self.granularity)
         if blocked is not None:
-            data, scale, transposed = blocked
-            return _unview(dequantize(data, scale, dtype), self.shape, transposed)
+            data, scale, unview = blocked
+            return unview(dequantize(data, scale, dtype))
         return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
 
     def t(self) -> QTensor:
@@ -137,21 +135,19 @@ def quantize_operand(
         scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2, amax_floor=amax_floor)
     blocked = _blocked_views(x, scale, granularity)
     if blocked is not None:  # the same products, without materialising an (R, K) scale
-        xb, sb, transposed = blocked
-        data = _unview(quantize(xb, sb, fmt), tuple(x.shape), transposed)
+        xb, sb, unview = blocked
+        data = unview(quantize(xb, sb, fmt))
     else:
         data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
     return QTensor(data, scale, granularity, fmt)
 
 
 def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
-    """``(x, scale, transposed)``: views of ``x`` and its compact ``scale`` that broadcast block by block, for
-    tile/block scaling of an operand whose dims are multiples of 128, and whether they are views of ``x.t()``
-    (``_unview`` turns a result of the blocked shape back into ``x``'s (R, K)); ``None`` otherwise (the caller
-    expands the scale). A transposed operand (``dy.t()`` in the backward) is viewed in the memory order of its
-    transpose, so it is read contiguously and the result is the transpose of a contiguous tensor, like ``x``.
-    No closure is returned: torch 2.11's dynamo failed on one inside an ``autograd.Function`` (an H100 run,
-    2026-11-25: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""
+    """``(x, scale, unview)``: views of ``x`` and its compact ``scale`` that broadcast block by block, for
+    tile/block scaling of an operand whose dims are multiples of 128, and ``unview`` that turns a result of
+    the blocked shape back into ``x``'s (R, K); ``None`` otherwise (the caller expands the scale). A transposed
+    operand (``dy.t()`` in the backward) is viewed in the memory order of its transpose, so it is read
+    contiguously and the result is the transpose of a contiguous tensor, like ``x``."""
     r, k = x.shape
     if granularity not in ("tile1x128", "block128x128") or k % BLOCK:
         return None
@@ -159,20 +155,14 @@ def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
         return None
     if x.is_contiguous():
         if granularity == "tile1x128":
-            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], False
-        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], False
+            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], lambda y: y.view(r, k)
+        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], lambda y: y.view(r, k)
     if _is_transposed(x):
         xt, st = x.t(), scale.t()
         if granularity == "tile1x128":  # groups run down the columns of xt (K, R)
-            return xt.view(k // BLOCK, BLOCK, r), st[:, None, :], True
-        return xt.view(k // BLOCK, BLOCK, r // BLOCK, BLOCK), st[:, None, :, None], True
+            return xt.view(k // BLOCK, BLOCK, r), st[:, None, :], lambda y: y.view(k, r).t()
+        return xt.view(k // BLOCK, BLOCK, r // BLOCK, BLOCK), st[:, None, :, None], lambda y: y.view(k, r).t()
     return None
-
-
-def _unview(y: torch.Tensor, shape: tuple[int, int], transposed: bool) -> torch.Tensor:
-    """A result of ``_blocked_views``' blocked shape back as an (R, K) tensor of ``shape``."""
-    r, k = shape
-    return y.view(k, r).t() if transposed else y.view(r, k)
 
 
 class DelayedScaler(nn.Module):
