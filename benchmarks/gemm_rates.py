@@ -18,10 +18,10 @@ step times, so its GEMM rates also carry what a step loses between kernels: an i
 faster than the model's rate; what must hold is the *ratios* (FP8 over bf16, rowwise over tensorwise, small
 ``N`` over large), printed at the end summed over the block's GEMMs.
 
-Casts: the compiled (Inductor) tensorwise current-scaling cast of a ``tokens x dim`` bf16 tensor to e4m3 in both
-layouts (amax pass, scale, cast, transposed copy) and the rowwise cast (per-row amax fused with the cast, once per
-layout), with the HBM bytes the cost model counts for them (``_cast_bytes``) over the measured time: the model
-assumes ``BW_FRAC`` (0.8) of the datasheet bandwidth.
+Casts: lowprec's own casts (``quantize_operand``, compiled by Inductor as in a compiled block) of a ``tokens x
+dim`` and a ``tokens x ffn`` bf16 tensor to e4m3 in both layouts: tensorwise current scaling (amax, scale, cast,
+transposed copy) and rowwise (a per-row amax and cast per layout), with the HBM bytes the cost model counts for
+them (``_cast_bytes``) over the measured time: the model assumes ``BW_FRAC`` (0.8) of the datasheet bandwidth.
 
 Exits with code 2 and one line on stderr without CUDA. Nothing here is a training-step measurement.
 """
@@ -40,35 +40,22 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from lowprec.estimate.cost_model import BW_FRAC, Calibration, _cast_bytes, gemm_time  # noqa: E402
-from lowprec.estimate.hardware import hardware_from_device_name  # noqa: E402
+from lowprec.estimate.hardware import cuda_device_hardware  # noqa: E402
+from lowprec.estimate.inventory import inventory  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
+from lowprec.numerics.formats import E4M3  # noqa: E402
+from lowprec.numerics.scaling import quantize_operand  # noqa: E402
 from recipes import get_recipe  # noqa: E402
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 
 
 def block_linears(args) -> dict[str, tuple[int, int]]:
-    """``name -> (in_features, out_features)`` of one block's linears and the head."""
-    hd = args.dim // args.n_heads
-    kv = args.n_kv_heads * hd
-    ffn = model_args_ffn(args)
+    """``short name -> (in_features, out_features)`` of block 0's linears and the head (``inventory``)."""
+    lins = inventory(args, get_recipe("bf16").fp8).linears
     return {
-        "wq": (args.dim, args.dim),
-        "wk": (args.dim, kv),
-        "wv": (args.dim, kv),
-        "wo": (args.dim, args.dim),
-        "w1": (args.dim, ffn),
-        "w3": (args.dim, ffn),
-        "w2": (ffn, args.dim),
-        "output": (args.dim, args.vocab_size),
+        f.rsplit(".", 1)[-1]: (li.in_features, li.out_features)
+        for f, li in lins.items()
+        if f.startswith("layers.0.") or f == "output"
     }
-
-
-def model_args_ffn(args) -> int:
-    from lowprec.estimate.inventory import inventory
-
-    return inventory(args, get_recipe("bf16").fp8).linears["layers.0.feed_forward.w1"].out_features
 
 
 def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
@@ -95,7 +82,7 @@ def gemm_fn(m: int, k: int, n: int, kind: str, fast_accum: bool):
     if kind == "bf16":
         bt = b.t()
         return lambda: torch.mm(a, bt)
-    a8, b8 = a.to(E4M3), b.to(E4M3).t()
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     if kind == "fp8_tensorwise":
         sa = torch.tensor(1.0, device=dev)
         sb = torch.tensor(1.0, device=dev)
@@ -106,20 +93,18 @@ def gemm_fn(m: int, k: int, n: int, kind: str, fast_accum: bool):
 
 
 def cast_fns(m: int, k: int):
-    """Compiled tensorwise and rowwise casts of an ``m x k`` bf16 tensor to e4m3, both layouts each."""
+    """lowprec's own casts (``quantize_operand``) of an ``m x k`` bf16 tensor to e4m3, compiled as a compiled block
+    runs them, in both layouts: tensorwise (one cast, then the transposed copy the wgrad GEMM reads) and rowwise
+    (a cast per layout: the scales differ per axis, as ``lowprec.float8.linear`` requantizes)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
     def tensorwise(x):
-        scale = E4M3_MAX / x.abs().amax().float().clamp(min=1e-12)
-        q = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        return q, q.t().contiguous(), scale
+        q = quantize_operand(x, E4M3, "tensorwise")
+        return q.data, q.data.t().contiguous(), q.scale
 
     def rowwise(x):
-        s_r = E4M3_MAX / x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-        s_c = E4M3_MAX / x.abs().amax(dim=0, keepdim=True).float().clamp(min=1e-12)
-        q_r = (x.float() * s_r).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        q_c = (x.float() * s_c).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).t().contiguous()
-        return q_r, q_c, s_r, s_c
+        q, qt = quantize_operand(x, E4M3, "rowwise"), quantize_operand(x.t(), E4M3, "rowwise")
+        return q.data, qt.data.contiguous(), q.scale, qt.scale
 
     tw, rw = torch.compile(tensorwise), torch.compile(rowwise)
     return {"fp8_tensorwise": lambda: tw(x), "fp8_rowwise": lambda: rw(x)}
@@ -132,13 +117,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gemm_rates: CUDA is not available; this benchmark measures GPU kernels", file=sys.stderr)
-        return 2
-    name = torch.cuda.get_device_name(0)
-    hw = hardware_from_device_name(name)
-    if hw is None:
-        print(f"gemm_rates: {name!r} is not in lowprec.estimate.hardware; no model figures to compare", file=sys.stderr)
+    try:
+        name, hw = cuda_device_hardware()
+    except (RuntimeError, LookupError) as e:
+        print(f"gemm_rates: {e}", file=sys.stderr)
         return 2
     cal, args, m = Calibration(), model_args(a.model), a.tokens
     print(f"{name} (table entry {hw.name}), torch {torch.__version__}, CUDA {torch.version.cuda}; {a.model}, M={m}")
@@ -193,7 +175,7 @@ def main(argv: list[str]) -> int:
         print(f"  {k:<32} measured {v['measured']:.3f}   model {v['model']:.3f}")
     casts = []
     recipes = {"fp8_tensorwise": get_recipe("fp8_tensorwise"), "fp8_rowwise": get_recipe("fp8_rowwise")}
-    for shape in ((m, args.dim), (m, model_args_ffn(args))):
+    for shape in ((m, args.dim), (m, block_linears(args)["w1"][1])):
         for kind, fn in cast_fns(*shape).items():
             ms = cuda_time_ms(fn, a.reps)
             nbytes = _cast_bytes(shape[0] * shape[1], recipes[kind], True, 2)

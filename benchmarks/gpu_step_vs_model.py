@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from lowprec.estimate.cost_model import Layout, step_cost  # noqa: E402
-from lowprec.estimate.hardware import hardware_from_device_name  # noqa: E402
+from lowprec.estimate.hardware import cuda_device_hardware  # noqa: E402
 from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from lowprec.optim.builder import OptimHParams  # noqa: E402
@@ -93,13 +93,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--recipes", default="bf16,fp8_tensorwise,fp8_current,fp8_rowwise")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_step_vs_model: CUDA is not available; this benchmark trains on a GPU", file=sys.stderr)
-        return 2
-    name = torch.cuda.get_device_name(0)
-    hw = hardware_from_device_name(name)
-    if hw is None:
-        print(f"gpu_step_vs_model: {name!r} is not in lowprec.estimate.hardware", file=sys.stderr)
+    try:
+        name, hw = cuda_device_hardware()
+    except (RuntimeError, LookupError) as e:
+        print(f"gpu_step_vs_model: {e}", file=sys.stderr)
         return 2
     args = model_args(a.model)
     lo = Layout(1, 1, a.batch, a.seq, "selective", True)

@@ -401,6 +401,7 @@ def run(opts: dict) -> str:
         return format_table(rows, Calibration())
     args = model_args(opts["model"], **check_model_overrides(opts["model_over"]))
     hw = get_hardware(opts.get("hardware", "h100_sxm"))
+    compiled = compile_for(args, opts.get("compile"))  # lowprec compiles the loss with the blocks
     kw = dict(
         dp_shard=opts.get("parallel.dp_shard", 1),
         tp=opts.get("parallel.tp", 1),
@@ -408,7 +409,7 @@ def run(opts: dict) -> str:
         seq=opts.get("seq"),
         hardware=hw,
         efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
-        compiled_loss=compile_for(args, opts.get("compile")),  # lowprec compiles the loss with the blocks
+        compiled_loss=compiled,
     )
     recipes = _recipes(opts["recipe"], opts["recipe_over"])
     check_fp8_hardware(recipes if opts["recipe"] != "all" else [], hw, opts["emulate"])
@@ -422,7 +423,7 @@ def run(opts: dict) -> str:
             kw["batch"],
             r.rows[0].seq,
             ac,
-            compile_for(args, opts.get("compile")),
+            compiled,
             opts.get("async_tp", False),
         )
         costs = _costs(args, recipes, hw, lo)
@@ -443,7 +444,7 @@ def run(opts: dict) -> str:
         kw["batch"],
         e.seq,
         ac,
-        compile_for(args, opts.get("compile")),
+        compiled,
         opts.get("async_tp", False),
     )
     cost = _costs(args, recipes, hw, lo)[recipes[0].name]

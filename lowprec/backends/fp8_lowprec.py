@@ -9,6 +9,7 @@ import math
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
@@ -147,8 +148,7 @@ def cuda_compile_blocker(spec, device_type: str, torch_version: str) -> str | No
     before training for torch older than ``COMPILE_OK_TORCH`` on CUDA."""
     if device_type != "cuda" or not spec.enabled:
         return None
-    major, minor = (int(p) for p in torch_version.split("+")[0].split(".")[:2])
-    if (major, minor) >= COMPILE_OK_TORCH:
+    if TorchVersion(torch_version) >= COMPILE_OK_TORCH:
         return None
     parts = [
         p

@@ -245,6 +245,20 @@ def get_hardware(name: str) -> Hardware:
     return HARDWARE[key]
 
 
+def cuda_device_hardware() -> tuple[str, Hardware]:
+    """``(name, table entry)`` of CUDA device 0 (``torch.cuda.get_device_name(0)``, ``hardware_from_device_name``).
+    Raises ``RuntimeError`` without CUDA and ``LookupError`` for a part this table does not list."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available; this needs a GPU")
+    name = torch.cuda.get_device_name(0)
+    hw = hardware_from_device_name(name)
+    if hw is None:
+        raise LookupError(f"{name!r} is not in lowprec.estimate.hardware")
+    return name, hw
+
+
 def hardware_from_device_name(device_name: str | None) -> Hardware | None:
     """The table entry for a CUDA device name (``torch.cuda.get_device_name()``, e.g.
     ``"NVIDIA H100 80GB HBM3"``), or ``None`` for a CPU, ``None`` or an unlisted part (MFU is then

@@ -241,3 +241,11 @@ def test_hardware_from_device_name():
     assert hardware_from_device_name("NVIDIA H200").name == "h200"
     assert hardware_from_device_name("NVIDIA A100-SXM4-80GB").name == "a100_80gb"
     assert hardware_from_device_name("cpu") is None and hardware_from_device_name(None) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_cuda_device_hardware_says_why_without_cuda():
+    from lowprec.estimate.hardware import cuda_device_hardware
+
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        cuda_device_hardware()
