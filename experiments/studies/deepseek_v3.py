@@ -42,6 +42,7 @@ from experiments.tracking import ABLATION_TAG  # noqa: E402
 from experiments.verdict_table import LEVEL  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
+from lowprec.train.checkpoint_metadata import SafeFileSystemReader  # noqa: E402
 
 REFERENCE = "deepseek_v3"
 CONTROL = "bf16"
@@ -114,7 +115,7 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
     torch.manual_seed(0)
     model = build_model(model_from_cfg(cfg.model))  # the Llama or the DeepSeekMoE model
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(steps[-1]))
+    dcp.load(state, storage_reader=SafeFileSystemReader(steps[-1]))  # a checkpoint is data, never code
     model.load_state_dict(state["model"])
     from experiments.startup import prepare_data  # the corpus the run trained on (cached by the ablation)
     from lowprec.data import TokenBatches

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lowprec.errors import CheckpointError
 from lowprec.parallel.fp8_all_gather import register_safe_globals
 from lowprec.train.checkpoint_files import commit, staging_folder, start_staging
+from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
 
 TRAINER_STATE = "trainer_state.pt"
 
@@ -80,18 +81,22 @@ def load_checkpoint(
     """Load the folder ``path`` into the given objects in place; returns the saved step. It does not check the
     manifest: a resume verifies first (``checkpoint_files.resolve_resume``).
 
-    Raises ``CheckpointError`` for a missing folder or file, a corrupt trainer state, or a checkpoint
-    that does not load into this model/optimizer.
+    Raises ``CheckpointError`` for a missing folder or file, metadata that would run code or is corrupt
+    (``checkpoint_metadata.load_metadata``), a corrupt trainer state, or a checkpoint that does not load into this
+    model/optimizer.
     """
     path = Path(path)
     if not (path / ".metadata").exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
 
+    # DCP unpickles .metadata with plain pickle: read it with an allow-list first, so a foreign checkpoint's
+    # payload is refused here in one line, before DCP (or anything else) opens it.
+    load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
     register_safe_globals()  # checkpoints of FP8-all-gather runs hold that weight subclass
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeFileSystemReader(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException carrying per-rank tracebacks
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         cause = lines[-1] if lines else type(e).__name__

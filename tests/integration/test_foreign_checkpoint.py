@@ -1,0 +1,89 @@
+"""A checkpoint someone sent is data (issue 33, item 1): DCP's ``.metadata`` is a pickle, and a planted
+``__reduce__`` ran a shell command on ``lowprec train resume=<folder>``. The payload here writes a marker file; it
+must be refused in one line before anything runs, with a manifest that matches (the sender writes it), and every
+checkpoint the project writes must still load."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from mlflow.tracking import MlflowClient
+
+from experiments.cli import main
+from lowprec.errors import CheckpointError
+from lowprec.train.checkpoint_files import write_manifest
+from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
+
+ARGS = ["train", "recipe=fp8_delayed", "model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64"]
+ARGS += ["train.val_every=0", "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1"]
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(folder: Path, marker: Path) -> None:
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    write_manifest(folder)  # integrity is no proof of origin: the sender writes the manifest too
+
+
+def test_a_planted_metadata_payload_is_refused_and_never_runs(run_dirs, tmp_path, capsys):
+    assert main(ARGS + run_dirs + ["train.checkpoint_every=2"]) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (first,) = client.search_runs([exp])
+    sent = tmp_path / "sent"
+    shutil.copytree(Path(first.data.tags["checkpoint_dir"]) / "step_4", sent)
+    marker = tmp_path / "pwned"
+    _plant(sent, marker)
+    capsys.readouterr()
+    assert main(ARGS + run_dirs + [f"resume={sent}"]) != 0
+    cap = capsys.readouterr()
+    err = cap.err + cap.out
+    assert not marker.exists()
+    assert "refers to posix.system" in err and "never runs code" in err and "Traceback" not in err
+    # the run on that checkpoint is recorded FAILED with the reason, never FINISHED
+    (second,) = [r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id]
+    assert second.info.status == "FAILED"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps(print),  # builtins.print: any callable outside the allow-list
+        b"\x80\x04\x95\x1c\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06getcwd\x94\x93\x94)R\x94.",
+        b"not a pickle at all",
+        pickle.dumps({"a": 1}),  # harmless, but not DCP metadata
+    ],
+)
+def test_load_metadata_refuses_anything_but_dcp_metadata(payload):
+    with pytest.raises(CheckpointError, match="refers to|corrupt|not DCP Metadata"):
+        load_metadata(payload, "x/.metadata")
+
+
+def test_every_tensor_kind_a_checkpoint_holds_reads_through_the_safe_reader(tmp_path):
+    # dtypes (fp8 included), layouts, sizes, bytes entries: what lowprec's checkpoints hold
+    state = {
+        "w": torch.randn(4, 8),
+        "fp8": torch.randn(16).to(torch.float8_e4m3fn),
+        "bf16": torch.randn(3).bfloat16(),
+        "i": torch.arange(5),
+        "meta": {"step": 3, "name": "x"},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    load_metadata((tmp_path / ".metadata").read_bytes())
+    back = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    dcp.load(back, storage_reader=SafeFileSystemReader(tmp_path))
+    for k in ("w", "bf16", "i"):
+        assert torch.equal(back[k], state[k])
+    assert torch.equal(back["fp8"].view(torch.uint8), state["fp8"].view(torch.uint8))
