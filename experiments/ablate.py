@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+import shlex
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -247,7 +248,8 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         if left:
             echo(
                 f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the tracking server does "
-                f"not answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync {left[0].parent}, then "
+                f"not answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync "
+                f"{shlex.quote(str(left[0].parent))} {shlex.quote('tracking.uri=' + tracker.uri)}, then "
                 f"lowprec report {ablation_id}"
             )
             return out

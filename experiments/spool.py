@@ -33,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -190,8 +191,14 @@ class Spool:
         return self.header["uri"]
 
 
+#: A run id as a file name may hold it (MLflow's are 32 hex digits); a spool is named after its run, so the header
+#: must name the same run.
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 def read_header(path: Path) -> dict:
-    """The header of the spool file ``path``; raises ``SpoolError`` when it is not one."""
+    """The header of the spool file ``path``; raises ``SpoolError`` (one line) when it is not one: not JSON, another
+    format version, a run id that is not an MLflow run id or not the file's name, a URI that is not a string."""
     try:
         with open(path, encoding="utf-8") as f:
             first = f.readline()
@@ -200,9 +207,53 @@ def read_header(path: Path) -> dict:
         header = None
     if not isinstance(header, dict) or "lowprec_spool" not in header:
         raise SpoolError(f"{path} is not a lowprec spool file (its first line is not a spool header)")
-    if header["lowprec_spool"] != VERSION or not {"run_id", "uri"} <= header.keys():
+    if header["lowprec_spool"] != VERSION:
         raise SpoolError(f"{path}: spool format {header['lowprec_spool']!r} is not {VERSION} (a newer lowprec?)")
+    run_id, uri = header.get("run_id"), header.get("uri")
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or path.suffix == ".jsonl" and path.stem != run_id:
+        raise SpoolError(f"{path}: the spool header's run id {run_id!r} is not this file's run id")
+    if not isinstance(uri, str) or not uri:
+        raise SpoolError(f"{path}: the spool header's tracking URI {uri!r} is not a URI")
+    if not isinstance(header.get("earlier_writes", 0), int):
+        raise SpoolError(f"{path}: the spool header's earlier_writes {header['earlier_writes']!r} is not a count")
     return header
+
+
+def spooled_file(path: Path, rec_path: object) -> Path:
+    """The file a ``file`` record of the spool ``path`` names, checked to lie inside the spool's own
+    ``<run id>.files/`` folder (symbolic links resolved): a spool is data someone may have sent, and must not make
+    ``lowprec sync`` upload ``/etc/passwd`` or a home dotfile. Raises ``SpoolError`` otherwise."""
+    files = _files_dir(path).resolve()
+    if not isinstance(rec_path, str) or Path(rec_path).is_absolute():
+        raise SpoolError(f"{path}: a file record names {rec_path!r}, outside its own folder {files}; refused")
+    target = (path.parent / rec_path).resolve()
+    if not target.is_relative_to(files) or not target.is_file():
+        raise SpoolError(f"{path}: a file record names {rec_path!r}, not a file inside {files}; refused")
+    return target
+
+
+def _check_record(path: Path, rec: dict) -> None:
+    """Raise ``SpoolError`` for a record whose fields would not replay (checked for the whole file before any
+    write, so a malformed spool is reported as such, never as a server failure)."""
+    op = rec["op"]
+    if op == "file":
+        spooled_file(path, rec.get("path"))
+        ok = rec.get("folder") is None or isinstance(rec.get("folder"), str)
+    elif op == "batch":
+        ok = all(isinstance(rec.get(k), list) for k in ("metrics", "params", "tags"))
+        ok = ok and all(isinstance(m, list) and len(m) == 4 for m in rec["metrics"])
+        ok = ok and all(isinstance(t, list) and len(t) == 2 for t in rec["params"] + rec["tags"])
+    elif op == "text":
+        ok = isinstance(rec.get("text"), str) and isinstance(rec.get("name"), str)
+    elif op == "dict":
+        ok = isinstance(rec.get("obj"), dict) and isinstance(rec.get("name"), str)
+    else:
+        ok = isinstance(rec.get("status"), str) and isinstance(rec.get("end_time"), int)
+    if op in ("text", "dict") and ok:
+        name = Path(rec["name"])
+        ok = not name.is_absolute() and ".." not in name.parts
+    if not ok:
+        raise SpoolError(f"{path}: a {op!r} record is malformed; nothing was replayed")
 
 
 def read_spool(path: Path) -> Spool:
@@ -221,6 +272,7 @@ def read_spool(path: Path) -> Spool:
         except (UnicodeDecodeError, json.JSONDecodeError):
             ok = False
         if ok:
+            _check_record(path, rec)
             records.append(rec)
         elif i == len(lines) - 1:
             warning = (
@@ -232,11 +284,21 @@ def read_spool(path: Path) -> Spool:
     return Spool(path, header, records, warning)
 
 
-def _read_cursor(path: Path) -> int:
+def _read_cursor(path: Path, records: int | None = None) -> int:
+    """How many records of ``path`` were replayed; raises ``SpoolError`` for a cursor that is not a count of them."""
     try:
-        return int(_cursor_path(path).read_text().strip() or 0)
+        text = _cursor_path(path).read_text().strip()
     except FileNotFoundError:
         return 0
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpoolError(f"{_cursor_path(path)} cannot be read ({e})") from None
+    if not text:
+        return 0
+    if not text.isdigit() or (records is not None and int(text) > records):
+        raise SpoolError(
+            f"{_cursor_path(path)} holds {text[:40]!r}, not a count of the {records} record(s) of {path.name}"
+        )
+    return int(text)
 
 
 def _write_cursor(path: Path, n: int) -> None:
@@ -315,7 +377,7 @@ def replay(client, path: Path, warn: Callable[[str], None] = lambda s: None) -> 
         if spool.warning:
             out.warnings.append(spool.warning)
             warn(spool.warning)
-        start = _read_cursor(path)
+        start = _read_cursor(path, len(spool.records))
         todo = spool.records[start:]
         tagged = False
         for i, rec in enumerate(todo):
@@ -323,7 +385,11 @@ def replay(client, path: Path, warn: Callable[[str], None] = lambda s: None) -> 
                 if rec["op"] == "end":  # the status is the run's last write
                     apply(client, spool.run_id, batch_record(tags=[RunTag(SPOOLED_TAG, str(out.total))]))
                     tagged = True
-                apply(client, spool.run_id, rec, path.parent)
+                if rec["op"] == "file":  # checked again here: the file may have changed since read_spool
+                    rec = {**rec, "path": str(spooled_file(path, rec["path"]))}
+                apply(client, spool.run_id, rec)
+            except SpoolError:
+                raise
             except Exception as e:
                 raise ReplayInterrupted(path, start + i, len(spool.records), e) from e
             _write_cursor(path, start + i + 1)
@@ -398,7 +464,8 @@ class Spooler:
             self._pending.pop(run_id, None)
             _say(
                 f"run {run_id} ended {rec.get('status', '')} here, but the tracking server {self.uri} does not answer: "
-                f"its results are spooled in {p.path}; replay them with: lowprec sync {p.path}"
+                f"its results are spooled in {p.path}; replay them with: lowprec sync {shlex.quote(str(p.path))} "
+                f"{shlex.quote('tracking.uri=' + self.uri)}"
             )
 
     def drain(self, client, run_ids: Iterable[str]) -> list[Path]:

@@ -1,9 +1,14 @@
 """``lowprec sync PATH``: replay the tracking writes a run spooled while its server did not answer
-(``experiments/spool.py``), in order, to the server named in each spool (or ``tracking.uri=...``)."""
+(``experiments/spool.py``), in order, to the store the user configures (``tracking.uri=...``, else the default).
+
+A spool file may come from someone else: it is data. It replays only to the configured store (a spool whose header
+names another store is refused, unless that store is given with ``tracking.uri=``), and only files inside its own
+``<run id>.files/`` folder are uploaded (``spool.spooled_file``)."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -11,7 +16,7 @@ from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.spool import ReplayInterrupted, SpoolError, read_header, replay, short_reason
+from experiments.spool import ReplayInterrupted, SpoolError, is_transient, read_header, replay, short_reason
 from experiments.tracking import TrackingError, check_reachable, resolve_uri
 from lowprec.errors import UserError
 
@@ -41,10 +46,11 @@ _OVERRIDE = re.compile(r"^[+~]{0,2}[\w.]+=")
 
 
 def sync_main(argv: list[str], compose) -> int:
-    """Run ``lowprec sync PATH [key=value ...]``; ``compose`` builds the ``ablate`` config from the overrides (a
-    ``tracking.uri=...`` among them replays to that store instead of the server each spool names). Returns 0 when
-    everything spooled under the path has been replayed (or there was nothing), 2 with one line for a missing path,
-    a file that is not a spool, a bad override, or a server that still fails."""
+    """Run ``lowprec sync PATH [key=value ...]``; ``compose`` builds the ``ablate`` config from the overrides; the
+    writes go to its ``tracking.uri``. Returns 0 when everything spooled under the path has been replayed (or there
+    was nothing), 2 with one line for a missing path, a file that is not a spool or is malformed, a spool that names
+    another store than the configured one (without ``tracking.uri=`` on the command line), a bad override, or a
+    server that still fails."""
     paths = [a for a in argv if not _OVERRIDE.match(a)]
     overrides = [a for a in argv if _OVERRIDE.match(a)]
     if len(paths) != 1 or paths[0].startswith("-"):
@@ -57,12 +63,24 @@ def sync_main(argv: list[str], compose) -> int:
         if not files:
             print(f"sync: nothing spooled under {paths[0]}")
             return 0
+        target = resolve_uri(cfg.tracking.uri)
         for f in files:
-            target = resolve_uri(cfg.tracking.uri) if named else read_header(f)["uri"]
+            written_for = read_header(f)["uri"]
+            if not named and written_for != target:
+                raise SpoolError(
+                    f"{f} was written for the store {written_for}, not the configured {target}: a spool replays "
+                    f"only to the store you name; if {written_for} is yours, run lowprec sync "
+                    f"{shlex.quote(str(f))} {shlex.quote('tracking.uri=' + written_for)}"
+                )
             check_reachable(target)
             try:
                 r = replay(MlflowClient(target), f, warn=_warn)
             except ReplayInterrupted as e:
+                if not is_transient(e.cause):
+                    raise TrackingError(
+                        f"{target} refused write {e.done + 1} of {e.of} of {f} ({short_reason(e.cause)}); "
+                        "the rest stays spooled"
+                    ) from None
                 raise TrackingError(
                     f"tracking server {target} failed after {e.done} of {e.of} write(s) of {f} "
                     f"({short_reason(e.cause)}); the rest stays spooled: run lowprec sync again"

@@ -210,3 +210,78 @@ def test_sync_of_a_missing_path_or_a_file_that_is_not_a_spool_is_one_line(tmp_pa
     assert main(["sync", str(empty), "tracking.urx=3"]) == 2
     assert capsys.readouterr().err.strip().startswith("lowprec sync: error: Could not override 'tracking.urx'")
     assert main(["sync", str(empty)]) == 0 and "nothing spooled" in capsys.readouterr().out
+
+
+# ---- a spool someone sent is data (issue 33, items 2 and 8) ----------------------------------------------------
+
+
+def _foreign_spool(store, tmp_path, path_in_record: str, uri: str | None = None):
+    client, run_id, folder = store
+    path = spool_path(folder, run_id)
+    append(path, run_id, uri or client.tracking_uri, batch_record(tags=[RunTag("k", "v")]))
+    with open(path, "a") as f:
+        f.write(json.dumps({"op": "file", "path": path_in_record, "folder": None}) + "\n")
+    return client, run_id, path
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "symlink"])
+def test_sync_uploads_no_file_outside_the_spools_own_folder(store, tmp_path, capsys, kind):
+    secret = tmp_path / "home" / ".secret_dotfile"
+    secret.parent.mkdir()
+    secret.write_text("token=hunter2\n")
+    client, run_id, path = store[0], store[1], spool_path(store[2], store[1])
+    if kind == "absolute":
+        named = "/etc/passwd"
+    elif kind == "dotdot":  # relative to the spool folder, climbing out of it
+        named = f"{run_id}.files/../../../../../../../../../{secret.relative_to('/')}"
+    else:  # a link inside the spool's own folder that points outside it
+        link = path.with_suffix(".files") / "abc" / "notes.txt"
+        link.parent.mkdir(parents=True)
+        link.symlink_to(secret)
+        named = str(link.relative_to(path.parent))
+    client, run_id, path = _foreign_spool(store, tmp_path, named)
+    assert main(["sync", str(path), f"tracking.uri={client.tracking_uri}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lowprec sync: error: {path}: a file record names") and "refused" in err and "\n" not in err
+    assert path.exists()  # not deleted, nothing replayed
+    assert client.list_artifacts(run_id) == [] and "k" not in client.get_run(run_id).data.tags
+
+
+def test_sync_refuses_a_spool_written_for_another_store_unless_that_store_is_named(store, tmp_path, capsys):
+    client, run_id, folder = store
+    path = spool_path(folder, run_id)
+    append(path, run_id, "http://attacker.invalid:5000", batch_record(tags=[RunTag("k", "v")]))
+    # the configured store is the default one, not the spool's: refused
+    assert main(["sync", str(path), f"paths.runs={tmp_path / 'mine'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was written for the store http://attacker.invalid:5000, not the configured" in err and "\n" not in err
+    # the user names the store to replay into: it goes there, whatever the header says
+    assert main(["sync", str(path), f"tracking.uri={client.tracking_uri}"]) == 0
+    assert client.get_run(run_id).data.tags["k"] == "v" and not path.exists()
+
+
+@pytest.mark.parametrize(
+    "header, said",
+    [
+        ({"lowprec_spool": 1, "uri": "sqlite:///x.db"}, "run id None is not this file's run id"),
+        ({"lowprec_spool": 1, "run_id": "r", "uri": 5}, "tracking URI 5 is not a URI"),
+        ({"lowprec_spool": 1, "run_id": "../../x", "uri": "sqlite:///x.db"}, "is not this file's run id"),
+    ],
+)
+def test_a_malformed_spool_header_is_one_line(tmp_path, capsys, header, said):
+    path = tmp_path / f"{header.get('run_id', 'r')}.jsonl".replace("/", "_")
+    path.write_text(json.dumps(header) + "\n")
+    assert main(["sync", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowprec sync: error: ") and said in err and "\n" not in err
+
+
+def test_a_bad_cursor_is_one_line_and_replays_nothing(store, tmp_path, capsys):
+    client, run_id, folder = store
+    path = spool_path(folder, run_id)
+    append(path, run_id, client.tracking_uri, batch_record(tags=[RunTag("k", "v")]))
+    path.with_suffix(".cursor").write_text("banana")
+    assert main(["sync", str(path), f"tracking.uri={client.tracking_uri}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds 'banana', not a count of the 1 record(s)" in err and "tracking server" not in err
+    assert "k" not in client.get_run(run_id).data.tags

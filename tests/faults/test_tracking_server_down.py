@@ -132,20 +132,25 @@ def test_a_server_down_to_the_end_of_the_run_gets_everything_from_lowprec_sync(s
     err, out = (runs / "stderr.txt").read_text(), (runs / "stdout.txt").read_text()
     (spool,) = (runs / "spool").glob("*.jsonl")
     assert f"ended FINISHED here, but the tracking server {server.uri} does not answer" in err, err
-    assert f"replay them with: lowprec sync {spool}" in err and "FINISHED run" in out
-    assert main(["sync", str(runs)]) == 2  # the server is still down: one line, nothing replayed
+    assert f"replay them with: lowprec sync {spool} tracking.uri={server.uri}" in err and "FINISHED run" in out
+    # a spool replays only to the store the user names: without tracking.uri=, the default store is not its own
+    assert main(["sync", str(runs)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert f"was written for the store {server.uri}, not the configured sqlite:///" in line and "\n" not in line
+    sync = ["sync", str(runs), f"tracking.uri={server.uri}"]
+    assert main(sync) == 2  # the server is still down: one line, nothing replayed
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"lowprec sync: error: tracking server {server.uri} is unreachable") and "\n" not in line
     shutil.copytree(runs / "spool", tmp_path / "copy")  # as if a sync were interrupted before its cursor moved
     server.start()
-    assert main(["sync", str(runs)]) == 0
+    assert main(sync) == 0
     said = capsys.readouterr().out
     assert f"sync: run {spool.stem}: replayed" in said and "ended FINISHED" in said
     run = _check_run(server, reference)
-    assert not spool.exists() and main(["sync", str(runs)]) == 0  # again: nothing left
+    assert not spool.exists() and main(sync) == 0  # again: nothing left
     assert "nothing spooled" in capsys.readouterr().out
     # every write sent a second time: the server keeps one copy of each metric, and the same end
-    assert main(["sync", str(tmp_path / "copy")]) == 0
+    assert main(["sync", str(tmp_path / "copy"), f"tracking.uri={server.uri}"]) == 0
     again = _check_run(server, reference)
     assert again.info.end_time == run.info.end_time
 
@@ -172,9 +177,10 @@ def test_an_ablations_workers_spool_and_sync_then_report_delivers_the_whole_abla
     said, err = (runs / "stdout.txt").read_text(), (runs / "stderr.txt").read_text()
     assert err.count("ended FINISHED here, but the tracking server") == 3, err  # two runs and the parent
     abl = said.split("ablation ", 1)[1].split(":", 1)[0]
-    assert f"3 run(s) spooled in {runs / 'spool'}; lowprec sync {runs / 'spool'}, then lowprec report {abl}" in said
+    sync = f"lowprec sync {runs / 'spool'} tracking.uri={server.uri}"
+    assert f"3 run(s) spooled in {runs / 'spool'}; {sync}, then lowprec report {abl}" in said
     server.start()
-    assert main(["sync", str(runs)]) == 0
+    assert main(["sync", str(runs), f"tracking.uri={server.uri}"]) == 0
     client = MlflowClient(server.uri)
     exp = client.get_experiment_by_name("lowprec").experiment_id
     found = client.search_runs([exp], f"tags.`lowprec.ablation_id` = '{abl}'")
