@@ -92,7 +92,27 @@ class RunData:
         return (step + 1) * self.tokens_per_step
 
 
+#: What an ablation id may look like before it is used as a folder name or in an MLflow filter: ``abl-`` and
+#: letters, digits and dashes (``lowprec ablate`` prints ``abl-YYYYMMDD-HHMMSS-xxxx``). An id can reach
+#: ``lowprec report`` from the store (the UI's API sets tags), so it is checked as an id, never trusted as a path.
+ABLATION_ID_FORM = re.compile(r"abl-[A-Za-z0-9-]{1,64}")
+
+
+def check_report_id(ablation_id: str) -> str:
+    """``ablation_id`` if it has the form of an ablation id (``ABLATION_ID_FORM``); else ``ReportError``: a path
+    would write the report outside ``paths.reports``, a quote would break the store's filter."""
+    if not ABLATION_ID_FORM.fullmatch(str(ablation_id)):
+        raise ReportError(
+            f"{str(ablation_id)[:80]!r} is not an ablation id (abl-YYYYMMDD-HHMMSS-xxxx: letters, digits and "
+            "dashes after abl-)"
+        )
+    return str(ablation_id)
+
+
 def find_ablation(tracker: Tracker, ablation_id: str) -> Run:
+    """The parent run of ``ablation_id``; raises ``ReportError`` for an id that is not one, or that the store
+    does not hold."""
+    ablation_id = check_report_id(ablation_id)
     runs = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`{ABLATION_TAG}` = '{ablation_id}' and tags.`lowprec.kind` = 'ablation'",
@@ -215,8 +235,10 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     ``margin``: the relative non-inferiority margin; None uses the ``report.margin`` the ablation ran with (its
     parent run's param; ``ReportConfig``'s default for an ablation that predates it).
 
-    Raises ``ReportError`` if the ablation is unknown or has no child runs, ``ConfigError`` for a bad margin.
+    Raises ``ReportError`` if ``ablation_id`` is not an id (``check_report_id``), if the ablation is unknown or
+    has no child runs, ``ConfigError`` for a bad margin.
     """
+    ablation_id = check_report_id(ablation_id)
     parent = find_ablation(tracker, ablation_id)
     ptags = parent.data.tags
     margin = check_margin(parent.data.params.get("report.margin", ReportConfig.margin) if margin is None else margin)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
 
@@ -100,3 +101,15 @@ def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"lowprec report: error: tracking server {closed} is unreachable") and "\n" not in err
     assert time.monotonic() - t0 < 30  # not MLflow's minutes of retries
+
+
+@pytest.mark.parametrize("bad", ["../../escaped", "abl-x/../../y", "/tmp/abs", "x'y", "abl-a' or tags.x like '%", "é"])
+def test_report_refuses_an_id_that_is_not_an_ablation_id_before_using_it(tmp_path, capsys, bad):
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    reports = tmp_path / "deep" / "reports"
+    fabricate_ablation(Tracker(db, "lowprec", tmp_path), "abl-ok", main_runs())
+    capsys.readouterr()
+    assert main(["report", bad, f"tracking.uri={db}", f"paths.reports={reports}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowprec report: error: ") and "is not an ablation id" in err and "\n" not in err
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "deep" / "y").exists()
