@@ -2,8 +2,9 @@
 operands, no training, no store.
 
 - ``accumulation_errors``: the error of an FP8 GEMM's accumulation against FP64, as a function of K, with the
-  emulated limited-precision tensor-core accumulator (``lowprec.float8.gemm``: ``accum_mantissa_bits``, rounded
-  after every 32-element WGMMA step) without promotion and with promotion to FP32 every N_C elements.
+  emulated limited-precision tensor-core accumulator (``lowprec.float8.accumulator``; by default
+  ``HOPPER_ACCUMULATOR``, the one place its parameters and their source live) without promotion and with
+  promotion to FP32 every N_C elements.
 - ``granularity_stats``: what each scaling granularity does to one tensor in e4m3: SQNR, the share of elements at
   the top of the range (saturated) and the share of non-zero elements quantized to zero (flushed).
 - ``with_channel_outliers``: the same tensor with a few feature channels scaled up, the outliers the paper's
@@ -20,12 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowprec.float8.accumulator import HOPPER_ACCUMULATOR, AccumulatorModel, accumulation_error
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.numerics.formats import E4M3, Format, sqnr_db
 from lowprec.numerics.scaling import GRANULARITIES, quantize_operand
 
-#: DeepSeek-V3 3.3.2: Hopper's FP8 accumulator "retain[s] around 14 bits".
-HOPPER_ACCUM_BITS = 14
+#: The emulated Hopper accumulator's mantissa bits (``HOPPER_ACCUMULATOR``, with its source).
+HOPPER_ACCUM_BITS = HOPPER_ACCUMULATOR.bits
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,11 @@ def accumulation_errors(
     ks: list[int],
     intervals: list[int | None],
     operands: str,
-    bits: int = HOPPER_ACCUM_BITS,
+    model: AccumulatorModel = HOPPER_ACCUMULATOR,
 ) -> list[AccumulationError]:
     """``a`` (M, K_max) and ``b`` (N, K_max) float operands of ``a @ b.T``; for each ``k`` of ``ks`` (<= K_max) the
-    first ``k`` columns are quantized (e4m3, rowwise scales, so any N_C is possible) and multiplied with an
-    accumulator of ``bits`` mantissa bits, once per promotion interval of ``intervals`` (None: no promotion).
+    first ``k`` columns are quantized (e4m3, rowwise scales, so any N_C is possible) and multiplied with the
+    emulated accumulator ``model``, once per promotion interval of ``intervals`` (None: no promotion).
     Also, for ``k`` multiples of 128, DeepSeek-V3's own layout: 1x128 tiles for both operands, promotion every 128
     against none (``scaling='tile1x128'``). Raises ``ValueError`` for a ``k`` above K_max."""
     out = []
@@ -65,24 +67,15 @@ def accumulation_errors(
             qa = quantize_operand(a[:, :k].contiguous(), E4M3, scaling)
             qb = quantize_operand(b[:, :k].contiguous(), E4M3, scaling)
             exact = qa.dequantize().double() @ qb.dequantize().double().t()
-            big = exact.abs() >= exact.abs().median()
             runs = intervals if scaling == "rowwise" else [None, 128]
+            acc = {"accum_mantissa_bits": model.bits, "accum_rounding": model.rounding, "accum_group": model.group}
             for nc in runs:
                 if nc is None:
-                    c = fp8_gemm(qa, qb, torch.float32, accum_mantissa_bits=bits, promotion=False)
+                    c = fp8_gemm(qa, qb, torch.float32, promotion=False, **acc)
                 else:
-                    c = fp8_gemm(qa, qb, torch.float32, promotion_interval=nc, accum_mantissa_bits=bits)
-                err = c.double() - exact
-                out.append(
-                    AccumulationError(
-                        operands,
-                        scaling,
-                        k,
-                        nc,
-                        float(err.norm() / exact.norm()),
-                        float((err.abs()[big] / exact.abs()[big]).max()),
-                    )
-                )
+                    c = fp8_gemm(qa, qb, torch.float32, promotion_interval=nc, **acc)
+                e = accumulation_error(c, exact)
+                out.append(AccumulationError(operands, scaling, k, nc, e["rel_err"], e["max_rel_err"]))
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import matplotlib
@@ -141,17 +141,20 @@ def _fmt_nc(nc) -> str:
 
 def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tuple[list[str], dict]:
     m = settings.gemm_rows
+    model = dn.HOPPER_ACCUMULATOR
     a, b = dn.gaussian_operands(m, m, settings.k_max)
-    rows = dn.accumulation_errors(a, b, dn.ks_up_to(settings.k_max), [None, *settings.intervals], "gaussian")
+    rows = dn.accumulation_errors(a, b, dn.ks_up_to(settings.k_max), [None, *settings.intervals], "gaussian", model)
     sources = ["gaussian"]
     if caps:
         ga, gb, fqn = dn.wgrad_operands(caps, m, m)
         k_cap = ga.shape[1]
-        rows += dn.accumulation_errors(ga, gb, dn.ks_up_to(k_cap), [None, *settings.intervals], f"captured {fqn}")
+        ncs = [None, *settings.intervals]
+        rows += dn.accumulation_errors(ga, gb, dn.ks_up_to(k_cap), ncs, f"captured {fqn}", model)
         sources.append(f"captured {fqn}")
     at = {(r.operands, r.scaling, r.promotion): r for r in rows if r.k == (4096 if settings.k_max >= 4096 else None)}
     g4096 = at.get(("gaussian", "rowwise", None))
     headline = {
+        "accumulator": {**asdict(model), "describe": model.describe()},
         "k4096_no_promotion_max_rel_err": g4096.max_rel_err if g4096 else None,
         "k4096_promoted_128_max_rel_err": at[("gaussian", "rowwise", 128)].max_rel_err if g4096 else None,
         # Gaussian, rowwise: N_C ("none" or the interval) -> {K: Frobenius relative error}
@@ -170,7 +173,7 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
         ax.set(xlabel="K", ylabel="||C - C_fp64|| / ||C_fp64||", title=src[:60])
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(f"e4m3 GEMM, {dn.HOPPER_ACCUM_BITS}-bit accumulator (rounded per 32-element WGMMA step)", fontsize=9)
+    fig.suptitle(f"e4m3 GEMM, {model.describe()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "dsv3_accumulation.png", dpi=110)
     plt.close(fig)
@@ -184,10 +187,10 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
         "cores every N_C = 128 elements.",
         "",
         f"Measured: e4m3 operands (rowwise scales; and DeepSeek's 1x128 tiles, promotion 128 or none), M = N = {m}, "
-        f"an emulated {dn.HOPPER_ACCUM_BITS}-bit accumulator rounded to nearest after every 32-element WGMMA step "
-        "(`lowprec.float8.gemm`), against the FP64 product of the same e4m3 operands (so only accumulation error "
-        "counts). Max rel. err.: over the outputs at least as large as the median (cancelling outputs have no "
-        f"meaningful relative error). Captured operands: {where or 'none'}.",
+        f"an emulated {model.describe()} (`lowprec.float8.accumulator.HOPPER_ACCUMULATOR`; source: {model.source}), "
+        "against the FP64 product of the same e4m3 operands (so only accumulation error counts). Max rel. err.: "
+        "over the outputs at least as large as the median (cancelling outputs have no meaningful relative error). "
+        f"Captured operands: {where or 'none'}.",
         "",
         "| operands | scaling | K | N_C | rel. error (Frobenius) | max rel. error |",
         "|---|---|---:|---:|---:|---:|",
@@ -201,12 +204,17 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
     ]
     if g4096:
         p128 = headline["k4096_promoted_128_max_rel_err"]
+        size = (
+            "The growth with K and its removal by promotion reproduce, and the size is the emulation's estimate for "
+            "the GPU it was fitted to (its source above; the paper's H800 may differ)."
+            if model.fitted
+            else "The growth with K and its removal by promotion reproduce; the size does not: this accumulator is "
+            "not fitted to a measurement of the hardware, whose alignment and truncation inside the tensor core are "
+            "not public (`benchmarks/hopper_accumulation.py` measures a Hopper GPU and fits it)."
+        )
         lines += [
             f"**K = 4096, Gaussian, no promotion: max relative error {100 * g4096.max_rel_err:.3f}% (paper: nearly "
-            f"{100 * PAPER_ACCUM_MAX_REL_ERR:.0f}%); with promotion every 128: {100 * p128:.4f}%.** The growth with K "
-            "and its removal by promotion reproduce; the size does not: round-to-nearest once per WGMMA step is a "
-            "lower bound of the hardware's error, whose alignment and truncation inside the tensor core are not "
-            "public (a truncating accumulator would add a bias per step).",
+            f"{100 * PAPER_ACCUM_MAX_REL_ERR:.0f}%); with promotion every 128: {100 * p128:.4f}%.** {size}",
             "",
         ]
     return lines, headline

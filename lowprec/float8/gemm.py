@@ -17,12 +17,16 @@
 chunk: raw FP8 products are accumulated 32 elements of K at a time (one WGMMA k-step) and the running sum
 is rounded to that many mantissa bits after every step, before the chunk's scales are applied. With
 ``accum_mantissa_bits=14`` and no promotion, error grows with K as DeepSeek reports for H800.
+``accum_rounding`` (truncation instead of round to nearest) and ``accum_group`` (products aligned to the largest
+exponent in groups, each cut to the accumulator's precision) select the other accumulator models of
+``lowprec.float8.accumulator``; their defaults are the model above.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lowprec.float8.accumulator import WGMMA_K, AccumulatorModel, limited_accumulation, round_mantissa
 from lowprec.kernels.scaled_mm import (
     SCALED_MM_KERNELS,
     ScaledMMCall,
@@ -33,18 +37,7 @@ from lowprec.numerics.formats import fp8_to_float32
 from lowprec.numerics.scaling import BLOCK, QTensor, expand_scale
 
 BACKENDS = ("scaled_mm", "emulated")
-WGMMA_K = 32
-
-
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Round float32 ``x`` to ``bits`` explicit mantissa bits (round to nearest, ties to even)."""
-    if not 0 < bits < 23:
-        raise ValueError(f"accum_mantissa_bits={bits} must be between 1 and 22")
-    drop = 23 - bits
-    i = x.contiguous().view(torch.int32)
-    lsb = (i >> drop) & 1
-    i = (i + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
-    return i.view(torch.float32)
+__all__ = ["BACKENDS", "WGMMA_K", "fp8_gemm", "round_mantissa", "scaled_mm_calls"]
 
 
 def _per_row_scale(q: QTensor, k0: int, k1: int) -> torch.Tensor:
@@ -152,13 +145,18 @@ def fp8_gemm(
     accum_mantissa_bits: int | None = None,
     kernel: str = "native",
     promotion: bool = True,
+    accum_rounding: str = "nearest",
+    accum_group: int | None = None,
 ) -> torch.Tensor:
     """``a @ bt.T`` -> (M, N) in ``out_dtype``. ``kernel`` (``native`` | ``emulated``) runs the ``scaled_mm``
     backend's calls on the device's kernel or as exact FP32 arithmetic (``lowprec.kernels``). ``promotion=False``
     (only with ``accum_mantissa_bits``) keeps all of K in the limited-precision accumulator, tile/block scales
-    applied to each WGMMA step's products: Hopper without DeepSeek-V3's promotion. Raises ``ValueError`` for an
-    unknown backend or kernel, mismatched K, a promotion interval the scaling cannot honour, or
-    ``promotion=False`` without ``accum_mantissa_bits``."""
+    applied to each WGMMA step's products: Hopper without DeepSeek-V3's promotion. ``accum_rounding`` and
+    ``accum_group``: the limited accumulator's rounding and alignment group (``lowprec.float8.accumulator
+    .AccumulatorModel``; only with ``accum_mantissa_bits``). Raises ``ValueError`` for an unknown backend or
+    kernel, mismatched K, a promotion interval the scaling cannot honour, ``promotion=False`` without
+    ``accum_mantissa_bits``, a bad accumulator model, or an alignment group that does not divide 128 with
+    tile/block scales and no promotion."""
     (_, k), (_, k2) = a.shape, bt.shape
     if k != k2:
         raise ValueError(f"contraction dims differ: a is {a.shape}, bt is {bt.shape}")
@@ -169,10 +167,14 @@ def fp8_gemm(
     if not promotion:
         if accum_mantissa_bits is None:
             raise ValueError("promotion=False needs accum_mantissa_bits (an FP32 accumulator has nothing to promote)")
-        return _limited_accumulation(a, bt, [(0, k)], accum_mantissa_bits).to(out_dtype)
+        model = AccumulatorModel(accum_mantissa_bits, accum_rounding, accum_group)
+        return _limited_accumulation(a, bt, [(0, k)], model).to(out_dtype)
     chunks = _chunk_bounds(k, a, bt, promotion_interval)
     if accum_mantissa_bits is not None:
-        return _limited_accumulation(a, bt, chunks, accum_mantissa_bits).to(out_dtype)
+        model = AccumulatorModel(accum_mantissa_bits, accum_rounding, accum_group)
+        return _limited_accumulation(a, bt, chunks, model).to(out_dtype)
+    if (accum_rounding, accum_group) != ("nearest", None):
+        raise ValueError("accum_rounding and accum_group need accum_mantissa_bits (they model its accumulator)")
     return _GEMMS[backend](a, bt, out_dtype, chunks, kernel)
 
 
@@ -222,25 +224,25 @@ def _emulated_chunked(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.
 _GEMMS = {"scaled_mm": _scaled_mm_gemm, "emulated": _emulated_gemm}
 
 
-def _limited_accumulation(a: QTensor, bt: QTensor, chunks, bits: int) -> torch.Tensor:
+def _limited_accumulation(a: QTensor, bt: QTensor, chunks, model: AccumulatorModel) -> torch.Tensor:
     m, n = a.shape[0], bt.shape[0]
     out = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     ar, br = fp8_to_float32(a.data), fp8_to_float32(bt.data)
     tiled = {a.granularity, bt.granularity} & {"tile1x128", "block128x128"}
+    step = model.group or WGMMA_K
     for k0, k1 in chunks:
-        acc = torch.zeros_like(out)
         if tiled and k1 - k0 > BLOCK:
-            # No promotion across tiles: each WGMMA step's products take their tile's scales (32 divides 128, so
-            # a step never straddles two) and join the rounded running sum, which is never promoted.
-            for s in range(k0, k1, WGMMA_K):
-                e = min(s + WGMMA_K, k1)
-                g = s - s % BLOCK  # the step's scale group starts on the 128-grid
-                dec = _per_row_scale(a, g, e) * _per_row_scale(bt, g, e).reshape(1, n)
-                acc = round_mantissa(acc + (ar[:, s:e] @ br[:, s:e].t()) / dec, bits)
-            out += acc
+            # No promotion across tiles: each step's products take their tile's scales (the step divides 128, so
+            # it never straddles two) and join the rounded running sum, which is never promoted.
+            if BLOCK % step:
+                raise ValueError(f"accum_group={step} must divide {BLOCK} for tile/block scales without promotion")
+
+            def dec(s, e, k0=k0):
+                g = k0 + s - (k0 + s) % BLOCK  # the step's scale group starts on the 128-grid
+                return _per_row_scale(a, g, k0 + e) * _per_row_scale(bt, g, k0 + e).reshape(1, n)
+
+            out += limited_accumulation(ar[:, k0:k1], br[:, k0:k1], model, step_divisor=dec)[0]
             continue
-        for s in range(k0, k1, WGMMA_K):
-            e = min(s + WGMMA_K, k1)
-            acc = round_mantissa(acc + ar[:, s:e] @ br[:, s:e].t(), bits)
+        acc = limited_accumulation(ar[:, k0:k1], br[:, k0:k1], model)[0]
         out += acc / _per_row_scale(a, k0, k1) / _per_row_scale(bt, k0, k1).reshape(1, n)
     return out

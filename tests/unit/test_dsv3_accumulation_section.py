@@ -1,0 +1,36 @@
+"""The DeepSeek-V3 study's "accumulation vs K" section takes its accumulator from one place,
+``lowprec.float8.accumulator.HOPPER_ACCUMULATOR``, and says where its parameters come from."""
+
+from __future__ import annotations
+
+from experiments.studies import deepseek_numerics as dn
+from experiments.studies import deepseek_v3 as study
+from lowprec.float8.accumulator import HOPPER_ACCUMULATOR, AccumulatorModel
+
+SETTINGS = study.Settings(k_max=4096, gemm_rows=8, intervals=(128,))
+
+
+def test_section_reports_the_accumulator_and_its_source(tmp_path, monkeypatch):
+    lines, head = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    text = "\n".join(lines)
+    assert HOPPER_ACCUMULATOR.describe() in text and HOPPER_ACCUMULATOR.source in text
+    assert "not fitted to a measurement" in text
+    assert head["accumulator"]["bits"] == HOPPER_ACCUMULATOR.bits == dn.HOPPER_ACCUM_BITS
+
+    fitted = AccumulatorModel(12, "truncate", 32, source="fitted to a test GPU, 2026-01-01, cmd", fitted=True)
+    monkeypatch.setattr(dn, "HOPPER_ACCUMULATOR", fitted)
+    lines, head2 = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    text = "\n".join(lines)
+    assert fitted.describe() in text and "fitted to a test GPU, 2026-01-01, cmd" in text
+    assert "not fitted" not in text
+    assert head2["accumulator"] == {**vars(fitted), "describe": fitted.describe()}
+    # the section ran the fitted accumulator: a truncating 12-bit one loses far more than the default
+    assert head2["k4096_no_promotion_max_rel_err"] > 5 * head["k4096_no_promotion_max_rel_err"]
+
+
+def test_accumulation_errors_default_to_the_hopper_accumulator():
+    a, b = dn.gaussian_operands(4, 4, 256)
+    model = AccumulatorModel(HOPPER_ACCUMULATOR.bits, HOPPER_ACCUMULATOR.rounding, HOPPER_ACCUMULATOR.group)
+    assert dn.accumulation_errors(a, b, [256], [None], "g") == dn.accumulation_errors(a, b, [256], [None], "g", model)
+    other = dn.accumulation_errors(a, b, [256], [None], "g", AccumulatorModel(6, "floor", 8))
+    assert other[0].rel_err > 10 * dn.accumulation_errors(a, b, [256], [None], "g")[0].rel_err
