@@ -215,13 +215,18 @@ def main(argv: list[str]) -> int:
         r = probe_variant(name, device)
         result["variants"][name] = r
         print(f"  variant {name:<30} {'OK' if r['ok'] else r['error'][:160]}", flush=True)
+        _save(result, a.out)
     for name in a.recipes.split(","):
         r = probe_recipe(name, a.model, device)
         result["recipes"][name] = r
         print(f"  recipe  {name:<30} {'OK' if r['ok'] else r['error'][:160]}", flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+        _save(result, a.out)
     return 0
+
+
+def _save(result: dict, out: str | None) -> None:
+    if out:  # after every probe: a run stopped by a time limit keeps what it found
+        Path(out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
