@@ -8,21 +8,26 @@
 """
 
 import importlib.metadata
+import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
+from experiments.spool import append, replay, spool_path
 from experiments.tracking import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     NOT_INSTALLED,
     Tracker,
+    corpus_dataset,
     git_sha,
     provenance_tags,
 )
+from lowprec.data import TokenData
 
 
 def _absent(*names):
@@ -102,3 +107,18 @@ def test_the_git_commit_tag_is_the_bare_sha(monkeypatch, dirty):
     monkeypatch.setattr(tracking, "git_sha", lambda: sha + ("-dirty" if dirty else ""))
     tags = provenance_tags(torch.device("cpu"))
     assert tags["mlflow.source.git.commit"] == sha and tags["git_sha"].startswith(sha)
+
+
+def test_the_corpus_input_is_spooled_and_replayed_like_every_other_write(tmp_path):
+    """On a tracking server that does not answer, the run input waits in the spool with the run's other writes."""
+    t = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "e", tmp_path)
+    run_id = t.start_run("r", {})
+    tokens = np.arange(100, dtype=np.uint16)
+    desc = "python-stdlib: 2 train / 1 val files under /x"
+    data = TokenData([tokens], [tokens[:10]], 8192, "ab" * 32, desc, tmp_path)
+    path = spool_path(tmp_path / "spool", run_id)
+    append(path, run_id, "http://down:5000", {"op": "input", "dataset": corpus_dataset(data), "context": "training"})
+    replay(t.client, path)
+    (used,) = t.client.get_run(run_id).inputs.dataset_inputs
+    assert (used.dataset.name, used.dataset.digest) == ("python-stdlib", "ab" * 8)
+    assert json.loads(used.dataset.profile)["train_tokens"] == 100
