@@ -4,6 +4,8 @@
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
 ``-m``/``--multirun`` (and Hydra's other ``--`` flags) hand the call to ``hydra.main`` unchanged.
+``--version`` prints the installed versions; ``--shell-completion install=bash`` (``-sc``, also after ``train`` or
+``ablate``) prints the completion script for ``lowprec`` (``experiments.completion``).
 """
 
 from __future__ import annotations
