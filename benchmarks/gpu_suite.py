@@ -62,7 +62,7 @@ from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from recipes import CATALOG, get_recipe  # noqa: E402
 
-#: Published measurements (quoted in /work/shared/ANCHORS.md, section "(b) Headline numbers the anchors publish"),
+#: Published measurements, each from the page its ``source`` names (the headline numbers those projects publish),
 #: keyed by lowprec recipe. ``memory_kind`` says what their memory column measures, as far as the source says.
 PUBLISHED = [
     {

@@ -277,13 +277,20 @@ def _resume_plan(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
     return mine if is_rank0() else box[0]
 
 
+def parent_run_name(cfg: DictConfig, ablation_id: str) -> str:
+    """The parent run's name: what tells ablations apart first (experiment, model), the id last. MLflow's runs table
+    cuts a long name at its end, and an id first (``abl-<date>-<time>-<hex>``) left only the date visible."""
+    experiment = str(cfg.get("name") or "ablation")
+    return f"{experiment} {cfg.model.name} {ablation_id}"
+
+
 def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims, group) -> str:
     """The ablation's parent run: its tags, params (the settings shared by its runs) and ``config.yaml``."""
     seeds_tags = {"seeds": dumps(seeds)}
     if plan is not None:
         seeds_tags = {"seeds": "auto", "max_seeds": str(plan.max_seeds), "seed0": str(int(cfg.seed))}
     parent = tracker.start_run(
-        ablation_id,
+        parent_run_name(cfg, ablation_id),
         {
             ABLATION_TAG: ablation_id,
             "lowprec.kind": "ablation",
@@ -304,6 +311,7 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
         },
     )
     tracker.log_params(parent, {k: v for k, v in flat_params(cfg, recipes[0]).items() if not k.startswith("recipe.")})
+    tracker.log_corpus(parent, data)
     tracker.log_text(parent, config_yaml(cfg), CONFIG_ARTIFACT)
     return parent
 

@@ -4,6 +4,8 @@
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
 ``-m``/``--multirun`` (and Hydra's other ``--`` flags) hand the call to ``hydra.main`` unchanged.
+``--version`` prints the installed versions; ``--shell-completion install=bash`` (``-sc``, also after ``train`` or
+``ablate``) prints the completion script for ``lowprec`` (``experiments.completion``).
 """
 
 from __future__ import annotations
@@ -14,34 +16,18 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import hydra
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
-
-from experiments.ablate import ablate, ablation_recipes
-from experiments.config import CONF_DIR, parallel_from_cfg, recipe_from_cfg, register_configs
-from experiments.estimate import estimate_main
-from experiments.launch import spawn_torchrun, under_torchrun
-from experiments.orphans import close_orphans
-from experiments.preflight import preflight
-from experiments.report import build_report
-from experiments.run import run_one
-from experiments.selfcheck.runner import selfcheck_main
-from experiments.startup import prepare_data, start_parallel
-from experiments.sync import sync_main
-from experiments.tracking import Tracker, make_tracker
-from experiments.ui import ui_main
-from lowprec.data import check_vocab_fits
 from lowprec.errors import UserError
-from lowprec.parallel.runtime import is_rank0
-from lowprec.train.stop import StopSignal, install_stop_handlers
-from recipes import CATALOG
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+# Every other import is in the function that needs it: torch, MLflow and the catalog cost ~10 s together, which
+# `lowprec --help`, `--version` and shell completion must not pay (tests/unit/test_cli_startup.py).
 
 USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync} ...
+       lowprec --version | --help | --shell-completion install=bash
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
   lowprec ablate [experiment=NAME] ['recipes=[a,b]'] [seeds=N|auto [max_seeds=8]] [workers=N] [key=value ...]
@@ -61,12 +47,18 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
 # Errors a user can cause with a bad value print as one line (exit 2). Anything else is a bug and keeps its
 # traceback: a ValueError or KeyError raised inside lowprec is not taken for a user's mistake.
 def _user_errors():
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     return (UserError, HydraException, OmegaConfBaseException)
 
 
 def one_line(e: BaseException) -> str:
     """First non-empty message along the exception's cause chain (Hydra wraps the useful one); for a config
     group option that does not exist (``recipe=fp9``), the valid options are appended."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
     parts = []
     while e is not None:
         msg = str(e).strip()
@@ -87,6 +79,11 @@ def one_line(e: BaseException) -> str:
 
 def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     """Compose ``conf/<config_name>.yaml`` with ``overrides`` (real Hydra composition)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from experiments.config import CONF_DIR, register_configs
+
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
@@ -94,6 +91,15 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
 
 def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
+    from experiments.config import recipe_from_cfg
+    from experiments.orphans import close_orphans
+    from experiments.preflight import preflight
+    from experiments.run import run_one
+    from experiments.startup import prepare_data, start_parallel
+    from experiments.tracking import make_tracker
+    from lowprec.data import check_vocab_fits
+    from lowprec.parallel.runtime import is_rank0
+
     recipe = recipe_from_cfg(cfg.recipe)
     args = preflight(cfg, [recipe]).args  # every check that needs no data, before any MLflow run
     dims = start_parallel(cfg)
@@ -125,19 +131,33 @@ def train_main(cfg: DictConfig, echo=print):
 def _recipes_of(config_name: str, cfg: DictConfig) -> list:
     """The recipes a ``train`` or ``ablate`` command will run (validated; ``RecipeError`` otherwise)."""
     if config_name == "train":
+        from experiments.config import recipe_from_cfg
+
         return [recipe_from_cfg(cfg.recipe)]
+    from experiments.ablate import ablation_recipes
 
     return ablation_recipes(cfg)
 
 
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
+    import hydra
+
+    from experiments.config import CONF_DIR, register_configs
+
     register_configs()
-    sys.argv = [f"lowprec-{config_name}", *argv]
+    # Hydra names the program after argv[0] in its help (`eval "$(lowprec -sc install=bash)"`): the command that
+    # exists; `lowprec -sc ...` is experiments.completion's.
+    sys.argv = ["lowprec", *argv]
     hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(task)()
     return 0
 
 
 def _run_composed(config_name: str, argv: list[str], task) -> int:
+    from experiments.config import parallel_from_cfg
+    from experiments.launch import spawn_torchrun, under_torchrun
+    from experiments.preflight import preflight
+    from lowprec.train.stop import StopSignal, install_stop_handlers
+
     try:
         cfg = compose(config_name, argv)
         dims = parallel_from_cfg(cfg)
@@ -179,6 +199,9 @@ def _report(argv: list[str]) -> int:
         cfg = compose("ablate", argv[1:])
         # The margin the ablation ran with (on its parent run) unless this command names one: a plain rebuild
         # must reproduce the report's verdicts.
+        from experiments.report import build_report
+        from experiments.tracking import Tracker
+
         named = any(a.lstrip("+").startswith("report.margin=") for a in argv[1:])
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
         path = build_report(tracker, argv[0], Path(cfg.paths.reports), cfg.report.margin if named else None)
@@ -193,6 +216,8 @@ def _recipes(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lowprec recipes")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     args = p.parse_args(argv)
+    from recipes import CATALOG
+
     if args.json:
         print(
             json.dumps(
@@ -206,34 +231,69 @@ def _recipes(argv: list[str]) -> int:
     return 0
 
 
+def version() -> str:
+    """``lowprec <version>`` and the versions of torch and MLflow, from the installed packages' metadata (no
+    import); "not installed" for a package without metadata (a checkout run without ``pip install``)."""
+    import importlib.metadata
+
+    def of(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"lowprec {of('lowprec')} (torch {of('torch')}, mlflow {of('mlflow')})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``lowprec`` command line; returns the exit status."""
+    from experiments.completion import COMPLETION_FLAGS, completion_main
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version())
+        return 0
+    flag = next((a for a in argv if a in COMPLETION_FLAGS), None)
+    if flag is not None and (argv[0] == flag or argv[0] in ("train", "ablate")):
+        # `lowprec -sc install=bash`, and Hydra's own flag after train/ablate: one script, for `lowprec`
+        return completion_main(argv[argv.index(flag) + 1 :], USAGE, _hydra_main)
     cmd, rest = argv[0], argv[1:]
     if cmd == "recipes":
         return _recipes(rest)
     if cmd == "report":
         return _report(rest)
     if cmd == "estimate":
+        from experiments.estimate import estimate_main
+
         return estimate_main(rest)
     if cmd == "recommend":
         from experiments.recommend import recommend_main  # reads MLflow only when asked
 
         return recommend_main(rest)
     if cmd == "selfcheck":
+        from experiments.selfcheck.runner import selfcheck_main
+
         return selfcheck_main(rest)
     if cmd == "sync":
+        from experiments.sync import sync_main
+
         return sync_main(rest, compose)
     if cmd == "ui":
+        from experiments.ui import ui_main
+
         try:
             return ui_main(rest, compose)
         except _user_errors() as e:  # a bad override of the store's config
             print(f"lowprec ui: error: {one_line(e)}", file=sys.stderr)
             return 2
     if cmd in ("train", "ablate"):
-        task = train_main if cmd == "train" else ablate
+        if cmd == "train":
+            task = train_main
+        else:
+            from experiments.ablate import ablate as task
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line
             return _hydra_main(cmd, lambda cfg: (task(cfg), None)[1], rest)
         return _run_composed(cmd, rest, task)

@@ -3,7 +3,7 @@
 Used by the browser test (``tests/integration/test_report_html.py``) and by ``scripts/report_screenshot.py`` (the
 README's screenshot). Chromium is Debian's ``chromium`` package (``scripts/setup.sh`` installs it where it can),
 driven by Playwright (the ``dev`` extra) through ``executable_path``; Playwright's own browser download is never
-used. The launch flags are the ones ``../shared``'s platform notes found to work on these machines: without the
+used. The launch flags are the ones found to work on machines without network access (containers, CI): without the
 background-networking flags Chromium's connections are refused by the closed network, many at a time.
 """
 

@@ -150,11 +150,13 @@ def memory_bars(rows, runs, order, path: Path) -> Path:
     return _save(fig, path)
 
 
-def throughput_bars(rows, path: Path) -> Path:
+def throughput_bars(rows, path: Path, mark: str = "") -> Path:
+    """Mean tokens/s per recipe; ``mark`` (e.g. "contended: 2 runs at a time") goes in the title."""
     rows = [r for r in rows if r["n_ok"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([r["recipe"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
-    ax.set(title="training throughput (after timing warm-up)", ylabel="tokens/s")
+    title = "training throughput (after timing warm-up)" + (f"\n{mark}" if mark else "")
+    ax.set(title=title, ylabel="tokens/s")
     ax.tick_params(axis="x", rotation=30)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)

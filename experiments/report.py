@@ -87,6 +87,8 @@ class RunData:
     stability_rule: str = ""
     #: The run's anomaly events (``anomalies.json``; ``experiments.anomaly_log``), empty when it recorded none.
     anomalies: list[dict] = field(default_factory=list)
+    #: Sampled steps left out of ``telemetry`` (``telemetry_warmup``), and why; empty when none.
+    telemetry_left_out: tuple[int, ...] = ()
 
     def tokens(self, step: int) -> int:
         return (step + 1) * self.tokens_per_step
@@ -150,9 +152,13 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
         )
         for key in CURVES:
             rd.curves[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
+        left_out = telemetry_warmup(tags)
         for key in r.data.metrics:
             if key.startswith("fp8/") and key.rsplit("/", 2)[-2:] in TELEMETRY_PANELS:
-                rd.telemetry[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
+                series = _series(tracker.client.get_metric_history(r.info.run_id, key))
+                rd.telemetry[key] = [(s, v) for s, v in series if s not in left_out]
+                if len(rd.telemetry[key]) < len(series):
+                    rd.telemetry_left_out = left_out
         rd.stability = run_stability(rd)
         rd.stability_rule = stability_rule_of(rd, tags)
         if has_anomalies(rd.metrics):
@@ -211,6 +217,30 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
     return rows
 
 
+def telemetry_warmup(tags: dict) -> tuple[int, ...]:
+    """The sampled steps the telemetry heatmaps leave out of a run with these tags: step 0 of a run whose recipe
+    scales FP8 with delayed scaling (its ``recipe_json`` tag), else none.
+
+    Delayed scaling (Transformer Engine's ``DelayedScaling``; ``lowprec.numerics.scaling.DelayedScaler``) casts a step
+    with the scale computed from the amaxes of the steps before it; step 0 has none, so it casts with the initial
+    scale 1.0: on a real run nearly every grad_output element (~1e-5) flushed to zero (underflow 100%, grad_input
+    SQNR 0 dB) on step 0 and none from the first update on. That is the cast that ran (the metrics stay in
+    MLflow), but it says nothing about the recipe once scaling has started, and it set the heatmaps' colour range.
+    """
+    try:
+        fp8 = json.loads(tags.get("recipe_json", "{}")).get("fp8") or {}
+    except (ValueError, AttributeError):
+        return ()
+    return (0,) if fp8.get("strategy") == "delayed" else ()
+
+
+TELEMETRY_WARMUP_NOTE = (
+    "step 0 is left out: delayed scaling casts each step with the scale computed from the amaxes of the steps "
+    "before it, and step 0 has none, so it casts with the initial scale 1.0 and nearly every grad_output element "
+    "flushes to zero on that step (as with Transformer Engine's DelayedScaling); its metrics stay in MLflow"
+)
+
+
 def _series(history) -> list[tuple[int, float]]:
     """(step, value) pairs of a metric history, one per step: a run continued from a checkpoint after an
     interruption (``resume=`` of an ablation) logs again the steps after it, bit-identical recomputations."""
@@ -252,6 +282,7 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     rows = summarise(runs, order, control)
     ok = [r for r in runs if r.comparable]
     on_cpu = ptags.get("device_type") == "cpu"
+    contended = contention(ptags)
     predicted, predicted_setup = predict_recipes(parent, order)
     table = verdict_table.build_table(
         runs,
@@ -265,15 +296,15 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
     sections = {
-        "verdicts": verdict_table.verdict_section(table, on_cpu, ok),
+        "verdicts": verdict_table.verdict_section(table, on_cpu, ok, contended),
         "curves": _curves_section(ok, order, control, margin, out),
         "setup": _header_section(parent, ok, control, tracker.uri),
         "cpu_warning": _cpu_timing_warning(on_cpu),
-        "summary": _summary_section(rows, control, on_cpu),
+        "summary": _summary_section(rows, control, on_cpu, contended),
         "failed": _failed_section(runs),
         "anomalies": anomalies_section(runs),
-        "figures": _figure_sections(_figures(rows, ok, order, out)),
-        "telemetry": _telemetry_section(_telemetry_figures(ok, order, out)),
+        "figures": _figure_sections(_figures(rows, ok, order, out, contended), contended),
+        "telemetry": _telemetry_section(_telemetry_figures(ok, order, out), _telemetry_left_out(ok)),
         "reconcile": _reconcile_table(ok, order),
         "comm": _comm_section(ok, order, out),
         "effective": _effective_section(ok, order),
@@ -335,6 +366,20 @@ def _run_links(tracker: Tracker, runs: list[RunData]) -> dict[str, str]:
     return links
 
 
+def contention(parent_tags: dict) -> int:
+    """How many runs of the ablation trained at a time (its parent's ``workers`` tag; 1 when absent or not a
+    number): above 1, every measured tokens/s of the report was measured under the other runs' load."""
+    try:
+        return max(1, int(parent_tags.get("workers", "1")))
+    except ValueError:
+        return 1
+
+
+def contended_mark(contended: int) -> str:
+    """The words the report puts beside a throughput measured under contention ("" without contention)."""
+    return f"contended: {contended} runs at a time" if contended > 1 else ""
+
+
 def _workers_note(workers: str | None) -> str:
     if workers in (None, "1"):
         return ""
@@ -359,14 +404,14 @@ def _steps(parent: Run, runs: list[RunData]) -> int:
     return 1 + max((s for r in runs for curve in r.curves.values() for s, _ in curve), default=0)
 
 
-def _figures(rows: list[dict], ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
+def _figures(rows: list[dict], ok: list[RunData], order: list[str], out: Path, contended: int = 1) -> dict[str, Path]:
     """The comparison plots after the curves (none without a comparable run), keyed as ``_figure_sections``
-    titles them."""
+    titles them; the throughput plot's title says when it was measured under contention."""
     if not ok:
         return {}
     return {
         "memory": plots.memory_bars(rows, ok, order, out / "memory.png"),
-        "throughput": plots.throughput_bars(rows, out / "throughput.png"),
+        "throughput": plots.throughput_bars(rows, out / "throughput.png", contended_mark(contended)),
         "reconcile": plots.predicted_vs_measured(ok, order, MEM_COMPONENTS, out / "memory_predicted.png"),
         "grad_norm": plots.grad_norm_curves(ok, order, out / "grad_norm.png"),
     }
@@ -432,6 +477,12 @@ def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[s
     }
 
 
+def _telemetry_left_out(ok: list[RunData]) -> dict[str, tuple[int, ...]]:
+    """Recipe -> the steps left out of its heatmap (its first seed with telemetry, the one drawn)."""
+    first = _first_per_recipe([r for r in ok if r.telemetry])
+    return {name: r.telemetry_left_out for name, r in first.items() if r.telemetry_left_out}
+
+
 def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
     """The setup: experiment, model, steps, seeds, data, device and versions, control, store."""
     ptags, params = parent.data.tags, parent.data.params
@@ -489,9 +540,12 @@ SUMMARY_COLUMNS = (
 )
 
 
-def _summary_section(rows: list[dict], control: str, on_cpu: bool) -> list[str]:
-    """The summary table (one row per recipe, from ``summarise``) and what its columns mean."""
+def _summary_section(rows: list[dict], control: str, on_cpu: bool, contended: int = 1) -> list[str]:
+    """The summary table (one row per recipe, from ``summarise``) and what its columns mean; the tokens/s column's
+    header says when it was measured under contention."""
     peak = "process peak RSS (CPU)" if on_cpu else "CUDA peak allocated"
+    mark = contended_mark(contended)
+    columns = [f"tokens/s ({mark})" if c == "tokens/s" and mark else c for c in SUMMARY_COLUMNS]
     return [
         "## Summary",
         "",
@@ -502,8 +556,8 @@ def _summary_section(rows: list[dict], control: str, on_cpu: bool) -> list[str]:
         "loss spikes = mean per run of the steps the stability rule flags (experiments/stats/stability.py: loss "
         "above its EMA by more than k robust sd; the rule is each run's `stability_rule` tag).",
         "",
-        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
-        "|---" * len(SUMMARY_COLUMNS) + "|",
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
         *(_summary_row(row) for row in rows),
     ]
 
@@ -546,8 +600,9 @@ def _failed_section(runs: list[RunData]) -> list[str]:
     ]
 
 
-def _figure_sections(figs: dict[str, Path]) -> list[str]:
-    """One section per comparison plot, in the order they were drawn."""
+def _figure_sections(figs: dict[str, Path], contended: int = 1) -> list[str]:
+    """One section per comparison plot, in the order they were drawn (the throughput one's title says when it was
+    measured under contention)."""
     titles = {
         "memory": "Memory by component",
         "throughput": "Throughput",
@@ -555,13 +610,16 @@ def _figure_sections(figs: dict[str, Path]) -> list[str]:
         "reconcile": "Memory: predicted (lowprec estimate) vs measured",
     }
     lines: list[str] = []
+    if contended > 1:
+        titles["throughput"] += f" ({contended_mark(contended)})"
     for key, path in figs.items():
         lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
     return lines
 
 
-def _telemetry_section(heatmaps: dict[str, Path]) -> list[str]:
-    """The FP8 numerics heatmaps (recipe -> PNG) and how to read them (nothing without telemetry)."""
+def _telemetry_section(heatmaps: dict[str, Path], left_out: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """The FP8 numerics heatmaps (recipe -> PNG) and how to read them (nothing without telemetry); ``left_out``:
+    recipe -> the steps its heatmap leaves out (``telemetry_warmup``), said under it."""
     if not heatmaps:
         return []
     lines = [
@@ -575,6 +633,8 @@ def _telemetry_section(heatmaps: dict[str, Path]) -> list[str]:
     ]
     for name, path in heatmaps.items():
         lines += ["", f"### `{name}`", "", f"![telemetry {name}]({path.name})"]
+        if (left_out or {}).get(name) == (0,):
+            lines += ["", f"`{name}`: {TELEMETRY_WARMUP_NOTE}."]
     return lines
 
 

@@ -228,6 +228,7 @@ def run_one(
     if continuation is None:
         run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
         tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+        tracker.log_corpus(run_id, data)
         tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
         resume = None if ablation_id else cfg.get("resume")
         if resume and is_rank0():

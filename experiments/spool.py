@@ -15,6 +15,7 @@ The file is JSON lines, appended with one ``write`` and an ``fsync`` per record:
     {"op": "text", "name": "config.yaml", "text": "..."}
     {"op": "dict", "name": "effective_recipe.json", "obj": {...}}
     {"op": "file", "path": "<run id>.files/<token>/<name>", "folder": null}   <- a copy of the file, taken at once
+    {"op": "input", "dataset": {"name": ..., "digest": ..., "source_type": ..., "source": ...}, "context": "training"}
     {"op": "end", "status": "FINISHED", "end_time": 1764000000000}
 
 ``<run id>.cursor`` holds how many records have been replayed; it is advanced after each one, so an interrupted
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import requests
 from filelock import FileLock
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from lowprec.errors import UserError
@@ -59,7 +60,7 @@ RETRY_MAX_S = 30.0
 #: The run tag that says how many writes of the run went through a spool.
 SPOOLED_TAG = "tracking_spooled_writes"
 VERSION = 1
-OPS = ("batch", "text", "dict", "file", "end")
+OPS = ("batch", "text", "dict", "file", "input", "end")
 
 
 class SpoolError(UserError):
@@ -101,6 +102,9 @@ def apply(client, run_id: str, rec: dict, base: Path | None = None) -> None:
     elif op == "file":
         path = Path(rec["path"])
         client.log_artifact(run_id, str(path if path.is_absolute() or base is None else base / path), rec["folder"])
+    elif op == "input":  # a dataset the run used (MLflow's Datasets column), as ``mlflow.log_input`` logs it
+        tags = [InputTag("mlflow.data.context", rec["context"])]
+        client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**rec["dataset"]), tags)])
     elif op == "end":
         client.set_terminated(run_id, rec["status"], end_time=rec["end_time"])
     else:

@@ -36,6 +36,13 @@ ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
 #: MLflow shows this tag as the run's description (the UI's "Description" box).
 DESCRIPTION_TAG = "mlflow.note.content"
+#: The experiment tag from which MLflow 3's UI chooses its view. Without it the UI infers the kind and showed a
+#: lowprec store as GenAI ("Evaluation runs", "Traces 0"). The values are the UI's ``ExperimentKind`` enum
+#: (mlflow/server/js: ``CUSTOM_MODEL_DEVELOPMENT = "custom_model_development"``, shown as "Machine learning").
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+#: Written for a package whose distribution metadata is absent (``importlib.metadata.PackageNotFoundError``).
+NOT_INSTALLED = "not installed"
 
 
 class TrackingError(UserError, ConnectionError):
@@ -112,16 +119,21 @@ class Tracker:
         self.spool = Spooler(Path(artifact_root).resolve() / "spool", self.uri) if is_server(self.uri) else None
 
     def _experiment(self, name: str, artifact_root: str | Path) -> str:
+        """The experiment's id, created on first use with its kind (``EXPERIMENT_KIND_TAG``); an existing experiment
+        without a kind (a store written before the tag) gets it, one whose kind a user chose keeps it."""
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
+            if EXPERIMENT_KIND_TAG not in exp.tags:
+                self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return exp.experiment_id
+        kind = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
         try:
             if is_server(self.uri):
                 # The server chooses (and serves) the artifact store: a client path would not exist on its machine.
-                return self.client.create_experiment(name)
+                return self.client.create_experiment(name, tags=kind)
             root = Path(artifact_root).resolve() / "mlartifacts"
             root.mkdir(parents=True, exist_ok=True)
-            return self.client.create_experiment(name, artifact_location=root.as_uri())
+            return self.client.create_experiment(name, artifact_location=root.as_uri(), tags=kind)
         except MlflowException as e:  # another process (a second ablation on the same server) created it first
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -174,6 +186,11 @@ class Tracker:
         """The run's description as the MLflow UI shows it."""
         self.set_tags(run_id, {DESCRIPTION_TAG: text})
 
+    def log_corpus(self, run_id: str, data) -> None:
+        """The run's training data (``lowprec.data.TokenData``) as a run input (``corpus_dataset``), which the MLflow
+        UI shows in its Datasets column; through the spool like every other write."""
+        self._write(run_id, {"op": "input", "dataset": corpus_dataset(data), "context": "training"})
+
     def run_url(self, run_id: str) -> str | None:
         """The run's page in the MLflow UI of a tracking server; None for a local store (no server to link to)."""
         if not is_server(self.uri):
@@ -213,6 +230,7 @@ class NullTracker:
     def log_text(self, run_id: str, text: str, name: str) -> None: ...
     def log_artifact(self, run_id: str, path, folder: str | None = None) -> None: ...
     def set_description(self, run_id: str, text: str) -> None: ...
+    def log_corpus(self, run_id: str, data) -> None: ...
     def end_run(self, run_id: str, status: str, reason: str | None = None) -> None: ...
     def log_batch(self, run_id: str, **kwargs) -> None: ...
     def drain_spools(self, run_ids: list[str]) -> list[Path]:
@@ -277,16 +295,56 @@ def device_name(device) -> str:
     return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
+def package_version(name: str) -> str:
+    """The installed version of distribution ``name`` from its metadata, or ``NOT_INSTALLED`` when it has none.
+
+    Provenance never stops a run: a GPU machine whose image lacks bitsandbytes' metadata died here before its first
+    run (``PackageNotFoundError``). The metadata, not an import: importing torchao and bitsandbytes costs ~2 s.
+    """
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return NOT_INSTALLED
+
+
 def provenance_tags(device) -> dict[str, str]:
-    """Git SHA, library versions and device, as the README's tracking section lists them."""
-    return {
-        "git_sha": git_sha(),
+    """Git SHA, library versions and device, as the README's tracking section lists them; the commit also under
+    MLflow's own source tags (``mlflow.source.git.commit``, ``mlflow.source.name``, ``mlflow.source.type``), which
+    fill the UI's Source column. A library that is not installed is recorded as ``NOT_INSTALLED``."""
+    sha = git_sha()
+    tags = {
+        "git_sha": sha,
         "torch_version": torch.__version__,
-        # Installed versions from the package metadata: importing the two libraries only for this costs ~2 s.
-        "torchao_version": importlib.metadata.version("torchao"),
-        "bitsandbytes_version": importlib.metadata.version("bitsandbytes"),
+        "torchao_version": package_version("torchao"),
+        "bitsandbytes_version": package_version("bitsandbytes"),
         "device": device_name(device),
         "device_type": device.type,
+        "mlflow.source.name": "lowprec",
+        "mlflow.source.type": "LOCAL",
+    }
+    if sha != "unknown":  # MLflow shows the commit as given: the bare SHA; ``git_sha`` keeps the -dirty mark
+        tags["mlflow.source.git.commit"] = sha.removesuffix("-dirty")
+    return tags
+
+
+def corpus_dataset(data) -> dict[str, str]:
+    """The fields of an ``mlflow.entities.Dataset`` for ``data`` (``lowprec.data.TokenData``): its digest the
+    corpus fingerprint's first 16 hex digits (as the report and the shard folder name it; MLflow allows 36), its
+    source the shard folder (``local``), its profile the full fingerprint and the token counts."""
+    name = data.description.split(":", 1)[0] if ":" in data.description else data.shard_dir.name
+    profile = {
+        "fingerprint": data.fingerprint,
+        "train_tokens": data.n_train_tokens,
+        "val_tokens": data.n_val_tokens,
+        "vocab_size": data.vocab_size,
+        "description": data.description,
+    }
+    return {
+        "name": name[:500],
+        "digest": data.fingerprint[:16],
+        "source_type": "local",
+        "source": json.dumps({"uri": str(data.shard_dir)}),
+        "profile": json.dumps(profile),
     }
 
 

@@ -384,7 +384,15 @@ def _stability_cell(v: StabilityVerdict | None) -> str:
     return f"**{v.verdict}**" + (f" ({v.reason})" if v.verdict == LESS_STABLE else "")
 
 
-def _row(row: RecipeRow, with_late: bool) -> str:
+def _throughput_cell(x: float | None, contended: int) -> str:
+    """The measured throughput ratio, marked beside the number when ``contended`` > 1 runs trained at a time: each
+    run's tokens/s was then measured under the others' load (two workers on 2 CPU cores: fp32 read 7.94x)."""
+    if x is None or contended <= 1:
+        return _ratio_cell(x)
+    return f"{_ratio_cell(x)} (contended: {contended} runs at a time)"
+
+
+def _row(row: RecipeRow, with_late: bool, contended: int = 1) -> str:
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
@@ -393,7 +401,7 @@ def _row(row: RecipeRow, with_late: bool) -> str:
         cells += [_effect_cell(row.late), _verdict_cell(row.late)]
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
     memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
-    cells += [mdd, needed, _ratio_cell(row.throughput_ratio), memory]
+    cells += [mdd, needed, _throughput_cell(row.throughput_ratio, contended), memory]
     cells += [_ratio_cell(row.predicted_throughput_ratio), _ratio_cell(row.predicted_memory_ratio)]
     return "| " + " | ".join(cells) + " |"
 
@@ -420,9 +428,11 @@ def _control_row(t: VerdictTable, with_late: bool) -> str:
     return "| " + " | ".join([*cells, predicted, predicted]) + " |"
 
 
-def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None) -> list[str]:
+def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None, contended: int = 1) -> list[str]:
     """The report's first section: the verdict table with its rules and the noise floor, or, when no verdict is
-    possible, why, followed by every finished run's numbers (``finished_runs``: the report's comparable runs)."""
+    possible, why, followed by every finished run's numbers (``finished_runs``: the report's comparable runs).
+    ``contended``: how many runs trained at a time (the parent's ``workers``); above 1 each measured throughput
+    ratio says so beside the number."""
     lines = ["## Verdicts", ""]
     if t.no_verdict:
         lines += [f"**No verdict is possible:** {t.no_verdict}."]
@@ -437,7 +447,7 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
         "| " + " | ".join(cols) + " |",
         "|---" * len(cols) + "|",
         _control_row(t, with_late),
-        *(_row(r, with_late) for r in t.rows),
+        *(_row(r, with_late, contended) for r in t.rows),
         "",
         *_notes(t, on_cpu),
         "",

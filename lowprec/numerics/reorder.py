@@ -9,6 +9,7 @@ order must never come out ``inferior``).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -41,6 +42,9 @@ def reversed_reductions(optimizer: torch.optim.Optimizer):
     """
     step = optimizer.step
 
+    # functools.wraps keeps the attributes of the step an LR scheduler wrapped: without them torch warned on every
+    # scheduler step that optimizer.step() "has been overridden" (printed in every `lowprec selfcheck`)
+    @functools.wraps(step)
     def step_outside_the_mode(*args, **kwargs):
         with _disable_current_modes():
             return step(*args, **kwargs)
