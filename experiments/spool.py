@@ -236,6 +236,10 @@ def spooled_file(path: Path, rec_path: object) -> Path:
     return target
 
 
+#: The fields of ``mlflow.entities.Dataset`` an ``input`` record may set.
+_DATASET_FIELDS = {"name", "digest", "source_type", "source", "schema", "profile"}
+
+
 def _check_record(path: Path, rec: dict) -> None:
     """Raise ``SpoolError`` for a record whose fields would not replay (checked for the whole file before any
     write, so a malformed spool is reported as such, never as a server failure)."""
@@ -251,6 +255,11 @@ def _check_record(path: Path, rec: dict) -> None:
         ok = isinstance(rec.get("text"), str) and isinstance(rec.get("name"), str)
     elif op == "dict":
         ok = isinstance(rec.get("obj"), dict) and isinstance(rec.get("name"), str)
+    elif op == "input":
+        ds = rec.get("dataset")
+        ok = isinstance(ds, dict) and {"name", "digest"} <= ds.keys() <= _DATASET_FIELDS
+        ok = ok and all(isinstance(v, str) for v in ds.values())
+        ok = ok and isinstance(rec.get("context", ""), str)
     else:
         ok = isinstance(rec.get("status"), str) and isinstance(rec.get("end_time"), int)
     if op in ("text", "dict") and ok:
