@@ -35,6 +35,8 @@ PUBLISHED_EVIDENCE = {
     "32-bit Adam on their language-model pretraining and fine-tuning benchmarks",
     "bf16": "the reference: BF16 mixed precision with FP32 master weights (torchtitan's default)",
 }
+#: torchao's rowwise recipe with the weight-gradient GEMM in high precision: the rowwise evidence, a more precise GEMM
+PUBLISHED_EVIDENCE["rowwise_with_gw_hp"] = PUBLISHED_EVIDENCE["rowwise"] + " (weight-gradient GEMM in high precision)"
 NO_PUBLISHED = "none found for this recipe"
 
 #: lowprec's own GPU measurement (README, "GPU validation"): the only step lowprec itself timed on a GPU.
