@@ -1,4 +1,5 @@
-"""Accelerator facts for estimates and MFU: memory capacity and dense peak throughput per dtype.
+"""Accelerator facts for estimates and MFU: memory capacity and dense peak throughput per dtype, and the compute
+capability by which the FP8 backends decide whether a part can run a recipe (``lowprec.estimate.runnable``).
 
 All peaks are **dense** tensor-core figures in TFLOP/s (10**12 FLOP/s) from the vendors' datasheets,
 i.e. half the "with sparsity" numbers NVIDIA prints first. Memory is the datasheet capacity in
