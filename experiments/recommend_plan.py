@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.estimator import predict_state_bytes
@@ -49,8 +50,10 @@ def layouts(args, gpus: int, recipe: Recipe):
         yield dp, tp
 
 
+@lru_cache(maxsize=4096)
 def peak_reserved(args, recipe: Recipe, dp: int, tp: int, batch: int, seq: int, ac: str, compiled: bool) -> int:
-    """Predicted peak reserved bytes per GPU (``lowprec.estimate.memory_model.peak_breakdown``)."""
+    """Predicted peak reserved bytes per GPU (``lowprec.estimate.memory_model.peak_breakdown``); cached: the
+    control's layouts are asked again for every recipe's ablation (model and recipe are frozen dataclasses)."""
     return peak_breakdown(
         args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac, compiled_loss=compiled
     ).reserved
