@@ -135,3 +135,17 @@ def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
     monkeypatch.setattr(est, "step_cost", bug)
     with pytest.raises(type(exc)):
         main(["estimate", "model=debug", "recipe=bf16", "seq=256"])
+
+
+def test_the_report_predicts_nothing_for_a_recipe_the_h100_cannot_run():
+    """The report's predicted columns (``experiments.predicted``, on an H100) gave ``mxfp8`` an H100 throughput."""
+    from types import SimpleNamespace
+
+    from experiments.predicted import predict_recipes
+
+    params = {"train.batch_size": "8", "train.seq_len": "256", "train.ac": "none", "train.compile": "False"}
+    parent = SimpleNamespace(data=SimpleNamespace(params=params, tags={"model": "debug"}))
+    out, _ = predict_recipes(parent, ["bf16", "fp8_rowwise", "mxfp8", "nvfp4", "te_mxfp8"])
+    assert out["bf16"].tokens_per_s > 0 and out["fp8_rowwise"].tokens_per_s > 0
+    for name in ("mxfp8", "nvfp4", "te_mxfp8"):
+        assert (out[name].tokens_per_s, out[name].total_bytes) == (None, None), name
