@@ -47,6 +47,7 @@ from experiments.recommend_evidence import (
     PUBLISHED_EVIDENCE,  # noqa: F401 (re-exported: the citations live in experiments.recommend_evidence)
     outside_published,
     published_evidence,
+    published_hardware,
 )
 from experiments.recommend_plan import (
     EVIDENCE_STEPS,
@@ -494,12 +495,6 @@ def paragraph(top: Option | None, base: Option | None, opts: dict, gap: float) -
     return s
 
 
-def _published_hardware() -> str:
-    from experiments.recommend_evidence import _throughput_points
-
-    return ", ".join(sorted({p.hardware.split("_", 1)[0].upper() for p in _throughput_points()}))
-
-
 def ablation_groups(options: list[Option]) -> list[tuple[AblationPlan, list[Option]]]:
     """The rows that need an ablation, grouped by layout (``AblationPlan.layout_key``): one ``lowprec ablate`` per
     group runs the control once and every recipe of the group, in table order."""
@@ -576,7 +571,7 @@ def format_table(rec: Recommendation) -> str:
     lines += [
         "",
         f"Times are predictions of the per-op cost model: held-out error up to {100 * MODEL_ERROR:.0f}% on the "
-        f"published points, measured by their authors on {_published_hardware()} GPUs (lowprec estimate --validate); "
+        f"published points, measured by their authors on {published_hardware()} GPUs (lowprec estimate --validate); "
         f"{LOWPREC_GPU_CHECK}. Memory: lowprec.estimate.memory_model.",
         *([MOE_NOTE + "."] if rec.query.get("moe") else []),
         "",

@@ -69,6 +69,11 @@ def _throughput_points() -> tuple:
     return tuple(p for p in load_points())
 
 
+def published_hardware() -> str:
+    """The hardware families of the published points, e.g. ``B200, H100, H200, MI300X``."""
+    return ", ".join(sorted({_family(p.hardware).upper() for p in _throughput_points()}))
+
+
 def published_layouts(model: str) -> list[tuple[int, int, str]]:
     """``(dp_shard, tp, hardware)`` of every published point of ``model``, sorted."""
     return sorted({(p.dp_shard, p.tp, p.hardware) for p in _throughput_points() if p.model == model})
