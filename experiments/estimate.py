@@ -6,12 +6,16 @@
 
 ``batch`` is sequences per data-parallel rank (default 1); ``seq`` defaults to the model's ``max_seq_len``;
 ``hardware`` defaults to ``h100_sxm``; ``efficiency`` (default 0.4) is the assumed MFU of the time
-prediction; ``recompute`` picks the column that ranks ``recipe=all``. Sizes are printed in decimal GB
-(1e9 bytes). A bad argument prints one line on stderr and returns 2: every key is checked (``recompute`` also
-for a single recipe), and an FP8 recipe on hardware without FP8 tensor cores (A100) is refused unless
-``--emulate`` is given (the memory is then estimated and no step time is predicted: emulated FP8 GEMMs run at
-FP32 speed, which the model does not cover). The figures come from
-``lowprec.estimate`` (its module doc states every rule and assumption).
+prediction; ``recompute`` picks the column that ranks ``recipe=all`` and the AC mode of the step time. Sizes are
+printed in GiB (2**30 bytes), as ``lowprec recommend`` and torch's memory statistics print them. A step time is
+predicted only for a layout that fits the part's memory with that ``recompute``: otherwise the output says "does
+not fit" instead. Whether the part can run a recipe is the check training makes (``lowprec.estimate.runnable``:
+the FP8 backend's ``hardware_blocker`` at the part's compute capability): a recipe it refuses (FP8 on an A100,
+MXFP8/NVFP4 outside sm100) is refused here unless ``--emulate`` is given (the memory is then estimated and no
+step time is predicted: emulated speed is not modelled); under ``recipe=all`` such a recipe gets no step time and
+a note. A bad argument prints one line on stderr and returns 2: every key is checked (``recompute`` also for a
+single recipe). Any other exception is a bug and keeps its traceback. The figures come from ``lowprec.estimate``
+(its module doc states every rule and assumption).
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import json
 import sys
 
 from experiments.cost_validation import format_table, load_points, summary, validate
+from lowprec.errors import ConfigError, UserError
 from lowprec.estimate.activations import RECOMPUTE_MODES
-from lowprec.estimate.cost_model import Calibration, Layout, gemm_dtype, step_cost
+from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
+from lowprec.estimate.runnable import hardware_blocker
 from lowprec.model import ModelArgs, MoEArgs, model_args
-from lowprec.recipe import Recipe, RecipeError
+from lowprec.recipe import Recipe
 from recipes import CATALOG, get_recipe
 
 USAGE = (
@@ -63,8 +69,13 @@ MOE_NOTE = (
 )
 
 
-class EstimateArgError(ValueError):
-    """A bad command-line argument; the message names it."""
+class EstimateArgError(ConfigError):
+    """A bad command-line argument; the message names it (a ``UserError``: one line, exit 2)."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (what a user error prints)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _value(text: str):
@@ -175,24 +186,17 @@ def check_model_overrides(over: dict) -> dict:
 
 
 def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
-    """Refuse FP8 recipes on hardware without FP8 tensor cores, and E2M1 (MXFP4 / NVFP4) recipes on hardware without
-    FP4 tensor cores, unless ``emulate`` (``EstimateArgError``)."""
+    """Refuse a recipe ``hw`` cannot run (``lowprec.estimate.runnable.hardware_blocker``: the FP8 backend's own
+    check at the part's compute capability, as training makes it) unless ``emulate`` (``EstimateArgError``)."""
     if emulate:
         return
-    fp4 = [r.name for r in recipes if r.fp8.enabled and gemm_dtype(r) == "fp4"]
-    if fp4 and hw.fp4_tflops is None:
-        raise EstimateArgError(
-            f"recipe {fp4[0]} runs FP4 (E2M1) GEMMs and hardware={hw.name} has no FP4 tensor cores; "
-            "pick a Blackwell part (b200, gb200) or pass --emulate"
-        )
-    if hw.fp8_tflops is not None:
-        return
-    fp8 = [r.name for r in recipes if r.fp8.enabled]
-    if fp8:
-        raise EstimateArgError(
-            f"recipe {fp8[0]} runs FP8 GEMMs and hardware={hw.name} has no FP8 tensor cores; "
-            "pick an FP8 part (h100, h200, b200, mi300x) or pass --emulate"
-        )
+    for r in recipes:
+        why = hardware_blocker(r, hw)
+        if why is not None:
+            raise EstimateArgError(
+                f"recipe {r.name} cannot run on hardware={hw.name}: {why}; pick a part that can "
+                "(lowprec estimate ... hardware=b200 for sm100) or pass --emulate for its memory alone"
+            )
 
 
 def _recipes(name: str, overrides: dict):
@@ -212,12 +216,26 @@ def _recipes(name: str, overrides: dict):
     return [r]
 
 
-def _gb(b: float) -> str:
-    return f"{b / 1e9:,.2f}"
+GIB = 2**30
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:,.2f}"
 
 
 def _row(label: str, nbytes: int, note: str = "") -> str:
-    return f"  {label:<40} {nbytes:>19,} {_gb(nbytes):>10}  {note}".rstrip()
+    return f"  {label:<40} {nbytes:>19,} {_gib(nbytes):>10}  {note}".rstrip()
+
+
+def no_fit_reason(e, ac: str) -> str | None:
+    """Why no step time is predicted for estimate ``e`` under recompute ``ac``: its total does not fit the part's
+    memory (one phrase with both sizes in GiB), or ``None`` when it fits or no part is given."""
+    if e.hardware is None or e.fits(ac) is not False:
+        return None
+    return (
+        f"does not fit: {e.totals[ac] / GIB:,.1f} GiB with recompute {ac} on {e.hardware.name} "
+        f"({e.hardware.memory_bytes / GIB:,.1f} GiB); no step time (raise parallel.dp_shard or recompute=)"
+    )
 
 
 def _activated_line(args) -> list[str]:
@@ -240,9 +258,10 @@ def cost_line(c) -> str:
     )
 
 
-def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = False) -> str:
+def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = False, no_time: str | None = None) -> str:
     """The per-GPU table of one ``lowprec.estimate.Estimate`` (``unsharded``: its state at dp_shard=tp=1;
-    ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time)."""
+    ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time; ``no_time``: why no step
+    time is predicted, printed instead of one)."""
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
@@ -251,7 +270,7 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
         f"data-parallel rank; figures are per GPU (rank 0)",
         *_activated_line(args),
         "",
-        f"  {'component':<40} {'bytes':>19} {'GB':>10}",
+        f"  {'component':<40} {'bytes':>19} {'GiB':>10}",
         _row(f"weights ({pdt})", s.params, "fp32 weights are the master" if pdt == "fp32" else ""),
         _row("master weights", s.master),
         _row(f"gradients ({pdt})", s.grads),
@@ -264,12 +283,12 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
             _row(
                 "  (unsharded, one GPU)",
                 unsharded.model_and_optimizer,
-                f"{unsharded.model_and_optimizer / 1e9:.1f} GB unsharded; this GPU holds "
+                f"{unsharded.model_and_optimizer / GIB:.1f} GiB unsharded; this GPU holds "
                 f"{s.model_and_optimizer / unsharded.model_and_optimizer:.4f} of it",
             )
         )
     else:
-        lines.append(f"  {'':<40} {'':>19} {'':>10}  = {s.model_and_optimizer / 1e9:.1f} GB unsharded")
+        lines.append(f"  {'':<40} {'':>19} {'':>10}  = {s.model_and_optimizer / GIB:.1f} GiB unsharded")
     if e.fsdp_buffers:
         lines.append(_row("FSDP2 unsharded params (transient)", e.fsdp_buffers, "root + 2 blocks, compute dtype"))
     for m in ("none", "selective", "full"):
@@ -277,7 +296,7 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
             _row(
                 f"activations, recompute {m}",
                 a.recompute[m],
-                f"incl. {_gb(a.weight_copies)} GB weight casts saved by autocast"
+                f"incl. {_gib(a.weight_copies)} GiB weight casts saved by autocast"
                 if m == "none" and a.weight_copies >= 5e6
                 else "",
             )
@@ -290,7 +309,7 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
         fit = (
             ""
             if hw is None
-            else (f"vs {hw.memory_bytes / 1e9:.0f} GB on {hw.name}: " + ("fits" if e.fits(m) else "does NOT fit"))
+            else (f"vs {hw.memory_bytes / GIB:.1f} GiB on {hw.name}: " + ("fits" if e.fits(m) else "does NOT fit"))
         )
         lines.append(_row(f"total, recompute {m}", e.totals[m], fit))
     lines.append("")
@@ -306,11 +325,13 @@ def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = Fals
         + f"; FP8 share {100 * fl.fp8_fraction:.0f}%"
     )
     t = e.throughput
-    if t is not None and flat:
+    if t is not None and flat and no_time is None:
         lines.append(
             f"flat-efficiency step {t.step_time_s:.4g} s, {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
             f"{100 * t.efficiency:.0f}% MFU of {t.peak.label} peak {t.peak.tflops:,.0f} TFLOP/s ({t.peak.hardware})"
         )
+    if no_time is not None:
+        lines.append(f"step time: none: {no_time}")
     if cost is not None:
         lines.append(cost_line(cost))
         if fl.is_moe:
@@ -351,7 +372,7 @@ def format_ranking(r, model_name: str, costs: dict) -> str:
         f"seq={e0.seq}, hardware={hw.name if hw else 'none'}; per GPU, ranked by total with recompute={r.recompute}"
     )
     cols = (
-        f"{'mem':>3} {'recipe':<21} {'state GB':>9} {'act GB':>8} {'total GB':>9} {'fits':>4} "
+        f"{'mem':>3} {'recipe':<21} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'fits':>4} "
         f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}"
     )
     lines = [head, "", cols]
@@ -362,8 +383,8 @@ def format_ranking(r, model_name: str, costs: dict) -> str:
         ok = c is not None and not isinstance(c, str)
         fits = {True: "yes", False: "no", None: "-"}[e.fits(r.recompute)]
         lines.append(
-            f"{r.rank_memory[e.recipe]:>3} {e.recipe:<21} {_gb(e.state.total):>9} "
-            f"{_gb(e.activations.recompute[r.recompute]):>8} {_gb(e.totals[r.recompute]):>9} {fits:>4} "
+            f"{r.rank_memory[e.recipe]:>3} {e.recipe:<21} {_gib(e.state.total):>9} "
+            f"{_gib(e.activations.recompute[r.recompute]):>8} {_gib(e.totals[r.recompute]):>9} {fits:>4} "
             f"{(f'{c.step_time_s:.4g}' if ok else '-'):>8} {(f'{c.tokens_per_s_per_gpu:,.0f}' if ok else '-'):>10} "
             f"{rank_time.get(e.recipe, '-'):>4}"
         )
@@ -382,13 +403,16 @@ def format_ranking(r, model_name: str, costs: dict) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def _costs(args, recipes, hw, lo) -> dict:
+def _costs(args, estimates, hw, lo) -> dict:
+    """recipe -> its ``StepCost`` under ``lo``, or why none is predicted: ``hw`` cannot run it
+    (``hardware_blocker``), or its estimate does not fit ``hw``'s memory under ``lo.ac`` (``no_fit_reason``)."""
     out = {}
-    for r in recipes:
-        try:
-            out[r.name] = step_cost(args, r, hw, lo)
-        except ValueError as e:
-            out[r.name] = str(e)
+    for r, e in estimates:
+        why = hardware_blocker(r, hw)
+        if why is not None:
+            out[r.name] = f"not runnable on {hw.name}: {why}"
+            continue
+        out[r.name] = no_fit_reason(e, lo.ac) or step_cost(args, r, hw, lo)
     return out
 
 
@@ -426,7 +450,8 @@ def run(opts: dict) -> str:
             compiled,
             opts.get("async_tp", False),
         )
-        costs = _costs(args, recipes, hw, lo)
+        by_name = {e.recipe: e for e in r.rows}
+        costs = _costs(args, [(x, by_name[x.name]) for x in recipes], hw, lo)
         if opts["json"]:
             return json.dumps(
                 {
@@ -447,9 +472,10 @@ def run(opts: dict) -> str:
         compiled,
         opts.get("async_tp", False),
     )
-    cost = _costs(args, recipes, hw, lo)[recipes[0].name]
-    if isinstance(cost, str):  # FP8 under --emulate on a part without FP8 tensor cores
-        e = dataclasses.replace(e, notes=(*e.notes, f"no step time: {cost} (emulated FP8 speed is not modelled)"))
+    cost = _costs(args, [(recipes[0], e)], hw, lo)[recipes[0].name]
+    no_time = None
+    if isinstance(cost, str):  # not runnable there (--emulate), or it does not fit
+        no_time = cost if cost.startswith("does not fit") else f"{cost} (emulated speed is not modelled)"
         cost = None
     unsharded = predict_state_bytes(args, recipes[0])
     if opts["json"]:
@@ -459,22 +485,24 @@ def run(opts: dict) -> str:
                 "unsharded_state": unsharded.to_dict(),
                 **e.to_dict(),
                 "cost_model": cost.to_dict() if cost else None,
+                "no_step_time": no_time,
             },
             indent=1,
         )
-    return format_one(e, args, opts["model"], unsharded, cost, flat="efficiency" in opts)
+    return format_one(e, args, opts["model"], unsharded, cost, flat="efficiency" in opts, no_time=no_time)
 
 
 def estimate_main(argv: list[str]) -> int:
-    """Entry point of ``lowprec estimate``; returns the exit status (0, or 2 for bad input)."""
+    """Entry point of ``lowprec estimate``; returns the exit status (0, or 2 for bad input: a
+    ``lowprec.errors.UserError``). Any other exception, a ``KeyError`` or ``IndexError`` from the program's own
+    tables included, is a bug and propagates with its traceback."""
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
     try:
         out = run(parse_args(argv))
-    except (EstimateArgError, RecipeError, ValueError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"lowprec estimate: error: {str(msg).splitlines()[0]}", file=sys.stderr)
+    except UserError as e:  # anything else is a bug: its traceback is kept
+        print(f"lowprec estimate: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -10,6 +10,7 @@ from lowprec.errors import UserError
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
+from lowprec.estimate.runnable import hardware_blocker
 from recipes import get_recipe
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
     for name in names:
         try:
             r = get_recipe(name)
+            if hardware_blocker(r, hw) is not None:  # training refuses it there (mxfp8 on an H100): no prediction
+                out[name] = Prediction(hw.name, None, None)
+                continue
             e = estimate(model, r, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, hardware=hw, compiled_loss=compiled)
             tps = step_cost(model, r, hw, Layout(dp_shard, tp, batch, seq, ac, compiled)).tokens_per_s_per_gpu
         except (ValueError, UserError):  # a recipe outside the catalog, or a layout the estimator refuses

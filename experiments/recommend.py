@@ -2,26 +2,35 @@
 
     lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N]
                       [recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b,...]]
-                      [tracking.uri=URI] [--json]
+                      [ablate_steps=N] [tracking.uri=URI] [--json]
 
-For every catalog recipe the hardware can run, every tensor-parallel degree ``tp`` in 1, 2, 4, 8 that divides
-``gpus`` and the head counts (FSDP over the rest, ``dp_shard = gpus / tp``), and every activation-checkpointing
-mode (the lightest that fits unless ``recompute=`` pins one), ``lowprec.estimate.memory_model`` predicts the peak
-reserved memory and ``lowprec.estimate.cost_model`` the step time. Each recipe keeps its fastest layout that fits
-in memory with ``MEMORY_MARGIN`` of it free; recipes are ranked by predicted time to train ``tokens`` tokens
-(``batch`` sequences of ``seq`` tokens per data-parallel rank and step), then by memory headroom. A DeepSeekMoE
-model (``model=moe_*``) gets FSDP layouts only (``tp = 1``: the cost and memory models do not cover tensor or
-expert parallelism of its experts), its time from the activated experts and its memory from all of them.
+Which recipes the hardware can run is the question training asks before it builds anything: the recipe's FP8
+backend decides from the part's compute capability (``lowprec.estimate.runnable``, ``Float8Backend.
+hardware_blocker``); a recipe it refuses (FP8 on an A100, MXFP8/NVFP4 outside sm100) is listed as not runnable with
+that reason and never given a step time. For every other recipe, every tensor-parallel degree ``tp`` in 1, 2, 4, 8
+that divides ``gpus`` and the head counts (FSDP over the rest, ``dp_shard = gpus / tp``), and every
+activation-checkpointing mode (the lightest that fits unless ``recompute=`` pins one),
+``lowprec.estimate.memory_model`` predicts the peak reserved memory and ``lowprec.estimate.cost_model`` the step
+time. Each recipe keeps its fastest layout that fits in memory with ``MEMORY_MARGIN`` of it free; recipes are ranked
+by predicted time to train ``tokens`` tokens (``batch`` sequences of ``seq`` tokens per data-parallel rank and
+step, so a row's step takes ``dp_shard * batch * seq`` tokens), then by memory headroom. A row whose layout lies
+outside every published point of ``published.yaml`` (other TP degree, FSDP degree or hardware) says so: the cost
+model's error is known only near them. A DeepSeekMoE model (``model=moe_*``) gets FSDP layouts only (``tp = 1``:
+the cost and memory models do not cover tensor or expert parallelism of its experts), its time from the activated
+experts and its memory from all of them.
 
 Loss evidence per recipe: the verdicts ``experiments.verdict_table.log_verdicts`` recorded on the parent runs of
 the user's own ablations (``tracking.uri``, default the sqlite store under ``runs/``; read only, and a store
 that does not exist is read as empty), with their paired intervals and seed counts, marked comparable when the
-ablation's model has the same family (dense or MoE: ``model_class``) and size class; otherwise the exact
-``lowprec ablate`` command that would produce one. Published evidence is cited per recipe kind
-(``PUBLISHED_EVIDENCE``). A recipe with an ``inferior`` verdict in the store is never recommended (it is listed
-as excluded); the text says when a predicted speedup over bf16 is below the cost model's held-out error.
+ablation's model has the same family (dense or MoE: ``model_class``) and size class; otherwise the ablation that
+would produce one, as a command that runs as printed (``experiments.recommend_plan.ablation_plan``: device,
+layout, batch, steps; several nodes get the torchrun line) with its predicted GPU-hours. Published evidence is
+cited per recipe kind (``experiments.recommend_evidence``), numbered, and each row names the line that supports it.
+A recipe with an ``inferior`` verdict in the store is never recommended (it is listed as excluded); the text says
+when a predicted speedup over bf16 is below the cost model's held-out error.
 
-A bad argument prints one line on stderr and returns 2.
+A bad argument prints one line on stderr and returns 2; any other exception (a ``KeyError`` from the program's own
+tables included) is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -32,18 +41,36 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for
-from lowprec.estimate.cost_model import AC_MODES, Layout, gemm_dtype, step_cost
+from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for, one_line
+from experiments.recommend_evidence import (
+    LOWPREC_GPU_CHECK,
+    PUBLISHED_EVIDENCE,  # noqa: F401 (re-exported: the citations live in experiments.recommend_evidence)
+    outside_published,
+    published_evidence,
+    published_hardware,
+)
+from experiments.recommend_plan import (
+    EVIDENCE_STEPS,
+    MEMORY_MARGIN,
+    TP_DEGREES,  # noqa: F401 (re-exported)
+    AblationPlan,
+    ablation_plan,
+    layouts,
+    memory_limit,
+    peak_reserved,
+)
+from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
-from lowprec.estimate.memory_model import peak_breakdown
+from lowprec.estimate.runnable import hardware_blocker
 from lowprec.model import MoEArgs, model_args
 from lowprec.recipe import Recipe
 from recipes import CATALOG, get_recipe
 
 USAGE = (
     "usage: lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N] "
-    "[recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b]] [tracking.uri=URI] [--json]"
+    "[recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b]] [ablate_steps=N] [tracking.uri=URI] "
+    "[--json]"
 )
 _KEYS = (
     "model",
@@ -56,29 +83,12 @@ _KEYS = (
     "recompute",
     "compile",
     "recipes",
+    "ablate_steps",
     "tracking.uri",
 )
 DEFAULT_URI = "sqlite:///runs/mlflow.db"
 DEFAULT_GAP = 0.0025
 CONTROL = "bf16"
-TP_DEGREES = (1, 2, 4, 8)
-#: A layout fits when its predicted peak leaves this fraction of device memory free: the memory model's largest
-#: held-out error on the H100 points of ``published.yaml`` (README, estimate section).
-MEMORY_MARGIN = 0.07
-
-#: Published loss evidence per recipe kind (first matching key wins; see ``published_evidence``).
-PUBLISHED_EVIDENCE = {
-    "blockwise": "DeepSeek-V3 technical report (arXiv 2412.19437, section 3.3): 1x128/128x128 FP8 GEMMs with FP32 "
-    "promotion, relative loss error below 0.25% against BF16 at about 1T tokens on its validation models",
-    "tensorwise": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md and torchao torchao/float8/README.md "
-    "(throughput); IBM+Meta 'Supercharging Training using float8 and FSDP2' (loss parity at 8B/100B tokens, "
-    "70B/50B tokens)",
-    "rowwise": "torchao torchao/float8/README.md (throughput); PyTorch blog 'Accelerating Large Scale Training and "
-    "Convergence with PyTorch Float8 Rowwise on Crusoe 2K H200s' (comparable convergence)",
-    "int8": "Dettmers et al. 2021, '8-bit Optimizers via Block-wise Quantization' (arXiv 2110.02861): parity with "
-    "32-bit Adam on their language-model pretraining and fine-tuning benchmarks",
-    "bf16": "the reference: BF16 mixed precision with FP32 master weights (torchtitan's default)",
-}
 
 
 class RecommendArgError(EstimateArgError):
@@ -112,7 +122,7 @@ def parse_args(argv: list[str]) -> dict:
     for req in ("model", "hardware", "gpus", "tokens"):
         if req not in out:
             raise RecommendArgError(f"{req}= is required")
-    for k in ("gpus", "batch", "seq"):
+    for k in ("gpus", "batch", "seq", "ablate_steps"):
         if k in out:
             try:
                 out[k] = int(out[k])
@@ -252,25 +262,16 @@ def stored_verdicts(uri: str, model: str, family_class: str) -> dict[str, list[S
     return out
 
 
-def published_evidence(r: Recipe) -> str:
-    """The citation for the recipe's kind: its FP8 granularity, else its 8-bit optimizer, else bf16."""
-    if r.fp8.enabled:
-        return PUBLISHED_EVIDENCE[r.fp8.scaling]
-    if r.optim.state == "int8":
-        return PUBLISHED_EVIDENCE["int8"]
-    if r.name == CONTROL:
-        return PUBLISHED_EVIDENCE["bf16"]
-    return "none found for this recipe"
-
-
 # ---- ranking -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Option:
     """A recipe's best layout: ``dp_shard``, ``tp``, ``ac``; predicted ``tokens_per_s_per_gpu``, ``days`` to
-    train, ``speedup`` over bf16's best layout (``None`` without a bf16 row), peak ``reserved_gib`` and
-    ``headroom`` (fraction of device memory left)."""
+    train, ``speedup`` over bf16's best layout (``None`` without a bf16 row), peak ``reserved_gib`` (GiB, 2**30
+    bytes) and ``headroom`` (fraction of device memory left); ``tokens_per_step`` (``dp_shard * batch * seq``);
+    ``outside_published``: why the layout lies outside every published point, or ``None``; ``ablation``: the
+    ablation that would give the missing loss evidence (``ablate_command`` is its command), or ``None``."""
 
     recipe: str
     dp_shard: int
@@ -280,28 +281,17 @@ class Option:
     days: float
     reserved_gib: float
     headroom: float
+    tokens_per_step: int = 0
     speedup: float | None = None
     evidence: list[StoredVerdict] = field(default_factory=list)
     ablate_command: str | None = None
+    ablation: AblationPlan | None = None
     published: str = ""
+    outside_published: str | None = None
     excluded: str | None = None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "evidence": [asdict(e) for e in self.evidence]}
-
-
-def _layouts(args, gpus: int, recipe: Recipe):
-    for tp in TP_DEGREES:
-        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp:
-            continue
-        if tp > 1 and isinstance(args, MoEArgs):
-            continue  # tensor/expert parallelism of a MoE model is not modelled (lowprec.estimate.cost_model)
-        dp = gpus // tp
-        if recipe.comm.weight_all_gather == "fp8" and tp > 1:
-            continue  # lowprec refuses the FP8 weight all-gather with TP
-        if (recipe.comm.weight_all_gather == "fp8" or recipe.comm.grad_reduce == "fp8") and dp == 1:
-            continue  # FP8 communication needs FSDP
-        yield dp, tp
+        return asdict(self)
 
 
 def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
@@ -309,15 +299,13 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
     batch, seq = opts.get("batch", 1), opts.get("seq", args.max_seq_len)
     modes = AC_MODES if opts["recompute"] == "auto" else (opts["recompute"],)
     best = None
-    layouts = list(_layouts(args, opts["gpus"], recipe))
-    if not layouts:
+    lays = list(layouts(args, opts["gpus"], recipe))
+    if not lays:
         return f"no layout of {opts['gpus']} GPUs can run it (FP8 communication needs FSDP and, in lowprec, no TP)"
-    for dp, tp in layouts:
+    for dp, tp in lays:
         for ac in modes:
-            pk = peak_breakdown(
-                args, recipe, dp_shard=dp, tp=tp, batch=batch, seq=seq, ac=ac, compiled_loss=opts["compile"]
-            )
-            if pk.reserved > (1 - MEMORY_MARGIN) * hw.memory_bytes:
+            reserved = peak_reserved(args, recipe, dp, tp, batch, seq, ac, opts["compile"])
+            if reserved > memory_limit(hw):
                 continue
             c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, opts["compile"]))
             days = opts["tokens"] / (c.tokens_per_s_per_gpu * opts["gpus"]) / 86400
@@ -328,8 +316,9 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
                 ac,
                 c.tokens_per_s_per_gpu,
                 days,
-                pk.reserved / 2**30,
-                1 - pk.reserved / hw.memory_bytes,
+                reserved / 2**30,
+                1 - reserved / hw.memory_bytes,
+                dp * batch * seq,
             )
             if best is None or (o.days, -o.headroom) < (best.days, -best.headroom):
                 best = o
@@ -337,7 +326,7 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
     if best is None:
         return (
             f"no layout of {opts['gpus']} GPUs leaves {100 * MEMORY_MARGIN:.0f}% of "
-            f"{hw.memory_bytes / 1e9:.0f} GB free at batch {batch} x seq {seq}"
+            f"{hw.memory_bytes / 2**30:.1f} GiB free at batch {batch} x seq {seq}"
         )
     return best
 
@@ -345,7 +334,8 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
 @dataclass(frozen=True)
 class Recommendation:
     """``options`` ranked (fastest first; excluded ones after, with the reason), ``top`` (first not excluded,
-    or ``None``), ``not_runnable`` (recipe -> why no layout), ``paragraph`` (the top choice in words)."""
+    or ``None``), ``not_runnable`` (recipe -> why it is not runnable there, or why no layout fits: never with a
+    step time), ``paragraph`` (the top choice in words)."""
 
     query: dict
     options: list[Option]
@@ -361,35 +351,38 @@ class Recommendation:
             "not_runnable": self.not_runnable,
             "paragraph": self.paragraph,
             "model_error": MODEL_ERROR,
+            "published_refs": published_refs(self.options),
         }
-
-
-def ablate_command(model: str, recipe: str, gap: float) -> str:
-    return f"lowprec ablate 'recipes=[{CONTROL},{recipe}]' model={model} report.margin={gap:g}"
 
 
 def recommend(opts: dict) -> Recommendation:
     """Rank the candidate recipes for parsed ``opts`` (see the module doc). Raises ``ConfigError`` for an unknown
-    model, ``KeyError`` for unknown hardware, ``ValueError`` for a sequence longer than the model's."""
+    model or hardware, or a sequence longer than the model's."""
     args = model_args(opts["model"])
     hw = get_hardware(opts["hardware"])
     seq = opts.get("seq", args.max_seq_len)
     if seq > args.max_seq_len:
         raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
     names = opts.get("recipes") or list(CATALOG)
-    opts = {**opts, "compile": compile_for(args, opts.get("compile")), "moe": isinstance(args, MoEArgs)}
+    opts = {
+        **opts,
+        "batch": opts.get("batch", 1),
+        "seq": seq,
+        "ablate_steps": opts.get("ablate_steps", EVIDENCE_STEPS),
+        "compile": compile_for(args, opts.get("compile")),
+        "moe": isinstance(args, MoEArgs),
+    }
     evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], model_class(args))
     gap = opts["max_loss_gap"]
+    control = get_recipe(CONTROL)
     options, not_runnable = [], {}
     for name in dict.fromkeys([*names, CONTROL]):
         r = get_recipe(name)
-        if r.fp8.enabled and hw.fp8_tflops is None:
-            not_runnable[name] = f"{hw.name} has no FP8 tensor cores"
+        why = hardware_blocker(r, hw)  # the check training makes (Float8Backend.check_runtime)
+        if why is not None:
+            not_runnable[name] = f"on {hw.name}: {why}"
             continue
-        if r.fp8.enabled and gemm_dtype(r) == "fp4" and hw.fp4_tflops is None:
-            not_runnable[name] = f"{hw.name} has no FP4 tensor cores (Blackwell: b200, gb200)"
-            continue
-        o = best_option(args, r, hw, {**opts, "seq": seq})
+        o = best_option(args, r, hw, opts)
         if isinstance(o, str):
             not_runnable[name] = o
             continue
@@ -399,12 +392,28 @@ def recommend(opts: dict) -> Recommendation:
         if name not in names:
             excluded = "the reference (not among recipes=)"
         has_comparable = any(e.comparable and e.verdict != "no-data" for e in ev)
+        plan = None
+        if not has_comparable and name != CONTROL and excluded is None:
+            plan = ablation_plan(
+                opts["model"],
+                args,
+                control,
+                r,
+                hw,
+                gpus=opts["gpus"],
+                batch=opts["batch"],
+                seq=seq,
+                gap=gap,
+                steps=opts["ablate_steps"],
+            )
         options.append(
             replace(
                 o,
                 evidence=ev,
-                ablate_command=None if has_comparable or name == CONTROL else ablate_command(opts["model"], name, gap),
-                published=published_evidence(r),
+                ablation=plan,
+                ablate_command=plan.command if plan else None,
+                published=published_evidence(r, CONTROL),
+                outside_published=outside_published(opts["model"], hw.name, o.dp_shard, o.tp),
                 excluded=excluded,
             )
         )
@@ -417,7 +426,29 @@ def recommend(opts: dict) -> Recommendation:
     return Recommendation(query, options, top.recipe if top else None, not_runnable, paragraph(top, base, opts, gap))
 
 
-def _verdict_words(o: Option, gap: float) -> str:
+def published_refs(options: list[Option]) -> list[dict]:
+    """The published citations of ``options`` numbered in table order: ``[{"ref": 1, "text": ..., "recipes":
+    [...]}, ...]``; a row's ``pub`` column is its citation's ``ref``."""
+    refs: dict[str, list[str]] = {}
+    for o in options:
+        refs.setdefault(o.published, []).append(o.recipe)
+    return [{"ref": i, "text": t, "recipes": rs} for i, (t, rs) in enumerate(refs.items(), 1)]
+
+
+def _no_evidence_words(o: Option, opts: dict) -> str:
+    if o.ablation is None:
+        return (
+            f"no ablation of {CONTROL} and {o.recipe} fits eager on at most {opts['gpus']} {opts['hardware']} GPUs: "
+            "run one on a larger machine"
+        )
+    a = o.ablation
+    return (
+        f"run `{a.command}` ({a.seeds} seeds of each recipe, {a.steps:,} steps, on {a.gpus} GPUs: about "
+        f"{a.gpu_hours:,.0f} GPU-hours predicted)"
+    )
+
+
+def _verdict_words(o: Option, gap: float, opts: dict) -> str:
     comp = [e for e in o.evidence if e.comparable and e.verdict != "no-data"]
     other = [e for e in o.evidence if not e.comparable and e.verdict != "no-data"]
     if comp:
@@ -431,18 +462,21 @@ def _verdict_words(o: Option, gap: float) -> str:
     words = "Your MLflow store holds no comparable verdict for it"
     if other:
         words += f" (only {other[0].describe()})"
-    return words + f": run `{o.ablate_command}` before committing the GPU hours."
+    return words + f": {_no_evidence_words(o, opts)} before committing the GPU hours."
 
 
 def paragraph(top: Option | None, base: Option | None, opts: dict, gap: float) -> str:
-    """The top choice in plain words: why it ranks first, its loss evidence, and the model's error."""
+    """The top choice in plain words: why it ranks first, what it assumed, its loss evidence, and the model's
+    error (and that its layout lies outside every published point, where it does)."""
     if top is None:
         return "No recipe fits and is not excluded; see the table."
     lay = f"FSDP over {top.dp_shard} GPUs" + (f" with tensor parallel {top.tp}" if top.tp > 1 else "")
     s = (
         f"Recommended: {top.recipe}, {lay}, activation checkpointing {top.ac}: predicted "
-        f"{top.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {top.days:,.1f} days for {opts['tokens']:.3g} tokens on "
-        f"{opts['gpus']} {opts['hardware']} GPUs, with {100 * top.headroom:.0f}% of memory to spare. "
+        f"{top.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at batch {opts['batch']} x seq {opts['seq']} per "
+        f"data-parallel rank ({top.tokens_per_step:,} tokens per step), {top.days:,.1f} days for "
+        f"{opts['tokens']:.3g} tokens on {opts['gpus']} {opts['hardware']} GPUs, with {100 * top.headroom:.0f}% of "
+        "memory to spare. "
     )
     if base is not None and top.recipe != base.recipe and top.speedup is not None:
         pct = top.speedup - 1
@@ -452,21 +486,48 @@ def paragraph(top: Option | None, base: Option | None, opts: dict, gap: float) -
                 f"The predicted speedup is below the cost model's held-out error ({100 * MODEL_ERROR:.0f}%, "
                 "lowprec estimate --validate): measure both on a few steps of your own hardware before choosing. "
             )
-    s += _verdict_words(top, gap) + f" Published evidence: {top.published}."
+    if top.outside_published:
+        s += (
+            f"Its layout lies outside every published point ({top.outside_published}): the cost model's error "
+            "there is not known. "
+        )
+    s += _verdict_words(top, gap, opts) + f" Published evidence: {top.published}."
     return s
 
 
+def ablation_groups(options: list[Option]) -> list[tuple[AblationPlan, list[Option]]]:
+    """The rows that need an ablation, grouped by layout (``AblationPlan.layout_key``): one ``lowprec ablate`` per
+    group runs the control once and every recipe of the group, in table order."""
+    groups: dict[tuple, list[Option]] = {}
+    for o in options:
+        if o.ablation is not None:
+            groups.setdefault(o.ablation.layout_key(), []).append(o)
+    return [(rows[0].ablation, rows) for rows in groups.values()]
+
+
 def format_table(rec: Recommendation) -> str:
+    """The text output: the query and what it assumed, the ranked table (each row's published citation in ``pub``
+    and its ablation in ``loss evidence``), the recipes that are not runnable with the reason, layouts outside every
+    published point, the numbered citations, the ablations that would give the missing evidence, and the
+    paragraph."""
     q = rec.query
+    refs = published_refs(rec.options)
+    ref_of = {r: x["ref"] for x in refs for r in x["recipes"]}
+    groups = ablation_groups(rec.options)
+    group_of = {o.recipe: k for k, (_, rows) in enumerate(groups, 1) for o in rows}
+    w = max([21, *(len(o.recipe) for o in rec.options), *(len(n) for n in rec.not_runnable)])
     lines = [
         f"model={q['model']} hardware={q['hardware']} gpus={q['gpus']} tokens={q['tokens']:.3g} "
         f"max_loss_gap={100 * q['max_loss_gap']:.2f}%; ranked by predicted time to train, then memory headroom",
+        f"assumed: batch={q['batch']} sequence(s) of seq={q['seq']} tokens per data-parallel rank and step "
+        f"(batch=, seq= change it), so a row's step takes its FSDP degree x {q['batch'] * q['seq']:,} tokens "
+        f"(tok/step); compile={str(q['compile']).lower()}; memory in GiB (2**30 bytes)",
         "",
-        f"{'#':>2} {'recipe':<21} {'layout':<16} {'tok/s/GPU':>9} {'days':>8} {'vs bf16':>8} {'peak GiB':>8} "
-        f"{'free':>5}  loss evidence",
+        f"{'#':>2} {'recipe':<{w}} {'layout':<16} {'tok/step':>9} {'tok/s/GPU':>9} {'days':>8} {'vs bf16':>8} "
+        f"{'peak GiB':>8} {'free':>5} {'pub':>4}  loss evidence",
     ]
     for i, o in enumerate(rec.options, 1):
-        lay = f"{o.dp_shard}x{o.tp} ac={o.ac}"
+        lay = f"{o.dp_shard}x{o.tp} ac={o.ac}" + ("*" if o.outside_published else "")
         sp = f"{100 * (o.speedup - 1):+.0f}%" if o.speedup is not None else "-"
         if o.excluded:
             ev = f"EXCLUDED: {o.excluded}"
@@ -474,24 +535,44 @@ def format_table(rec: Recommendation) -> str:
             ev = o.evidence[0].describe()
         elif o.recipe == CONTROL:
             ev = "the reference of every verdict"
+        elif o.recipe in group_of:
+            ev = f"no evidence: ablation [a{group_of[o.recipe]}] below"
         else:
-            ev = f"no evidence: run `{o.ablate_command}`"
+            ev = f"no evidence, and no ablation with {CONTROL} fits eager on these GPUs"
         lines.append(
-            f"{i:>2} {o.recipe:<21} {lay:<16} {o.tokens_per_s_per_gpu:>9,.0f} {o.days:>8,.1f} {sp:>8} "
-            f"{o.reserved_gib:>8.1f} {100 * o.headroom:>4.0f}%  {ev}"
+            f"{i:>2} {o.recipe:<{w}} {lay:<16} {o.tokens_per_step:>9,} {o.tokens_per_s_per_gpu:>9,.0f} "
+            f"{o.days:>8,.1f} {sp:>8} {o.reserved_gib:>8.1f} {100 * o.headroom:>4.0f}% {f'[{ref_of[o.recipe]}]':>4}"
+            f"  {ev}"
         )
     for name, why in rec.not_runnable.items():
-        lines.append(f"   {name:<21} not runnable: {why}")
-    lines += ["", "Published evidence:"]
-    seen = set()
-    for o in rec.options:
-        if o.published not in seen:
-            seen.add(o.published)
-            lines.append(f"  - {o.published}")
+        lines.append(f"   {name:<{w}} not runnable, no step time: {why}")
+    outside = [o for o in rec.options if o.outside_published]
+    if outside:
+        lines += ["", "* layout outside every published point (the cost model's error there is not known):"]
+        lines += [f"   {o.recipe} {o.dp_shard}x{o.tp}: {o.outside_published}" for o in outside]
+    lines += ["", "Published evidence (the pub column):"]
+    lines += [f"  [{x['ref']}] {x['text']}" for x in refs]
+    if groups:
+        lines += [
+            "",
+            f"Ablations that would give the missing loss evidence ({CONTROL} and the recipes, "
+            f"{groups[0][0].seeds} seeds each, eager, on the fewest GPUs where all fit; GPU-hours predicted by the "
+            "cost model):",
+        ]
+        for k, (a, rows) in enumerate(groups, 1):
+            names = [o.recipe for o in rows]
+            hours = a.control_gpu_hours + sum(o.ablation.recipe_gpu_hours for o in rows)
+            where = f", {a.nodes} hosts: start it on each with HEAD_NODE set to the first" if a.nodes > 1 else ""
+            lines.append(
+                f"  [a{k}] {len(names)} recipe(s) on {a.gpus} GPUs ({a.dp_shard}x{a.tp} ac={a.ac}{where}), "
+                f"{a.steps:,} steps, about {hours:,.0f} GPU-hours:"
+            )
+            lines.append(f"       {a.command_for(names)}")
     lines += [
         "",
-        f"Times are predictions of the per-op cost model (held-out error up to {100 * MODEL_ERROR:.0f}%, "
-        "lowprec estimate --validate); memory of lowprec.estimate.memory_model. Never measured by lowprec on a GPU.",
+        f"Times are predictions of the per-op cost model: held-out error up to {100 * MODEL_ERROR:.0f}% on the "
+        f"published points, measured by their authors on {published_hardware()} GPUs (lowprec estimate --validate); "
+        f"{LOWPREC_GPU_CHECK}. Memory: lowprec.estimate.memory_model.",
         *([MOE_NOTE + "."] if rec.query.get("moe") else []),
         "",
         rec.paragraph,
@@ -500,9 +581,10 @@ def format_table(rec: Recommendation) -> str:
 
 
 def recommend_main(argv: list[str]) -> int:
-    """Entry point of ``lowprec recommend``; returns the exit status (0, or 2 for bad input)."""
-    from lowprec.errors import ConfigError
-    from lowprec.recipe import RecipeError
+    """Entry point of ``lowprec recommend``; returns the exit status (0, or 2 for bad input). Only a
+    ``lowprec.errors.UserError`` is bad input; anything else (a ``KeyError`` or ``IndexError`` from the program's
+    own tables) is a bug and propagates with its traceback."""
+    from lowprec.errors import UserError
 
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -510,9 +592,8 @@ def recommend_main(argv: list[str]) -> int:
     try:
         opts = parse_args(argv)
         rec = recommend(opts)
-    except (EstimateArgError, ConfigError, RecipeError, ValueError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"lowprec recommend: error: {str(msg).splitlines()[0]}", file=sys.stderr)
+    except UserError as e:
+        print(f"lowprec recommend: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps(rec.to_dict(), indent=1) if opts["json"] else format_table(rec))
     return 0

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from lowprec.backends.fp8_lowprec import swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
@@ -59,15 +57,22 @@ class LowprecMX(Float8Backend):
                 f"got {spec.scaling!r}"
             )
 
+    def hardware_blocker(self, spec, capability) -> str | None:
+        if capability[0] < 10:
+            return (
+                f"recipe.fp8.backend='mx' on a GPU needs block-scaled tensor cores (sm100: B200/GB200); "
+                f"SM{capability[0]}{capability[1]} has none (lowprec emulates it exactly on CPU)"
+            )
+        return None
+
     def check_runtime(self, spec, device) -> None:
         if device.type != "cuda":
             return  # CPU: the exact emulation is the implementation
-        cap = torch.cuda.get_device_capability(device)
-        if cap[0] < 10 or not HAS_BLOCK_SCALED_OP:
+        super().check_runtime(spec, device)
+        if not HAS_BLOCK_SCALED_OP:
             raise RecipeError(
-                f"recipe.fp8.backend='mx' on CUDA needs block-scaled tensor cores (sm100, B200/GB200) and "
-                f"torch.nn.functional.scaled_mm with BlockWise1x32/1x16; this GPU is SM{cap[0]}{cap[1]} "
-                "(run it on CPU, where lowprec emulates it exactly)"
+                "recipe.fp8.backend='mx' on CUDA needs torch.nn.functional.scaled_mm with BlockWise1x32/1x16, "
+                "which this torch lacks (run it on CPU, where lowprec emulates it exactly)"
             )
 
     def check_features(self, spec, fqn: str, in_features: int, out_features: int) -> None:

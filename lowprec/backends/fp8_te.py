@@ -32,17 +32,22 @@ class TransformerEngineFloat8(Float8Backend):
         if bad:
             raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'")
 
+    def hardware_blocker(self, spec, capability) -> str | None:
+        if spec.scaling in ("mxfp8", "nvfp4") and capability[0] < 10:
+            return (
+                f"recipe.fp8.scaling={spec.scaling!r} with backend='te' needs Blackwell (sm100) block-scaled "
+                f"tensor cores; SM{capability[0]}{capability[1]} has none (backend=mx emulates it on CPU)"
+            )
+        return super().hardware_blocker(spec, capability)
+
     def check_runtime(self, spec, device) -> None:
         require_te()
-        if spec.scaling in ("mxfp8", "nvfp4"):
-            import torch
+        import torch
 
-            cap = torch.cuda.get_device_capability()
-            if cap[0] < 10:
-                raise RecipeError(
-                    f"recipe.fp8.scaling={spec.scaling!r} with backend='te' needs Blackwell (sm100) block-scaled "
-                    f"tensor cores; this GPU is SM{cap[0]}{cap[1]} (backend=mx emulates it on CPU)"
-                )
+        # TE runs on CUDA only: the current device's capability, whatever ``device`` says
+        why = self.hardware_blocker(spec, torch.cuda.get_device_capability())
+        if why is not None:
+            raise RecipeError(why)
 
     def compile_blocker(self, spec, telemetry_every, device_type="cpu") -> str | None:
         return "Transformer Engine's te.Linear runs its own kernels outside torch.compile (use train.compile=false)"

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
@@ -60,14 +58,6 @@ class TorchaoFloat8(Float8Backend):
 
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return spec.scaling == "tensorwise"  # torchao's only FSDP float8 all-gather
-
-    def check_runtime(self, spec, device) -> None:
-        if spec.scaling != "tensorwise" and device.type == "cuda":
-            cap = torch.cuda.get_device_capability(device)
-            if cap < (8, 9):
-                raise RecipeError(
-                    f"recipe.fp8.scaling={spec.scaling!r} with torchao needs SM89+; this GPU is SM{cap[0]}{cap[1]}"
-                )
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         modules = dict(model.named_modules())

@@ -6,7 +6,8 @@ The pattern is torchtitan's model-converter registry (``torchtitan/protocols/mod
 is imported, and a user (or a test) adds one with ``register_fp8_backend`` / ``register_optim_impl``.
 
 An object answers every question the library asks about its backend: recipe validation (``validate``),
-whether this machine can run it (``check_runtime``), module conversion (``convert``), the forward context
+whether this machine can run it (``check_runtime``, from
+``hardware_blocker``, which the estimator asks too), module conversion (``convert``), the forward context
 (``precision_context``), hooks after the optimizer step (``register_hooks``), the FP8 fallback
 (``fallback_blocker``), sharding (``check_layout``,
 ``prepare_sharding``, ``finish_sharding``), what the effective-recipe inspection must find
@@ -79,8 +80,32 @@ class Float8Backend(ABC):
         return False
 
     # ---- build ----------------------------------------------------------------------------------------
+    def hardware_blocker(self, spec: Float8Spec, capability: tuple[int, int]) -> str | None:
+        """Why a GPU of compute capability ``capability`` (``torch.cuda.get_device_capability``: ``(9, 0)`` for an
+        H100, ``(10, 0)`` for a B200, ``(9, 4)`` for an MI300X under ROCm) cannot run ``spec`` with this backend, or
+        ``None`` when it can. The one hardware rule: training asks it through ``check_runtime`` with the device's
+        capability, ``lowprec estimate`` / ``lowprec recommend`` with the planned part's
+        (``lowprec.estimate.runnable``), so a plan never times a recipe the run would refuse. The default: an FP8
+        backend needs FP8 tensor cores, compute capability 8.9 or higher (``torch._scaled_mm``'s requirement:
+        Ada, Hopper, Blackwell; MI300 on ROCm)."""
+        if self.enabled and tuple(capability) < (8, 9):
+            return (
+                f"recipe.fp8.backend={self.name!r} runs FP8 GEMMs, which need FP8 tensor cores (compute capability "
+                f"8.9+: Ada, Hopper, Blackwell, MI300); SM{capability[0]}{capability[1]} has no FP8 tensor cores"
+            )
+        return None
+
     def check_runtime(self, spec: Float8Spec, device: torch.device) -> None:
-        """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked."""
+        """Raise ``RecipeError`` before anything is built if this machine cannot run the spec as asked. The default:
+        on a CUDA device, ``hardware_blocker`` with the device's compute capability (nothing on CPU, where every
+        backend but ``te`` emulates)."""
+        if device.type != "cuda":
+            return
+        import torch
+
+        why = self.hardware_blocker(spec, torch.cuda.get_device_capability(device))
+        if why is not None:
+            raise RecipeError(why)
 
     def check_shapes(self, spec: Float8Spec, shapes: dict[str, tuple[int, int]], tokens: int) -> None:
         """Refuse (``RecipeError``) GEMM shapes the backend cannot take: ``shapes`` maps each selected linear's FQN to

@@ -5,7 +5,10 @@ saved for backward per recompute mode), ``inventory`` (parameters and linears of
 the FP8 selection applied), ``hardware`` (peak FLOP/s, memory and bandwidths of known accelerators, with
 sources), ``cost_model`` (per-op step time, calibrated on ``published.yaml``), ``memory_model`` (peak reserved
 memory: the estimator's totals plus transients and fragmentation).
-Every run logs the estimator's prediction beside its measurement (``pred_mem_*`` next to ``mem_*``).
+``runnable`` (whether a planned part can run a recipe: the FP8 backend's own ``hardware_blocker``, as training asks).
+Every run logs the estimator's prediction beside its measurement (``pred_mem_*`` next to ``mem_*``). A bad input
+(a size, a layout, an unknown part) raises ``lowprec.errors.ConfigError`` (a ``ValueError``), which the command
+line prints as one line; any other exception is a bug and keeps its traceback.
 """
 
 from lowprec.estimate.estimator import (

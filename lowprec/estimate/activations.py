@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lowprec.backends import fp8_backend
+from lowprec.errors import ConfigError
 from lowprec.estimate.inventory import Inventory, LinearInfo, inventory
 from lowprec.model import ModelArgs
 from lowprec.recipe import DTYPES, Float8Spec, Recipe
@@ -339,9 +340,9 @@ def predict_saved_activations(
     up to the logsumexp padding of the efficient kernel); only the CPU path has been measured.
     """
     if batch < 1 or seq < 1 or dp_shard < 1 or tp < 1:
-        raise ValueError(f"batch={batch}, seq={seq}, dp_shard={dp_shard}, tp={tp} must all be >= 1")
+        raise ConfigError(f"batch={batch}, seq={seq}, dp_shard={dp_shard}, tp={tp} must all be >= 1")
     if seq > args.max_seq_len:
-        raise ValueError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
+        raise ConfigError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type={device_type!r} is not 'cuda' or 'cpu'")
     inv = inventory(args, recipe.fp8)

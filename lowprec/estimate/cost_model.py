@@ -91,6 +91,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from lowprec.errors import ConfigError
 from lowprec.estimate.hardware import Hardware
 from lowprec.estimate.inventory import inventory, is_routed_expert, tokens_per_expert
 from lowprec.model import ModelArgs, MoEArgs
@@ -152,11 +153,11 @@ class Layout:
     def __post_init__(self) -> None:
         for k in ("dp_shard", "tp", "batch", "seq"):
             if getattr(self, k) < 1:
-                raise ValueError(f"{k}={getattr(self, k)} must be >= 1")
+                raise ConfigError(f"{k}={getattr(self, k)} must be >= 1")
         if self.ac not in AC_MODES:
-            raise ValueError(f"ac={self.ac!r} is not one of {', '.join(AC_MODES)}")
+            raise ConfigError(f"ac={self.ac!r} is not one of {', '.join(AC_MODES)}")
         if self.async_tp and self.tp == 1:
-            raise ValueError("async_tp=true needs tp > 1")
+            raise ConfigError("async_tp=true needs tp > 1")
 
 
 @dataclass(frozen=True)
@@ -236,10 +237,10 @@ def step_cost(
     lo = layout
     tp = lo.tp
     if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ValueError(f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}")
+        raise ConfigError(f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}")
     moe = isinstance(args, MoEArgs)
     if moe and tp > 1:
-        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
+        raise ConfigError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
     inv = inventory(args, recipe.fp8)
     gran = _granularity(recipe)
     hp = "fp32" if recipe.compute_dtype.itemsize == 4 else "bf16"

@@ -52,6 +52,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from lowprec.backends import fp8_backend, optim_impl
+from lowprec.errors import ConfigError
 from lowprec.estimate.activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
 from lowprec.estimate.hardware import Hardware
 from lowprec.estimate.inventory import fsdp_local_numel, inventory, is_routed_expert, param_counts, tp_local_shape
@@ -71,13 +72,13 @@ def check_layout(args: ModelArgs, dp_shard: int, tp: int) -> None:
     (torchtitan's tensor-parallel plan shards attention by heads), and for ``tp > 1`` on a DeepSeekMoE model
     (how its experts would be split, tensor or expert parallel, is not modelled)."""
     if dp_shard < 1 or tp < 1:
-        raise ValueError(f"parallel.dp_shard={dp_shard} and parallel.tp={tp} must be >= 1")
+        raise ConfigError(f"parallel.dp_shard={dp_shard} and parallel.tp={tp} must be >= 1")
     if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.tp={tp} must divide model.n_heads={args.n_heads} and model.n_kv_heads={args.n_kv_heads}"
         )
     if tp > 1 and isinstance(args, MoEArgs):
-        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
+        raise ConfigError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
 
 
 # ---- training state -------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def flops_per_token(args: ModelArgs, seq: int, recipe: Recipe | None = None) -> 
     """PaLM appendix-B FLOPs per token (see ``FlopsEstimate``); ``recipe`` only decides the FP8 share.
     Raises ``ValueError`` for ``seq < 1``."""
     if seq < 1:
-        raise ValueError(f"seq={seq} must be >= 1")
+        raise ConfigError(f"seq={seq} must be >= 1")
     inv = inventory(args, recipe.fp8 if recipe is not None else Float8Spec())
     counts = param_counts(args)
     n = counts.activated - inv.n_embedding
@@ -351,9 +352,9 @@ def predict_throughput(
     Raises ``ValueError`` for ``efficiency`` outside (0, 1], a bad size, or a peak the hardware lacks.
     """
     if not 0.0 < efficiency <= 1.0:
-        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+        raise ConfigError(f"efficiency={efficiency} must be in (0, 1]")
     if batch < 1:
-        raise ValueError(f"batch={batch} must be >= 1")
+        raise ConfigError(f"batch={batch} must be >= 1")
     fl = flops_per_token(args, seq, recipe)
     pk = peak_for(recipe, hardware, fl)
     flops = fl.flops_per_token * batch * seq / tp
@@ -437,7 +438,7 @@ def estimate(
     """
     check_layout(args, dp_shard, tp)
     if not 0.0 < efficiency <= 1.0:
-        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+        raise ConfigError(f"efficiency={efficiency} must be in (0, 1]")
     seq = args.max_seq_len if seq is None else seq
     state = predict_state_bytes(args, recipe, dp_shard, tp)
     acts = predict_saved_activations(args, recipe, batch, seq, device_type, dp_shard, tp, compiled_loss)
@@ -492,7 +493,7 @@ def estimate_all(args: ModelArgs, recipes: Iterable[Recipe], *, recompute: str =
     """``estimate`` for every recipe (``kw`` as for ``estimate``), ranked by memory under ``recompute``
     and by predicted step time. Raises ``ValueError`` for an unknown recompute mode."""
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+        raise ConfigError(f"recompute={recompute!r} is not one of {list(RECOMPUTE_MODES)}")
     ests = [estimate(args, r, **kw) for r in recipes]
     by_mem = sorted(ests, key=lambda e: e.totals[recompute])
     by_time = sorted(ests, key=lambda e: (e.throughput is None, e.throughput.step_time_s if e.throughput else 0))

@@ -1,4 +1,5 @@
-"""Accelerator facts for estimates and MFU: memory capacity and dense peak throughput per dtype.
+"""Accelerator facts for estimates and MFU: memory capacity and dense peak throughput per dtype, and the compute
+capability by which the FP8 backends decide whether a part can run a recipe (``lowprec.estimate.runnable``).
 
 All peaks are **dense** tensor-core figures in TFLOP/s (10**12 FLOP/s) from the vendors' datasheets,
 i.e. half the "with sparsity" numbers NVIDIA prints first. Memory is the datasheet capacity in
@@ -43,6 +44,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lowprec.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -71,6 +74,9 @@ class Hardware:
     #: dense FP4 (E2M1: NVFP4 / MXFP4) tensor-core peak, TFLOP/s; ``None`` before Blackwell. FP6 runs at the FP8
     #: rate on Blackwell, so ``fp8_tflops`` is its peak too.
     fp4_tflops: float | None = None
+    #: what ``torch.cuda.get_device_capability()`` returns on the part (CUDA SM; ROCm reports the gfx arch, 9.4 for
+    #: the MI300X's gfx942): the FP8 backends decide from it whether they can run (``Float8Backend.hardware_blocker``)
+    compute_capability: tuple[int, int] | None = None
 
     def peak_tflops(self, dtype: str) -> float:
         """Dense peak for ``dtype`` (``bf16``, ``fp16``, ``fp8``, ``fp6``, ``fp4``, ``fp32``) in TFLOP/s.
@@ -127,6 +133,7 @@ HARDWARE: dict[str, Hardware] = {
             67.0,
             3.35,
             450.0,
+            compute_capability=(9, 0),
         ),
         Hardware(
             "h100_96gb_500w",
@@ -140,6 +147,7 @@ HARDWARE: dict[str, Hardware] = {
             63.0,
             2.4,
             450.0,
+            compute_capability=(9, 0),
         ),
         Hardware(
             "h100_pcie",
@@ -151,6 +159,7 @@ HARDWARE: dict[str, Hardware] = {
             51.0,
             2.0,
             64.0,
+            compute_capability=(9, 0),
         ),
         Hardware(
             "h200",
@@ -162,6 +171,7 @@ HARDWARE: dict[str, Hardware] = {
             4.8,
             450.0,
             **_rel("h200"),
+            compute_capability=(9, 0),
         ),
         Hardware(
             "a100_80gb",
@@ -175,6 +185,7 @@ HARDWARE: dict[str, Hardware] = {
             300.0,
             25.0,
             **_rel("a100_80gb"),
+            compute_capability=(8, 0),
         ),
         Hardware(
             "b200",
@@ -189,6 +200,7 @@ HARDWARE: dict[str, Hardware] = {
             900.0,
             fp4_tflops=9000.0,
             **_rel("b200"),
+            compute_capability=(10, 0),
         ),
         Hardware(
             "gb200",
@@ -206,6 +218,7 @@ HARDWARE: dict[str, Hardware] = {
             72,
             fp4_tflops=10000.0,
             **_rel("gb200"),
+            compute_capability=(10, 0),
         ),
         Hardware(
             "mi300x",
@@ -221,6 +234,7 @@ HARDWARE: dict[str, Hardware] = {
             8,
             "amd",
             **_rel("mi300x"),
+            compute_capability=(9, 4),
         ),
     )
 }
@@ -235,13 +249,21 @@ ALIASES = {
 }
 
 
+class UnknownHardwareError(ConfigError, KeyError):
+    """A hardware name the table does not list: the user's input (a ``ConfigError``, printed as one line), and a
+    ``KeyError`` for callers that look parts up like a dict."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def get_hardware(name: str) -> Hardware:
-    """The named device (case-insensitive; aliases ``h100``, ``a100`` ...). Raises ``KeyError`` listing
-    the known names."""
+    """The named device (case-insensitive; aliases ``h100``, ``a100`` ...). Raises ``UnknownHardwareError`` (a
+    ``ConfigError`` and a ``KeyError``) listing the known names."""
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in HARDWARE:
-        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
+        raise UnknownHardwareError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
     return HARDWARE[key]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lowprec.errors import ConfigError
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.inventory import inventory
 from lowprec.model import ModelArgs, MoEArgs
@@ -77,10 +78,10 @@ def peak_breakdown(
     bad layout or AC mode, and for ``tp > 1`` on a MoE model (tensor/expert parallelism of its experts is not
     modelled)."""
     if isinstance(args, MoEArgs) and tp > 1:
-        raise ValueError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
+        raise ConfigError(f"parallel.tp={tp}: tensor/expert parallelism of a MoE model is not modelled; use tp=1")
     e = estimate(args, recipe, dp_shard=dp_shard, tp=tp, batch=batch, seq=seq, compiled_loss=compiled_loss)
     if ac not in e.totals:
-        raise ValueError(f"ac={ac!r} is not one of {', '.join(e.totals)}")
+        raise ConfigError(f"ac={ac!r} is not one of {', '.join(e.totals)}")
     rec = e.activations.recompute
     per_layer = {"none": 0, "selective": rec["none"] - rec["selective"], "full": rec["none"]}[ac]
     work = per_layer // args.n_layers

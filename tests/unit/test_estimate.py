@@ -202,7 +202,7 @@ def test_estimate_all_ranks_every_recipe():
 def test_cli_reports_8b_bf16(capsys):
     assert estimate_main(["model=llama3_8b", "recipe=bf16"]) == 0
     out = capsys.readouterr().out
-    assert "8,030,261,248 parameters" in out and "16.00 bytes/parameter" in out and "128.5 GB unsharded" in out
+    assert "8,030,261,248 parameters" in out and "16.00 bytes/parameter" in out and "119.7 GiB unsharded" in out
     assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8"]) == 0
     assert "holds 0.1250 of it" in capsys.readouterr().out
     assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "--json"]) == 0
