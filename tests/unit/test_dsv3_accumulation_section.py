@@ -11,11 +11,17 @@ SETTINGS = study.Settings(k_max=4096, gemm_rows=8, intervals=(128,))
 
 
 def test_section_reports_the_accumulator_and_its_source(tmp_path, monkeypatch):
-    lines, head = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    lines, _ = study._accumulation_section(None, "", SETTINGS, tmp_path)
     text = "\n".join(lines)
     assert HOPPER_ACCUMULATOR.describe() in text and HOPPER_ACCUMULATOR.source in text
-    assert "not fitted to a measurement" in text
-    assert head["accumulator"]["bits"] == HOPPER_ACCUMULATOR.bits == dn.HOPPER_ACCUM_BITS
+    assert HOPPER_ACCUMULATOR.fitted and "H200" in HOPPER_ACCUMULATOR.source  # fitted to a measurement (README)
+
+    unfitted = AccumulatorModel(14, "nearest", None, source="DeepSeek-V3 3.3.2", fitted=False)
+    monkeypatch.setattr(dn, "HOPPER_ACCUMULATOR", unfitted)
+    lines, head = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    text = "\n".join(lines)
+    assert "not fitted to a measurement" in text and unfitted.describe() in text
+    assert head["accumulator"]["bits"] == 14
 
     fitted = AccumulatorModel(12, "truncate", 32, source="fitted to a test GPU, 2026-01-01, cmd", fitted=True)
     monkeypatch.setattr(dn, "HOPPER_ACCUMULATOR", fitted)
