@@ -209,7 +209,7 @@ def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(base
     line = err.strip().splitlines()[-1]
     ablation_id = line.rsplit("resume=", 1)[1]
     _, kids = _ablation(tmp_path, ablation_id)
-    # the runs in flight (and the one queued to a worker) stopped after a step, with a checkpoint; others never started
+    # the runs in flight stopped after a step, with a checkpoint; the others (one queued to a worker too) never started
     killed = [k for k in kids.values() if k.info.status == "KILLED"]
     assert killed and all(k.data.tags["resume_checkpoint"] for k in killed) and len(kids) < 8
 

@@ -6,17 +6,23 @@ ablation test sends SIGTERM to a ``lowprec ablate`` subprocess from outside, as 
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from stalled_exit import stall_at_exit
 from stop_handlers import restored_stop_handlers
 
 from experiments.cli import main
+from experiments.scheduler import close_pool, pool_internals
 from lowprec.train.checkpoint_files import verify
 from lowprec.train.stop import clear_stop
 
@@ -115,3 +121,57 @@ def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_pare
             k.data.tags["resume_checkpoint"]
         )
         assert max(_losses(client, k)) == step  # every step up to the stop is logged
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The pool's worker processes of ``pid`` (``multiprocessing.spawn``), from ``/proc``."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                if b"spawn_main" in (d / "cmdline").read_bytes():
+                    kids.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            pass  # exited meanwhile
+    return kids
+
+
+@pytest.mark.parametrize("to", ["ablation", "process_group"])
+def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to, run_dirs, tmp_path):
+    # Issue 29, item 5: a SIGTERM that reached workers still importing (no stop handler yet: forwarded by the
+    # ablation, or sent to the process group as `timeout` and a terminal's Ctrl-C do) killed them. Forwarded, the
+    # pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
+    # InvalidStateError traceback); either way the runs were "FAILED (worker process died)", not "not started".
+    args = ["ablate", "recipes=[fp32,bf16]", "seeds=2", "workers=2", *RUN[:-1], "train.steps=400", *run_dirs]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert len(_spawned_workers(proc.pid)) == 2  # both workers exist and are still starting (seconds of imports)
+    if to == "ablation":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    assert "stopped by SIGTERM: 0 run(s) stopped after their current step" in err and "4 not started" in err
+    _, runs = _runs(tmp_path)
+    (parent,) = runs  # no run was started, so none is recorded FAILED or KILLED
+    assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "SIGTERM"
+    assert "resume it: lowprec ablate" in err
+
+
+def test_a_worker_whose_exit_stalls_is_killed_after_the_grace_period_not_waited_for():
+    # Issue 29, item 5: with every run recorded, the ablation waited in ProcessPoolExecutor.shutdown() for its
+    # workers' exit, without limit (py-spy: the pool's thread in Process.join, the workers in their interpreter's
+    # final garbage collection). A real worker process whose exit stalls, a real pool.
+    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+    pid = pool.submit(stall_at_exit).result(timeout=60)
+    procs, manager = pool_internals(pool)
+    t0 = time.monotonic()
+    assert close_pool(pool, procs, manager, grace_s=1.0) == [pid]
+    assert time.monotonic() - t0 < 15  # 1 s of grace, then the kill (the plain shutdown() waited 600 s)
+    assert not procs[0].is_alive() and procs[0].exitcode == -signal.SIGKILL and not manager.is_alive()

@@ -1,6 +1,9 @@
 """``workers=2`` (runs in spawned worker processes) and ``seeds=auto`` end to end: real training, real MLflow."""
 
+import contextlib
 import re
+import subprocess
+import sys
 
 from mlflow.tracking import MlflowClient
 
@@ -78,3 +81,33 @@ def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dir
     # the control died, so the report exists and says that no verdict is possible
     report = (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").read_text()
     assert "every run of the control `bf16` failed" in report
+
+
+@contextlib.contextmanager
+def busy_cores(n: int, seconds: float = 150.0):
+    """``n`` processes that spin on a core each for the body (and never longer than ``seconds``)."""
+    spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(run_dirs, tmp_path, capsys):
+    # Issue 29, item 5: with both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
+    # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
+    # load of 6), without limit. The workers now exit at once (experiments/scheduler.py `_exit_now`).
+    args = ["ablate", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
+    with busy_cores(2):
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    parent, kids = _children(tmp_path, out)
+    assert sorted(k.info.status for k in kids) == ["FINISHED"] * 4
+    assert (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").exists()
+    # the parent ends right after run_jobs returns: from the last run's end, one result's way back and the workers'
+    # exit (the old exit alone took 3-6 s here)
+    waited_ms = parent.info.end_time - max(k.info.end_time for k in kids)
+    assert waited_ms < 2500, waited_ms
