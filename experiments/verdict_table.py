@@ -563,16 +563,19 @@ def _stability_notes(t: VerdictTable) -> list[str]:
     rules = "; ".join(f"`{r}`" for r in t.stability_rules) or "none recorded"
     return [
         "- Stability (experiments/stats/stability.py, one spike definition for the loss and the grad norm): spikes "
-        "per run = mean over the recipe's judged runs of the steps the spike rule flags; diverged = judged runs that "
+        "per run = mean over the recipe's judged runs of its spike events (a run of consecutive steps the spike rule "
+        "flags counts once: one decaying spike flags several steps); diverged = judged runs that "
         "diverged / judged runs. Judged runs: the finished comparable runs, and failed runs stopped by a non-finite "
         "loss or grad norm (or whose metrics say diverged), which count as diverged. Metrics as each run logged them "
         "(`stability/*` at its last step), or recomputed from its logged curves with the default rule for runs that "
         f"predate them. Rule of these runs: {rules}.",
-        "- Stability verdict (`stability_verdict`): **less stable** when a larger share of the recipe's runs "
-        "diverged than of the control's, or when its loss- or grad-norm-spike rate per run exceeds the control's "
-        "by a one-sided exact conditional Poisson test (binomial split of the total, Przyborowski & Wilenski 1940) "
-        "at alpha 0.05 (0.025 each when both are tested); else **as stable**. With few runs only many spikes "
-        "reach significance: as stable means no evidence of worse, not proof of equal.",
+        "- Stability verdict (`stability_verdict`): **less stable** when one exact permutation test over runs "
+        "(each run's divergence, loss-spike events and grad-norm spike events; the largest standardised difference "
+        "of the recipe's mean over the control's, against every split of the runs) gives p <= 0.05; else **as "
+        "stable**. Under identical processes it says less stable at most 5% of the time; the smallest possible p is "
+        "1 / C(recipe runs + control runs, recipe runs), 0.05 with 3 runs each, so at 3 seeds only a recipe worse "
+        "in every run than every control run is less stable: as stable means no evidence of worse, not proof of "
+        "equal.",
     ]
 
 
