@@ -72,23 +72,48 @@ def test_k_sets_the_threshold():
     assert stability_metrics(x, rule=SpikeRule(k=8)).loss_spikes == 0
 
 
-def test_robust_sd_is_mad_of_trailing_differences():
+def test_robust_sd_is_the_scale_of_the_detrended_trailing_residuals():
     x = _loss()
     x[70] = math.nan
-    scan = scan_spikes(x, SpikeRule(sd_window=50, min_history=10))
-    for t in (5, 10, 11, 60, 100, 399):
-        prev = np.array([x[s] - x[s - 1] for s in range(max(1, t - 50), t)])
-        prev = prev[np.isfinite(prev)]  # the two differences next to the NaN drop out
-        if prev.size < 10:
+    w, h = 50, 10
+    scan = scan_spikes(x, SpikeRule(sd_window=w, min_history=h))
+    positions = np.linspace(-1, 1, w)
+    for t in (5, 10, 11, 30, 60, 100, 399):
+        r = scan.residual[max(0, t - w) : t]
+        p = positions[w - r.size :][np.isfinite(r)]
+        r = r[np.isfinite(r)]  # the NaN and the first step have no residual
+        if r.size < h:
             assert math.isnan(scan.robust_sd[t])
-        else:
-            mad = np.median(np.abs(prev - np.median(prev)))
-            assert scan.robust_sd[t] == pytest.approx(1.4826 * mad / math.sqrt(2), rel=1e-12)
-    assert np.isnan(scan.robust_sd[:11]).all() and not scan.spike[:11].any()  # burn-in: differences start at step 1
-    # It measures the noise (sd 0.02) even during fast descent, where the residuals drift with the EMA's lag.
-    r = scan.residual[50:100]
-    assert scan.robust_sd[100] == pytest.approx(0.02, rel=0.2)
-    assert 1.4826 * np.nanmedian(np.abs(r - np.nanmedian(r))) > 5 * 0.02
+            continue
+        degree = min((r.size - 1) // 4, 4)
+        u = r - np.polyval(np.polyfit(p, r, degree), p)
+        dev = np.abs(u - np.median(u))
+        sd = max(1.4826 * np.median(dev), np.quantile(dev, 0.98) / 2.3263478740408408)
+        assert scan.robust_sd[t] == pytest.approx(sd * math.sqrt(r.size / (r.size - degree - 1)), rel=1e-9)
+    assert np.isnan(scan.robust_sd[:11]).all() and not scan.spike[:11].any()  # burn-in: residuals start at step 1
+    # It measures the noise (sd 0.02) once the fast descent has left the window.
+    assert scan.robust_sd[200] == pytest.approx(0.02, rel=0.25)
+
+
+def _noisy(noise: str, seed: int, steps: int = 2000) -> np.ndarray:
+    """The decaying curve with noise of scale 0.02: Student-t(3) or t(5), or AR(1) with rho 0.8 (sd 0.02)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    if noise == "ar":
+        e = lfilter([1.0], [1.0, -0.8], rng.normal(0, 0.02 * math.sqrt(1 - 0.64), steps))
+    else:
+        e = 0.02 * rng.standard_t({"t3": 3, "t5": 5}[noise], steps)
+    return 2.0 + 7.0 * np.exp(-t / 30) + e
+
+
+@pytest.mark.parametrize(("noise", "most"), [("ar", 0.2), ("t5", 2.0), ("t3", 5.0)])
+def test_autocorrelated_and_heavy_tailed_noise_gives_few_false_spikes(noise, most):
+    """Issue 29: the former rule (MAD of step differences) flagged 8.5 spike events per 2,000 steps of spike-free
+    AR(1) rho 0.8 noise, 3.0 for t(5) and 9.2 for t(3). This one, measured over 40 curves: 0.03, 1.2 and 3.5 (t(3)
+    has values beyond 10 robust sds about once per 1,000 steps). Here: mean over 10 fixed-seed 2,000-step curves,
+    bounds about 2.5 Poisson standard errors above the measured rates."""
+    events = [stability_metrics(_noisy(noise, seed)).loss_spikes for seed in range(10)]
+    assert np.mean(events) <= most, events
 
 
 def test_nan_to_the_end_is_divergence_at_that_step():
@@ -213,7 +238,7 @@ def test_a_decaying_spike_is_one_event_though_it_flags_several_steps():
     x = _loss()
     x[200:212] += 0.6 * np.exp(-np.arange(12) / 2)  # one spike decaying over a few steps
     m = stability_metrics(x)
-    assert len(m.loss_spike_steps) >= 3 and m.loss_spike_steps[0] == 200
+    assert len(m.loss_spike_steps) >= 2 and m.loss_spike_steps[0] == 200
     assert np.all(np.diff(m.loss_spike_steps) == 1) and m.loss_spikes == 1
     assert count_events([0, 1, 1, 0, 1, 0, 0, 1]) == 3 and count_events([]) == 0 and count_events([1, 1]) == 1
 
