@@ -6,19 +6,31 @@ verdict at the look where it stopped, how many seeds it got and why. Because the
 results, the report cannot disagree with what the ablation did.
 
 Procedure (rule and error control: ``experiments.stats.sequential``, Lan-DeMets O'Brien-Fleming-type alpha
-spending with a union bound over looks): every recipe and the control train seeds ``s_0, s_1, s_2`` (``start`` =
-3); at the look with n seeds, the recipes still running get their Holm-corrected CONSORT verdicts at the look's
-level ``plan.level_at(n)`` from the seeds ``s_0..s_{n-1}`` they share with the control; a conclusive recipe, or
-one at ``max_seeds``, stops there with that verdict; the others, and the control, train seed ``s_n``.
+spending with exact group-sequential boundaries): every recipe and the control train seeds ``s_0, s_1, s_2``
+(``start`` = 3); at the look with n seeds, the recipes still running get their Holm-corrected CONSORT verdicts at
+the look's level ``plan.level_at(n)`` from the seeds ``s_0..s_{n-1}`` they share with the control; a conclusive
+recipe, or one at ``max_seeds``, stops there with that verdict; the others, and the control, train seed ``s_n``.
+
+A stopped recipe's verdict keeps the interval of its look (level ``plan.level_at(n)``), but its minimum detectable
+difference and seeds needed are restated at the final analysis' one-sided alpha (``plan.final_alpha``, the level at
+which a recipe still open at ``max_seeds`` is judged): at the first look's level (alpha 0.00025 with 3 seeds) they
+would describe a test nobody runs (an MDD ten times larger).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from experiments.stats import SeedDecision, SpendingPlan, Verdict, verdicts
+from experiments.stats import (
+    SeedDecision,
+    SpendingPlan,
+    Verdict,
+    minimum_detectable_difference,
+    seeds_needed,
+    verdicts,
+)
 
 #: seeds before the first look (the issue's "start with 3 seeds").
 START = 3
@@ -45,6 +57,11 @@ class AutoSeeds:
     final: dict[str, tuple[Verdict, SeedDecision]]
     wanting: list[str]
     next_seed: int | None
+    #: the one-sided alpha of the final analysis (``plan.final_alpha``), at which ``final``'s MDD and seeds needed
+    #: are stated
+    final_alpha: float = 0.025
+    #: the seed sequence ``s_0, s_1, ...`` of the looks (a look at n seeds uses ``seeds[:n]``)
+    seeds: tuple[int, ...] = ()
 
 
 def plan_for(max_seeds: int, level: float = 0.95) -> SpendingPlan:
@@ -59,6 +76,16 @@ def _paired(values, control, name, seeds):
             rec.append(values[(name, s)])
             ctl.append(values[(control, s)])
     return rec, ctl
+
+
+def _at_final_alpha(v: Verdict, alpha: float) -> Verdict:
+    """``v`` with its MDD and seeds needed at the final analysis' one-sided ``alpha`` (module docstring)."""
+    e = v.effect
+    return replace(
+        v,
+        mdd=minimum_detectable_difference(e.n, e.sd, alpha),
+        seeds_needed=seeds_needed(e.mean, e.sd, v.margin, alpha) if e.n >= 2 else None,
+    )
 
 
 def _replay(values, control, names, seeds, plan, margin, metric, ran) -> AutoSeeds:
@@ -77,14 +104,14 @@ def _replay(values, control, names, seeds, plan, margin, metric, ran) -> AutoSee
         looks.append(Look(n, plan.level_at(n), vs, decisions))
         for name in active:
             if name in vs:
-                final[name] = (vs[name], decisions[name])
+                final[name] = (_at_final_alpha(vs[name], plan.final_alpha), decisions[name])
         active = [name for name in active if decisions[name].more]
         if not active:
             break
         n += 1
     wanting = active if looks and active else []
     next_seed = seeds[n - 1] if wanting and n <= plan.max_seeds else None
-    return AutoSeeds(looks, final, wanting, next_seed)
+    return AutoSeeds(looks, final, wanting, next_seed, plan.final_alpha, tuple(seeds))
 
 
 def replay(

@@ -20,7 +20,8 @@ def rule_tag(rule: SpikeRule) -> str:
     """The spike rule as the one-line ``stability_rule`` tag of a run."""
     return (
         f"loss/grad-norm spike: value - EMA(span {rule.ema_window}) of the previous steps > {rule.k:g} robust sd "
-        f"(MAD of step differences over {rule.sd_window} steps, from {rule.min_history}); divergence: stays "
+        f"(of those residuals over {rule.sd_window} steps after a degree-4 trend, MAD or 98th percentile, from "
+        f"{rule.min_history}); spikes counted as events; divergence: stays "
         f"non-finite or > {rule.divergence_factor:g}x the first loss to the end"
     )
 

@@ -7,6 +7,8 @@ metrics, so ``mlflow.search_runs`` finds them:
 - tags ``verdict.<recipe>`` (final validation loss) and ``verdict_late.<recipe>`` (mean validation loss over the
   last quarter of training): one of ``experiments.stats.VERDICTS`` (non-inferior, inferior, inconclusive,
   no-interval) or ``no-data`` (no finished run of the recipe paired with a finished control run);
+  ``verdict_label.<recipe>`` and ``verdict_late_label.<recipe>``: the CONSORT label the table prints (one of
+  ``experiments.stats.LABELS``, e.g. ``non-inferior (worse than control)``);
   ``verdict_status`` (``ok``, ``no-control``: no finished control run, ``nothing-to-compare``: only the control
   ran), ``verdict_reason`` (when not ok), ``verdict_control``, ``verdict_rule``;
 - metrics ``verdict/effect.<recipe>``, ``verdict/lo.<recipe>``, ``verdict/hi.<recipe>`` (relative differences:
@@ -36,7 +38,7 @@ from dataclasses import dataclass, replace
 from experiments.auto_seeds import AutoSeeds
 from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
 from experiments.stats.stability import LESS_STABLE
-from experiments.stats.verdict import POWER
+from experiments.stats.verdict import POWER, rule_text
 from experiments.tracking import MetricBuffer, Tracker
 
 #: Two-sided confidence level of every interval (one-sided tests at alpha = (1 - LEVEL) / 2).
@@ -130,6 +132,8 @@ class VerdictTable:
     predicted_setup: str | None = None
     #: seeds=auto: one line on the procedure (None for a fixed seed count)
     auto_note: str | None = None
+    #: seeds=auto: the final analysis' one-sided alpha, at which MDD and seeds needed are stated (else None)
+    auto_final_alpha: float | None = None
 
     @property
     def control_sd(self) -> float | None:
@@ -183,6 +187,22 @@ def _verdicts(pairs: dict[str, dict[int, tuple[float, float]]], margin: float, m
         if by_seed
     }
     return verdicts(results, margin, LEVEL, "holm", metric=metric) if results else {}
+
+
+def _late_at_looks(
+    late_pairs: dict[str, dict[int, tuple[float, float]]], auto: AutoSeeds, margin: float
+) -> dict[str, Verdict]:
+    """Under ``seeds=auto``: each recipe's last-quarter verdict on the seeds of the look where it stopped, at that
+    look's level, Holm over the recipes running at that look, as its final-loss verdict (a fixed 95% on seeds chosen
+    adaptively would not keep the 2.5% error rate)."""
+    out: dict[str, Verdict] = {}
+    for lk in auto.looks:  # a later look overwrites: each recipe ends with the verdict of its last look
+        seeds = set(auto.seeds[: lk.n])
+        pairs = {n: {s: p for s, p in late_pairs.get(n, {}).items() if s in seeds} for n in lk.decisions}
+        results = {n: ([p[0] for p in by.values()], [p[1] for p in by.values()]) for n, by in pairs.items() if by}
+        if results:
+            out.update(verdicts(results, margin, lk.level, "holm", metric="late_val_loss"))
+    return out
 
 
 def judged_stability(r) -> StabilityMetrics | None:
@@ -265,7 +285,9 @@ def build_table(
     late_v: dict[str, Verdict] = {}
     if late_reason is None:
         late_pairs = {n: _paired(runs, control, n, lambda r: late_of[r.run_id][0]) for n in names}
-        late_v = _verdicts(late_pairs, margin, "late_val_loss")
+        late_v = (
+            _verdicts(late_pairs, margin, "late_val_loss") if auto is None else _late_at_looks(late_pairs, auto, margin)
+        )
     ctrl_stab = _stability(runs, control)
     rows = []
     for n in names:
@@ -308,6 +330,7 @@ def build_table(
         predicted_hardware=next((p.hardware for p in predicted.values()), None),
         predicted_setup=predicted_setup,
         auto_note=_auto_note(auto) if auto is not None else None,
+        auto_final_alpha=auto.final_alpha if auto is not None else None,
     )
 
 
@@ -320,10 +343,11 @@ def _auto_note(auto: AutoSeeds) -> str:
     )
     return (
         "- `seeds=auto` (experiments/auto_seeds.py): 3 seeds, then one more at a time for the recipes (and the "
-        "control) still inconclusive, up to `max_seeds`; Lan-DeMets O'Brien-Fleming-type alpha spending with a "
-        "union bound over looks (experiments/stats/sequential.py). Each recipe's final-loss verdict and interval are "
-        f"those of the look where it stopped (two-sided CI level per look: {looks}), Holm over the recipes still "
-        f"running at that look; the seeds column says why it stopped.{tail}"
+        "control) still inconclusive, up to `max_seeds`; Lan-DeMets O'Brien-Fleming-type alpha spending with exact "
+        "group-sequential boundaries, one-sided alpha 0.025 over all looks (experiments/stats/sequential.py). Each "
+        "recipe's verdict and interval are those of the look where it stopped, at that look's two-sided level "
+        f"(printed in each row; per look: {looks}), Holm over the recipes still running at that look; the seeds "
+        f"column says why it stopped.{tail}"
     )
 
 
@@ -334,21 +358,28 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.3f}%"
 
 
-def _effect_cell(v: Verdict | None) -> str:
+def _level(level: float) -> str:
+    """A confidence level as a percentage with the digits that tell the looks apart (99.95%, 98.6%, 95%)."""
+    return f"{100 * level:.4g}%"
+
+
+def _effect_cell(v: Verdict | None, with_level: bool = False) -> str:
+    """The mean and interval; ``with_level`` (seeds=auto, where rows differ) appends the interval's level."""
     if v is None:
         return "n/a (no paired seed)"
     e = v.effect
     if not e.has_interval:
         return f"{_pct(e.mean)}, no interval (1 seed)"
-    return f"{_pct(e.mean)} [{_pct(e.lo)}, {_pct(e.hi)}]"
+    level = f" ({_level(v.level)} CI)" if with_level else ""
+    return f"{_pct(e.mean)} [{_pct(e.lo)}, {_pct(e.hi)}]{level}"
 
 
 def _verdict_cell(v: Verdict | None) -> str:
     if v is None:
         return NO_DATA
     if v.verdict != v.verdict_unadjusted:  # say what Holm changed rather than hide it
-        return f"**{v.verdict}** (CI alone: {v.verdict_unadjusted}; Holm does not confirm)"
-    return f"**{v.verdict}**"
+        return f"**{v.label}** (CI alone: {v.label_unadjusted}; Holm does not confirm)"
+    return f"**{v.label}**"
 
 
 def _seeds_cell(row: RecipeRow) -> str:
@@ -392,13 +423,13 @@ def _throughput_cell(x: float | None, contended: int) -> str:
     return f"{_ratio_cell(x)} (contended: {contended} runs at a time)"
 
 
-def _row(row: RecipeRow, with_late: bool, contended: int = 1) -> str:
+def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1) -> str:
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
-    cells = [f"`{row.recipe}`", _seeds_cell(row), _effect_cell(v), _verdict_cell(v)]
+    cells = [f"`{row.recipe}`", _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v)]
     if with_late:
-        cells += [_effect_cell(row.late), _verdict_cell(row.late)]
+        cells += [_effect_cell(row.late, auto), _verdict_cell(row.late)]
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
     memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
     cells += [mdd, needed, _throughput_cell(row.throughput_ratio, contended), memory]
@@ -406,10 +437,11 @@ def _row(row: RecipeRow, with_late: bool, contended: int = 1) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _columns(with_late: bool, hardware: str | None) -> list[str]:
-    cols = ["recipe", "seeds", "final val loss vs control [95% CI]", "verdict"]
+def _columns(with_late: bool, hardware: str | None, level: float, auto: bool = False) -> list[str]:
+    ci = "[CI at the row's look level]" if auto else f"[{_level(level)} CI]"
+    cols = ["recipe", "seeds", f"final val loss vs control {ci}", "verdict"]
     if with_late:
-        cols += ["last-quarter val loss vs control [95% CI]", "verdict (last quarter)"]
+        cols += [f"last-quarter val loss vs control {ci}", "verdict (last quarter)"]
     cols += ["spikes per run: loss / grad norm", "diverged", "stability vs control"]
     cols += ["MDD (final)", "seeds needed (final)", "throughput ratio (measured)", "memory ratio: state (peak)"]
     on = hardware or "GPU"
@@ -442,12 +474,13 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
             lines += ["", "The finished runs, each as recorded in MLflow:", "", *_runs_table(finished_runs)]
         return [*lines, ""]
     with_late = t.late_reason is None
-    cols = _columns(with_late, t.predicted_hardware)
+    auto = t.auto_note is not None
+    cols = _columns(with_late, t.predicted_hardware, t.level, auto)
     lines += [
         "| " + " | ".join(cols) + " |",
         "|---" * len(cols) + "|",
         _control_row(t, with_late),
-        *(_row(r, with_late, contended) for r in t.rows),
+        *(_row(r, with_late, auto, contended) for r in t.rows),
         "",
         *_notes(t, on_cpu),
         "",
@@ -469,26 +502,45 @@ def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
         )
     else:  # one seed everywhere: say why the column holds no verdict rather than "Holm across 0 recipes"
         holm = "but no recipe has 2 paired seeds, so no interval and no verdict exist (`seeds=3` or more gives them)"
+    auto = t.auto_note is not None
+    if auto and rule is not None:  # every look has its own level: state the rule for all of them, not the first row's
+        rule = rule_text(t.margin, None, "holm", tested)
+    interval = "at the level of the look where the recipe stopped (printed in the row)" if auto else f"{t.level:.0%}"
     notes = [
         f"- Relative difference d = (recipe - control) / control, paired by seed (seed i of every recipe shares "
         f"the batches and initial weights of seed i of `{t.control}`); d > 0: the recipe's loss is higher (worse). "
-        f"Mean over the paired seeds with its two-sided {t.level:.0%} paired t-interval (unadjusted).",
+        f"Mean over the paired seeds with its two-sided paired t-interval {interval} (unadjusted).",
         f"- Verdict at the margin +{100 * t.margin:.3g}% (`report.margin={t.margin:g}`), {holm}. "
-        f"Rule (experiments/stats/verdict.py): {rule}.",
+        f"Rule (experiments/stats/verdict.py): {rule}. Labels (CONSORT, Piaggio et al. 2012, figure 1): "
+        "**superior** = non-inferior with the interval wholly below 0; **(worse than control)** = the interval "
+        "lies wholly above 0, a significant difference smaller (non-inferior) or not shown to be smaller "
+        "(inconclusive) than the margin.",
     ]
     if t.auto_note:
         notes.append(t.auto_note)
     if t.late_reason is None:
+        how = (
+            "judged on the seeds and at the level of the look where the recipe stopped, Holm over the recipes "
+            "running at that look (the stopping rule looked at the final loss only: a secondary endpoint)"
+            if auto
+            else "judged the same way (its own Holm family)"
+        )
         notes.append(
             f"- Last quarter: the mean of each run's validation losses measured after step "
             f"{math.floor(LATE_FROM * t.steps)} of {t.steps} (up to {t.late_points} points per run), paired and "
-            "judged the same way (its own Holm family)."
+            f"{how}."
         )
     else:
         notes.append(f"- No last-quarter column: {t.late_reason}.")
+    at = (
+        f"alpha={t.auto_final_alpha:.3g} (the one-sided nominal level of the final `seeds=auto` analysis, at "
+        "`max_seeds`, not the level of the look where the recipe stopped)"
+        if t.auto_final_alpha is not None
+        else f"alpha={alpha:.3g}"
+    )
     notes += [
         f"- MDD (final val loss): the minimum detectable difference, the distance from the margin that a one-sided "
-        f"paired t-test at alpha={alpha:.3g} detects with power {POWER} at this seed count and the observed paired "
+        f"paired t-test at {at} detects with power {POWER} at this seed count and the observed paired "
         "sd (statsmodels `TTestPower`, before Holm). Seeds needed: the seeds that make the verdict conclusive with "
         f"power {POWER} if the observed mean and paired sd are the truth (same power calculation, per comparison; "
         "Holm can need more).",
@@ -521,16 +573,19 @@ def _stability_notes(t: VerdictTable) -> list[str]:
     rules = "; ".join(f"`{r}`" for r in t.stability_rules) or "none recorded"
     return [
         "- Stability (experiments/stats/stability.py, one spike definition for the loss and the grad norm): spikes "
-        "per run = mean over the recipe's judged runs of the steps the spike rule flags; diverged = judged runs that "
+        "per run = mean over the recipe's judged runs of its spike events (a run of consecutive steps the spike rule "
+        "flags counts once: one decaying spike flags several steps); diverged = judged runs that "
         "diverged / judged runs. Judged runs: the finished comparable runs, and failed runs stopped by a non-finite "
         "loss or grad norm (or whose metrics say diverged), which count as diverged. Metrics as each run logged them "
         "(`stability/*` at its last step), or recomputed from its logged curves with the default rule for runs that "
         f"predate them. Rule of these runs: {rules}.",
-        "- Stability verdict (`stability_verdict`): **less stable** when a larger share of the recipe's runs "
-        "diverged than of the control's, or when its loss- or grad-norm-spike rate per run exceeds the control's "
-        "by a one-sided exact conditional Poisson test (binomial split of the total, Przyborowski & Wilenski 1940) "
-        "at alpha 0.05 (0.025 each when both are tested); else **as stable**. With few runs only many spikes "
-        "reach significance: as stable means no evidence of worse, not proof of equal.",
+        "- Stability verdict (`stability_verdict`): **less stable** when one exact permutation test over runs "
+        "(each run's divergence, loss-spike events and grad-norm spike events; the largest standardised difference "
+        "of the recipe's mean over the control's, against every split of the runs) gives p <= 0.05; else **as "
+        "stable**. Under identical processes it says less stable at most 5% of the time; the smallest possible p is "
+        "1 / C(recipe runs + control runs, recipe runs), 0.05 with 3 runs each, so at 3 seeds only a recipe worse "
+        "in every run than every control run is less stable: as stable means no evidence of worse, not proof of "
+        "equal.",
     ]
 
 
@@ -613,6 +668,7 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     if t.no_verdict:
         tags["verdict_reason"] = t.no_verdict
         tags.update({f"verdict.{r.recipe}": NO_DATA for r in t.rows})
+        tags.update({f"verdict_label.{r.recipe}": NO_DATA for r in t.rows})
         return tags, metrics
     tags["verdict_rule"] = next((r.final.rule for r in t.rows if r.final), "")
     for r in t.rows:
@@ -660,6 +716,7 @@ def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict
 def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None) -> None:
     """``<prefix>.<recipe>`` = the verdict (or ``no-data``), and its numbers as ``<prefix>/<field>.<recipe>``."""
     tags[f"{prefix}.{recipe}"] = v.verdict if v else NO_DATA
+    tags[f"{prefix}_label.{recipe}"] = v.label if v else NO_DATA
     if v is None:
         return
     e = v.effect

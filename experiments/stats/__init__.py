@@ -1,8 +1,10 @@
 """Statistics of an ablation: pure functions over arrays of per-seed results (numpy/scipy/statsmodels, no MLflow).
 
 - ``paired``: per-seed paired relative differences, paired t-interval, bootstrap cross-check (``PairedEffect``).
-- ``verdict``: CONSORT non-inferiority verdict at a relative margin, Holm across recipes, power (``Verdict``).
-- ``sequential``: ``seeds=auto`` stopping rule, Lan-DeMets O'Brien-Fleming-type alpha spending (``SpendingPlan``).
+- ``verdict``: CONSORT non-inferiority verdict at a relative margin and its CONSORT label, Holm across recipes,
+  power (``Verdict``).
+- ``sequential``: ``seeds=auto`` stopping rule, Lan-DeMets O'Brien-Fleming-type alpha spending with exact
+  group-sequential boundaries (``SpendingPlan``).
 - ``curves``: relative loss error curves against the control (paired by seed, t-band) and seed bands.
 - ``stability``: per-run loss and grad-norm spikes, excursion, divergence; stability verdict per recipe.
 
@@ -28,16 +30,19 @@ from experiments.stats.stability import (
     stability_verdict,
 )
 from experiments.stats.verdict import (
+    LABELS,
     VERDICTS,
     Verdict,
     check_margin,
     ci_verdict,
+    consort_label,
     minimum_detectable_difference,
     seeds_needed,
     verdicts,
 )
 
 __all__ = [
+    "LABELS",
     "TRAIN_SMOOTH_WINDOW",
     "VERDICTS",
     "PairedEffect",
@@ -50,6 +55,7 @@ __all__ = [
     "Verdict",
     "check_margin",
     "ci_verdict",
+    "consort_label",
     "minimum_detectable_difference",
     "paired_effect",
     "relative_differences",

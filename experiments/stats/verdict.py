@@ -10,6 +10,19 @@ recipe worse) and compare it with ``+margin``:
 - ``inconclusive``: neither;
 - ``no-interval``: one seed, no interval exists (no p-values, no verdict).
 
+The printed label (``consort_label``, ``Verdict.label``) follows CONSORT's figure 1, which also places the interval
+against 0 (no difference), so that a significant difference is never hidden behind a plain word:
+
+- ``superior``: non-inferior and the interval wholly below 0 (the recipe's loss is lower than the control's);
+- ``non-inferior``: non-inferior, the interval contains 0;
+- ``non-inferior (worse than control)``: non-inferior, but the interval lies wholly above 0 (worse by less than the
+  margin);
+- ``inconclusive (worse than control)``: inconclusive with the interval wholly above 0;
+- ``inconclusive``, ``inferior``, ``no-interval``: as the decision.
+
+The label refines the decision with the same (unadjusted) interval; the decision (``Verdict.verdict``, the MLflow
+tag ``verdict.<recipe>``) stays one of ``VERDICTS``.
+
 This is exactly the pair of one-sided paired t-tests at ``alpha = (1 - level) / 2``: ``H0: mu >= margin`` (rejected
 = non-inferior, p-value ``p_noninferior``) and ``H0: mu <= margin`` (rejected = inferior, ``p_inferior``).
 
@@ -36,6 +49,10 @@ from lowprec.errors import ConfigError
 
 NON_INFERIOR, INFERIOR, INCONCLUSIVE, NO_INTERVAL = "non-inferior", "inferior", "inconclusive", "no-interval"
 VERDICTS = (NON_INFERIOR, INFERIOR, INCONCLUSIVE, NO_INTERVAL)
+SUPERIOR = "superior"
+WORSE = " (worse than control)"
+#: Every label ``consort_label`` can return.
+LABELS = (SUPERIOR, NON_INFERIOR, NON_INFERIOR + WORSE, INCONCLUSIVE, INCONCLUSIVE + WORSE, INFERIOR, NO_INTERVAL)
 CORRECTIONS = ("holm", "none")
 #: Power of the minimum detectable difference and of the seeds-needed calculation.
 POWER = 0.8
@@ -61,6 +78,22 @@ def ci_verdict(lo: float | None, hi: float | None, margin: float) -> str:
     if lo > margin:
         return INFERIOR
     return INCONCLUSIVE
+
+
+def consort_label(verdict: str, lo: float | None, hi: float | None) -> str:
+    """The CONSORT label of a decision (module docstring): ``verdict`` (one of ``VERDICTS``) refined by where the
+    interval ``[lo, hi]`` (relative difference, > 0 = recipe worse) lies against 0.
+
+    Raises:
+        ValueError: ``verdict`` is not one of ``VERDICTS``.
+    """
+    if verdict not in VERDICTS:
+        raise ValueError(f"unknown verdict {verdict!r} (one of {VERDICTS})")
+    if lo is None or hi is None or verdict in (INFERIOR, NO_INTERVAL):
+        return verdict
+    if verdict == NON_INFERIOR and hi < 0:
+        return SUPERIOR
+    return verdict + WORSE if lo > 0 else verdict
 
 
 def one_sided_pvalues(d: np.ndarray, margin: float) -> tuple[float, float]:
@@ -151,20 +184,35 @@ class Verdict:
     seeds_needed: int | None
     rule: str
 
+    @property
+    def label(self) -> str:
+        """The CONSORT label of ``verdict`` (``consort_label``), e.g. ``non-inferior (worse than control)``."""
+        return consort_label(self.verdict, self.effect.lo, self.effect.hi)
+
+    @property
+    def label_unadjusted(self) -> str:
+        """The CONSORT label of ``verdict_unadjusted`` (the CI rule alone)."""
+        return consort_label(self.verdict_unadjusted, self.effect.lo, self.effect.hi)
+
     def as_dict(self) -> dict:
-        """Flat JSON-ready dict (the effect's fields prefixed ``effect_``)."""
+        """Flat JSON-ready dict (the effect's fields prefixed ``effect_``, and ``label``)."""
         out = {k: v for k, v in asdict(self).items() if k != "effect"}
+        out["label"] = self.label
         out.update({f"effect_{k}": v for k, v in asdict(self.effect).items()})
         return out
 
 
-def rule_text(margin: float, level: float, correction: str, n_tests: int) -> str:
-    """One line stating the exact decision rule and its source."""
-    alpha = (1 - level) / 2
+def rule_text(margin: float, level: float | None, correction: str, n_tests: int) -> str:
+    """One line stating the exact decision rule and its source; ``level=None``: each ``seeds=auto`` look's level."""
+    if level is None:
+        interval, tests = "two-sided paired t-interval at the look's level", "the look's nominal alpha"
+    else:
+        interval, tests = f"two-sided {level:.4g} paired t-interval", f"alpha={(1 - level) / 2:.4g}"
     text = (
-        f"CONSORT non-inferiority (Piaggio et al. 2012, JAMA 308:2594): two-sided {level:.4g} paired t-interval of "
+        f"CONSORT non-inferiority (Piaggio et al. 2012, JAMA 308:2594): {interval} of "
         f"(recipe - control)/control; non-inferior if upper < +{margin:.4g}, inferior if lower > +{margin:.4g}, "
-        f"else inconclusive (= one-sided paired t-tests at alpha={alpha:.4g})"
+        f"else inconclusive (= one-sided paired t-tests at {tests}); labelled against 0: superior if "
+        "upper < 0, '(worse than control)' if lower > 0"
     )
     if correction == "holm":
         text += f"; Holm-adjusted over {n_tests} recipe(s) per one-sided family"

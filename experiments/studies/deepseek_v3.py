@@ -346,7 +346,7 @@ def _verdict_json(v, n: int) -> dict:
 
 def _effect(v) -> str:
     ci = "" if v.effect.lo is None else f", {v.level:.0%} CI [{100 * v.effect.lo:+.3f}%, {100 * v.effect.hi:+.3f}%]"
-    return f"relative difference {100 * v.effect.mean:+.3f}%{ci}, verdict **{v.verdict}**"
+    return f"relative difference {100 * v.effect.mean:+.3f}%{ci}, verdict **{v.label}**"
 
 
 def _by_seed(runs, name: str, key: str) -> dict[int, list[tuple[int, float]]]:

@@ -74,7 +74,7 @@ def _cell(v) -> str:
         return "no data"
     e = v.effect
     iv = f" [{e.lo:+.3%}, {e.hi:+.3%}]" if e.lo is not None else ""
-    return f"{e.mean:+.3%}{iv} **{v.verdict}**"
+    return f"{e.mean:+.3%}{iv} **{v.label}**"
 
 
 def _mean_of(runs, name: str, suffix: str) -> float | None:

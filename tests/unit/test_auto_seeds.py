@@ -4,8 +4,10 @@ look a recipe stops, and at which confidence level its verdict was taken."""
 import numpy as np
 import pytest
 
-from experiments.auto_seeds import plan_for, replay
-from experiments.stats import verdicts
+from experiments.auto_seeds import plan_for, replay, replay_results
+from experiments.report import RunData
+from experiments.stats import minimum_detectable_difference, seeds_needed, verdicts
+from experiments.verdict_table import build_table, verdict_section
 from lowprec.errors import ConfigError
 
 SEEDS = list(range(8))
@@ -82,3 +84,67 @@ def test_bad_plans_are_one_line_config_errors():
         plan_for(2)
     with pytest.raises(ValueError, match="need 8 seeds"):
         replay({}, set(), "bf16", ["x"], SEEDS[:3], plan_for(8), MARGIN)
+
+
+def test_a_stopped_recipes_mdd_and_seeds_needed_are_stated_at_the_final_analysis_alpha():
+    """Issue 29: at the first look's level (one-sided alpha 0.00025 with 3 seeds) the MDD is about ten times the
+    one at alpha 0.025; the table states them at the final analysis' alpha."""
+    plan = plan_for(8)
+    effects = {"fp8_clear": [0.0001, 0.00012, 0.00011], "fp8_open": [0.002, -0.001, 0.004]}
+    values = _values(effects, 3)
+    state = replay(values, set(values), "bf16", ["fp8_clear", "fp8_open"], SEEDS, plan, MARGIN)
+    assert state.final_alpha == plan.final_alpha and 0.015 < plan.final_alpha < 0.025
+    for name in effects:
+        v = state.final[name][0]
+        e = v.effect
+        assert v.level == pytest.approx(plan.level_at(3))  # the interval stays the look's
+        assert v.mdd == pytest.approx(minimum_detectable_difference(3, e.sd, plan.final_alpha), rel=1e-12)
+        assert v.seeds_needed == seeds_needed(e.mean, e.sd, MARGIN, plan.final_alpha)
+        assert v.mdd < minimum_detectable_difference(3, e.sd, plan.nominal_alpha(3)) / 5
+
+
+def _run(recipe: str, seed: int, final: float, late: float):
+    """A finished run as the report reads it back: final validation loss and a validation curve whose last quarter
+    (steps 75..99 of 100) averages ``late``."""
+    curve = [(49, final + 0.1), (79, late - 0.001), (89, late + 0.001), (99, final)]
+    return RunData(
+        run_id=f"{recipe}-{seed}",
+        recipe=recipe,
+        seed=seed,
+        status="FINISHED",
+        reason="",
+        comparable=True,
+        short=recipe,
+        effective={},
+        metrics={"final_val_loss": final},
+        tokens_per_step=128,
+        curves={"val_loss": curve},
+    )
+
+
+def test_the_seeds_auto_table_prints_each_rows_level_and_judges_the_last_quarter_at_it():
+    """Issue 29 items 1 and 6: under seeds=auto the rows' intervals have different levels (0.9995 at 3 seeds,
+    lower later): the header may not say 95%, each row says its level, the rule is not the first row's, MDD is
+    labelled with the final analysis' alpha, and the last quarter is judged at the same look and level."""
+    effects = {"fp8_clear": [0.0001, 0.00012, 0.00011], "fp8_open": [0.002, -0.001, 0.004, 0.003, 0.001]}
+    values = _values(effects, 5)
+    ran = {k for k in values if not (k[0] == "fp8_clear" and k[1] >= 3)}
+    runs = [_run(r, s, v, v * 1.0002) for (r, s), v in values.items() if (r, s) in ran]
+    state = replay_results(
+        [(r.recipe, r.seed, r.metrics["final_val_loss"]) for r in runs], "bf16", ["fp8_clear", "fp8_open"], 0, 5, MARGIN
+    )
+    plan = plan_for(5)
+    assert state.final["fp8_open"][1].seeds == 5 and state.final["fp8_clear"][1].seeds == 3
+    table = build_table(runs, ["bf16", "fp8_clear", "fp8_open"], "bf16", MARGIN, 100, auto=state)
+    text = "\n".join(verdict_section(table, on_cpu=True))
+    header = next(line for line in text.splitlines() if line.startswith("| recipe"))
+    assert "95% CI" not in header and "[CI at the row's look level]" in header
+    rows = {r.recipe: r for r in table.rows}
+    for name, n in (("fp8_clear", 3), ("fp8_open", 5)):
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}`"))
+        level = f"({100 * plan.level_at(n):.4g}% CI)"
+        assert row.count(level) == 2, row  # the final-loss and the last-quarter interval
+        late = rows[name].late
+        assert late.level == pytest.approx(plan.level_at(n)) and late.effect.n == n
+    assert "two-sided 0.9995" not in text and "at the look's level" in text
+    assert f"alpha={plan.final_alpha:.3g} (the one-sided nominal level of the final `seeds=auto` analysis" in text

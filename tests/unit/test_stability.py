@@ -14,7 +14,7 @@ import pytest
 from scipy.signal import lfilter
 
 from experiments.stats import SpikeRule, StabilityMetrics, scan_spikes, stability_metrics, stability_verdict
-from experiments.stats.stability import divergence_step, ema_previous
+from experiments.stats.stability import count_events, divergence_step, ema_previous
 
 SPIKES_AT = (100, 200, 300)
 
@@ -72,23 +72,48 @@ def test_k_sets_the_threshold():
     assert stability_metrics(x, rule=SpikeRule(k=8)).loss_spikes == 0
 
 
-def test_robust_sd_is_mad_of_trailing_differences():
+def test_robust_sd_is_the_scale_of_the_detrended_trailing_residuals():
     x = _loss()
     x[70] = math.nan
-    scan = scan_spikes(x, SpikeRule(sd_window=50, min_history=10))
-    for t in (5, 10, 11, 60, 100, 399):
-        prev = np.array([x[s] - x[s - 1] for s in range(max(1, t - 50), t)])
-        prev = prev[np.isfinite(prev)]  # the two differences next to the NaN drop out
-        if prev.size < 10:
+    w, h = 50, 10
+    scan = scan_spikes(x, SpikeRule(sd_window=w, min_history=h))
+    positions = np.linspace(-1, 1, w)
+    for t in (5, 10, 11, 30, 60, 100, 399):
+        r = scan.residual[max(0, t - w) : t]
+        p = positions[w - r.size :][np.isfinite(r)]
+        r = r[np.isfinite(r)]  # the NaN and the first step have no residual
+        if r.size < h:
             assert math.isnan(scan.robust_sd[t])
-        else:
-            mad = np.median(np.abs(prev - np.median(prev)))
-            assert scan.robust_sd[t] == pytest.approx(1.4826 * mad / math.sqrt(2), rel=1e-12)
-    assert np.isnan(scan.robust_sd[:11]).all() and not scan.spike[:11].any()  # burn-in: differences start at step 1
-    # It measures the noise (sd 0.02) even during fast descent, where the residuals drift with the EMA's lag.
-    r = scan.residual[50:100]
-    assert scan.robust_sd[100] == pytest.approx(0.02, rel=0.2)
-    assert 1.4826 * np.nanmedian(np.abs(r - np.nanmedian(r))) > 5 * 0.02
+            continue
+        degree = min((r.size - 1) // 4, 4)
+        u = r - np.polyval(np.polyfit(p, r, degree), p)
+        dev = np.abs(u - np.median(u))
+        sd = max(1.4826 * np.median(dev), np.quantile(dev, 0.98) / 2.3263478740408408)
+        assert scan.robust_sd[t] == pytest.approx(sd * math.sqrt(r.size / (r.size - degree - 1)), rel=1e-9)
+    assert np.isnan(scan.robust_sd[:11]).all() and not scan.spike[:11].any()  # burn-in: residuals start at step 1
+    # It measures the noise (sd 0.02) once the fast descent has left the window.
+    assert scan.robust_sd[200] == pytest.approx(0.02, rel=0.25)
+
+
+def _noisy(noise: str, seed: int, steps: int = 2000) -> np.ndarray:
+    """The decaying curve with noise of scale 0.02: Student-t(3) or t(5), or AR(1) with rho 0.8 (sd 0.02)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    if noise == "ar":
+        e = lfilter([1.0], [1.0, -0.8], rng.normal(0, 0.02 * math.sqrt(1 - 0.64), steps))
+    else:
+        e = 0.02 * rng.standard_t({"t3": 3, "t5": 5}[noise], steps)
+    return 2.0 + 7.0 * np.exp(-t / 30) + e
+
+
+@pytest.mark.parametrize(("noise", "most"), [("ar", 0.2), ("t5", 2.0), ("t3", 5.0)])
+def test_autocorrelated_and_heavy_tailed_noise_gives_few_false_spikes(noise, most):
+    """Issue 29: the former rule (MAD of step differences) flagged 8.5 spike events per 2,000 steps of spike-free
+    AR(1) rho 0.8 noise, 3.0 for t(5) and 9.2 for t(3). This one, measured over 40 curves: 0.03, 1.2 and 3.5 (t(3)
+    has values beyond 10 robust sds about once per 1,000 steps). Here: mean over 10 fixed-seed 2,000-step curves,
+    bounds about 2.5 Poisson standard errors above the measured rates."""
+    events = [stability_metrics(_noisy(noise, seed)).loss_spikes for seed in range(10)]
+    assert np.mean(events) <= most, events
 
 
 def test_nan_to_the_end_is_divergence_at_that_step():
@@ -173,35 +198,88 @@ def _run(spikes=0, diverged=False, grad=None):
     )
 
 
-def test_divergence_makes_a_recipe_less_stable():
+def test_divergence_is_tested_over_runs():
+    v = stability_verdict([_run(diverged=True)] * 3, [_run()] * 3)  # every recipe run, no control run: p = 1/20
+    assert v.verdict == "less stable" and "diverged in 3/3 runs vs 0/3 (control)" in v.reason
+    assert v.diverged == (3, 3) and v.control_diverged == (0, 3) and v.p == pytest.approx(1 / 20)
+    # Issue 29: one diverged run of 3 is what equal risks give a third of the time: no evidence (p = 1/2).
     v = stability_verdict([_run(), _run(diverged=True), _run()], [_run()] * 3)
-    assert v.verdict == "less stable" and "diverged in 1/3" in v.reason
-    assert v.diverged == (1, 3) and v.control_diverged == (0, 3)
+    assert v.verdict == "as stable" and v.p_diverged == pytest.approx(0.5)
     # The control diverging as often: not less stable.
     assert stability_verdict([_run(diverged=True), _run()], [_run(), _run(diverged=True)]).verdict == "as stable"
 
 
-def test_spike_rate_uses_the_exact_conditional_test():
+def test_spike_events_are_tested_over_runs_by_exact_permutation():
     control = [_run()] * 3
-    v = stability_verdict([_run(2)] * 3, control)  # 6 spikes vs 0: p = 0.5**6
-    assert v.verdict == "less stable" and v.p_loss_spikes == pytest.approx(0.5**6)
-    v = stability_verdict([_run(2), _run(2), _run(0)], control)  # 4 vs 0: p = 0.0625
-    assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(0.5**4)
-    # One spike against none is noise, not instability.
-    assert stability_verdict([_run(1), _run(), _run()], control).verdict == "as stable"
-    # Unequal run counts: under equal rates a spike falls on the recipe with probability 2 / 6.
+    v = stability_verdict([_run(2)] * 3, control)  # every recipe run above every control run: 1 split of 20
+    assert v.verdict == "less stable" and v.p_loss_spikes == pytest.approx(1 / 20) and "loss-spike" in v.reason
+    v = stability_verdict([_run(2), _run(2), _run(0)], control)  # 4 of the 20 splits put both spiky runs first
+    assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(4 / 20)
+    # Issue 29: one run with 5 spike events against none is one bad run, not a less stable recipe (old: p = 0.031).
+    v = stability_verdict([_run(5), _run(), _run()], control)
+    assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(0.5)
+    # Unequal run counts: 2 recipe runs against 4 control runs, C(6, 2) = 15 splits.
     v = stability_verdict([_run(3), _run(2)], [_run()] * 4)
-    assert v.p_loss_spikes == pytest.approx((1 / 3) ** 5)
+    assert v.p_loss_spikes == pytest.approx(1 / 15) and v.verdict == "as stable"  # 1/15 > 0.05
     assert stability_verdict([_run()] * 3, control).p_loss_spikes is None
 
 
-def test_grad_norm_spikes_with_bonferroni():
+def test_one_joint_test_for_divergence_loss_and_grad_norm_spikes():
     control = [_run(grad=0)] * 3
-    v = stability_verdict([_run(grad=2)] * 3, control)  # p = 0.5**6 = 0.016 < 0.05 / 2
-    assert v.verdict == "less stable" and "grad-norm" in v.reason
-    v = stability_verdict([_run(5, grad=0), _run(grad=0), _run(grad=0)], control)  # loss p = 0.031 > 0.025
-    assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(0.5**5)
-    assert stability_verdict([_run(5), _run(), _run()], [_run()] * 3).verdict == "less stable"  # alone: < 0.05
+    v = stability_verdict([_run(grad=2)] * 3, control)  # the max statistic: no Bonferroni, p = 1/20
+    assert v.verdict == "less stable" and "grad-norm" in v.reason and v.p == pytest.approx(1 / 20)
+    v = stability_verdict([_run(1, grad=2), _run(1, grad=2), _run(1, grad=2)], control)
+    assert v.verdict == "less stable" and "loss-spike" in v.reason and "grad-norm" in v.reason
+    v = stability_verdict([_run(5, grad=0), _run(grad=0), _run(grad=0)], control)
+    assert v.verdict == "as stable" and v.p_grad_norm_spikes is None
+
+
+def test_a_decaying_spike_is_one_event_though_it_flags_several_steps():
+    x = _loss()
+    x[200:212] += 0.6 * np.exp(-np.arange(12) / 2)  # one spike decaying over a few steps
+    m = stability_metrics(x)
+    assert len(m.loss_spike_steps) >= 2 and m.loss_spike_steps[0] == 200
+    assert np.all(np.diff(m.loss_spike_steps) == 1) and m.loss_spikes == 1
+    assert count_events([0, 1, 1, 0, 1, 0, 0, 1]) == 3 and count_events([]) == 0 and count_events([1, 1]) == 1
+
+
+def _identical_ablations(trials: int, runs: int, seed: int) -> float:
+    """Share of simulated ablations in which a recipe with the control's own spike process is called less stable.
+
+    Per run (recipe and control alike): a run-level spike rate (gamma, mean 1.5 events per run, some runs much
+    spikier: a seed with a bad batch order), Poisson events each flagging 3-8 consecutive steps, grad-norm events
+    likewise, and divergence with probability 0.25.
+    """
+    rng = np.random.default_rng(seed)
+    alarms = 0
+    for _ in range(trials):
+        ms = []
+        for _ in range(2 * runs):
+            events = rng.poisson(rng.gamma(0.7, 1.5 / 0.7, size=2))
+            steps = tuple(int(s) for _ in range(events[0]) for s in range(100 * _, 100 * _ + rng.integers(3, 9)))
+            ms.append(
+                StabilityMetrics(
+                    steps=2000,
+                    loss_spikes=int(events[0]),
+                    loss_spike_steps=steps,
+                    largest_excursion=0.0,
+                    nonfinite_loss=0,
+                    divergence_step=1000 if rng.random() < 0.25 else None,
+                    grad_norm_spikes=int(events[1]),
+                    nonfinite_grad_norm=0,
+                )
+            )
+        alarms += stability_verdict(ms[:runs], ms[runs:], alpha=0.05).verdict == "less stable"
+    return alarms / trials
+
+
+@pytest.mark.parametrize("runs", [3, 5])
+def test_identical_spike_processes_are_called_less_stable_at_most_alpha_of_the_time(runs):
+    """Issue 29: the old per-step Poisson test and the untested divergence rule said "less stable" 12-33% of the
+    time for identical processes. 2,000 simulated ablations (fixed seed): the rate must be <= alpha = 0.05 plus
+    2.5 Monte Carlo standard errors (0.012)."""
+    rate = _identical_ablations(2000, runs, seed=runs)
+    assert rate <= 0.05 + 2.5 * math.sqrt(0.05 * 0.95 / 2000), rate
 
 
 def test_verdict_needs_runs():
