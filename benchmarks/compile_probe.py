@@ -46,12 +46,13 @@ DEFAULT_RECIPES = "fp8_current,deepseek_v3_tensorwise,deepseek_v3_no_fp8_cache,f
 
 
 def _failure(e: BaseException) -> dict:
-    msg = str(e)
+    # paths relative to the repository, so a result file names no folder of the machine that made it
+    msg = str(e).replace(str(ROOT) + "/", "")
     return {
         "ok": False,
         "error": f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}",
         "message_tail": "\n".join(msg.splitlines()[-40:]),
-        "traceback_tail": "".join(traceback.format_exception(e)[-12:]),
+        "traceback_tail": "".join(traceback.format_exception(e)[-12:]).replace(str(ROOT) + "/", ""),
     }
 
 

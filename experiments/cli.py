@@ -85,8 +85,26 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     from experiments.config import CONF_DIR, register_configs
 
     register_configs()
+    for o in overrides:
+        _check_ascii(o)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def _check_ascii(override: str) -> None:
+    """Hydra's override lexer rejects unquoted non-ASCII values with its own exception name; say what is wrong
+    instead: no recipe name holds such characters, and another value needs quotes. Raises ``ConfigError``."""
+    key, sep, value = override.partition("=")
+    if not sep or value.isascii() or value[:1] in "'\"":
+        return
+    from lowprec.errors import ConfigError
+
+    name = key.lstrip("+~")
+    if name in ("recipe", "recipes"):
+        from recipes import CATALOG
+
+        raise ConfigError(f"unknown recipe {value!r} (recipe names are ASCII); known: {', '.join(CATALOG)}")
+    raise ConfigError(f"{name}={value}: a value with non-ASCII characters must be quoted, {name}='{value}'")
 
 
 def train_main(cfg: DictConfig, echo=print):
@@ -178,7 +196,7 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
         print(f"lowprec {config_name}: {stop.reason()}", file=sys.stderr)
         again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
         if stop.checkpoint and config_name == "train":
-            print(f"resume it: lowprec {config_name} {' '.join(again)} resume={stop.checkpoint}", file=sys.stderr)
+            print(f"resume it: lowprec train {shlex.join([*again, f'resume={stop.checkpoint}'])}", file=sys.stderr)
         ablation = getattr(stop, "ablation_id", None)
         if ablation and config_name == "ablate":  # quoted: `recipes=[a,b]` is a glob to the shell
             print(f"resume it: lowprec ablate {shlex.join([*again, f'resume={ablation}'])}", file=sys.stderr)

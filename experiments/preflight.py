@@ -7,8 +7,10 @@ recipe) ends here in one ``UserError`` line, so no MLflow run is ever created fo
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -40,6 +42,7 @@ from lowprec.train.build import (
 )
 from lowprec.train.checkpoint import check_resume_recipe, read_trainer_state
 from lowprec.train.checkpoint_files import newest_checkpoint
+from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.spec import TrainSpec
@@ -53,6 +56,54 @@ class Checked:
     train: TrainSpec
     optim: OptimHParams
     dims: ParallelDims
+
+
+#: Seeds feed torch.manual_seed and numpy's generators: numpy takes 0 .. 2**32 - 1.
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(cfg: DictConfig) -> None:
+    """Refuse (``ConfigError``) a ``seed`` that is not an integer in [0, 2**32 - 1], or an ablation whose seeds
+    ``seed .. seed + N - 1`` (``max_seeds`` under ``seeds=auto``) leave that range."""
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"seed={seed} must be an integer in [0, {SEED_MAX}]")
+    if "seeds" in cfg:
+        n = cfg.get("max_seeds", 8) if cfg.seeds == "auto" else cfg.seeds
+        if isinstance(n, int) and seed + n - 1 > SEED_MAX:
+            raise ConfigError(f"seed={seed} with {n} seeds runs past {SEED_MAX}: lower seed")
+
+
+#: URI schemes MLflow 3 has a tracking store for (``mlflow/tracking/_tracking_service/utils.py``'s registry); a
+#: bare path is a file store.
+TRACKING_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "uc")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse (``ConfigError``) a ``tracking.uri`` whose scheme no MLflow tracking store takes."""
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme not in TRACKING_SCHEMES:
+        raise ConfigError(
+            f"tracking.uri={uri}: MLflow has no tracking store for {scheme!r}:// (sqlite:///PATH, http(s)://HOST, "
+            "postgresql://..., mysql://..., or a folder)"
+        )
+
+
+def check_writable_dirs(cfg: DictConfig) -> None:
+    """Refuse (``ConfigError``) a ``paths.runs`` or ``paths.reports`` that is not a folder this process can create
+    and write in, before training (a full run must never end at its report)."""
+    for key in ("runs", "reports"):
+        if key not in cfg.paths:
+            continue
+        folder = Path(str(cfg.paths[key]))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            ok = folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+            reason = "not writable"
+        except OSError as e:
+            ok, reason = False, e.strerror or type(e).__name__
+        if not ok:
+            raise ConfigError(f"paths.{key}={folder} cannot hold lowprec's {key} ({reason}): name a writable folder")
 
 
 def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
@@ -90,6 +141,9 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         require_fp8_selection(meta, r.fp8)
         check_fp8_shapes(r, meta, spec)
         check_layout(r, dims)
+    check_seed(cfg)
+    check_tracking_uri(str(cfg.tracking.uri))
+    check_writable_dirs(cfg)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     nan_target(cfg.faults.nan_into)
     resume = cfg.get("resume")
@@ -97,6 +151,10 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         check_ablation_id(resume)
     elif resume:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
+        # a checkpoint someone sent is data: its DCP metadata is read with an allow-list before any run exists
+        meta = Path(newest) / ".metadata"
+        if meta.is_file():
+            load_metadata(meta.read_bytes(), str(meta))
         for r in recipes:
             check_resume_recipe(newest, r, spec.resume_recipe_change)
         if spec.skip_batches:

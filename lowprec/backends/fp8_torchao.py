@@ -59,14 +59,19 @@ class TorchaoFloat8(Float8Backend):
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return spec.scaling == "tensorwise"  # torchao's only FSDP float8 all-gather
 
-    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
-        modules = dict(model.named_modules())
-        bad = [f for f in fqns if modules[f].in_features % 16 or modules[f].out_features % 16]
+    def check_shapes(self, spec, shapes, tokens) -> None:
+        # torchao's Float8Linear (torch._scaled_mm) needs both feature dims to be multiples of 16; checked here so
+        # preflight refuses the run before MLflow sees it, not the build inside a started run.
+        bad = [f for f, (fin, fout) in shapes.items() if fin % 16 or fout % 16]
         if bad:
             raise RecipeError(
                 f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
                 "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns"
             )
+
+    def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
+        modules = dict(model.named_modules())
+        self.check_shapes(spec, {f: (modules[f].in_features, modules[f].out_features) for f in fqns}, 0)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: ~1 s of import
 
         config = Float8LinearConfig.from_recipe_name(spec.scaling)

@@ -41,6 +41,11 @@ class TokenBatches:
         offs = flat - np.concatenate(([0], self._cum[:-1]))[shard_idx]
         return self._stack([self._window(self.train[s], int(o)) for s, o in zip(shard_idx, offs)])
 
+    def max_val_batches(self) -> int:
+        """How many batches of distinct (non-overlapping) windows the validation split holds (at least 1)."""
+        windows = sum(len(s) // (self.seq_len + 1) for s in self.val)
+        return max(1, windows // self.batch_size)
+
     def val_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         windows = []
         per = max(1, n_batches * self.batch_size)

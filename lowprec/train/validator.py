@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
 from lowprec.train.spec import TrainSpec
@@ -11,11 +13,24 @@ from lowprec.train.step import evaluate
 class Validator:
     """Validates after every ``spec.val_every``-th step (never if <= 0) and after the last step, on
     ``spec.val_batches`` fixed batches loaded once here (``evaluate``: buffers are restored after each batch,
-    so how often a run validates never changes its trajectory)."""
+    so how often a run validates never changes its trajectory). ``spec.val_batches`` beyond what the validation
+    split holds without overlapping windows is capped there with a warning (``val_batches_cap`` says so): more
+    batches would only repeat tokens, and cost time."""
 
     def __init__(self, built: Built, data: TokenBatches, spec: TrainSpec):
         self.built, self.spec = built, spec
-        self.batches = data.val_batches(spec.val_batches)
+        n = spec.val_batches
+        limit = data.max_val_batches()
+        #: ``None``, or the line saying that ``spec.val_batches`` was capped to the validation split.
+        self.val_batches_cap = None
+        if n > limit:
+            self.val_batches_cap = (
+                f"train.val_batches={n} capped to {limit}: the validation split holds {limit} batch(es) of "
+                f"{data.batch_size} x {data.seq_len} tokens without repeating a window"
+            )
+            warnings.warn(self.val_batches_cap, stacklevel=2)
+            n = limit
+        self.batches = data.val_batches(n)
         #: Validation loss (nats/token) of the latest pass; NaN before the first.
         self.last_loss = float("nan")
 

@@ -165,6 +165,16 @@ BAD = [
     (["train", "recipe=te_mxfp8"], "recipe.fp8.backend='te' needs a CUDA GPU"),
     (["train", "recipe=bf16", "recipe.fp8.rht_size=16"], "recipe.fp8.rht_size=16 has no effect with"),
     (["train", "recipe=mxfp8", "recipe.fp8.weight_scaling_2d=true"], "weight_scaling_2d=true needs"),
+    # issue 33, item 8: refused at preflight, not a traceback or a FAILED run
+    (["train", "seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
+    (["train", "seed=99999999999999999999"], "seed=99999999999999999999 must be an integer in [0, 4294967295]"),
+    (["ablate", "recipes=[fp32]", "seed=4294967295", "seeds=2"], "with 2 seeds runs past 4294967295"),
+    (["train", "recipe=fp8_tensorwise", "model.dim=40"], "not multiples of 16 (torchao needs it)"),
+    (["train", "recipe=fp8_tensorwisé"], "unknown recipe 'fp8_tensorwisé' (recipe names are ASCII); known: fp32, bf16"),
+    (["ablate", "recipes=[bf16,fp8_rowwisé]"], "unknown recipe '[bf16,fp8_rowwisé]'"),
+    (["train", "tracking.uri=foo://bar"], "tracking.uri=foo://bar: MLflow has no tracking store for 'foo'://"),
+    (["train", "paths.runs=/dev/null"], "paths.runs=/dev/null cannot hold lowprec's runs"),
+    (["ablate", "recipes=[fp32]", "paths.reports=/dev/null/x"], "paths.reports=/dev/null/x cannot hold"),
 ]
 
 

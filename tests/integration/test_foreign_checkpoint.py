@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
 from lowprec.errors import CheckpointError
+from lowprec.train.checkpoint import load_checkpoint
 from lowprec.train.checkpoint_files import write_manifest
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
 
@@ -48,13 +49,16 @@ def test_a_planted_metadata_payload_is_refused_and_never_runs(run_dirs, tmp_path
     _plant(sent, marker)
     capsys.readouterr()
     assert main(ARGS + run_dirs + [f"resume={sent}"]) != 0
-    cap = capsys.readouterr()
-    err = cap.err + cap.out
+    err = capsys.readouterr().err
     assert not marker.exists()
-    assert "refers to posix.system" in err and "never runs code" in err and "Traceback" not in err
-    # the run on that checkpoint is recorded FAILED with the reason, never FINISHED
-    (second,) = [r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id]
-    assert second.info.status == "FAILED"
+    assert err.startswith("lowprec train: error: checkpoint metadata") and "\n" not in err.strip()
+    assert "refers to posix.system" in err and "never runs code" in err
+    # refused at preflight, before any MLflow run exists
+    assert [r.info.run_id for r in client.search_runs([exp])] == [first.info.run_id]
+    # and if a run loads it anyway (the checkpoint swapped after preflight), the load itself refuses it
+    with pytest.raises(CheckpointError, match="refers to posix.system"):
+        load_checkpoint(sent, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,10 @@ rows beside it)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import assert_needs_cuda, load_script
 
 from experiments.cli import compose
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -21,24 +17,14 @@ from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
 from recipes import get_recipe
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
-
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_suite")
 
 
 def test_without_cuda_it_exits_2_with_one_line():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 2, p.stderr
-    err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gpu_suite: error: needs CUDA"), err
-    assert p.stdout == ""
+    assert_needs_cuda("gpu_suite", timeout_s=300)
 
 
 def test_layout_defaults(suite):

@@ -4,34 +4,20 @@ produced a measurement."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hopper_accumulation.py"
+from bench_scripts import assert_needs_cuda, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hopper_accumulation", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("hopper_accumulation")
 
 
 def test_without_cuda_it_exits_2_with_one_line():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2, p.stderr
-    err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("hopper_accumulation: error: needs CUDA"), err
-    assert p.stdout == ""
+    assert_needs_cuda("hopper_accumulation", timeout_s=120)
 
 
 def test_operands_are_e4m3_values_and_prefixes(bench):
