@@ -4,10 +4,11 @@
 
 Issue 32: on an H100/H200 with torch 2.11.0+cu130 the FP8 activation cache and blockwise scaling failed to trace
 ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer" inside the FP8 autograd Function,
-or a fake-tensor dtype mismatch at SDPA), so ``cuda_compile_blocker`` refuses them; torch 2.13 on CPU traces them.
+or a fake-tensor dtype mismatch at SDPA). This probe found the causes (a stride query in the backward, a global
+decode table; fixed 2026-11-26, see ``lowprec.backends.fp8_lowprec.compile_device_blocker``).
 This probe records, for one torch build, two things the restructure of ``lowprec.float8.linear`` needs:
 
-1. per catalog recipe: a three-step ``train.compile`` run of ``lowprec.train.build`` (the blocker bypassed), OK or
+1. per catalog recipe: a three-step ``train.compile`` run of ``lowprec.train.build`` (any refusal bypassed), OK or
    the dynamo error with its user-code frames;
 2. minimal ``torch.autograd.Function`` variants, each one suspected construct alone (a closure over a tensor made
    inside ``forward``, a closure called through a helper object, an ``nn.Module`` passed as an input, Python
@@ -208,7 +209,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
-    fp8_lowprec.cuda_compile_blocker = lambda *args: None  # probe what the refusal guards against
+    fp8_lowprec.compile_device_blocker = lambda *args: None  # probe what a refusal guards against
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     print(f"compile probe: torch {torch.__version__} on {where}")
     result = {"torch": torch.__version__, "device": where, "variants": {}, "recipes": {}}

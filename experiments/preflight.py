@@ -137,7 +137,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     for r in recipes:
         check_runtime(r, device)
         check_fp8_fallback(r, spec)
-        check_compile(r, spec)
+        check_compile(r, spec, device)
         require_fp8_selection(meta, r.fp8)
         check_fp8_shapes(r, meta, spec)
         check_layout(r, dims)

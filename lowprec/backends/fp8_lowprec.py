@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
 from torch import nn
-from torch.torch_version import TorchVersion
 
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
@@ -60,7 +58,7 @@ class LowprecFloat8(Float8Backend):
                 f"lowprec FP8 telemetry (train.telemetry_every={telemetry_every}) computes data-dependent "
                 "statistics that cannot be traced; set train.telemetry_every=0 to compile"
             )
-        return cuda_compile_blocker(spec, device_type, torch.__version__)
+        return compile_device_blocker(spec, device_type)
 
     def kernel_of(self, module) -> str:
         return module.fp8_kernel
@@ -134,33 +132,20 @@ def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
 register_fp8_backend(LowprecFloat8())
 
 
-#: The first torch release whose dynamo traced every lowprec FP8 linear (checked on CPU, torch 2.13; the CUDA-only
-#: native blockwise kernel path under 2.13 is untested).
-COMPILE_OK_TORCH = (2, 13)
+def compile_device_blocker(spec, device_type: str) -> str | None:
+    """Why ``train.compile`` cannot compile a lowprec FP8 linear of ``spec`` on ``device_type``, or ``None``.
 
-
-def cuda_compile_blocker(spec, device_type: str, torch_version: str) -> str | None:
-    """Why ``train.compile`` cannot compile a lowprec FP8 linear of ``spec`` on ``device_type`` under
-    ``torch_version``, or ``None``. Seen on an H100 with torch 2.11.0+cu130 (2026-11-25, dynamo of
-    ``torch.compile(fullgraph=True)``): a linear with ``cache_fp8_activations`` or blockwise scaling failed to
-    trace ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", or a fake-tensor dtype
-    mismatch at the attention), while tensorwise and rowwise without the cache compiled and trained. Refused
-    before training for torch older than ``COMPILE_OK_TORCH`` on CUDA."""
-    if device_type != "cuda" or not spec.enabled:
-        return None
-    if TorchVersion(torch_version) >= COMPILE_OK_TORCH:
-        return None
-    parts = [
-        p
-        for p, on in (
-            ("cache_fp8_activations=true", spec.cache_fp8_activations),
-            ("blockwise scaling", spec.scaling == "blockwise"),
-        )
-        if on
-    ]
-    if not parts:
+    CUDA: none. Blockwise scaling and the FP8 activation cache used to fail to trace on torch 2.11 (an H100,
+    2026-11-25): dynamo traced the FP8 linear after one whose backward queried a stride with autocast off, and a
+    module-level decode table leaked between autograd Functions as a free variable. Both are gone
+    (``lowprec.numerics.scaling._layout_queries_allowed``, ``formats.fp8_to_float32``); on an H200 with torch
+    2.11.0+cu130 ``deepseek_v3``, ``deepseek_v3_no_fp8_cache``, ``deepseek_v3_tensorwise`` and ``fp8_blockwise``
+    compile with selective AC and train (``benchmarks/compile_probe.py``, 2026-11-26).
+    CPU: blockwise scaling is refused: inductor's C++ backend (torch 2.13) fails on its casts (a tiling
+    ``AssertionError`` or a ``CppCompileError``), found with ``benchmarks/compile_probe.py --device cpu``."""
+    if device_type != "cpu" or not spec.enabled or spec.scaling != "blockwise":
         return None
     return (
-        f"torch {torch_version}'s dynamo cannot trace lowprec's FP8 linear with {' and '.join(parts)} on CUDA "
-        f"(seen on an H100 with torch 2.11); use torch>={'.'.join(map(str, COMPILE_OK_TORCH))} or train.compile=false"
+        "inductor's CPU backend cannot compile lowprec's blockwise FP8 casts (a C++ codegen error on torch 2.13; "
+        "they compile on CUDA); use train.compile=false on a CPU"
     )

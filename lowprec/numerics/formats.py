@@ -97,7 +97,9 @@ def fp8_to_float32(x_fp8: torch.Tensor) -> torch.Tensor:
     of each code, so the two agree by construction; CUDA tensors and layouts other than contiguous or the
     transpose of contiguous take the cast.
     """
-    if x_fp8.device.type != "cpu" or x_fp8.element_size() != 1:
+    if x_fp8.device.type != "cpu" or x_fp8.element_size() != 1 or torch.compiler.is_compiling():
+        # Under torch.compile inductor fuses the cast; the module-level table would be a global side effect in
+        # the traced graph (dynamo lifts it between autograd Functions as a free variable).
         return x_fp8.float()
     if x_fp8.is_contiguous():
         codes, back = x_fp8, lambda y: y.view(x_fp8.shape)

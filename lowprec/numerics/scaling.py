@@ -51,16 +51,26 @@ def compute_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     r, k = x.shape
     nk = math.ceil(k / BLOCK)
     if granularity == "tile1x128":
-        return _pad_to(a, r, nk * BLOCK).view(r, nk, BLOCK).amax(dim=2).float()
+        return _pad_to(a, r, nk * BLOCK).reshape(r, nk, BLOCK).amax(dim=2).float()
     if granularity == "block128x128":
         nr = math.ceil(r / BLOCK)
-        return _pad_to(a, nr * BLOCK, nk * BLOCK).view(nr, BLOCK, nk, BLOCK).amax(dim=(1, 3)).float()
+        return _pad_to(a, nr * BLOCK, nk * BLOCK).reshape(nr, BLOCK, nk, BLOCK).amax(dim=(1, 3)).float()
     raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
 
 
 def _is_transposed(x: torch.Tensor) -> bool:
-    """``x`` is the transpose of a contiguous tensor (a backward operand such as ``dy.t()``)."""
-    return not x.is_contiguous() and x.t().is_contiguous()
+    """``x`` is the transpose of a contiguous tensor (a backward operand such as ``dy.t()``). Always False under
+    ``torch.compile``: see ``_layout_queries_allowed``."""
+    return _layout_queries_allowed() and not x.is_contiguous() and x.t().is_contiguous()
+
+
+def _layout_queries_allowed() -> bool:
+    """Whether quantization may choose its code path from an operand's strides. Not while dynamo traces: a stride
+    query (``is_contiguous``, ``stride``) on a tensor inside an autograd Function's backward made dynamo (torch
+    2.11 CUDA and 2.13 CPU) trace the *next* FP8 linear of the graph with autocast off, so its output left in
+    FP32 (SDPA then refused query bf16 with key/value fp32; ``benchmarks/compile_probe.py``). The layout-free
+    paths compute the same products; inductor picks the memory order itself."""
+    return not torch.compiler.is_compiling()
 
 
 def _transposed_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
@@ -104,8 +114,8 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         blocked = _blocked_views(self.data, self.scale, self.granularity)
         if blocked is not None:
-            data, scale, unview = blocked
-            return unview(dequantize(data, scale, dtype))
+            data, scale, transposed = blocked
+            return _unview(dequantize(data, scale, dtype), self.shape, transposed)
         return dequantize(self.data, expand_scale(self.scale, self.granularity, self.shape), dtype)
 
     def t(self) -> QTensor:
@@ -135,34 +145,41 @@ def quantize_operand(
         scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2, amax_floor=amax_floor)
     blocked = _blocked_views(x, scale, granularity)
     if blocked is not None:  # the same products, without materialising an (R, K) scale
-        xb, sb, unview = blocked
-        data = unview(quantize(xb, sb, fmt))
+        xb, sb, transposed = blocked
+        data = _unview(quantize(xb, sb, fmt), tuple(x.shape), transposed)
     else:
         data = quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt)
     return QTensor(data, scale, granularity, fmt)
 
 
 def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
-    """``(x, scale, unview)``: views of ``x`` and its compact ``scale`` that broadcast block by block, for
-    tile/block scaling of an operand whose dims are multiples of 128, and ``unview`` that turns a result of
-    the blocked shape back into ``x``'s (R, K); ``None`` otherwise (the caller expands the scale). A transposed
-    operand (``dy.t()`` in the backward) is viewed in the memory order of its transpose, so it is read
-    contiguously and the result is the transpose of a contiguous tensor, like ``x``."""
+    """``(x, scale, transposed)``: views of ``x`` and its compact ``scale`` that broadcast block by block, for
+    tile/block scaling of an operand whose dims are multiples of 128, and whether ``x`` was viewed through its
+    transpose (``_unview`` turns a result of the blocked shape back into ``x``'s (R, K)); ``None`` otherwise (the
+    caller expands the scale). A transposed operand (``dy.t()`` in the backward) is viewed in the memory order of
+    its transpose, so it is read contiguously and the result is the transpose of a contiguous tensor, like ``x``.
+    No closures: a function returned from here would be a free variable to ``torch.compile``'s tracer."""
     r, k = x.shape
-    if granularity not in ("tile1x128", "block128x128") or k % BLOCK:
+    if granularity not in ("tile1x128", "block128x128") or k % BLOCK or not _layout_queries_allowed():
         return None
     if granularity == "block128x128" and r % BLOCK:
         return None
     if x.is_contiguous():
         if granularity == "tile1x128":
-            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], lambda y: y.view(r, k)
-        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], lambda y: y.view(r, k)
+            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], False
+        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], False
     if _is_transposed(x):
         xt, st = x.t(), scale.t()
         if granularity == "tile1x128":  # groups run down the columns of xt (K, R)
-            return xt.view(k // BLOCK, BLOCK, r), st[:, None, :], lambda y: y.view(k, r).t()
-        return xt.view(k // BLOCK, BLOCK, r // BLOCK, BLOCK), st[:, None, :, None], lambda y: y.view(k, r).t()
+            return xt.view(k // BLOCK, BLOCK, r), st[:, None, :], True
+        return xt.view(k // BLOCK, BLOCK, r // BLOCK, BLOCK), st[:, None, :, None], True
     return None
+
+
+def _unview(y: torch.Tensor, shape: tuple[int, int], transposed: bool) -> torch.Tensor:
+    """A result of ``_blocked_views``' blocked shape back in the operand's (R, K) ``shape``."""
+    r, k = shape
+    return y.view(k, r).t() if transposed else y.view(r, k)
 
 
 class DelayedScaler(nn.Module):
