@@ -172,7 +172,7 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         if not is_rank0():
             echo = lambda *a, **k: None  # noqa: E731
         if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
-            for run_id in close_orphans(tracker):
+            for run_id in close_orphans(tracker, echo):
                 echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
         how = f"{len(seeds)} seeds" if plan is None else f"seeds=auto (3 to {plan.max_seeds})"
         if resume is None:

@@ -126,7 +126,7 @@ def train_main(cfg: DictConfig, echo=print):
     tracker = make_tracker(cfg)
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
-    for run_id in close_orphans(tracker):
+    for run_id in close_orphans(tracker, echo):
         echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
     echo(
         f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "

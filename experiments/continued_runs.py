@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from experiments.orphans import BOOT_TAG, PIDNS_TAG, owner_state
 from experiments.tracking import Tracker, dumps
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint_files import newest_checkpoint, step_folders, verify
@@ -116,14 +117,23 @@ def history_before(client, run_id: str, step: int) -> tuple[list[float], list[fl
     )
 
 
-def supersede(tracker: Tracker, resume: str | Path, new_run_id: str) -> str | None:
+def supersede(tracker: Tracker, resume: str | Path, new_run_id: str, echo=print) -> str | None:
     """``lowprec train resume=<checkpoint>`` continues a run in the new run ``new_run_id``: tag it
     ``resumed_run_id`` with the run the checkpoint belongs to (its folder is named by the run id:
-    ``runs/checkpoints/<run id>/step_<N>``), tag that run ``continued_in_run``, and, if it is still RUNNING (its
-    process died: kill -9, out of memory) or this command's orphan sweep just ended it, end it FAILED with ``its
-    process died after step N; continued in run <new id>``, N the last step it is known to have completed (its
-    newest logged step or the checkpoint's, whichever is later; steps after it whose metrics were still buffered
-    died with the process).
+    ``runs/checkpoints/<run id>/step_<N>``).
+
+    If that run is still RUNNING and its owner process is provably dead (``experiments.orphans.owner_state``: kill
+    -9, out of memory), or this command's orphan sweep just ended it, tag it ``continued_in_run`` and end it FAILED
+    with ``its process died after step N; continued in run <new id>``, N the last step it is known to have
+    completed (its newest logged step or the checkpoint's, whichever is later; steps after it whose metrics were
+    still buffered died with the process).
+
+    If it is RUNNING and its owner is alive, or cannot be checked from here (another host, another PID namespace),
+    the new run is a fork (a branch from a checkpoint of a run that goes on training, as when a torchtitan user
+    starts a second job from a live job's checkpoint folder): the old run is left RUNNING and tagged
+    ``forked_in_run``, the new run ``resumed_while_running`` with why, and one line goes to ``echo``. Ending a live
+    run would leave it training under a FAILED record whose later metrics arrive after its end. Runs from before
+    the namespace tags (``PIDNS_TAG``) keep the older rule: ended unless their owner is provably alive.
 
     Returns the old run id, or None when the checkpoint's folder names no run of this tracking store (a
     checkpoint copied from elsewhere): then nothing is tagged.
@@ -140,10 +150,20 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str) -> str | No
     if old.info.experiment_id != tracker.experiment_id:
         return None
     tracker.set_tags(new_run_id, {"resumed_run_id": old_id})
+    tags = old.data.tags
+    if old.info.status == "RUNNING":
+        alive, why = owner_state(tags, old.info.start_time)
+        new_style = PIDNS_TAG in tags or BOOT_TAG in tags
+        if alive is True or (alive is None and new_style):
+            why = why or "its process is alive"
+            tracker.set_tags(old_id, {"forked_in_run": new_run_id})
+            tracker.set_tags(new_run_id, {"resumed_while_running": why})
+            echo(f"run {old_id} is still RUNNING ({why}): left running; run {new_run_id} is a fork of it")
+            return old_id
     tracker.set_tags(old_id, {"continued_in_run": new_run_id})
     # RUNNING: its process died; orphan_closed: it did, and this command's sweep (experiments.orphans) ended it
     # FAILED a moment ago without knowing that it continues here
-    if old.info.status == "RUNNING" or old.data.tags.get("orphan_closed") == "true":
+    if old.info.status == "RUNNING" or tags.get("orphan_closed") == "true":
         logged = [m.step for m in tracker.client.get_metric_history(old_id, "loss")]
         m = re.fullmatch(r"step_(\d+)", ckpt.name)
         ckpt_step = int(m.group(1)) if m else 0

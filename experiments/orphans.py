@@ -1,12 +1,20 @@
-"""Runs whose process died: ended FAILED by the next lowprec command on the same host.
+"""Runs whose process died: ended FAILED by the next lowprec command that can prove the death.
 
 A process killed with SIGKILL (``kill -9``, the OOM killer, a scheduler's hard kill after its grace period) runs no
 handler, so its MLflow run stays RUNNING for good (issue 15: "0 runs left RUNNING"). Every run records which
-process owns it (tag ``lowprec.owner`` = ``<host>:<pid>:<start time>``, the start time in clock ticks since boot
-from ``/proc/<pid>/stat``, so a recycled pid is not taken for the owner). ``lowprec train`` and ``lowprec ablate``
-look for RUNNING runs of their experiment owned by a process of this host that no longer exists and end them
-FAILED with the reason. Runs owned by another host are left alone: nothing here can tell whether their process is
-alive.
+process owns it: tag ``lowprec.owner`` = ``<host>:<pid>:<start time>`` (the start time in clock ticks since boot
+from ``/proc/<pid>/stat``, so a recycled pid is not taken for the owner), ``lowprec.owner_pidns`` (the PID
+namespace, ``pid:[<inode>]`` from ``/proc/self/ns/pid``) and ``lowprec.owner_boot`` (the kernel's boot id,
+``/proc/sys/kernel/random/boot_id``). A pid means nothing outside its PID namespace: two containers that share a
+hostname (host networking) each have their own pid 1234 (issue 33 item 7).
+
+``lowprec train`` and ``lowprec ablate`` look for RUNNING runs of their experiment owned by this hostname and end
+FAILED only those whose owner is provably dead: same boot and PID namespace and no process with that pid and start
+time, or a different boot id and a run started before this machine booted (it rebooted since). Everything else is
+left RUNNING: a run of another host; a run of another PID namespace of this boot (another container: its
+processes cannot be seen from here), said in one line and the run's tag ``lowprec.orphan_check``; a different boot
+id of a run started after this boot (another machine with the same hostname). Runs from before the namespace and
+boot tags existed keep the older rule (host, pid and start time).
 """
 
 from __future__ import annotations
@@ -16,17 +24,49 @@ import socket
 from pathlib import Path
 
 OWNER_TAG = "lowprec.owner"
+PIDNS_TAG = "lowprec.owner_pidns"
+BOOT_TAG = "lowprec.owner_boot"
+CHECK_TAG = "lowprec.orphan_check"
 
 
 def _start_ticks(pid: int) -> str | None:
     """Field 22 of ``/proc/<pid>/stat`` (the process's start time in clock ticks since boot), None when there is
-    no such process or no procfs."""
+    no such process or no procfs. (psutil would give the same as seconds since the epoch, derived from this field
+    and the boot time; it is not a dependency of the project.)"""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces: split after its closing one.
     return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace, ``pid:[<inode>]`` (``/proc/self/ns/pid``), None without procfs. Namespace
+    inodes are unique among the namespaces alive on one boot of a kernel."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def boot_id() -> str | None:
+    """The kernel's boot id (a UUID, new at every boot), None without procfs."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def boot_time_s() -> float | None:
+    """When this machine booted, seconds since the epoch (``btime`` of ``/proc/stat``), None without procfs."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def owner() -> str:
@@ -36,13 +76,15 @@ def owner() -> str:
 
 
 def owner_tags() -> dict[str, str]:
-    """The tag that marks a run as this process's."""
-    return {OWNER_TAG: owner()}
+    """The tags that mark a run as this process's: ``OWNER_TAG``, ``PIDNS_TAG`` and ``BOOT_TAG`` (the last two
+    empty strings without procfs)."""
+    return {OWNER_TAG: owner(), PIDNS_TAG: pid_namespace() or "", BOOT_TAG: boot_id() or ""}
 
 
 def owner_alive(tag: str) -> bool | None:
-    """Whether the process named by an ``owner()`` string is still running: None when it cannot be told (another
-    host, no procfs, a malformed tag)."""
+    """Whether the process named by an ``owner()`` string is still running, by host, pid and start time alone
+    (right only within one PID namespace: see ``owner_state``): None when it cannot be told (another host, no
+    procfs, a malformed tag)."""
     try:
         host, pid, ticks = tag.rsplit(":", 2)
         pid_i = int(pid)
@@ -53,10 +95,45 @@ def owner_alive(tag: str) -> bool | None:
     return _start_ticks(pid_i) == ticks
 
 
-def close_orphans(tracker) -> list[str]:
-    """End FAILED every RUNNING run of ``tracker``'s experiment whose owner process on this host has died; returns
-    their run ids. Reason (``failure_reason``): ``its process (<owner>) died during the run (found by a later
-    lowprec command)``; tag ``orphan_closed=true``. A ``NullTracker`` (ranks other than 0) closes nothing."""
+def owner_state(tags: dict[str, str], started_ms: int | None) -> tuple[bool | None, str]:
+    """Whether the owner of a run with ``tags`` (its MLflow tags) and start time ``started_ms`` (ms since the
+    epoch, MLflow's ``start_time``) is alive: True, False (provably dead), or None (cannot be told from here), and
+    why, one clause (empty when the answer needs no explanation).
+
+    False only for the same boot and PID namespace with no process of that pid and start time, or for a boot id
+    that differs from this machine's when the run started before this machine booted (a reboot ended every
+    process). A run without ``PIDNS_TAG``/``BOOT_TAG`` (recorded before they existed) is judged by ``owner_alive``.
+    """
+    tag = tags.get(OWNER_TAG, "")
+    alive = owner_alive(tag)
+    if PIDNS_TAG not in tags and BOOT_TAG not in tags:
+        return alive, ""
+    if not tag.startswith(f"{socket.gethostname()}:"):
+        return None, "owned by another host"
+    theirs_boot, mine_boot = tags.get(BOOT_TAG, ""), boot_id()
+    if not theirs_boot or not mine_boot:
+        return None, "no boot id to compare"
+    if theirs_boot != mine_boot:
+        booted = boot_time_s()
+        if started_ms is not None and booted is not None and started_ms / 1000 < booted:
+            return False, "this host rebooted since the run started"
+        return None, f"owned by boot {theirs_boot} of a machine named {socket.gethostname()}, not this one"
+    theirs_ns, mine_ns = tags.get(PIDNS_TAG, ""), pid_namespace()
+    if not theirs_ns or theirs_ns != mine_ns:
+        return None, (
+            f"its process runs in another PID namespace ({theirs_ns or 'unknown'}) of this host, e.g. another "
+            "container: whether it is alive cannot be seen from here"
+        )
+    return alive, ""
+
+
+def close_orphans(tracker, echo=None) -> list[str]:
+    """End FAILED every RUNNING run of ``tracker``'s experiment owned by this hostname whose owner process is
+    provably dead (``owner_state`` False); returns their run ids. Reason (``failure_reason``): ``its process
+    (<owner>) died during the run (found by a later lowprec command)``, or ``... died in a reboot of its host ...``;
+    tag ``orphan_closed=true``. A run whose owner cannot be checked because it lives in another PID namespace or
+    boot is left RUNNING, tagged ``lowprec.orphan_check`` with why, and named in one line to ``echo`` (a
+    ``print``-like callable; None: silent). A ``NullTracker`` (ranks other than 0) closes nothing."""
     client = getattr(tracker, "client", None)
     if client is None or not hasattr(client, "search_runs"):
         return []
@@ -68,11 +145,18 @@ def close_orphans(tracker) -> list[str]:
     )
     closed = []
     for r in runs:
-        tag = r.data.tags.get(OWNER_TAG, "")
-        if owner_alive(tag) is False:
+        tags = r.data.tags
+        tag = tags.get(OWNER_TAG, "")
+        state, why = owner_state(tags, r.info.start_time)
+        if state is False:
+            how = "died in a reboot of its host during the run" if why else "died during the run"
             tracker.set_tags(r.info.run_id, {"orphan_closed": "true"})
-            tracker.end_run(
-                r.info.run_id, "FAILED", f"its process ({tag}) died during the run (found by a later lowprec command)"
-            )
+            tracker.end_run(r.info.run_id, "FAILED", f"its process ({tag}) {how} (found by a later lowprec command)")
             closed.append(r.info.run_id)
+        elif state is None and why:
+            note = f"left RUNNING: {why}"
+            if tags.get(CHECK_TAG) != note:
+                tracker.set_tags(r.info.run_id, {CHECK_TAG: note})
+            if echo is not None:
+                echo(f"run {r.info.run_id} ({tag}) {note}")
     return closed
