@@ -15,6 +15,8 @@ import os
 import socket
 from pathlib import Path
 
+from experiments.spool import spool_path
+
 OWNER_TAG = "lowprec.owner"
 
 
@@ -70,9 +72,23 @@ def close_orphans(tracker) -> list[str]:
     for r in runs:
         tag = r.data.tags.get(OWNER_TAG, "")
         if owner_alive(tag) is False:
+            if _spooled(tracker, r.info.run_id):
+                continue
             tracker.set_tags(r.info.run_id, {"orphan_closed": "true"})
             tracker.end_run(
                 r.info.run_id, "FAILED", f"its process ({tag}) died during the run (found by a later lowprec command)"
             )
             closed.append(r.info.run_id)
     return closed
+
+
+def _spooled(tracker, run_id: str) -> bool:
+    """Replay the spool a dead run's process left (its store was full or unreachable: ``experiments.spool``); True
+    when the run needs no closing here: its spool ended it, or the store still does not take the spool's writes
+    (it waits for ``lowprec sync``; a FAILED status written now would land after the spooled FINISHED)."""
+    spool = getattr(tracker, "spool", None)
+    if spool is None or not spool_path(spool.folder, run_id).exists():
+        return False
+    if tracker.drain_spools([run_id]):
+        return True
+    return tracker.client.get_run(run_id).info.status != "RUNNING"

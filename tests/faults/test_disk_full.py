@@ -7,13 +7,23 @@ gone and the checkpoint before is intact."""
 from __future__ import annotations
 
 import errno
+import socket
+import sqlite3
+import subprocess
+import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from mlflow.tracking import MlflowClient
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 from experiments.cli import main
+from experiments.orphans import OWNER_TAG, close_orphans
+from experiments.spool import SPOOLED_TAG
+from experiments.tracking import Tracker
 from lowprec.train.checkpoint_files import verify
 
 RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0", "train.val_batches=1"]
@@ -78,3 +88,87 @@ def test_a_full_disk_during_a_save_fails_the_run_in_one_line_and_loses_nothing(
     ckpts = tmp_path / "runs" / "checkpoints" / run.info.run_id
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_2"]  # no .step_4.partial left behind
     assert verify(ckpts / "step_2")  # the checkpoint before is intact (its sha256 manifest holds)
+
+
+# --- the sqlite store's disk (issue 33, item 6) --------------------------------------------------------------------
+
+STORE_RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0"]
+STORE_RUN += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.steps=4"]
+
+
+@contextmanager
+def full_store(until_refused: int | None = None):
+    """The sqlite store's disk fills when the first metrics are written: every INSERT/UPDATE/DELETE then fails in
+    sqlite3 itself with ``database or disk is full`` (SQLITE_FULL), under MLflow's own error handling; after
+    ``until_refused`` refused statements (None: never) space returns. Yields the count of refused statements."""
+    state = {"on": False, "refused": 0}
+
+    def before(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO METRICS"):
+            state["on"] = state["on"] or state["refused"] == 0
+        if state["on"] and statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            state["refused"] += 1
+            if until_refused is not None and state["refused"] >= until_refused:
+                state["on"] = False
+            raise sqlite3.OperationalError("database or disk is full")
+
+    event.listen(Engine, "before_cursor_execute", before)
+    try:
+        yield state
+    finally:
+        event.remove(Engine, "before_cursor_execute", before)
+
+
+def _only_run(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    return client, run
+
+
+def test_a_full_store_spools_the_run_in_one_line_and_lowprec_sync_replays_it(run_dirs, tmp_path, capsys):
+    with full_store() as state:
+        assert main([*STORE_RUN, *run_dirs]) == 0  # the run trained to the end; its results wait in the spool
+    assert state["refused"] >= 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    said = [ln for ln in out.err.splitlines() if "database or disk is full" in ln or "does not take writes" in ln]
+    assert len(said) == 2, out.err  # the first refused write, and the end: where the results are and how to replay
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "RUNNING" and not client.get_metric_history(run.info.run_id, "loss")
+    spool = tmp_path / "runs" / "spool" / f"{run.info.run_id}.jsonl"
+    assert spool.exists() and f"lowprec sync {spool}" in said[-1]
+
+    assert main(["sync", str(spool), *run_dirs[2:3]]) == 0  # space is back
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
+    assert "final_val_loss" in run.data.metrics and int(run.data.tags[SPOOLED_TAG]) >= 1
+    assert not spool.exists()
+
+
+def test_a_store_whose_space_returns_is_written_and_closed_by_the_run_itself(run_dirs, tmp_path, capsys):
+    with full_store(until_refused=1) as state:
+        assert main([*STORE_RUN, *run_dirs]) == 0
+    assert state["refused"] == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and "answers again: replayed" in out.err
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED"  # closed when the store answered, with nothing left in a spool
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
+    assert not list((tmp_path / "runs" / "spool").glob("*.jsonl"))
+
+
+def test_the_next_commands_orphan_sweep_replays_a_dead_runs_spool_instead_of_failing_it(run_dirs, tmp_path):
+    with full_store():
+        assert main([*STORE_RUN, *run_dirs]) == 0
+    client, run = _only_run(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs: the run's owner as a later command on this host sees it
+    client.set_tag(run.info.run_id, OWNER_TAG, f"{socket.gethostname()}:{dead.pid}:0")
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "lowprec", tmp_path / "runs")
+    assert close_orphans(tracker) == []  # its spool ended it: nothing to close
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED" and "orphan_closed" not in run.data.tags
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
+    assert not list((tmp_path / "runs" / "spool").glob("*.jsonl"))
