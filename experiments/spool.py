@@ -452,7 +452,7 @@ class Spooler:
         transient: which failures of a write the spool absorbs (default ``is_transient``: a tracking server that
             does not answer; a local sqlite store passes its disk-full test); any other failure raises.
         what: how messages name the store (default ``tracking server <uri>``).
-        down: how messages say the store fails (default ``does not answer``).
+        down: how messages say the store fails (default ``does not answer``); ``back``: that it works again.
     """
 
     def __init__(
@@ -462,11 +462,12 @@ class Spooler:
         transient: Callable[[BaseException], bool] = is_transient,
         what: str = "",
         down: str = "does not answer",
+        back: str = "the server answers",
     ):
         self.folder, self.uri = Path(folder), uri
         self.transient = transient
         self.what = what or f"tracking server {uri}"
-        self.down = down
+        self.down, self.back = down, back
         self._pending: dict[str, _Pending] = {}
         self._replayed: dict[str, int] = {}  # writes of a run replayed so far (the header's earlier_writes)
 
@@ -527,7 +528,7 @@ class Spooler:
         p = self._pending[run_id] = _Pending(path, retry_at=time.monotonic() + RETRY_FIRST_S)
         _say(
             f"{self.what} failed ({short_reason(e)}); run {run_id} goes on, its writes are spooled "
-            f"in {path} and replayed when it takes them again"
+            f"in {path} and replayed when {self.back}"
         )
         return p
 

@@ -123,7 +123,12 @@ class Tracker:
             self.spool = Spooler(folder, self.uri)
         else:  # a full disk under the sqlite store: the run goes on, its writes wait in the spool
             self.spool = Spooler(
-                folder, self.uri, _disk_full, what=f"tracking store {self.uri}", down="does not take writes (disk full)"
+                folder,
+                self.uri,
+                _disk_full,
+                what=f"tracking store {self.uri}",
+                down="does not take writes (disk full)",
+                back="it has space again",
             )
             quiet_disk_full_logs()
 
