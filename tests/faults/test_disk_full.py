@@ -75,6 +75,7 @@ def test_a_full_disk_during_a_save_fails_the_run_in_one_line_and_loses_nothing(
     assert "Traceback" not in out.out + out.err
     failed = [ln for ln in out.out.splitlines() if ln.startswith("FAILED run")]
     assert len(failed) == 1 and "No space left on device (ENOSPC)" in failed[0] and "step_4" in failed[0]
+    assert "step_2', is intact" in failed[0]  # where to resume once space is back
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
