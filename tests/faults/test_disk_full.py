@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+import experiments.spool as spool_module
 from experiments.cli import main
 from experiments.orphans import OWNER_TAG, close_orphans
 from experiments.spool import SPOOLED_TAG
@@ -173,3 +174,27 @@ def test_the_next_commands_orphan_sweep_replays_a_dead_runs_spool_instead_of_fai
     assert run.info.status == "FINISHED" and "orphan_closed" not in run.data.tags
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
     assert not list((tmp_path / "runs" / "spool").glob("*.jsonl"))
+
+
+def test_a_full_store_whose_spool_is_full_too_is_one_line_and_the_next_command_closes_the_run(
+    run_dirs, tmp_path, capsys, monkeypatch
+):
+    def no_space(path, line):
+        raise _enospc(path)
+
+    monkeypatch.setattr(spool_module, "_append_line", no_space)  # the spool folder is on the same full disk
+    with full_store():
+        assert main([*STORE_RUN, *run_dirs]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    (line,) = [ln for ln in out.err.splitlines() if "(ENOSPC)" in ln]
+    assert "and to its spool" in line and "disk '" in line
+    monkeypatch.undo()
+
+    client, run = _only_run(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    client.set_tag(run.info.run_id, OWNER_TAG, f"{socket.gethostname()}:{dead.pid}:0")
+    tracker = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "lowprec", tmp_path / "runs")
+    assert close_orphans(tracker) == [run.info.run_id]  # space is back: no run is left RUNNING
+    assert client.get_run(run.info.run_id).info.status == "FAILED"
