@@ -247,8 +247,8 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
         if left:
             echo(
-                f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the tracking server does "
-                f"not answer: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync "
+                f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the {tracker.spool.what} "
+                f"{tracker.spool.down}: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync "
                 f"{shlex.quote(str(left[0].parent))} {shlex.quote('tracking.uri=' + tracker.uri)}, then "
                 f"lowprec report {ablation_id}"
             )

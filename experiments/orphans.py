@@ -23,6 +23,8 @@ import os
 import socket
 from pathlib import Path
 
+from experiments.spool import spool_path
+
 OWNER_TAG = "lowprec.owner"
 PIDNS_TAG = "lowprec.owner_pidns"
 BOOT_TAG = "lowprec.owner_boot"
@@ -149,6 +151,8 @@ def close_orphans(tracker, echo=None) -> list[str]:
         tag = tags.get(OWNER_TAG, "")
         state, why = owner_state(tags, r.info.start_time)
         if state is False:
+            if _spooled(tracker, r.info.run_id):
+                continue
             how = "died in a reboot of its host during the run" if why else "died during the run"
             tracker.set_tags(r.info.run_id, {"orphan_closed": "true"})
             tracker.end_run(r.info.run_id, "FAILED", f"its process ({tag}) {how} (found by a later lowprec command)")
@@ -160,3 +164,15 @@ def close_orphans(tracker, echo=None) -> list[str]:
             if echo is not None:
                 echo(f"run {r.info.run_id} ({tag}) {note}")
     return closed
+
+
+def _spooled(tracker, run_id: str) -> bool:
+    """Replay the spool a dead run's process left (its store was full or unreachable: ``experiments.spool``); True
+    when the run needs no closing here: its spool ended it, or the store still does not take the spool's writes
+    (it waits for ``lowprec sync``; a FAILED status written now would land after the spooled FINISHED)."""
+    spool = getattr(tracker, "spool", None)
+    if spool is None or not spool_path(spool.folder, run_id).exists():
+        return False
+    if tracker.drain_spools([run_id]):
+        return True
+    return tracker.client.get_run(run_id).info.status != "RUNNING"

@@ -26,7 +26,7 @@ from experiments.orphans import owner_tags
 from experiments.stability_log import StabilityRecorder, rule_tag
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
-from lowprec.errors import UserError
+from lowprec.errors import DiskError, UserError
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.estimate.estimator import flops_per_token, mfu, predict_state_bytes
 from lowprec.estimate.hardware import hardware_from_device_name
@@ -170,8 +170,9 @@ class RunOutcome:
 
 #: ``failure_kind`` of a FAILED run (a tag): ``user_error`` (bad input the run met, e.g. a checkpoint of another
 #: recipe), ``non_finite`` (a NaN/inf loss or gradient norm: the recipe's result), ``crash`` (anything else: a bug,
-#: an injected crash, out of memory). An ablation's resume keeps the first two as results (a rerun would fail the
-#: same way) and continues a crashed run (``experiments.resume_ablation``).
+#: an injected crash, out of memory), ``disk`` (a full or read-only disk: ``lowprec.errors.DiskError``). An
+#: ablation's resume keeps the first two as results (a rerun would fail the same way) and continues the others
+#: (``experiments.resume_ablation``).
 RESULT_FAILURES = ("user_error", "non_finite")
 
 
@@ -179,6 +180,8 @@ def failure_kind(e: BaseException) -> str:
     """The ``failure_kind`` tag of a run that raised ``e`` (see ``RESULT_FAILURES``)."""
     if isinstance(e, AnomalyError):  # NonFiniteError, or an anomaly policy that gave up: the recipe's result
         return "non_finite"
+    if isinstance(e, DiskError):  # told in one line like a user error, but a resume after freeing space continues
+        return "disk"
     return "user_error" if isinstance(e, UserError) else "crash"
 
 

@@ -1,4 +1,6 @@
 """The tracking spool: the writes a tracking server could not take, kept in order on local disk and replayed later.
+A local sqlite store on a full disk spools the same way (``Tracker``): its writes wait in the spool until the store
+takes them again (later in the run, or through ``lowprec sync``).
 
 With ``tracking.uri=http://...`` each write of a run (metrics, params, tags, artifacts, the final status) is tried
 once and fails fast (``fail_fast``: no retry, a ``WRITE_TIMEOUT_S`` timeout, instead of MLflow's minutes of
@@ -146,7 +148,14 @@ def short_reason(e: BaseException) -> str:
     """The useful part of an MLflow connection error (``[Errno 111] Connection refused``, ``Read timed out``, an
     HTTP status) rather than its paragraph."""
     text = str(e)
-    for pattern in (r"\[Errno -?\d+\] [^'\")]+", r"Read timed out", r"\d{3} Server Error[^\n]*", r"too many \d{3}"):
+    patterns = (
+        r"database or disk is full",  # sqlite's SQLITE_FULL, inside MLflow's paragraph about it
+        r"\[Errno -?\d+\] [^'\")]+",
+        r"Read timed out",
+        r"\d{3} Server Error[^\n]*",
+        r"too many \d{3}",
+    )
+    for pattern in patterns:
         m = re.search(pattern, text)
         if m:
             return m.group(0).strip()
@@ -434,16 +443,31 @@ def _say(msg: str) -> None:
 
 
 class Spooler:
-    """The spool of one ``Tracker`` on a tracking server: which of its runs are spooling and when to try the server
-    again. Every write of a run goes through ``send``.
+    """The spool of one ``Tracker``: which of its runs are spooling and when to try the store again. Every write
+    of a run goes through ``send``.
 
     Args:
         folder: the spool folder (``<paths.runs>/spool``).
-        uri: the tracking server, recorded in each spool's header for ``lowprec sync``.
+        uri: the tracking store, recorded in each spool's header for ``lowprec sync``.
+        transient: which failures of a write the spool absorbs (default ``is_transient``: a tracking server that
+            does not answer; a local sqlite store passes its disk-full test); any other failure raises.
+        what: how messages name the store (default ``tracking server <uri>``).
+        down: how messages say the store fails (default ``does not answer``); ``back``: that it works again.
     """
 
-    def __init__(self, folder: Path, uri: str):
+    def __init__(
+        self,
+        folder: Path,
+        uri: str,
+        transient: Callable[[BaseException], bool] = is_transient,
+        what: str = "",
+        down: str = "does not answer",
+        back: str = "the server answers",
+    ):
         self.folder, self.uri = Path(folder), uri
+        self.transient = transient
+        self.what = what or f"tracking server {uri}"
+        self.down, self.back = down, back
         self._pending: dict[str, _Pending] = {}
         self._replayed: dict[str, int] = {}  # writes of a run replayed so far (the header's earlier_writes)
 
@@ -468,7 +492,7 @@ class Spooler:
                     apply(client, run_id, rec)
                 return
             except Exception as e:
-                if not is_transient(e):
+                if not self.transient(e):
                     raise
                 p = self._start(run_id, e)
         append(p.path, run_id, self.uri, rec, self._replayed.get(run_id, 0))
@@ -476,7 +500,7 @@ class Spooler:
         if final:
             self._pending.pop(run_id, None)
             _say(
-                f"run {run_id} ended {rec.get('status', '')} here, but the tracking server {self.uri} does not answer: "
+                f"run {run_id} ended {rec.get('status', '')} here, but the {self.what} {self.down}: "
                 f"its results are spooled in {p.path}; replay them with: lowprec sync {shlex.quote(str(p.path))} "
                 f"{shlex.quote('tracking.uri=' + self.uri)}"
             )
@@ -494,7 +518,7 @@ class Spooler:
                     replay(client, path, warn=lambda s: _say(f"warning: {s}"))
                 self._pending.pop(run_id, None)
             except ReplayInterrupted as e:
-                if not is_transient(e.cause):
+                if not self.transient(e.cause):
                     raise
                 left.append(path)
         return left
@@ -503,8 +527,8 @@ class Spooler:
         path = spool_path(self.folder, run_id)
         p = self._pending[run_id] = _Pending(path, retry_at=time.monotonic() + RETRY_FIRST_S)
         _say(
-            f"tracking server {self.uri} failed ({short_reason(e)}); run {run_id} goes on, its writes are spooled "
-            f"in {path} and replayed when the server answers"
+            f"{self.what} failed ({short_reason(e)}); run {run_id} goes on, its writes are spooled "
+            f"in {path} and replayed when {self.back}"
         )
         return p
 
@@ -513,11 +537,11 @@ class Spooler:
             with fail_fast():
                 r = replay(client, p.path, warn=lambda s: _say(f"warning: {s}"))
         except ReplayInterrupted as e:
-            if not is_transient(e.cause):
+            if not self.transient(e.cause):
                 raise
             p.delay_s = min(2 * p.delay_s, RETRY_MAX_S)
             p.retry_at = time.monotonic() + p.delay_s
             return
         del self._pending[run_id]
         self._replayed[run_id] = r.total
-        _say(f"tracking server {self.uri} answers again: replayed {r.writes} spooled write(s) of run {run_id}")
+        _say(f"{self.what} answers again: replayed {r.writes} spooled write(s) of run {run_id}")

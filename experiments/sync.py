@@ -17,8 +17,9 @@ from mlflow.tracking import MlflowClient
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.spool import ReplayInterrupted, SpoolError, is_transient, read_header, replay, short_reason
-from experiments.tracking import TrackingError, check_reachable, resolve_uri
+from experiments.tracking import TrackingError, check_reachable, quiet_disk_full_logs, resolve_uri
 from lowprec.errors import UserError
+from lowprec.storage import disk_errno
 
 USAGE = "usage: lowprec sync PATH [tracking.uri=URI]   (PATH: a spool file, a folder of them, or a runs folder)"
 
@@ -73,9 +74,15 @@ def sync_main(argv: list[str], compose) -> int:
                     f"{shlex.quote(str(f))} {shlex.quote('tracking.uri=' + written_for)}"
                 )
             check_reachable(target)
+            quiet_disk_full_logs()  # a store still full is told in one line below, not by MLflow's traceback log
             try:
                 r = replay(MlflowClient(target), f, warn=_warn)
             except ReplayInterrupted as e:
+                if disk_errno(e.cause) is not None:  # a local store whose disk is still full
+                    raise TrackingError(
+                        f"{target} still cannot take writes ({short_reason(e.cause)}) after {e.done} of {e.of} "
+                        f"write(s) of {f}; the rest stays spooled: free space there and run lowprec sync again"
+                    ) from None
                 if not is_transient(e.cause):
                     raise TrackingError(
                         f"{target} refused write {e.done + 1} of {e.of} of {f} ({short_reason(e.cause)}); "

@@ -1,14 +1,15 @@
 """MLflow tracking: parent/child runs, buffered metric logging, provenance tags.
 
-Every write goes through ``Tracker``: on a tracking server (``http(s)://``) through its ``Spooler``
-(``experiments/spool.py``: a write the server cannot take is spooled locally and replayed later, training goes on);
-on a local sqlite store straight to the store, whose first creation is serialized by a lock file beside it.
+Every write of a run goes through ``Tracker`` and its ``Spooler`` (``experiments/spool.py``): a write that a tracking
+server (``http(s)://``) cannot take, or that a local sqlite store cannot take because its disk is full, is spooled
+locally and replayed later; training goes on. A sqlite store's first creation is serialized by a lock file beside it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -28,9 +29,10 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from experiments.spool import Spooler, apply, batch_record, end_record, is_transient, short_reason  # noqa: E402
+from experiments.spool import Spooler, batch_record, end_record, is_transient, short_reason  # noqa: E402
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
+from lowprec.storage import disk_errno, disk_error
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
@@ -116,7 +118,19 @@ class Tracker:
         with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
             self.client = MlflowClient(self.uri)
             self.experiment_id = self._experiment(experiment, artifact_root)
-        self.spool = Spooler(Path(artifact_root).resolve() / "spool", self.uri) if is_server(self.uri) else None
+        folder = Path(artifact_root).resolve() / "spool"
+        if is_server(self.uri):
+            self.spool = Spooler(folder, self.uri)
+        else:  # a full disk under the sqlite store: the run goes on, its writes wait in the spool
+            self.spool = Spooler(
+                folder,
+                self.uri,
+                _disk_full,
+                what=f"tracking store {self.uri}",
+                down="does not take writes (disk full)",
+                back="it has space again",
+            )
+            quiet_disk_full_logs()
 
     def _experiment(self, name: str, artifact_root: str | Path) -> str:
         """The experiment's id, created on first use with its kind (``EXPERIMENT_KIND_TAG``); an existing experiment
@@ -140,10 +154,13 @@ class Tracker:
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _write(self, run_id: str, rec: dict, final: bool = False) -> None:
-        if self.spool is None:
-            apply(self.client, run_id, rec)
-        else:
+        try:
             self.spool.send(self.client, run_id, rec, final)
+        except Exception as e:  # the store's disk and the spool's are both full: one line, not a traceback
+            err = disk_error(f"writing run {run_id} to {self.uri} and to its spool", self.spool.folder, e)
+            if err is None:
+                raise
+            raise err from e
 
     def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
         """Create the run (with MLflow's own retries: a run cannot be spooled before the server has given it an id).
@@ -153,6 +170,8 @@ class Tracker:
         try:
             return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
         except MlflowException as e:
+            if _disk_full(e):
+                raise disk_error(f"creating run {name} in {self.uri}", self.spool.folder, e) from e
             if not (is_server(self.uri) and is_transient(e)):
                 raise
             raise TrackingError(f"tracking server {self.uri} failed to create run {name} ({short_reason(e)})") from e
@@ -206,8 +225,31 @@ class Tracker:
 
     def drain_spools(self, run_ids: list[str]) -> list[Path]:
         """Replay what is spooled for ``run_ids`` (an ablation's runs, some spooled by its worker processes);
-        returns the spool files the server still did not take. Nothing to do on a local store."""
-        return [] if self.spool is None else self.spool.drain(self.client, run_ids)
+        returns the spool files the store still did not take."""
+        return self.spool.drain(self.client, run_ids)
+
+
+class _QuietDiskFull(logging.Filter):
+    """Drops MLflow's ERROR log of a sqlite write that failed for a full disk (``mlflow.store.db.utils`` logs each
+    with its traceback: hundreds of lines per write); the spool says it in one line, once per run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ((exc is not None and _disk_full(exc)) or "database or disk is full" in record.getMessage())
+
+
+_QUIET_DISK_FULL = _QuietDiskFull()
+
+
+def quiet_disk_full_logs() -> None:
+    """Install ``_QuietDiskFull`` on MLflow's sqlite logger (once: the same filter instance is not added twice)."""
+    logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_DISK_FULL)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """True when a local store's write failed for a full (or read-only) disk: sqlite's ``database or disk is full``
+    (``SQLITE_FULL``) inside MLflow's exception, or an ``OSError`` ``ENOSPC``/``EDQUOT``/``EROFS`` (its artifacts)."""
+    return disk_errno(e) is not None
 
 
 class NullTracker:

@@ -24,3 +24,9 @@ class RecipeError(ConfigError):
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint folder is missing, corrupt, or does not match this model or recipe; the message says which."""
+
+
+class DiskError(UserError, OSError):
+    """A write to a disk failed for lack of space (``ENOSPC``, ``EDQUOT``) or because it is read-only; the message
+    names the folder, the mount point and the free bytes. Unlike other user errors, it is not the run's result:
+    freeing space and resuming continues the run."""

@@ -12,6 +12,7 @@ the next step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lowprec.errors import CheckpointError
 from lowprec.parallel.fp8_all_gather import register_safe_globals
+from lowprec.storage import disk_error
 from lowprec.train.checkpoint_files import commit, staging_folder, start_staging
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
 
@@ -48,16 +50,24 @@ def save_checkpoint(
     noticed (``check_resume_recipe``). ``health``: the health monitor's state (``HealthMonitor.state_dict``: spike
     histories, skipped batches, rollback count, FP8 streaks and switched layers), stored as ``trainer_state.pt``'s
     ``health``.
+
+    Raises ``DiskError`` (one line: the errno, the folder, its disk and the bytes free) when the disk is full or
+    read-only, ``RuntimeError`` for any other failure; either way the staging folder is removed and the checkpoints
+    committed before are untouched.
     """
     final = Path(path)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     staging = start_staging(final) if rank0 else staging_folder(final)
     if dist.is_initialized():
         dist.barrier()  # a killed save's leftover staging folder is gone before any rank writes
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    except (Exception, CheckpointException) as e:  # DCP raises collectively: every rank is here
+        raise _save_failed(final, staging, rank0, e) from e
     if dist.is_initialized():
         dist.barrier()  # every rank's shards are written before rank 0 hashes and commits them
+    failure: BaseException | None = None
     if rank0:
         trainer = {
             "step": step,
@@ -69,10 +79,33 @@ def save_checkpoint(
             "recipe_hash": recipe.hash() if recipe is not None else None,
             "health": health,
         }
-        torch.save(trainer, staging / TRAINER_STATE)  # identical on every rank: step, schedule, scaler
-        commit(staging, final)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            torch.save(trainer, staging / TRAINER_STATE)  # identical on every rank: step, schedule, scaler
+            commit(staging, final)
+        except Exception as e:
+            failure = _save_failed(final, staging, rank0, e)
+            failure.__cause__ = e
+    if dist.is_initialized():  # the other ranks learn of rank 0's failure instead of waiting at a barrier
+        box = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and failure is None:
+            failure = RuntimeError(box[0])
+    if failure is not None:
+        raise failure
+
+
+def _save_failed(final: Path, staging: Path, rank0: bool, e: BaseException) -> Exception:
+    """The exception a failed save raises, after rank 0 removed the staging folder (the checkpoints committed
+    before stay as they are): a one-line ``DiskError`` for a full or read-only disk, else a ``RuntimeError`` with
+    the first line of the cause (torch's ``CheckpointException`` is a ``BaseException``, which ``except Exception``
+    in the runner would let through with the run left RUNNING)."""
+    if rank0:
+        shutil.rmtree(staging, ignore_errors=True)
+    disk = disk_error(f"writing checkpoint {str(final)!r} (partial save removed)", final.parent, e)
+    if disk is not None:
+        return disk
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return RuntimeError(f"checkpoint save to {str(final)!r} failed: {lines[-1] if lines else type(e).__name__}")
 
 
 def load_checkpoint(

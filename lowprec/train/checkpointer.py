@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lowprec.errors import CheckpointError
+from lowprec.errors import CheckpointError, DiskError
 from lowprec.train.build import Built
 from lowprec.train.checkpoint import check_resume_recipe, load_checkpoint, read_trainer_state, save_checkpoint
 from lowprec.train.checkpoint_files import prune, resolve_resume
@@ -80,9 +80,16 @@ class Checkpointer:
     def _save(self, step: int) -> Path:
         b = self.built
         path = self.directory / f"step_{step + 1}"
-        save_checkpoint(
-            path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe, self.health.state_dict()
-        )
+        try:
+            save_checkpoint(
+                path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe, self.health.state_dict()
+            )
+        except DiskError as e:  # the line the user reads says where the run can resume once space is back
+            if self.newest is None:
+                raise
+            err = DiskError(f"{e}; the checkpoint before, {str(self.newest)!r}, is intact")
+            err.errno = e.errno
+            raise err from e
         self.newest = path
         self.health.checkpoint_written(step + 1)
         return path

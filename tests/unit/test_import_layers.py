@@ -17,7 +17,7 @@ PACKAGES = ("lowprec", "recipes", "experiments")
 #: Bottom to top. Within a layer, modules may import each other (without a cycle).
 LAYERS: list[tuple[str, ...]] = [
     ("lowprec.errors",),
-    ("lowprec.numerics", "lowprec.kernels", "lowprec.model", "lowprec.data"),
+    ("lowprec.numerics", "lowprec.kernels", "lowprec.model", "lowprec.data", "lowprec.storage"),
     # Mechanisms that know nothing of recipes: FP8 linear, optimizer components, measurement, collectives.
     ("lowprec.float8", "lowprec.optim", "lowprec.measure", "lowprec.parallel"),
     # One object per FP8 backend / optimizer implementation, built on the mechanisms above.
