@@ -85,6 +85,8 @@ def _collect(tmp: str, world_size: int, strict: bool) -> list[Any]:
             if strict:
                 raise RuntimeError(f"rank {r} wrote no result")
             continue
+        # Not a received file: each rank of this call wrote it into the call's own TemporaryDirectory (mode 0700,
+        # removed on return), exactly what multiprocessing itself pickles between parent and child.
         status, value = pickle.loads(p.read_bytes())
         if status == "error":
             raise RuntimeError(value)
