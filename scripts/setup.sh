@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import lowprec, torch, torchao, bitsandbytes, hydra, mlflow, tokenizers, matplotlib, tqdm, scipy, statsmodels, filelock, markdown_it, pytest, xdist, playwright" 2>/dev/null \
+if ! .venv/bin/python -c "import lowprec, torch, torchao, bitsandbytes, hydra, mlflow, tokenizers, matplotlib, tqdm, scipy, statsmodels, filelock, markdown_it, jinja2, rich, psutil, submitit, datasets, pytest, xdist, playwright, mkdocs" 2>/dev/null \
     || [ ! -x .venv/bin/ruff ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
