@@ -5,7 +5,7 @@
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
 ``-m``/``--multirun`` (and Hydra's other ``--`` flags) hand the call to ``hydra.main`` unchanged.
 ``--version`` prints the installed versions; ``--shell-completion install=bash`` (``-sc``, also after ``train`` or
-``ablate``) prints the completion script for ``lowprec`` (``experiments.completion``).
+``ablate``) prints the completion script for ``lowprec`` (``experiments.plan.completion``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from experiments.config import CONF_DIR, register_configs
+    from experiments.plan.config import CONF_DIR, register_configs
 
     register_configs()
     for o in overrides:
@@ -109,12 +109,12 @@ def _check_ascii(override: str) -> None:
 
 def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
-    from experiments.config import recipe_from_cfg
-    from experiments.orphans import close_orphans
-    from experiments.preflight import preflight
-    from experiments.run import run_one
-    from experiments.startup import prepare_data, start_parallel
-    from experiments.tracking import make_tracker
+    from experiments.plan.config import recipe_from_cfg
+    from experiments.plan.preflight import preflight
+    from experiments.plan.startup import prepare_data, start_parallel
+    from experiments.runner.orphans import close_orphans
+    from experiments.runner.run import run_one
+    from experiments.tracking.tracker import make_tracker
     from lowprec.data import check_vocab_fits
     from lowprec.parallel.runtime import is_rank0
 
@@ -149,10 +149,10 @@ def train_main(cfg: DictConfig, echo=print):
 def _recipes_of(config_name: str, cfg: DictConfig) -> list:
     """The recipes a ``train`` or ``ablate`` command will run (validated; ``RecipeError`` otherwise)."""
     if config_name == "train":
-        from experiments.config import recipe_from_cfg
+        from experiments.plan.config import recipe_from_cfg
 
         return [recipe_from_cfg(cfg.recipe)]
-    from experiments.ablate import ablation_recipes
+    from experiments.runner.ablate import ablation_recipes
 
     return ablation_recipes(cfg)
 
@@ -160,20 +160,20 @@ def _recipes_of(config_name: str, cfg: DictConfig) -> list:
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
     import hydra
 
-    from experiments.config import CONF_DIR, register_configs
+    from experiments.plan.config import CONF_DIR, register_configs
 
     register_configs()
     # Hydra names the program after argv[0] in its help (`eval "$(lowprec -sc install=bash)"`): the command that
-    # exists; `lowprec -sc ...` is experiments.completion's.
+    # exists; `lowprec -sc ...` is experiments.plan.completion's.
     sys.argv = ["lowprec", *argv]
     hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(task)()
     return 0
 
 
 def _run_composed(config_name: str, argv: list[str], task) -> int:
-    from experiments.config import parallel_from_cfg
-    from experiments.launch import spawn_torchrun, under_torchrun
-    from experiments.preflight import preflight
+    from experiments.plan.config import parallel_from_cfg
+    from experiments.plan.launch import spawn_torchrun, under_torchrun
+    from experiments.plan.preflight import preflight
     from lowprec.train.stop import StopSignal, install_stop_handlers
 
     try:
@@ -217,8 +217,8 @@ def _report(argv: list[str]) -> int:
         cfg = compose("ablate", argv[1:])
         # The margin the ablation ran with (on its parent run) unless this command names one: a plain rebuild
         # must reproduce the report's verdicts.
-        from experiments.report import build_report
-        from experiments.tracking import Tracker
+        from experiments.report.build import build_report
+        from experiments.tracking.tracker import Tracker
 
         named = any(a.lstrip("+").startswith("report.margin=") for a in argv[1:])
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
@@ -265,7 +265,7 @@ def version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``lowprec`` command line; returns the exit status."""
-    from experiments.completion import COMPLETION_FLAGS, completion_main
+    from experiments.plan.completion import COMPLETION_FLAGS, completion_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -284,11 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "report":
         return _report(rest)
     if cmd == "estimate":
-        from experiments.estimate import estimate_main
+        from experiments.planning.estimate import estimate_main
 
         return estimate_main(rest)
     if cmd == "recommend":
-        from experiments.recommend import recommend_main  # reads MLflow only when asked
+        from experiments.planning.recommend import recommend_main  # reads MLflow only when asked
 
         return recommend_main(rest)
     if cmd == "selfcheck":
@@ -296,11 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return selfcheck_main(rest)
     if cmd == "sync":
-        from experiments.sync import sync_main
+        from experiments.tracking.sync import sync_main
 
         return sync_main(rest, compose)
     if cmd == "ui":
-        from experiments.ui import ui_main
+        from experiments.tracking.ui import ui_main
 
         try:
             return ui_main(rest, compose)
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cmd == "train":
             task = train_main
         else:
-            from experiments.ablate import ablate as task
+            from experiments.runner.ablate import ablate as task
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line
             return _hydra_main(cmd, lambda cfg: (task(cfg), None)[1], rest)
         return _run_composed(cmd, rest, task)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from experiments.html_check import render
+from experiments.report.html_check import render
 
 
 def main() -> None:

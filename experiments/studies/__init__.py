@@ -1,7 +1,7 @@
 """Studies: an experiment's own report beside the ablation's verdict report.
 
 An experiment (``conf/experiment/<name>.yaml``) lists ``studies: [name, ...]``; the ablation records them on its
-parent run (tag ``studies``) and ``experiments.report.build_report`` calls each registered study after the main
+parent run (tag ``studies``) and ``experiments.report.build.build_report`` calls each registered study after the main
 report, so ``lowprec report <id>`` rebuilds them too. A study reads the ablation's runs from the store (never from
 the process that trained them) and writes ``<reports>/<ablation id>/<study>.md`` with its figures.
 
@@ -23,9 +23,9 @@ from lowprec.errors import ConfigError
 class StudyContext:
     """What a study gets: the store, the ablation, its runs and the main report's verdict table.
 
-    ``tracker``: ``experiments.tracking.Tracker``. ``parent``: the parent ``mlflow.entities.Run``. ``runs``: the
-    ``experiments.report.RunData`` of every child run. ``table``: ``experiments.verdict_table`` rows (verdicts at
-    ``margin`` against ``control``). ``out``: the report folder (``<reports>/<ablation id>``).
+    ``tracker``: ``experiments.tracking.tracker.Tracker``. ``parent``: the parent ``mlflow.entities.Run``. ``runs``: the
+    ``experiments.report.build.RunData`` of every child run. ``table``: ``experiments.report.verdict_table`` rows
+    (verdicts at ``margin`` against ``control``). ``out``: the report folder (``<reports>/<ablation id>``).
     """
 
     tracker: Any
@@ -39,7 +39,7 @@ class StudyContext:
     out: Path
 
 
-#: Parent-run tag naming the first ablation of a ``models`` list (``experiments.ablate.ablate``); an ablation run
+#: Parent-run tag naming the first ablation of a ``models`` list (``experiments.runner.ablate.ablate``); an ablation run
 #: alone is its own group.
 GROUP_TAG = "ablation_group"
 

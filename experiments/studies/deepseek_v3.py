@@ -10,7 +10,7 @@ what this run measured next to it:
 3. Training parity (3.3, B.1): ``deepseek_v3`` against ``bf16``, the relative loss error with its paired band and
    the main report's verdict at ``report.margin`` (the experiment sets 0.25%, the paper's figure).
 4. Component ablations (3.3, B.2): every ``deepseek_v3_*`` recipe of the ablation against ``deepseek_v3`` with the
-   lab's paired verdicts (``experiments.verdict_table.build_table`` with ``deepseek_v3`` as the control).
+   lab's paired verdicts (``experiments.report.verdict_table.build_table`` with ``deepseek_v3`` as the control).
 
 Sections 3 and 4 run once per model of the ablation group (``models`` in the experiment: one ablation per model).
 The captured operands come from the control's lowest finished seed: its final checkpoint (the experiment sets
@@ -33,13 +33,13 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from experiments import plots, verdict_table  # noqa: E402
-from experiments.config import model_from_cfg  # noqa: E402
+from experiments.plan.config import model_from_cfg  # noqa: E402
+from experiments.report import plots, verdict_table  # noqa: E402
+from experiments.report.verdict_table import LEVEL  # noqa: E402
 from experiments.stats import relative_loss_error  # noqa: E402
 from experiments.studies import GROUP_TAG, StudyContext, register  # noqa: E402
 from experiments.studies import deepseek_numerics as dn  # noqa: E402
-from experiments.tracking import ABLATION_TAG  # noqa: E402
-from experiments.verdict_table import LEVEL  # noqa: E402
+from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader  # noqa: E402
@@ -117,7 +117,7 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=SafeFileSystemReader(steps[-1]))  # a checkpoint is data, never code
     model.load_state_dict(state["model"])
-    from experiments.startup import prepare_data  # the corpus the run trained on (cached by the ablation)
+    from experiments.plan.startup import prepare_data  # the corpus the run trained on (cached by the ablation)
     from lowprec.data import TokenBatches
 
     data = prepare_data(cfg)
@@ -420,11 +420,11 @@ def deepseek_v3_study(ctx: StudyContext) -> Path:
         "",
         f"`{REFERENCE}` with one choice undone, each against `{REFERENCE}` (the control here), paired by seed, "
         f"final validation loss, {LEVEL:.0%} paired t-interval, Holm across the components, margin "
-        f"{100 * ctx.margin:.3g}% (the lab's verdicts, `experiments.verdict_table`). > 0: the variant is worse.",
+        f"{100 * ctx.margin:.3g}% (the lab's verdicts, `experiments.report.verdict_table`). > 0: the variant is worse.",
         "",
     ]
     headline = {"accumulation": acc_head, "models": {}}
-    from experiments.report import load_runs  # report imports the studies: import it when a study runs
+    from experiments.report.build import load_runs  # report imports the studies: import it when a study runs
 
     for aid, parent in _siblings(ctx):
         runs = ctx.runs if aid == ctx.ablation_id else load_runs(ctx.tracker, parent.info.run_id)

@@ -201,12 +201,12 @@ def test_unknown_recipe_lists_the_valid_names(run_dirs, capsys):
 
 def test_an_internal_error_keeps_its_traceback(run_dirs, monkeypatch):
     """A KeyError raised by a bug is not mistaken for a user's bad value: it propagates with its traceback."""
-    import experiments.preflight
+    import experiments.plan.preflight
 
     def bug(*a, **k):
         raise KeyError("internal bug")
 
-    monkeypatch.setattr(experiments.preflight, "build_model_meta", bug)
+    monkeypatch.setattr(experiments.plan.preflight, "build_model_meta", bug)
     with pytest.raises(KeyError, match="internal bug"):
         main(["train", *run_dirs, *DEBUG])
 

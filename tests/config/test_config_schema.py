@@ -1,5 +1,5 @@
 """One source for defaults: every config group and node is registered from its Python dataclass
-(experiments/config.py); the yaml files under conf/ name only existing fields and restate no default, and
+(experiments/plan/config.py); the yaml files under conf/ name only existing fields and restate no default, and
 what Hydra composes is the registered defaults plus exactly what the yaml files set."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from experiments.config import (
+from experiments.plan.config import (
     CONF_DIR,
     DATA_SOURCES,
     GROUPS,

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from experiments.ablate import ablation_control
 from experiments.cli import compose, main
-from experiments.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
+from experiments.plan.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
+from experiments.runner.ablate import ablation_control
 from lowprec.recipe import RecipeError
 from recipes import CATALOG
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from experiments.ui import wait_until_up
+from experiments.tracking.ui import wait_until_up
 
 
 def free_port() -> int:

@@ -230,7 +230,7 @@ def _fsdp_run(rank: int, ws: int, extra: dict, checkpoint_dir: str) -> dict:
     """fp8_delayed under FSDP2 (2 ranks, gloo); the faults hit rank 0 only, as a bad value on one GPU would."""
     import os
 
-    from experiments.faults import fp8_overflow_hook, nan_hook
+    from experiments.runner.faults import fp8_overflow_hook, nan_hook
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.optim.builder import OptimHParams

@@ -21,11 +21,11 @@ from mlflow.tracking import MlflowClient
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-import experiments.spool as spool_module
+import experiments.tracking.spool as spool_module
 from experiments.cli import main
-from experiments.orphans import OWNER_TAG, close_orphans
-from experiments.spool import SPOOLED_TAG
-from experiments.tracking import Tracker
+from experiments.runner.orphans import OWNER_TAG, close_orphans
+from experiments.tracking.spool import SPOOLED_TAG
+from experiments.tracking.tracker import Tracker
 from lowprec.train.checkpoint_files import verify
 
 RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0", "train.val_batches=1"]

@@ -1,5 +1,6 @@
 """A run's owner is a process of one PID namespace on one boot (issue 33 item 7): the orphan sweep
-(experiments/orphans.py) and ``resume=`` of a run's checkpoint (experiments/continued_runs.py ``supersede``) end a
+(experiments/runner/orphans.py) and ``resume=`` of a run's checkpoint (experiments/runner/continued_runs.py
+``supersede``) end a
 RUNNING run only when its owner is provably dead; a run owned from another container that shares the hostname, or
 still training, stays RUNNING. Real MLflow sqlite stores; the owner tags are written as another process would."""
 
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments import orphans
-from experiments.continued_runs import supersede
-from experiments.orphans import OWNER_TAG, _start_ticks, close_orphans, owner
-from experiments.tracking import Tracker
+from experiments.runner import orphans
+from experiments.runner.continued_runs import supersede
+from experiments.runner.orphans import OWNER_TAG, _start_ticks, close_orphans, owner
+from experiments.tracking.tracker import Tracker
 
 # the tag names are spelled out (not imported) so that these tests fail by assertion, not by import, on code
 # without them

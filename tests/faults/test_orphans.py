@@ -1,5 +1,6 @@
 """A run whose process was killed without a word (kill -9) is ended FAILED by the next lowprec command on the same
-host (experiments/orphans.py), and only such a run: one whose owner is alive, or on another host, stays RUNNING."""
+host (experiments/runner/orphans.py), and only such a run: one whose owner is alive, or on another host, stays
+RUNNING."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
-from experiments.orphans import OWNER_TAG, owner, owner_alive
+from experiments.runner.orphans import OWNER_TAG, owner, owner_alive
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=6"]

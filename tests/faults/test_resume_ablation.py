@@ -24,13 +24,13 @@ from filelock import FileLock
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 
-import experiments.ablate
-import experiments.scheduler
+import experiments.runner.ablate
+import experiments.runner.scheduler
 from experiments.cli import compose, main
-from experiments.report import load_runs
-from experiments.resume_ablation import config_difference
-from experiments.run import config_yaml
-from experiments.tracking import Tracker
+from experiments.report.build import load_runs
+from experiments.runner.resume import config_difference
+from experiments.runner.run import config_yaml
+from experiments.tracking.tracker import Tracker
 from lowprec.train.stop import clear_stop
 from recipes import CATALOG, get_recipe
 
@@ -54,7 +54,7 @@ def _dirs(root: Path) -> list[str]:
 def own_handlers(monkeypatch):
     """The commands install their stop handlers in this (pytest) process: put pytest's back afterwards. Workers get
     one intra-op thread, as this process has, on any machine (2 workers on "2 cores"): the same numbers."""
-    monkeypatch.setattr(experiments.scheduler, "cores", lambda: 2)
+    monkeypatch.setattr(experiments.runner.scheduler, "cores", lambda: 2)
     with restored_stop_handlers():
         yield
 
@@ -94,7 +94,7 @@ def baseline(tmp_path_factory):
     with one thread each train every run exactly as this process does: tests/integration/test_seeds_and_workers.py.)"""
     root = tmp_path_factory.mktemp("baseline")
     mp = pytest.MonkeyPatch()
-    mp.setattr(experiments.scheduler, "cores", lambda: 2)
+    mp.setattr(experiments.runner.scheduler, "cores", lambda: 2)
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
@@ -273,11 +273,13 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
     assert "no ablation abl-20000101-000000-0000 in sqlite:///" in one_line(["resume=abl-20000101-000000-0000"])
     # a recipe whose definition changed since the ablation ran (here: another amax history length)
     changed = CATALOG["fp8_delayed"].with_fields("fp8", amax_history_len=8)
-    monkeypatch.setattr(experiments.ablate, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n])
+    monkeypatch.setattr(
+        experiments.runner.ablate, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
+    )
     assert f"recipe fp8_delayed hashes to {changed.hash()} here but ran as {CATALOG['fp8_delayed'].hash()}" in one_line(
         [f"resume={ablation_id}"]
     )
-    monkeypatch.setattr(experiments.ablate, "get_recipe", get_recipe)
+    monkeypatch.setattr(experiments.runner.ablate, "get_recipe", get_recipe)
     # an ablation still running holds its lock (another process here: an OS file lock taken by this one)
     with FileLock(str(root / "runs" / "locks" / f"{ablation_id}.lock")):
         assert "the ablation is still running in another process" in one_line([f"resume={ablation_id}"])

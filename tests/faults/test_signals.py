@@ -22,7 +22,7 @@ from stalled_exit import stall_at_exit
 from stop_handlers import restored_stop_handlers
 
 from experiments.cli import main
-from experiments.scheduler import close_pool, pool_internals
+from experiments.runner.scheduler import close_pool, pool_internals
 from lowprec.train.checkpoint_files import verify
 from lowprec.train.stop import clear_stop
 

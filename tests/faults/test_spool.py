@@ -16,7 +16,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
-from experiments.spool import (
+from experiments.tracking.spool import (
     SPOOLED_TAG,
     ReplayInterrupted,
     Spooler,
@@ -28,7 +28,7 @@ from experiments.spool import (
     replay,
     spool_path,
 )
-from experiments.tracking import Tracker
+from experiments.tracking.tracker import Tracker
 
 
 @pytest.fixture

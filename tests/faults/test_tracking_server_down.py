@@ -24,7 +24,7 @@ from mlflow_server import MlflowServer
 from stop_handlers import restored_stop_handlers
 
 from experiments.cli import main
-from experiments.spool import SPOOLED_TAG
+from experiments.tracking.spool import SPOOLED_TAG
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=100", "train.progress=false"]

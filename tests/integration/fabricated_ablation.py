@@ -10,7 +10,7 @@ import json
 import numpy as np
 from mlflow.entities import Metric
 
-from experiments.tracking import ABLATION_TAG
+from experiments.tracking.tracker import ABLATION_TAG
 from lowprec.model import model_args
 
 STEPS = 100

@@ -8,8 +8,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import compose, main
-from experiments.report import report_figures
-from experiments.tracking import ABLATION_TAG
+from experiments.report.build import report_figures
+from experiments.tracking.tracker import ABLATION_TAG
 
 SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
 

@@ -10,7 +10,7 @@ import re
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
-from experiments.report import report_figures
+from experiments.report.build import report_figures
 from experiments.studies import GROUP_TAG
 
 

@@ -10,8 +10,8 @@ import pytest
 from fabricated_ablation import CONTROL, SEEDS, fabricate_ablation
 
 from experiments.cli import main
-from experiments.report import build_report
-from experiments.tracking import Tracker
+from experiments.report.build import build_report
+from experiments.tracking.tracker import Tracker
 
 BASE = ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11"]
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import experiments.recommend as rec_mod
-from experiments.ablate import ablation_recipes
+import experiments.planning.recommend as rec_mod
 from experiments.cli import compose, main
-from experiments.preflight import preflight
-from experiments.recommend import format_table, parse_args, recommend
-from experiments.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
+from experiments.plan.preflight import preflight
+from experiments.planning.recommend import format_table, parse_args, recommend
+from experiments.planning.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
+from experiments.runner.ablate import ablation_recipes
 from lowprec.backends import fp8_backends
 from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.estimate.runnable import hardware_blocker
@@ -152,7 +152,7 @@ def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
     for needle in ("device=cuda", f"parallel.dp_shard={a.dp_shard}", f"parallel.tp={a.tp}", "train.steps=1000"):
         assert needle in args
     cfg = compose("ablate", args)
-    for where in ("experiments.preflight", "experiments.ablate"):
+    for where in ("experiments.plan.preflight", "experiments.runner.ablate"):
         monkeypatch.setattr(f"{where}.resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     checked = preflight(cfg, ablation_recipes(cfg))

@@ -12,8 +12,8 @@ import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
 
-from experiments.report import build_report, find_ablation, load_runs
-from experiments.tracking import PARENT_TAG, Tracker
+from experiments.report.build import build_report, find_ablation, load_runs
+from experiments.tracking.tracker import PARENT_TAG, Tracker
 from recipes import get_recipe
 
 ABL = "abl-marks"

@@ -18,8 +18,8 @@ from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
-from experiments.report import find_ablation
-from experiments.tracking import Tracker
+from experiments.report.build import find_ablation
+from experiments.tracking.tracker import Tracker
 
 
 def _free_port() -> int:

@@ -66,7 +66,11 @@ def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path
     # the report replays the looks from MLflow alone: the recipe's verdict is that of its last look
     report = (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").read_text()
     assert "| `fp32` | 4 (auto: max_seeds reached) |" in report
-    assert "`seeds=auto` (experiments/auto_seeds.py)" in report and "3 seeds at " in report and "4 seeds at " in report
+    assert (
+        "`seeds=auto` (experiments/stats/auto_seeds.py)" in report
+        and "3 seeds at " in report
+        and "4 seeds at " in report
+    )
     assert parent.data.tags["verdict.fp32"] == "inconclusive"
 
 
@@ -99,7 +103,7 @@ def busy_cores(n: int, seconds: float = 150.0):
 def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(run_dirs, tmp_path, capsys):
     # Issue 29, item 5: with both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
     # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
-    # load of 6), without limit. The workers now exit at once (experiments/scheduler.py `_exit_now`).
+    # load of 6), without limit. The workers now exit at once (experiments/runner/scheduler.py `_exit_now`).
     args = ["ablate", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
     with busy_cores(2):
         assert main(args) == 0

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from experiments.cli import main
-from experiments.ui import check_exposure, is_loopback, ui_command
+from experiments.tracking.ui import check_exposure, is_loopback, ui_command
 
 
 @pytest.fixture

@@ -33,10 +33,10 @@ from mlflow.entities import Metric
 from scipy import stats
 
 from experiments.cli import main
-from experiments.report import build_report, find_ablation, load_runs
+from experiments.report.build import build_report, find_ablation, load_runs
+from experiments.report.verdict_table import build_table, parent_records, verdict_section
 from experiments.stats import StabilityMetrics, stability_metrics
-from experiments.tracking import ABLATION_TAG, Tracker
-from experiments.verdict_table import build_table, parent_records, verdict_section
+from experiments.tracking.tracker import ABLATION_TAG, Tracker
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
@@ -64,7 +64,7 @@ def _spiky_loss(steps: int) -> list[float]:
 
 
 def _logged(spikes: int, diverged_at: int | None = None) -> dict[str, float]:
-    """``stability/*`` as ``experiments.stability_log`` logs them at a run's last step."""
+    """``stability/*`` as ``experiments.tracking.stability_log`` logs them at a run's last step."""
     m = StabilityMetrics(STAB_STEPS, spikes, (), 0.01, int(diverged_at is not None), diverged_at, 0, (), 0)
     return m.as_metrics()
 

@@ -1,13 +1,13 @@
-"""``seeds=auto``'s replay (experiments/auto_seeds.py) on fixed per-seed results: who gets the next seed, at which
+"""``seeds=auto``'s replay (experiments/stats/auto_seeds.py) on fixed per-seed results: who gets the next seed, at which
 look a recipe stops, and at which confidence level its verdict was taken."""
 
 import numpy as np
 import pytest
 
-from experiments.auto_seeds import plan_for, replay, replay_results
-from experiments.report import RunData
+from experiments.report.build import RunData
+from experiments.report.verdict_table import build_table, verdict_section
 from experiments.stats import minimum_detectable_difference, seeds_needed, verdicts
-from experiments.verdict_table import build_table, verdict_section
+from experiments.stats.auto_seeds import plan_for, replay, replay_results
 from lowprec.errors import ConfigError
 
 SEEDS = list(range(8))

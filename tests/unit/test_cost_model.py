@@ -10,7 +10,7 @@ import math
 import pytest
 
 from experiments.cli import main
-from experiments.cost_validation import (
+from experiments.planning.cost_validation import (
     FITTED,
     fit_calibration,
     fit_fragmentation,
@@ -20,7 +20,7 @@ from experiments.cost_validation import (
     summary,
     validate,
 )
-from experiments.estimate import MODEL_ERROR
+from experiments.planning.estimate import MODEL_ERROR
 from lowprec.estimate.cost_model import D0, Calibration, Layout, fsdp_comm_bytes, gemm_time, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
@@ -197,10 +197,10 @@ def test_layout_refuses_bad_fields():
 def test_readme_table_is_generated_from_the_data_file(rows):
     from pathlib import Path
 
-    from experiments.cost_validation import README_BEGIN, README_END, markdown_table
+    from experiments.planning.cost_validation import markdown_table, readme_block
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = text[text.index(README_BEGIN) + len(README_BEGIN) : text.index(README_END)].strip()
+    block = text[slice(*readme_block(text))].strip()
     assert block == markdown_table(rows)
     # the corrections of issue 17: torchtitan's batch 2, selective AC, the 96 GB / 500 W H100, FP8 all-gather
     row = next(line for line in block.splitlines() if "`tt_8b_8gpu_fp8`" in line)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.cli import main
-from experiments.cost_validation import validate
+from experiments.planning.cost_validation import validate
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import flops_per_token, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware

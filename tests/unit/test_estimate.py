@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.estimate import estimate_main
+from experiments.planning.estimate import estimate_main
 from lowprec.data import TokenBatches
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.estimate.estimator import (

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-import experiments.estimate as est
+import experiments.planning.estimate as est
 from experiments.cli import main
-from experiments.estimate import EstimateArgError, estimate_main, parse_args, run
+from experiments.planning.estimate import EstimateArgError, estimate_main, parse_args, run
 from lowprec.backends import fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -138,10 +138,11 @@ def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
 
 
 def test_the_report_predicts_nothing_for_a_recipe_the_h100_cannot_run():
-    """The report's predicted columns (``experiments.predicted``, on an H100) gave ``mxfp8`` an H100 throughput."""
+    """The report's predicted columns (``experiments.report.predicted``, on an H100) gave ``mxfp8`` an H100
+    throughput."""
     from types import SimpleNamespace
 
-    from experiments.predicted import predict_recipes
+    from experiments.report.predicted import predict_recipes
 
     params = {"train.batch_size": "8", "train.seq_len": "256", "train.ac": "none", "train.compile": "False"}
     parent = SimpleNamespace(data=SimpleNamespace(params=params, tags={"model": "debug"}))

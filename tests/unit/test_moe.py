@@ -216,7 +216,7 @@ def test_load_metrics_of_no_tokens_are_zero():
 
 
 def test_lowprec_estimate_states_the_activated_parameters(capsys):
-    from experiments.estimate import estimate_main
+    from experiments.planning.estimate import estimate_main
 
     assert estimate_main(["model=moe_debug", "recipe=deepseek_v3"]) == 0
     out = capsys.readouterr().out

@@ -25,7 +25,7 @@ def test_importing_lowprec_prints_nothing_and_defers_torchao_and_bitsandbytes():
     imported only when a recipe's backend needs them; imported after lowprec, as such a run does, they print
     nothing either (one subprocess for both checks: each costs a cold import of torch)."""
     code = (
-        "import sys, lowprec.train.build, lowprec.train.loop, recipes, experiments.tracking, experiments.cli; "
+        "import sys, lowprec.train.build, lowprec.train.loop, recipes, experiments.tracking.tracker, experiments.cli; "
         "print(sorted(m for m in ('torchao', 'bitsandbytes') if m in sys.modules)); "
         "import torchao.float8, torchao.optim, bitsandbytes"
     )

@@ -1,4 +1,4 @@
-"""``experiments.run.utilization_metrics``: FLOPs and MFU are per device, so a sharded run's (global) tokens/s is
+"""``experiments.runner.run.utilization_metrics``: FLOPs and MFU are per device, so a sharded run's (global) tokens/s is
 divided by its world size before they are computed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.run import utilization_metrics
+from experiments.runner.run import utilization_metrics
 from lowprec.estimate.estimator import flops_per_token
 from lowprec.model import model_args
 from lowprec.train.spec import TrainSpec

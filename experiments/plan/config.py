@@ -31,7 +31,7 @@ from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe,
 from lowprec.train.spec import TrainSpec
 from recipes import CATALOG
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PathsConfig:
 
 @dataclass
 class FaultsConfig:
-    """Fault injection, for testing failure handling (experiments/faults.py): applies to the run of
+    """Fault injection, for testing failure handling (experiments/runner/faults.py): applies to the run of
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
     ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path).
     ``exit_at_step``: end the process at once before this step (``os._exit``: a worker killed mid-run).
@@ -91,7 +91,7 @@ class RunConfig:
     ignores it). ``resume``: for ``lowprec train``, a checkpoint folder
     (``${paths.runs}/checkpoints/<run id>/step_<N>``) to continue from; ``train.resume_recipe_change=true``
     allows one written under another recipe (recorded). For ``lowprec ablate``, the id of an interrupted ablation
-    to continue (experiments/resume_ablation.py). ``train.checkpoint_every=N`` writes one every N steps.
+    to continue (experiments/runner/resume.py). ``train.checkpoint_every=N`` writes one every N steps.
     """
 
     model: Any = MISSING  # group: model/<size> (MODEL_CONFIGS: Llama and MoE sizes)
@@ -121,7 +121,7 @@ class TrainConfig(RunConfig):
 
 @dataclass
 class ReportConfig:
-    """The report's verdicts (``report.*``, experiments/verdict_table.py). ``margin``: the relative
+    """The report's verdicts (``report.*``, experiments/report/verdict_table.py). ``margin``: the relative
     non-inferiority margin on the validation loss (0.0025 = 0.25%, DeepSeek-V3's bar for FP8 against BF16); a
     recipe is non-inferior when the upper bound of its paired 95% interval is below +margin
     (experiments/stats/verdict.py). ``lowprec report ID`` uses the margin the ablation ran with unless
@@ -136,16 +136,16 @@ class AblateConfig(RunConfig):
     sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
     verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe). ``seeds``: N seeds
     ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
-    inconclusive, up to ``max_seeds`` (experiments/auto_seeds.py). ``workers``: runs trained at once on a CPU, each in
-    its own process, or ``auto`` (2 on a CPU, 1 on a GPU; experiments/scheduler.py)."""
+    inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once on a CPU,
+    each in its own process, or ``auto`` (2 on a CPU, 1 on a GPU; experiments/runner/scheduler.py)."""
 
     control: str | None = None
     name: str = MISSING
     recipes: list[str] = MISSING
-    #: an int >= 1, or ``auto`` (experiments/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
+    #: an int >= 1, or ``auto`` (experiments/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
     seeds: Any = 1
     max_seeds: int = 8
-    workers: Any = 1  # an int >= 1 or auto (experiments/scheduler.py)
+    workers: Any = 1  # an int >= 1 or auto (experiments/runner/scheduler.py)
     #: the experiment's own reports beside report.md (experiments/studies: registered names)
     studies: list[str] = field(default_factory=list)
     #: each study's own settings under its name (``study.deepseek_v3.capture_batches=4``; the study documents them)

@@ -1,5 +1,6 @@
 """``lowprec sync PATH``: replay the tracking writes a run spooled while its server did not answer
-(``experiments/spool.py``), in order, to the store the user configures (``tracking.uri=...``, else the default).
+(``experiments/tracking/spool.py``), in order, to the store the user configures (``tracking.uri=...``, else the
+default).
 
 A spool file may come from someone else: it is data. It replays only to the configured store (a spool whose header
 names another store is refused, unless that store is given with ``tracking.uri=``), and only files inside its own
@@ -16,8 +17,8 @@ from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.spool import ReplayInterrupted, SpoolError, is_transient, read_header, replay, short_reason
-from experiments.tracking import TrackingError, check_reachable, quiet_disk_full_logs, resolve_uri
+from experiments.tracking.spool import ReplayInterrupted, SpoolError, is_transient, read_header, replay, short_reason
+from experiments.tracking.tracker import TrackingError, check_reachable, quiet_disk_full_logs, resolve_uri
 from lowprec.errors import UserError
 from lowprec.storage import disk_errno
 

@@ -20,7 +20,7 @@ from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
 from lowprec.model import model_args
 from recipes import get_recipe
 
-PUBLISHED = Path(__file__).resolve().parents[1] / "lowprec" / "estimate" / "published.yaml"
+PUBLISHED = Path(__file__).resolve().parents[2] / "lowprec" / "estimate" / "published.yaml"
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,9 @@ def format_table(rows: list[Row], cal: Calibration) -> str:
     return "\n".join(lines)
 
 
-README_BEGIN = "<!-- estimate-validate-table:begin (python -m experiments.fit_cost_model --readme) -->"
+#: The README's begin marker: ``<!-- estimate-validate-table:begin (python -m experiments.planning.fit_cost_model
+#: --readme) -->``; only its start is matched, so the command it names may change without breaking the block.
+README_BEGIN = "<!-- estimate-validate-table:begin"
 README_END = "<!-- estimate-validate-table:end -->"
 
 
@@ -316,10 +318,18 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def readme_block(text: str) -> tuple[int, int]:
+    """``(start, end)``: the span of ``text`` between the end of the ``README_BEGIN`` marker's comment and
+    ``README_END``; raises ``ValueError`` if the markers are missing."""
+    a, b = text.find(README_BEGIN), text.find(README_END)
+    close = text.find("-->", a)
+    if a < 0 or b < a or not a < close < b:
+        raise ValueError("README has no estimate-validate-table markers")
+    return close + len("-->"), b
+
+
 def replace_readme_block(text: str, table: str) -> str:
     """``text`` with the block between ``README_BEGIN`` and ``README_END`` replaced by ``table``; raises
     ``ValueError`` if the markers are missing."""
-    a, b = text.find(README_BEGIN), text.find(README_END)
-    if a < 0 or b < a:
-        raise ValueError("README has no estimate-validate-table markers")
-    return text[: a + len(README_BEGIN)] + "\n" + table + "\n" + text[b:]
+    a, b = readme_block(text)
+    return text[:a] + "\n" + table + "\n" + text[b:]

@@ -11,7 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from experiments.tracking import Tracker
+from experiments.tracking.tracker import Tracker
 from lowprec.train.health import AnomalyEvent
 
 ANOMALY_ARTIFACT = "anomalies.json"

@@ -13,19 +13,19 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.auto_seeds import plan_for, replay_results
-from experiments.config import flat_params, model_node, parallel_from_cfg
-from experiments.orphans import close_orphans, owner_tags
-from experiments.preflight import preflight
-from experiments.report import build_report
-from experiments.resume_ablation import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
-from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
-from experiments.scheduler import resolve_workers, run_jobs
-from experiments.startup import prepare_data, start_parallel
+from experiments.plan.config import flat_params, model_node, parallel_from_cfg
+from experiments.plan.preflight import preflight
+from experiments.plan.startup import prepare_data, start_parallel
+from experiments.report.build import build_report
+from experiments.report.verdict_table import LEVEL
+from experiments.runner.orphans import close_orphans, owner_tags
+from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
+from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
+from experiments.runner.scheduler import resolve_workers, run_jobs
 from experiments.stats import SpendingPlan, check_margin
+from experiments.stats.auto_seeds import plan_for, replay_results
 from experiments.studies import GROUP_TAG, check_studies
-from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
-from experiments.verdict_table import LEVEL
+from experiments.tracking.tracker import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from lowprec.data import check_vocab_fits
 from lowprec.errors import ConfigError, UserError
 from lowprec.parallel.runtime import is_rank0
@@ -64,7 +64,7 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
 
 
 def ablation_workers(cfg: DictConfig) -> int:
-    """``cfg.workers`` resolved for this device and layout (``experiments.scheduler.resolve_workers``)."""
+    """``cfg.workers`` resolved for this device and layout (``experiments.runner.scheduler.resolve_workers``)."""
     return resolve_workers(cfg.workers, resolve_device(cfg.device).type, parallel_from_cfg(cfg).enabled)
 
 
@@ -148,7 +148,7 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
     Every recipe name and field is validated before any training (``RecipeError``); data problems
     raise ``DataError`` before the parent run exists. A child that fails is recorded FAILED and the
     ablation continues. ``cfg.resume`` (an ablation id) continues that ablation under its parent run
-    (``experiments.resume_ablation``: finished runs kept, interrupted ones continued from their checkpoints, the
+    (``experiments.runner.resume``: finished runs kept, interrupted ones continued from their checkpoints, the
     rest started); a command that is not the same ablation raises ``AblationResumeError`` before anything is
     written. A stop signal marks the parent KILLED and propagates as ``StopSignal`` with ``ablation_id`` set.
     """
@@ -317,7 +317,8 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
 
 
 def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: int, plan, margin: float):
-    """``experiments.auto_seeds.replay_results`` on the outcomes so far (the report replays the same from MLflow)."""
+    """``experiments.stats.auto_seeds.replay_results`` on the outcomes so far (the report replays the same from
+    MLflow)."""
     results = [(o.recipe, o.seed, o.summary["final_val_loss"] if o.status == "FINISHED" else None) for o in runs]
     others = [n for n in names if n != control]
     return replay_results(results, control, others, seed0, plan.max_seeds, margin, LEVEL)

@@ -35,11 +35,11 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from experiments.auto_seeds import AutoSeeds
 from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
+from experiments.stats.auto_seeds import AutoSeeds
 from experiments.stats.stability import LESS_STABLE
 from experiments.stats.verdict import POWER, rule_text
-from experiments.tracking import MetricBuffer, Tracker
+from experiments.tracking.tracker import MetricBuffer, Tracker
 
 #: Two-sided confidence level of every interval (one-sided tests at alpha = (1 - LEVEL) / 2).
 LEVEL = 0.95
@@ -246,8 +246,8 @@ def build_table(
     the validation history holds at least two points there. Holm across the recipes (``experiments.stats``).
     Stability: ``stability_verdict`` of each recipe's judged runs (``judged_stability``) against the control's.
     ``predicted``: ``{recipe: Prediction}`` for the predicted ratio columns, ``predicted_setup`` what they assume.
-    ``auto``: the replayed ``seeds=auto`` procedure (``experiments.auto_seeds``); each recipe's final-loss verdict is
-    then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict."""
+    ``auto``: the replayed ``seeds=auto`` procedure (``experiments.stats.auto_seeds``); each recipe's final-loss verdict
+    is then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict."""
     predicted = predicted or {}
     ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
     ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
@@ -342,7 +342,7 @@ def _auto_note(auto: AutoSeeds) -> str:
         else ""
     )
     return (
-        "- `seeds=auto` (experiments/auto_seeds.py): 3 seeds, then one more at a time for the recipes (and the "
+        "- `seeds=auto` (experiments/stats/auto_seeds.py): 3 seeds, then one more at a time for the recipes (and the "
         "control) still inconclusive, up to `max_seeds`; Lan-DeMets O'Brien-Fleming-type alpha spending with exact "
         "group-sequential boundaries, one-sided alpha 0.025 over all looks (experiments/stats/sequential.py). Each "
         "recipe's verdict and interval are those of the look where it stopped, at that look's two-sided level "

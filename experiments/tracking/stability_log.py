@@ -57,7 +57,7 @@ class StabilityRecorder:
 
     def carry(self, loss: list[float], grad_norm: list[float], skipped: float) -> None:
         """Start from the series of steps ``0 .. len(loss)-1`` that an interrupted run logged before the checkpoint it
-        continues from (``experiments.continued_runs.history_before``), so the continued run's stability metrics
+        continues from (``experiments.runner.continued_runs.history_before``), so the continued run's stability metrics
         cover all its steps, as an uninterrupted run's do."""
         self.loss, self.grad_norm = [float(x) for x in loss], [float(x) for x in grad_norm]
         self.skipped = float(skipped)
@@ -93,7 +93,7 @@ def run_stability(r) -> StabilityMetrics | None:
     ``loss`` and ``grad_norm`` curves with the default ``SpikeRule``. The one place that fallback lives.
 
     A run stopped by ``NonFiniteError`` never logged the step that stopped it, so its recomputed series may end
-    finite; ``experiments.verdict_table.judged_stability`` counts such a run as diverged from its failure reason.
+    finite; ``experiments.report.verdict_table.judged_stability`` counts such a run as diverged from its failure reason.
     Spike steps are not logged: ``loss_spike_steps`` is empty for logged metrics. Returns None for a run without a
     loss (it stopped before its first step).
     """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from experiments.config import model_from_cfg
-from experiments.verdict_table import Prediction
+from experiments.plan.config import model_from_cfg
+from experiments.report.verdict_table import Prediction
 from lowprec.errors import UserError
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate

@@ -8,7 +8,7 @@ backoff). A write the server cannot take (unreachable, timed out, HTTP 5xx) is a
 ``<paths.runs>/spool/<run id>.jsonl``, and every later write of that run follows it there, so the order is kept. The
 run's next write after a pause (``RETRY_FIRST_S``, doubling up to ``RETRY_MAX_S``) first replays the spool, and the
 run's end always tries; what is still spooled when the process ends is replayed by ``lowprec sync``
-(``experiments/sync.py``). A 4xx answer (a bad request) is not a server failure: it raises, as without a spool.
+(``experiments/tracking/sync.py``). A 4xx answer (a bad request) is not a server failure: it raises, as without a spool.
 
 The file is JSON lines, appended with one ``write`` and an ``fsync`` per record::
 

@@ -4,15 +4,15 @@ layout lies inside the published throughput measurements the cost model was chec
 ``PUBLISHED_EVIDENCE`` holds one citation per FP8 scaling (every ``Float8Backend.scalings`` value of the registry:
 ``tests/integration/test_recommend_catalog.py`` fails when a backend adds one without a citation), for 8-bit
 optimizer states and for bf16. ``outside_published`` compares a layout with the points of
-``lowprec/estimate/published.yaml`` (``experiments.cost_validation.load_points``): the cost model's held-out error
-(``lowprec estimate --validate``) is known only near them.
+``lowprec/estimate/published.yaml`` (``experiments.planning.cost_validation.load_points``): the cost model's held-out
+error (``lowprec estimate --validate``) is known only near them.
 """
 
 from __future__ import annotations
 
 from functools import cache
 
-from experiments.cost_validation import load_points
+from experiments.planning.cost_validation import load_points
 from lowprec.recipe import Recipe
 
 #: Published loss evidence per recipe kind (the recipe's FP8 scaling, else its optimizer state, else bf16).

@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.request
 
-from experiments.tracking import ABLATION_TAG, DESCRIPTION_TAG, TrackingError, is_server, resolve_uri
+from experiments.tracking.tracker import ABLATION_TAG, DESCRIPTION_TAG, TrackingError, is_server, resolve_uri
 from lowprec.errors import UserError
 
 USAGE = (

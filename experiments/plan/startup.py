@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.config import data_from_cfg, parallel_from_cfg
+from experiments.plan.config import data_from_cfg, parallel_from_cfg
 from lowprec.data import prepare
 from lowprec.parallel import ParallelError
 from lowprec.parallel.runtime import init_distributed

@@ -44,8 +44,8 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.continued_runs import Continuation
-from experiments.run import RunOutcome, run_one
+from experiments.runner.continued_runs import Continuation
+from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
 from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
@@ -135,8 +135,8 @@ def _init_worker(threads: int, cfg: dict, parent: int) -> None:
 
     import torch
 
-    from experiments.startup import prepare_data
-    from experiments.tracking import make_tracker
+    from experiments.plan.startup import prepare_data
+    from experiments.tracking.tracker import make_tracker
 
     torch.set_num_threads(threads)
     _state.update(parent=parent, busy=False)
@@ -351,5 +351,5 @@ def fail_orphans(tracker, parent_id: str) -> None:
         filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and attributes.status = 'RUNNING'",
     )
     for r in runs:
-        tracker.set_tags(r.info.run_id, {"failure_kind": "crash"})  # a resume continues it (experiments/run.py)
+        tracker.set_tags(r.info.run_id, {"failure_kind": "crash"})  # a resume continues it (experiments/runner/run.py)
         tracker.end_run(r.info.run_id, "FAILED", "its worker process died during the run")

@@ -1,5 +1,5 @@
 """Ablation report built from MLflow alone: ``reports/<ablation-id>/report.md``, its PNG plots and ``report.html``
-(one self-contained page, ``experiments.report_html``), all logged as artifacts of the ablation's parent run.
+(one self-contained page, ``experiments.report.html``), all logged as artifacts of the ablation's parent run.
 
 Every number in the report is read back from the tracking store; nothing is carried over in memory
 from the runs, so ``lowprec report ID`` rebuilds the same report later, on any machine that reaches the store.
@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from experiments import plots, verdict_table
-from experiments.anomaly_log import has_anomalies, read_anomalies
-from experiments.auto_seeds import replay_results
-from experiments.config import ReportConfig
-from experiments.predicted import predict_recipes
-from experiments.report_anomalies import anomalies_section
-from experiments.report_html import markdown_to_html
-from experiments.stability_log import run_stability, stability_rule_of
+from experiments.plan.config import ReportConfig
+from experiments.report import plots, verdict_table
+from experiments.report.anomalies import anomalies_section
+from experiments.report.html import markdown_to_html
+from experiments.report.predicted import predict_recipes
+from experiments.report.verdict_table import LEVEL
 from experiments.stats import (
     TRAIN_SMOOTH_WINDOW,
     StabilityMetrics,
@@ -30,12 +28,14 @@ from experiments.stats import (
     relative_loss_error,
     seed_band,
 )
+from experiments.stats.auto_seeds import replay_results
 from experiments.studies import StudyContext, run_studies
-from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker
-from experiments.verdict_table import LEVEL
+from experiments.tracking.anomaly_log import has_anomalies, read_anomalies
+from experiments.tracking.stability_log import run_stability, stability_rule_of
+from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker
 from lowprec.errors import UserError
 
-if TYPE_CHECKING:  # experiments.tracking sets MLflow's environment before mlflow is first imported
+if TYPE_CHECKING:  # experiments.tracking.tracker sets MLflow's environment before mlflow is first imported
     from mlflow.entities import Run
 
 CURVES = ("loss", "val_loss", "grad_norm")
@@ -85,7 +85,7 @@ class RunData:
     stability: StabilityMetrics | None = None
     #: The spike rule ``stability`` was counted with (the run's ``stability_rule`` tag, or the default's).
     stability_rule: str = ""
-    #: The run's anomaly events (``anomalies.json``; ``experiments.anomaly_log``), empty when it recorded none.
+    #: The run's anomaly events (``anomalies.json``; ``experiments.tracking.anomaly_log``), empty when it recorded none.
     anomalies: list[dict] = field(default_factory=list)
     #: Sampled steps left out of ``telemetry`` (``telemetry_warmup``), and why; empty when none.
     telemetry_left_out: tuple[int, ...] = ()
@@ -261,7 +261,7 @@ def _first_per_recipe(runs: list[RunData]) -> dict[str, RunData]:
 
 def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin: float | None = None) -> Path:
     """Write ``<reports_root>/<ablation_id>/report.md``, its PNGs and ``report.html``, record the verdicts on the
-    parent run (``experiments.verdict_table``) and log the report as its artifacts; returns the markdown path.
+    parent run (``experiments.report.verdict_table``) and log the report as its artifacts; returns the markdown path.
     ``margin``: the relative non-inferiority margin; None uses the ``report.margin`` the ablation ran with (its
     parent run's param; ``ReportConfig``'s default for an ablation that predates it).
 
@@ -387,7 +387,7 @@ def _workers_note(workers: str | None) -> str:
 
 
 def auto_seeds_of(parent: Run, runs: list[RunData], order: list[str], control: str, margin: float):
-    """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.auto_seeds.replay_results``: what
+    """The ``seeds=auto`` procedure replayed from the runs alone (``experiments.stats.auto_seeds.replay_results``: what
     the ablation decided with); None for an ablation with a fixed seed count or without the control."""
     tags = parent.data.tags
     if tags.get("seeds") != "auto" or control not in order:

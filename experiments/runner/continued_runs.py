@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from experiments.orphans import BOOT_TAG, PIDNS_TAG, owner_state
-from experiments.tracking import Tracker, dumps
+from experiments.runner.orphans import BOOT_TAG, PIDNS_TAG, owner_state
+from experiments.tracking.tracker import Tracker, dumps
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint_files import newest_checkpoint, step_folders, verify
 
@@ -122,8 +122,8 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str, echo=print)
     ``resumed_run_id`` with the run the checkpoint belongs to (its folder is named by the run id:
     ``runs/checkpoints/<run id>/step_<N>``).
 
-    If that run is still RUNNING and its owner process is provably dead (``experiments.orphans.owner_state``: kill
-    -9, out of memory), or this command's orphan sweep just ended it, tag it ``continued_in_run`` and end it FAILED
+    If that run is still RUNNING and its owner process is provably dead (``experiments.runner.orphans.owner_state``:
+    kill -9, out of memory), or this command's orphan sweep just ended it, tag it ``continued_in_run`` and end it FAILED
     with ``its process died after step N; continued in run <new id>``, N the last step it is known to have
     completed (its newest logged step or the checkpoint's, whichever is later; steps after it whose metrics were
     still buffered died with the process).
@@ -161,7 +161,7 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str, echo=print)
             echo(f"run {old_id} is still RUNNING ({why}): left running; run {new_run_id} is a fork of it")
             return old_id
     tracker.set_tags(old_id, {"continued_in_run": new_run_id})
-    # RUNNING: its process died; orphan_closed: it did, and this command's sweep (experiments.orphans) ended it
+    # RUNNING: its process died; orphan_closed: it did, and this command's sweep (experiments.runner.orphans) ended it
     # FAILED a moment ago without knowing that it continues here
     if old.info.status == "RUNNING" or tags.get("orphan_closed") == "true":
         logged = [m.step for m in tracker.client.get_metric_history(old_id, "loss")]

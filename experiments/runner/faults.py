@@ -11,10 +11,10 @@ import signal
 
 import torch
 
+from experiments.plan.preflight import nan_target, stop_signal
 from lowprec.errors import ConfigError
 from lowprec.train.build import Built
 from lowprec.train.loop import StepHook
-from lowprec.train.stop import STOP_SIGNALS
 
 
 class InjectedCrash(RuntimeError):
@@ -64,25 +64,6 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
 
         hooks.append(preempt)
     return hooks
-
-
-def stop_signal(name: str) -> int:
-    """The signal ``faults.signal`` names; raises ``ConfigError`` for one that is not a stop signal."""
-    known = {signal.Signals(s).name: s for s in STOP_SIGNALS}
-    if name not in known:
-        raise ConfigError(f"faults.signal={name} is not one of {', '.join(known)}")
-    return known[name]
-
-
-#: ``faults.nan_into``: where a NaN fault lands.
-NAN_TARGETS = ("weight", "activation", "gradient")
-
-
-def nan_target(name: str) -> str:
-    """``faults.nan_into`` checked; raises ``ConfigError`` for another value."""
-    if name not in NAN_TARGETS:
-        raise ConfigError(f"faults.nan_into={name} is not one of {', '.join(NAN_TARGETS)}")
-    return name
 
 
 def nan_hook(at: int, steps: int, into: str) -> StepHook:

@@ -19,14 +19,14 @@ model's error is known only near them. A DeepSeekMoE model (``model=moe_*``) get
 the cost and memory models do not cover tensor or expert parallelism of its experts), its time from the activated
 experts and its memory from all of them.
 
-Loss evidence per recipe: the verdicts ``experiments.verdict_table.log_verdicts`` recorded on the parent runs of
+Loss evidence per recipe: the verdicts ``experiments.report.verdict_table.log_verdicts`` recorded on the parent runs of
 the user's own ablations (``tracking.uri``, default the sqlite store under ``runs/``; read only, and a store
 that does not exist is read as empty), with their paired intervals and seed counts, marked comparable when the
 ablation's model has the same family (dense or MoE: ``model_class``) and size class; otherwise the ablation that
-would produce one, as a command that runs as printed (``experiments.recommend_plan.ablation_plan``: device,
+would produce one, as a command that runs as printed (``experiments.planning.recommend_plan.ablation_plan``: device,
 layout, batch, steps; several nodes get the torchrun line) with its predicted GPU-hours. Published evidence is
-cited per recipe kind (``experiments.recommend_evidence``), numbered, and each row names the line that supports it.
-A recipe with an ``inferior`` verdict in the store is never recommended (it is listed as excluded); the text says
+cited per recipe kind (``experiments.planning.recommend_evidence``), numbered, and each row names the line that supports
+it. A recipe with an ``inferior`` verdict in the store is never recommended (it is listed as excluded); the text says
 when a predicted speedup over bf16 is below the cost model's held-out error.
 
 A bad argument prints one line on stderr and returns 2; any other exception (a ``KeyError`` from the program's own
@@ -41,15 +41,15 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for, one_line
-from experiments.recommend_evidence import (
+from experiments.planning.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for, one_line
+from experiments.planning.recommend_evidence import (
     LOWPREC_GPU_CHECK,
-    PUBLISHED_EVIDENCE,  # noqa: F401 (re-exported: the citations live in experiments.recommend_evidence)
+    PUBLISHED_EVIDENCE,  # noqa: F401 (re-exported: the citations live in experiments.planning.recommend_evidence)
     outside_published,
     published_evidence,
     published_hardware,
 )
-from experiments.recommend_plan import (
+from experiments.planning.recommend_plan import (
     EVIDENCE_STEPS,
     MEMORY_MARGIN,
     TP_DEGREES,  # noqa: F401 (re-exported)
@@ -141,7 +141,7 @@ def parse_args(argv: list[str]) -> dict:
     if rc not in ("auto", *AC_MODES):
         raise RecommendArgError(f"recompute={rc!r} is not one of auto, {', '.join(AC_MODES)}")
     out["recompute"] = rc
-    if "compile" in out:  # unset: experiments.estimate.compile_for decides per model
+    if "compile" in out:  # unset: experiments.planning.estimate.compile_for decides per model
         c = str(out["compile"]).lower()
         if c not in ("true", "false"):
             raise RecommendArgError(f"compile={out['compile']!r} is not true or false")

@@ -1,7 +1,7 @@
 """Fit the cost model's free parameters on the ``fit`` points of ``lowprec/estimate/published.yaml`` and report
 the error on every point (fitted and held out).
 
-    python -m experiments.fit_cost_model [--json | --readme]
+    python -m experiments.planning.fit_cost_model [--json | --readme]
 
 Prints the fitted ``Calibration`` (paste it into ``lowprec.estimate.cost_model.Calibration``'s defaults, and the
 fragmentation factor into ``lowprec.estimate.memory_model.FRAGMENTATION``; ``tests/unit/test_cost_model.py``
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.cost_validation import (
+from experiments.planning.cost_validation import (
     FITTED,
     fit_calibration,
     fit_fragmentation,
@@ -30,7 +30,7 @@ from experiments.cost_validation import (
 
 def main(argv: list[str]) -> int:
     if "--readme" in argv:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme = Path(__file__).resolve().parents[2] / "README.md"
         readme.write_text(replace_readme_block(readme.read_text(), markdown_table(validate())))
         print(f"rewrote the table in {readme}")
         return 0

@@ -3,18 +3,18 @@
 What happens to each (recipe, seed) of the ablation, by the status of its child run in MLflow:
 
 - FINISHED: kept, not rerun;
-- FAILED with ``failure_kind`` ``user_error`` or ``non_finite`` (``experiments.run.RESULT_FAILURES``): kept; it is a
-  result (a recipe that diverges, a run whose input is refused), and a rerun would fail the same way;
+- FAILED with ``failure_kind`` ``user_error`` or ``non_finite`` (``experiments.runner.run.RESULT_FAILURES``): kept; it
+  is a result (a recipe that diverges, a run whose input is refused), and a rerun would fail the same way;
 - KILLED (a stop signal), FAILED by a crash (a bug, an injected crash, a worker process that died; a FAILED run
   without ``failure_kind``, from an older lowprec, counts as one), or RUNNING (its process died without a word: kill
   -9, out of memory): reopened in place, the same MLflow run marked RUNNING again, and continued from its newest
-  complete checkpoint that its logged metrics reach (``experiments.continued_runs.continue_from``), or from step 0
-  when it has none; the steps it re-logs after that checkpoint are bit-identical recomputations of what it logged
+  complete checkpoint that its logged metrics reach (``experiments.runner.continued_runs.continue_from``), or from step
+  0 when it has none; the steps it re-logs after that checkpoint are bit-identical recomputations of what it logged
   before (the report keeps one value per step);
 - no child yet: started, as in a fresh ablation.
 
 So the report has exactly one run per (recipe, seed), and the parent run, reopened too, ends FINISHED with the report
-logged again. ``seeds=auto`` replays its looks from the kept and new results alike (``experiments.auto_seeds``).
+logged again. ``seeds=auto`` replays its looks from the kept and new results alike (``experiments.stats.auto_seeds``).
 
 The configuration must be the ablation's: the resolved config (the parent's ``config.yaml``) is compared key by key,
 except ``MAY_DIFFER``, and every recipe's hash with its runs' ``recipe_hash`` tags; the corpus fingerprint with the
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,37 +36,18 @@ from filelock import FileLock, Timeout
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import leaves
-from experiments.continued_runs import Continuation, continue_from
-from experiments.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome, config_yaml
-from experiments.tracking import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
-from lowprec.errors import UserError
+from experiments.plan.config import leaves
+from experiments.plan.preflight import AblationResumeError, check_ablation_id
+from experiments.runner.continued_runs import Continuation, continue_from
+from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome, config_yaml
+from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
 from lowprec.recipe import Recipe
-
-#: The ablation id ``lowprec ablate`` prints: ``abl-<date>-<time>-<4 hex digits>``.
-ABLATION_ID = re.compile(r"abl-\d{8}-\d{6}-[0-9a-f]{4}")
 
 #: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, fault injection
 #: (``faults.*``: the fault that interrupted it is left out of the resume command), the progress bar, and
 #: ``workers`` (how many runs train at once; on a CPU it also sets each run's intra-op threads, which may change
 #: the last bits of the numerics: resume with the same ``workers`` for bit-identical continuations).
 MAY_DIFFER = ("resume", "faults", "train.progress", "workers")
-
-
-class AblationResumeError(UserError):
-    """``resume=`` of ``lowprec ablate`` names no ablation of the store, or one that does not match the command."""
-
-
-def check_ablation_id(value) -> str:
-    """``value`` if it has the form of an ablation id; else ``AblationResumeError`` (a path, a checkpoint folder)."""
-    text = str(value)
-    if not ABLATION_ID.fullmatch(text):
-        raise AblationResumeError(
-            f"resume={text} is not an ablation id: resume= of lowprec ablate takes the id the ablation printed "
-            "(abl-YYYYMMDD-HHMMSS-xxxx), never a path; one run continues from its checkpoint with "
-            "lowprec train ... resume=runs/checkpoints/<run id>"
-        )
-    return text
 
 
 def lock_ablation(cfg: DictConfig, ablation_id: str) -> FileLock:

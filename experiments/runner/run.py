@@ -11,8 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.anomaly_log import AnomalyLog
-from experiments.config import (
+from experiments.plan.config import (
     flat_params,
     model_from_cfg,
     optim_from_cfg,
@@ -20,11 +19,12 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
-from experiments.continued_runs import Continuation, history_before, reopen_run, supersede
-from experiments.faults import fault_hooks
-from experiments.orphans import owner_tags
-from experiments.stability_log import StabilityRecorder, rule_tag
-from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
+from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
+from experiments.runner.faults import fault_hooks
+from experiments.runner.orphans import owner_tags
+from experiments.tracking.anomaly_log import AnomalyLog
+from experiments.tracking.stability_log import StabilityRecorder, rule_tag
+from experiments.tracking.tracker import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import DiskError, UserError
 from lowprec.estimate.activations import predict_saved_activations
@@ -172,7 +172,7 @@ class RunOutcome:
 #: recipe), ``non_finite`` (a NaN/inf loss or gradient norm: the recipe's result), ``crash`` (anything else: a bug,
 #: an injected crash, out of memory), ``disk`` (a full or read-only disk: ``lowprec.errors.DiskError``). An
 #: ablation's resume keeps the first two as results (a rerun would fail the same way) and continues the others
-#: (``experiments.resume_ablation``).
+#: (``experiments.runner.resume``).
 RESULT_FAILURES = ("user_error", "non_finite")
 
 
@@ -207,7 +207,7 @@ def run_one(
     ``config.yaml`` stay those of the first session, its stability metrics start from the series it logged before
     the checkpoint. Without it, ``cfg.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
     checkpoint to start from, and the run it belongs to is tagged and, if its process died, closed
-    (``experiments.continued_runs.supersede``).
+    (``experiments.runner.continued_runs.supersede``).
     """
     device = resolve_device(cfg.device)
     model_name = cfg.model.name

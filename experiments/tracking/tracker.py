@@ -1,6 +1,7 @@
 """MLflow tracking: parent/child runs, buffered metric logging, provenance tags.
 
-Every write of a run goes through ``Tracker`` and its ``Spooler`` (``experiments/spool.py``): a write that a tracking
+Every write of a run goes through ``Tracker`` and its ``Spooler`` (``experiments/tracking/spool.py``): a write that a
+tracking
 server (``http(s)://``) cannot take, or that a local sqlite store cannot take because its disk is full, is spooled
 locally and replayed later; training goes on. A sqlite store's first creation is serialized by a lock file beside it.
 """
@@ -29,7 +30,7 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from experiments.spool import Spooler, batch_record, end_record, is_transient, short_reason  # noqa: E402
+from experiments.tracking.spool import Spooler, batch_record, end_record, is_transient, short_reason  # noqa: E402
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.storage import disk_errno, disk_error
@@ -105,7 +106,8 @@ def store_lock(uri: str):
 class Tracker:
     """One MLflow experiment behind a client; all lowprec logging goes through it.
 
-    On a tracking server, every write of a run goes through ``self.spool`` (``experiments.spool.Spooler``): it fails
+    On a tracking server, every write of a run goes through ``self.spool`` (``experiments.tracking.spool.Spooler``): it
+    fails
     fast and is spooled under ``<artifact_root>/spool/`` when the server does not answer, and replayed in order when
     it does. Creating a run still needs the server.
     """

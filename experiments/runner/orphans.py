@@ -23,7 +23,7 @@ import os
 import socket
 from pathlib import Path
 
-from experiments.spool import spool_path
+from experiments.tracking.spool import spool_path
 
 OWNER_TAG = "lowprec.owner"
 PIDNS_TAG = "lowprec.owner_pidns"
@@ -167,8 +167,8 @@ def close_orphans(tracker, echo=None) -> list[str]:
 
 
 def _spooled(tracker, run_id: str) -> bool:
-    """Replay the spool a dead run's process left (its store was full or unreachable: ``experiments.spool``); True
-    when the run needs no closing here: its spool ended it, or the store still does not take the spool's writes
+    """Replay the spool a dead run's process left (its store was full or unreachable: ``experiments.tracking.spool``);
+    True when the run needs no closing here: its spool ended it, or the store still does not take the spool's writes
     (it waits for ``lowprec sync``; a FAILED status written now would land after the spooled FINISHED)."""
     spool = getattr(tracker, "spool", None)
     if spool is None or not spool_path(spool.folder, run_id).exists():

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import sys
 
-from experiments.cost_validation import format_table, load_points, summary, validate
+from experiments.planning.cost_validation import format_table, load_points, summary, validate
 from lowprec.errors import ConfigError, UserError
 from lowprec.estimate.activations import RECOMPUTE_MODES
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost

@@ -1,7 +1,7 @@
 """The report as one self-contained HTML page: figures embedded, no network access, readable in MLflow's viewer.
 
-The markdown the report writes (``experiments.report``) is parsed with markdown-it-py (CommonMark plus tables); the
-token stream is then changed in two places before rendering: every image's ``src`` becomes a ``data:image/png``
+The markdown the report writes (``experiments.report.build``) is parsed with markdown-it-py (CommonMark plus tables);
+the token stream is then changed in two places before rendering: every image's ``src`` becomes a ``data:image/png``
 URI read from the report folder, and recipe names in table cells become links to their child runs when the
 tracking store is a server whose UI can show them.
 """

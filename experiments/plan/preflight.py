@@ -8,13 +8,15 @@ recipe) ends here in one ``UserError`` line, so no MLflow run is ever created fo
 from __future__ import annotations
 
 import os
+import re
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.config import (
+from experiments.plan.config import (
     data_from_cfg,
     model_from_cfg,
     optim_from_cfg,
@@ -22,10 +24,8 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
-from experiments.faults import nan_target, stop_signal
-from experiments.resume_ablation import check_ablation_id
 from lowprec.convert import require_fp8_selection
-from lowprec.errors import ConfigError
+from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.model import ModelArgs
 from lowprec.optim.builder import OptimHParams
@@ -46,6 +46,7 @@ from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.spec import TrainSpec
+from lowprec.train.stop import STOP_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,45 @@ class Checked:
     train: TrainSpec
     optim: OptimHParams
     dims: ParallelDims
+
+
+#: The ablation id ``lowprec ablate`` prints: ``abl-<date>-<time>-<4 hex digits>``.
+ABLATION_ID = re.compile(r"abl-\d{8}-\d{6}-[0-9a-f]{4}")
+
+
+class AblationResumeError(UserError):
+    """``resume=`` of ``lowprec ablate`` names no ablation of the store, or one that does not match the command."""
+
+
+def check_ablation_id(value) -> str:
+    """``value`` if it has the form of an ablation id; else ``AblationResumeError`` (a path, a checkpoint folder)."""
+    text = str(value)
+    if not ABLATION_ID.fullmatch(text):
+        raise AblationResumeError(
+            f"resume={text} is not an ablation id: resume= of lowprec ablate takes the id the ablation printed "
+            "(abl-YYYYMMDD-HHMMSS-xxxx), never a path; one run continues from its checkpoint with "
+            "lowprec train ... resume=runs/checkpoints/<run id>"
+        )
+    return text
+
+
+def stop_signal(name: str) -> int:
+    """The signal ``faults.signal`` names; raises ``ConfigError`` for one that is not a stop signal."""
+    known = {signal.Signals(s).name: s for s in STOP_SIGNALS}
+    if name not in known:
+        raise ConfigError(f"faults.signal={name} is not one of {', '.join(known)}")
+    return known[name]
+
+
+#: ``faults.nan_into``: where a NaN fault lands.
+NAN_TARGETS = ("weight", "activation", "gradient")
+
+
+def nan_target(name: str) -> str:
+    """``faults.nan_into`` checked; raises ``ConfigError`` for another value."""
+    if name not in NAN_TARGETS:
+        raise ConfigError(f"faults.nan_into={name} is not one of {', '.join(NAN_TARGETS)}")
+    return name
 
 
 #: Seeds feed torch.manual_seed and numpy's generators: numpy takes 0 .. 2**32 - 1.
@@ -147,7 +187,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     nan_target(cfg.faults.nan_into)
     resume = cfg.get("resume")
-    if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/resume_ablation.py)
+    if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/runner/resume.py)
         check_ablation_id(resume)
     elif resume:
         newest = newest_checkpoint(resume)  # verified by the run itself, which may fall back to an earlier one
