@@ -218,11 +218,13 @@ def _report(argv: list[str]) -> int:
         # The margin the ablation ran with (on its parent run) unless this command names one: a plain rebuild
         # must reproduce the report's verdicts.
         from experiments.report.build import build_report
+        from experiments.studies import report_studies
         from experiments.tracking.tracker import Tracker
 
         named = any(a.lstrip("+").startswith("report.margin=") for a in argv[1:])
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs)
-        path = build_report(tracker, argv[0], Path(cfg.paths.reports), cfg.report.margin if named else None)
+        margin = cfg.report.margin if named else None
+        path = build_report(tracker, argv[0], Path(cfg.paths.reports), margin, after=report_studies)
     except _user_errors() as e:
         print(f"lowprec report: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -11,9 +11,10 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from experiments.plan.config import ReportConfig
 from experiments.report import plots, verdict_table
@@ -23,29 +24,22 @@ from experiments.report.predicted import predict_recipes
 from experiments.report.verdict_table import LEVEL
 from experiments.stats import (
     TRAIN_SMOOTH_WINDOW,
-    StabilityMetrics,
     check_margin,
     relative_loss_error,
     seed_band,
 )
 from experiments.stats.auto_seeds import replay_results
-from experiments.studies import StudyContext, run_studies
-from experiments.tracking.anomaly_log import has_anomalies, read_anomalies
-from experiments.tracking.stability_log import run_stability, stability_rule_of
-from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker
+from experiments.tracking.runs import (
+    TELEMETRY_PANELS,
+    RunData,
+    load_runs,
+)
+from experiments.tracking.tracker import ABLATION_TAG, Tracker
 from lowprec.errors import UserError
 
 if TYPE_CHECKING:  # experiments.tracking.tracker sets MLflow's environment before mlflow is first imported
     from mlflow.entities import Run
 
-CURVES = ("loss", "val_loss", "grad_norm")
-#: (role or GEMM, stat) drawn as heatmaps over layers x steps.
-TELEMETRY_PANELS = [
-    ["output", "sqnr_db"],
-    ["grad_input", "sqnr_db"],
-    ["grad_output", "underflow"],
-    ["input", "overflow"],
-]
 #: Components drawn measured vs predicted (``pred_<name>`` is the estimator's figure for ``<name>``).
 MEM_COMPONENTS = (
     "mem_params_bytes",
@@ -60,38 +54,6 @@ MEM_COMPONENTS = (
 
 class ReportError(UserError, RuntimeError):
     """The ablation cannot be found or holds no runs."""
-
-
-@dataclass
-class RunData:
-    run_id: str
-    recipe: str
-    seed: int
-    status: str
-    reason: str
-    comparable: bool
-    short: str
-    effective: dict
-    metrics: dict[str, float]
-    tokens_per_step: int
-    layout: str = "single"
-    #: ``train.ac``: the activation checkpointing the run's saved-activation bytes were measured under.
-    ac: str = "none"
-    #: ``cpu_kernels`` as the run resolved it, with the CPU that decided it (empty on older runs).
-    kernels: str = ""
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    telemetry: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    #: ``run_stability``: as the run logged it (``stability/*``), else recomputed from its curves; None: no loss.
-    stability: StabilityMetrics | None = None
-    #: The spike rule ``stability`` was counted with (the run's ``stability_rule`` tag, or the default's).
-    stability_rule: str = ""
-    #: The run's anomaly events (``anomalies.json``; ``experiments.tracking.anomaly_log``), empty when it recorded none.
-    anomalies: list[dict] = field(default_factory=list)
-    #: Sampled steps left out of ``telemetry`` (``telemetry_warmup``), and why; empty when none.
-    telemetry_left_out: tuple[int, ...] = ()
-
-    def tokens(self, step: int) -> int:
-        return (step + 1) * self.tokens_per_step
 
 
 #: What an ablation id may look like before it is used as a folder name or in an MLflow filter: ``abl-`` and
@@ -122,51 +84,6 @@ def find_ablation(tracker: Tracker, ablation_id: str) -> Run:
     if not runs:
         raise ReportError(f"no ablation {ablation_id!r} in {tracker.uri} (experiment id {tracker.experiment_id})")
     return runs[0]
-
-
-def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
-    children = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=10000
-    )
-    out = []
-    for r in children:
-        tags, params = r.data.tags, r.data.params
-        tps = int(params["train.batch_size"]) * int(params["train.grad_accum"]) * int(params["train.seq_len"])
-        rd = RunData(
-            run_id=r.info.run_id,
-            recipe=tags["recipe"],
-            seed=int(tags["seed"]),
-            status=r.info.status,
-            reason=tags.get("failure_reason", ""),
-            # An FP8 fallback changed the recipe during the run: it is not a run of the requested recipe.
-            comparable=r.info.status == "FINISHED"
-            and tags.get("effective_matches") == "true"
-            and "fp8_fallback" not in tags,
-            short=tags.get("recipe_short", ""),
-            effective=json.loads(tags.get("effective_recipe", "{}")),
-            metrics=dict(r.data.metrics),
-            tokens_per_step=tps,
-            layout=tags.get("parallel", "single"),
-            ac=params.get("train.ac", "none"),
-            kernels=_kernels_line(tags),
-        )
-        for key in CURVES:
-            rd.curves[key] = _series(tracker.client.get_metric_history(r.info.run_id, key))
-        left_out = telemetry_warmup(tags)
-        for key in r.data.metrics:
-            if key.startswith("fp8/") and key.rsplit("/", 2)[-2:] in TELEMETRY_PANELS:
-                series = _series(tracker.client.get_metric_history(r.info.run_id, key))
-                rd.telemetry[key] = [(s, v) for s, v in series if s not in left_out]
-                if len(rd.telemetry[key]) < len(series):
-                    rd.telemetry_left_out = left_out
-        rd.stability = run_stability(rd)
-        rd.stability_rule = stability_rule_of(rd, tags)
-        if has_anomalies(rd.metrics):
-            rd.anomalies = read_anomalies(tracker, r.info.run_id)
-        if "fp8_fallback" in tags and not rd.reason:
-            rd.reason = f"the effective recipe changed during the run: {tags['fp8_fallback']}"
-        out.append(rd)
-    return out
 
 
 def _fmt_bytes(b: float) -> str:
@@ -217,34 +134,11 @@ def summarise(runs: list[RunData], order: list[str], control: str) -> list[dict]
     return rows
 
 
-def telemetry_warmup(tags: dict) -> tuple[int, ...]:
-    """The sampled steps the telemetry heatmaps leave out of a run with these tags: step 0 of a run whose recipe
-    scales FP8 with delayed scaling (its ``recipe_json`` tag), else none.
-
-    Delayed scaling (Transformer Engine's ``DelayedScaling``; ``lowprec.numerics.scaling.DelayedScaler``) casts a step
-    with the scale computed from the amaxes of the steps before it; step 0 has none, so it casts with the initial
-    scale 1.0: on a real run nearly every grad_output element (~1e-5) flushed to zero (underflow 100%, grad_input
-    SQNR 0 dB) on step 0 and none from the first update on. That is the cast that ran (the metrics stay in
-    MLflow), but it says nothing about the recipe once scaling has started, and it set the heatmaps' colour range.
-    """
-    try:
-        fp8 = json.loads(tags.get("recipe_json", "{}")).get("fp8") or {}
-    except (ValueError, AttributeError):
-        return ()
-    return (0,) if fp8.get("strategy") == "delayed" else ()
-
-
 TELEMETRY_WARMUP_NOTE = (
     "step 0 is left out: delayed scaling casts each step with the scale computed from the amaxes of the steps "
     "before it, and step 0 has none, so it casts with the initial scale 1.0 and nearly every grad_output element "
     "flushes to zero on that step (as with Transformer Engine's DelayedScaling); its metrics stay in MLflow"
 )
-
-
-def _series(history) -> list[tuple[int, float]]:
-    """(step, value) pairs of a metric history, one per step: a run continued from a checkpoint after an
-    interruption (``resume=`` of an ablation) logs again the steps after it, bit-identical recomputations."""
-    return sorted({m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}.items())
 
 
 def _num(x: float, fmt: str) -> str:
@@ -259,11 +153,40 @@ def _first_per_recipe(runs: list[RunData]) -> dict[str, RunData]:
     return first
 
 
-def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin: float | None = None) -> Path:
+@dataclass(frozen=True)
+class ReportContext:
+    """What the report hands its ``after`` hook (the studies): the store, the ablation, its runs and the verdict table.
+
+    ``tracker``: ``experiments.tracking.tracker.Tracker``. ``parent``: the parent ``mlflow.entities.Run``. ``runs``: the
+    ``experiments.tracking.runs.RunData`` of every child run. ``table``: the ``verdict_table.VerdictTable`` (verdicts at
+    ``margin`` against ``control``). ``out``: the report folder (``<reports>/<ablation id>``).
+    """
+
+    tracker: Any
+    ablation_id: str
+    parent: Any
+    runs: list
+    order: list[str]
+    control: str
+    margin: float
+    table: Any
+    out: Path
+
+
+def build_report(
+    tracker: Tracker,
+    ablation_id: str,
+    reports_root: Path,
+    margin: float | None = None,
+    after: Callable[[ReportContext], list[Path]] | None = None,
+) -> Path:
     """Write ``<reports_root>/<ablation_id>/report.md``, its PNGs and ``report.html``, record the verdicts on the
     parent run (``experiments.report.verdict_table``) and log the report as its artifacts; returns the markdown path.
     ``margin``: the relative non-inferiority margin; None uses the ``report.margin`` the ablation ran with (its
-    parent run's param; ``ReportConfig``'s default for an ablation that predates it).
+    parent run's param; ``ReportConfig``'s default for an ablation that predates it). ``after``: called once the
+    report is written with its ``ReportContext``; the markdown pages it returns and their figures are logged beside
+    the report (``experiments.studies.report_studies``: the ablation's studies; the studies sit above the report and
+    the report never imports them).
 
     Raises ``ReportError`` if ``ablation_id`` is not an id (``check_report_id``), if the ablation is unknown or
     has no child runs, ``ConfigError`` for a bad margin.
@@ -321,11 +244,10 @@ def build_report(tracker: Tracker, ablation_id: str, reports_root: Path, margin:
     links = _run_links(tracker, runs)
     html_path.write_text(markdown_to_html(page(HTML_ORDER), out, title.replace("`", ""), links))
     log_report_artifacts(tracker, parent.info.run_id, path, html_path)
-    studies = json.loads(ptags.get("studies", "[]"))
-    if studies:
-        ctx = StudyContext(tracker, ablation_id, parent, runs, order, control, margin, table, out)
-        for study_md in run_studies(studies, ctx):
-            for f in (study_md, *report_figures(study_md)):
+    if after is not None:
+        ctx = ReportContext(tracker, ablation_id, parent, runs, order, control, margin, table, out)
+        for extra_md in after(ctx):
+            for f in (extra_md, *report_figures(extra_md)):
                 tracker.log_artifact(parent.info.run_id, f)
     return path
 
@@ -501,15 +423,6 @@ def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> l
         f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
         "",
     ]
-
-
-def _kernels_line(tags: dict) -> str:
-    if "cpu_kernels" not in tags:
-        return ""
-    line = f"cpu_kernels={tags['cpu_kernels']} (BF16/FP16: {tags['cpu_kernels_bf16']}, FP8: {tags['cpu_kernels_fp8']})"
-    if "cpu_model" in tags:
-        line += f" on {tags['cpu_model']} [{tags.get('cpu_isa', '')}]"
-    return line
 
 
 def _cpu_timing_warning(on_cpu: bool) -> list[str]:

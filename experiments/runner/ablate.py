@@ -24,7 +24,7 @@ from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.runner.scheduler import resolve_workers, run_jobs
 from experiments.stats import SpendingPlan, check_margin
 from experiments.stats.auto_seeds import plan_for, replay_results
-from experiments.studies import GROUP_TAG, check_studies
+from experiments.studies import GROUP_TAG, check_studies, report_studies
 from experiments.tracking.tracker import ABLATION_TAG, dumps, make_tracker, provenance_tags
 from lowprec.data import check_vocab_fits
 from lowprec.errors import ConfigError, UserError
@@ -254,7 +254,9 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
             )
             return out
         if is_rank0():
-            out.report = build_report(tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin)
+            out.report = build_report(
+                tracker, ablation_id, Path(cfg.paths.reports), margin=cfg.report.margin, after=report_studies
+            )
     echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
     return out
 

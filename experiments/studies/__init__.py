@@ -1,93 +1,36 @@
 """Studies: an experiment's own report beside the ablation's verdict report.
 
 An experiment (``conf/experiment/<name>.yaml``) lists ``studies: [name, ...]``; the ablation records them on its
-parent run (tag ``studies``) and ``experiments.report.build.build_report`` calls each registered study after the main
-report, so ``lowprec report <id>`` rebuilds them too. A study reads the ablation's runs from the store (never from
-the process that trained them) and writes ``<reports>/<ablation id>/<study>.md`` with its figures.
+parent run (tag ``studies``) and ``experiments.report.build.build_report`` calls ``report_studies`` (its ``after``
+hook) after the main report, so ``lowprec report <id>`` rebuilds them too. A study reads the ablation's runs from
+the store (``experiments.tracking.runs``; never from the process that trained them) and writes ``<reports>/<ablation
+id>/<study>.md`` with its figures.
 
-Register one with ``@register("name")`` in a module imported below; ``check_studies`` refuses unknown names
-before any training.
+Register one with ``@register("name")`` (``experiments.studies.registry``) in a module imported here;
+``check_studies`` refuses unknown names before any training.
 """
 
-from __future__ import annotations
+from experiments.studies import deepseek_v3, nvfp4  # each registers its study
+from experiments.studies.registry import (
+    GROUP_TAG,
+    SETTINGS_CHECKS,
+    STUDIES,
+    StudyContext,
+    check_studies,
+    register,
+    report_studies,
+    run_studies,
+)
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-from lowprec.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class StudyContext:
-    """What a study gets: the store, the ablation, its runs and the main report's verdict table.
-
-    ``tracker``: ``experiments.tracking.tracker.Tracker``. ``parent``: the parent ``mlflow.entities.Run``. ``runs``: the
-    ``experiments.report.build.RunData`` of every child run. ``table``: ``experiments.report.verdict_table`` rows
-    (verdicts at ``margin`` against ``control``). ``out``: the report folder (``<reports>/<ablation id>``).
-    """
-
-    tracker: Any
-    ablation_id: str
-    parent: Any
-    runs: list
-    order: list[str]
-    control: str
-    margin: float
-    table: Any
-    out: Path
-
-
-#: Parent-run tag naming the first ablation of a ``models`` list (``experiments.runner.ablate.ablate``); an ablation run
-#: alone is its own group.
-GROUP_TAG = "ablation_group"
-
-#: name -> study function; each returns the markdown path it wrote.
-STUDIES: dict[str, Callable[[StudyContext], Path]] = {}
-
-
-#: name -> validator of the study's settings (``study.<name>`` in the experiment): raises ``ConfigError``.
-SETTINGS_CHECKS: dict[str, Callable[[dict], Any]] = {}
-
-
-def register(
-    name: str, check_settings: Callable[[dict], Any] | None = None
-) -> Callable[[Callable[[StudyContext], Path]], Callable[[StudyContext], Path]]:
-    """Decorator: make ``fn(ctx) -> Path`` the study called ``name``; ``check_settings(dict)`` validates its
-    ``study.<name>`` settings before any training. Raises ``ValueError`` for a repeated name."""
-
-    def deco(fn: Callable[[StudyContext], Path]) -> Callable[[StudyContext], Path]:
-        if name in STUDIES:
-            raise ValueError(f"study {name!r} is registered twice")
-        STUDIES[name] = fn
-        if check_settings is not None:
-            SETTINGS_CHECKS[name] = check_settings
-        return fn
-
-    return deco
-
-
-def check_studies(names: list[str], settings: dict | None = None) -> list[str]:
-    """``names`` if every one is a registered study and ``settings`` (``study``: name -> mapping) names only listed
-    studies, each valid for its study; ``ConfigError`` otherwise."""
-    names = list(names or [])
-    unknown = [n for n in names if n not in STUDIES]
-    if unknown:
-        raise ConfigError(f"studies={names}: unknown {unknown}; known: {sorted(STUDIES) or 'none'}")
-    settings = dict(settings or {})
-    stray = sorted(set(settings) - set(names))
-    if stray:
-        raise ConfigError(f"study.{stray[0]} configures a study that is not in studies={names}")
-    for n, d in settings.items():
-        if n in SETTINGS_CHECKS:
-            SETTINGS_CHECKS[n](dict(d or {}))
-    return names
-
-
-def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:
-    """Each study of ``names`` on ``ctx``, in order; the markdown paths written."""
-    return [STUDIES[n](ctx) for n in check_studies(names)]
-
-
-from experiments.studies import deepseek_v3, nvfp4  # noqa: E402,F401
+__all__ = [
+    "GROUP_TAG",
+    "SETTINGS_CHECKS",
+    "STUDIES",
+    "StudyContext",
+    "check_studies",
+    "deepseek_v3",
+    "nvfp4",
+    "register",
+    "report_studies",
+    "run_studies",
+]

@@ -34,12 +34,15 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from experiments.plan.config import model_from_cfg  # noqa: E402
+from experiments.plan.startup import prepare_data  # noqa: E402
 from experiments.report import plots, verdict_table  # noqa: E402
 from experiments.report.verdict_table import LEVEL  # noqa: E402
 from experiments.stats import relative_loss_error  # noqa: E402
-from experiments.studies import GROUP_TAG, StudyContext, register  # noqa: E402
 from experiments.studies import deepseek_numerics as dn  # noqa: E402
+from experiments.studies.registry import GROUP_TAG, StudyContext, register  # noqa: E402
+from experiments.tracking.runs import load_runs  # noqa: E402
 from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
+from lowprec.data import TokenBatches  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader  # noqa: E402
@@ -117,9 +120,6 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=SafeFileSystemReader(steps[-1]))  # a checkpoint is data, never code
     model.load_state_dict(state["model"])
-    from experiments.plan.startup import prepare_data  # the corpus the run trained on (cached by the ablation)
-    from lowprec.data import TokenBatches
-
     data = prepare_data(cfg)
     seq = int(cfg.train.seq_len)
     batches = TokenBatches(data.train, data.val, seq, settings.capture_sequences, run.seed)
@@ -424,8 +424,6 @@ def deepseek_v3_study(ctx: StudyContext) -> Path:
         "",
     ]
     headline = {"accumulation": acc_head, "models": {}}
-    from experiments.report.build import load_runs  # report imports the studies: import it when a study runs
-
     for aid, parent in _siblings(ctx):
         runs = ctx.runs if aid == ctx.ablation_id else load_runs(ctx.tracker, parent.info.run_id)
         model = parent.data.tags.get("model", "?")

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from experiments.stats import verdicts
-from experiments.studies import StudyContext, register
+from experiments.studies.registry import StudyContext, register
 
 #: removed stabiliser -> (ablation recipe, what it is, the paper's finding with its section)
 PAPER: dict[str, tuple[str, str, str]] = {

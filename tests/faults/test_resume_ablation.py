@@ -27,9 +27,9 @@ from stop_handlers import restored_stop_handlers
 import experiments.runner.ablate
 import experiments.runner.scheduler
 from experiments.cli import compose, main
-from experiments.report.build import load_runs
 from experiments.runner.resume import config_difference
 from experiments.runner.run import config_yaml
+from experiments.tracking.runs import load_runs
 from experiments.tracking.tracker import Tracker
 from lowprec.train.stop import clear_stop
 from recipes import CATALOG, get_recipe

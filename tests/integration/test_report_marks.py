@@ -12,7 +12,8 @@ import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
 
-from experiments.report.build import build_report, find_ablation, load_runs
+from experiments.report.build import build_report, find_ablation
+from experiments.tracking.runs import load_runs
 from experiments.tracking.tracker import PARENT_TAG, Tracker
 from recipes import get_recipe
 

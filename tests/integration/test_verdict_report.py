@@ -33,9 +33,10 @@ from mlflow.entities import Metric
 from scipy import stats
 
 from experiments.cli import main
-from experiments.report.build import build_report, find_ablation, load_runs
+from experiments.report.build import build_report, find_ablation
 from experiments.report.verdict_table import build_table, parent_records, verdict_section
 from experiments.stats import StabilityMetrics, stability_metrics
+from experiments.tracking.runs import load_runs
 from experiments.tracking.tracker import ABLATION_TAG, Tracker
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate

@@ -4,10 +4,10 @@ look a recipe stops, and at which confidence level its verdict was taken."""
 import numpy as np
 import pytest
 
-from experiments.report.build import RunData
 from experiments.report.verdict_table import build_table, verdict_section
 from experiments.stats import minimum_detectable_difference, seeds_needed, verdicts
 from experiments.stats.auto_seeds import plan_for, replay, replay_results
+from experiments.tracking.runs import RunData
 from lowprec.errors import ConfigError
 
 SEEDS = list(range(8))

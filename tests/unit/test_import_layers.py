@@ -28,8 +28,21 @@ LAYERS: list[tuple[str, ...]] = [
     ("lowprec.train",),
     ("lowprec",),
     ("recipes",),
+    # The lab's wings (issue 30), bottom to top, as the code needs them: statistics over arrays; the config schema and
+    # preflight; the store (tracker, spool, runs read back); the report built from the store; the studies, which
+    # use the report's verdict table and plots and run as its ``after`` hook; the commands that drive them.
+    ("experiments.stats",),
+    ("experiments.plan",),
+    ("experiments.tracking",),
+    ("experiments.report",),
+    ("experiments.studies",),
+    ("experiments.runner", "experiments.planning", "experiments.selfcheck"),
+    # experiments/__init__, cli.py and __main__.py: the door.
     ("experiments",),
 ]
+
+#: The folders of ``experiments/``; every other module of it (cli, __main__) is the top.
+WINGS = ("plan", "runner", "tracking", "report", "studies", "stats", "planning", "selfcheck")
 
 
 def _layer(module: str) -> int:
@@ -128,6 +141,57 @@ def test_no_import_cycle():
         if m not in state:
             dfs(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "experiments":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else "experiments"
+
+
+def _wing_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle of the wing graph (one wing importing another, by any module, top level or inside a
+    function), each as ``[a, b, ..., a]`` starting from its smallest wing."""
+    edges: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = _wing(m), _wing(d)
+            if a and b and a != b:
+                edges.setdefault(a, set()).add(b)
+    cycles: list[list[str]] = []
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(edges.get(node, ())):
+            if nxt == start:
+                cycles.append([*path, start])
+            elif nxt > start and nxt not in path:  # each cycle once, from its smallest wing
+                walk(start, nxt, [*path, nxt])
+
+    for w in sorted(edges):
+        walk(w, w, [w])
+    return cycles
+
+
+def test_no_cycle_among_the_experiments_wings():
+    # Package level: report -> studies -> report was such a cycle (module by module there was none, a function-level
+    # import hid it), so the wings are compared as wholes and imports inside functions count.
+    graph = _graph()
+    assert {_wing(m) for m in graph if m.startswith("experiments.")} - {"experiments"} == set(WINGS)
+    cycles = _wing_cycles(graph)
+    assert not cycles, "cycles among the experiments wings:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_wing_cycle_count_sees_a_function_level_import(tmp_path):
+    """The counter itself: a study module that imports the runner inside a function closes studies -> runner ->
+    studies (the runner imports the studies); the count must find it."""
+    study = tmp_path / "nvfp4.py"
+    study.write_text("def late():\n    from experiments.runner.ablate import ablate\n\n    return ablate\n")
+    graph = {m: set(d) for m, d in _graph().items()}
+    graph["experiments.studies.nvfp4"] = {
+        d for d in _imports(study, "experiments.studies.nvfp4") if d in graph and d != "experiments.studies.nvfp4"
+    }
+    assert ["runner", "studies", "runner"] in _wing_cycles(graph)
 
 
 def test_the_layer_table_covers_every_module():
