@@ -1,13 +1,14 @@
 """Fit the cost model's free parameters on the ``fit`` points of ``lowprec/estimate/published.yaml`` and report
 the error on every point (fitted and held out).
 
-    python -m experiments.planning.fit_cost_model [--json | --readme]
+    python -m experiments.planning.fit_cost_model [--json | --docs]
 
 Prints the fitted ``Calibration`` (paste it into ``lowprec.estimate.cost_model.Calibration``'s defaults, and the
 fragmentation factor into ``lowprec.estimate.memory_model.FRAGMENTATION``; ``tests/unit/test_cost_model.py``
 fails while the defaults differ from a refit) and the predicted-vs-published table that ``lowprec estimate
---validate`` prints with the shipped defaults. ``--readme`` rewrites README.md's predicted-vs-published table
-from the data file with the shipped calibration (``tests/unit/test_cost_model.py`` checks they are equal).
+--validate`` prints with the shipped defaults. ``--docs`` rewrites the predicted-vs-published table of
+``docs/estimator.md`` from the data file with the shipped calibration (``tests/unit/test_cost_model.py`` checks
+they are equal).
 """
 
 from __future__ import annotations
@@ -22,17 +23,27 @@ from experiments.planning.cost_validation import (
     fit_fragmentation,
     format_table,
     markdown_table,
-    replace_readme_block,
+    replace_table_block,
     summary,
     validate,
 )
 
 
+def estimator_page() -> Path:
+    """``docs/estimator.md`` of this checkout, found from the repository root (the folder holding ``mkdocs.yml``)
+    so that the path does not depend on where this module sits among ``experiments``' folders; raises
+    ``FileNotFoundError`` outside a checkout (an installed wheel has no docs)."""
+    for folder in Path(__file__).resolve().parents:
+        if (folder / "mkdocs.yml").is_file():
+            return folder / "docs" / "estimator.md"
+    raise FileNotFoundError("no mkdocs.yml above this module: --docs needs a source checkout")
+
+
 def main(argv: list[str]) -> int:
-    if "--readme" in argv:
-        readme = Path(__file__).resolve().parents[2] / "README.md"
-        readme.write_text(replace_readme_block(readme.read_text(), markdown_table(validate())))
-        print(f"rewrote the table in {readme}")
+    if "--docs" in argv:
+        page = estimator_page()
+        page.write_text(replace_table_block(page.read_text(), markdown_table(validate())))
+        print(f"rewrote the table in {page}")
         return 0
     cal = fit_calibration()
     frag = fit_fragmentation()

@@ -35,7 +35,7 @@ def test_help_and_version_import_neither_torch_nor_mlflow(flag):
 
 @pytest.fixture
 def bash_with_lowprec(tmp_path):
-    """A bash with ``lowprec`` on PATH (this checkout's command line) and its completion installed as the README
+    """A bash with ``lowprec`` on PATH (this checkout's command line) and its completion installed as docs/cli.md
     says: ``eval "$(lowprec --shell-completion install=bash)"``."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")

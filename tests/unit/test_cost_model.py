@@ -143,7 +143,7 @@ def test_communication_bytes_and_overlap():
 
 
 #: MiB per optimizer step on rank 0 measured by ``benchmarks/comm_bytes.py`` (lowprec's CommMeter, FSDP2 world
-#: size 2, gloo): (all-gather, reduce-scatter). tiny: README's table; debug: ``--model debug --steps 1``.
+#: size 2, gloo): (all-gather, reduce-scatter). tiny: docs/gpu-node.md's table; debug: ``--model debug --steps 1``.
 METERED = {
     ("tiny", "bf16"): (27.3, 31.0),
     ("tiny", "fp32"): (54.5, 31.0),
@@ -194,13 +194,12 @@ def test_layout_refuses_bad_fields():
     )
 
 
-def test_readme_table_is_generated_from_the_data_file(rows):
-    from pathlib import Path
+def test_the_estimator_pages_table_is_generated_from_the_data_file(rows):
+    from experiments.planning.cost_validation import TABLE_BEGIN, TABLE_END, markdown_table
+    from experiments.planning.fit_cost_model import estimator_page
 
-    from experiments.planning.cost_validation import markdown_table, readme_block
-
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = text[slice(*readme_block(text))].strip()
+    text = estimator_page().read_text()
+    block = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)].strip()
     assert block == markdown_table(rows)
     # the corrections of issue 17: torchtitan's batch 2, selective AC, the 96 GB / 500 W H100, FP8 all-gather
     row = next(line for line in block.splitlines() if "`tt_8b_8gpu_fp8`" in line)
