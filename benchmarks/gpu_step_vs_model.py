@@ -103,13 +103,21 @@ def torchao_blockwise_swap(use_triton: bool | None):
         return
     from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
+    class AutocastInput(Float8BlockwiseLinear):
+        # As lowprec's Float8Linear: the input is cast to the autocast dtype before it is quantized (torchao's
+        # linear takes whatever it gets; under the bf16 recipe the residual stream is FP32).
+        def forward(self, x):
+            if torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            return super().forward(x)
+
     real = build_mod.convert_kernels
     spec = get_recipe("fp8_blockwise").fp8
 
     def swap(model, policy):
         for fqn in fp8_candidate_fqns(model, spec):
             parent, _, child = fqn.rpartition(".")
-            new = Float8BlockwiseLinear.from_float(model.get_submodule(fqn))
+            new = AutocastInput.from_float(model.get_submodule(fqn))
             new.use_triton = use_triton
             setattr(model.get_submodule(parent) if parent else model, child, new)
         return real(model, policy)
@@ -223,15 +231,17 @@ def main(argv: list[str]) -> int:
             continue
         recipe, swap = resolve(rn)
         print(f"[{stamp()}] {rn} ...", flush=True)
+        error = None
         try:
             m = measure(recipe, swap, args, a.batch, a.seq, a.steps, compile_)
         except Exception as e:  # noqa: BLE001 - one failing row must not cost the others
-            rows[rn] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"{rn:<26} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400], flush=True)
-            _release()
+            error = f"{type(e).__name__}: {e}"
+        _release()  # after the except clause: its traceback no longer holds the failed row's tensors
+        if error is not None:
+            rows[rn] = {"error": error[:2000]}
+            print(f"{rn:<26} failed: {error.splitlines()[0]}"[:400], flush=True)
             _write(a.out, name, args, a, mode, rows)
             continue
-        _release()
         first = first or m["tokens_per_s"]
         row = {**m, "vs_first": m["tokens_per_s"] / first}
         try:

@@ -182,6 +182,9 @@ def _cuda_choice(index: int) -> tuple[str | None, tuple[str, ...]]:
     return None, tuple(reasons)
 
 
+# Under torch.compile the choice is a constant of the graph: dynamo calls this function instead of tracing it
+# (it would otherwise trace through functools.cache into the probe's GEMMs and break the graph).
+@torch._dynamo.assume_constant_result
 def select_blockwise_gemm(device: torch.device) -> str:
     """The blockwise GEMM kernel for ``device``: ``emulated`` on a CPU; on CUDA the first of
     ``torch_scaled_mm_blockwise``, ``torchao_triton_blockwise`` whose probe passes (probed once per device, a few

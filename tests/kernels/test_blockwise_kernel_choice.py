@@ -180,3 +180,21 @@ def test_a_run_records_its_blockwise_gemm_kernel(run_dirs, tmp_path):
     kernels = json.loads(blockwise["effective_recipe"])["kernels"]
     assert kernels == {"bf16": "native", "fp8": "native", "fp8_blockwise_gemm": "emulated"}
     assert "fp8_blockwise_gemm" not in json.loads(rowwise["effective_recipe"])["kernels"]
+
+
+def test_the_choice_is_a_constant_under_torch_compile(monkeypatch):
+    # A compiled GEMM without an explicit kernel asks for the device's choice; dynamo must not trace the probe
+    # (random operands, host copies: a graph break, so fullgraph=True would fail).
+    def untraceable_probe(index):
+        torch.randn(2, generator=torch.Generator().manual_seed(0)).cpu().tolist()
+        return "torchao_triton_blockwise", ()
+
+    monkeypatch.setattr(bw, "_cuda_choice", untraceable_probe)
+
+    def gemm_kernel(x):
+        kernel = bw.select_blockwise_gemm(torch.device("cuda", 0))
+        return x * (2 if kernel == "torchao_triton_blockwise" else 3)
+
+    torch._dynamo.reset()
+    out = torch.compile(gemm_kernel, fullgraph=True, backend="eager")(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
