@@ -37,7 +37,7 @@ import math
 import torch
 
 from lowprec.errors import RecipeError
-from lowprec.kernels.scaled_mm import SCALED_MM_OP, ScaledMMCall, column_major, native_scaled_mm
+from lowprec.kernels.scaled_mm import HAS_SCALED_MM_V2, ScaledMMCall, column_major, native_scaled_mm
 
 BLOCKWISE_GEMMS = ("torch_scaled_mm_blockwise", "torchao_triton_blockwise", "emulated")
 BLOCK = 128
@@ -139,8 +139,8 @@ def probe_blockwise_gemm(kernel: str, device: torch.device) -> str | None:
     """Run ``kernel`` once on ``device`` for both pairs lowprec issues (1x128 x 128x128, 1x128 x 1x128) and
     return ``None`` when both hold ``PROBE_MIN_SQNR_DB`` against the FP64 reference, else one line saying why
     not (the exception, or the SQNR reached)."""
-    if kernel == "torch_scaled_mm_blockwise" and SCALED_MM_OP != "torch.nn.functional.scaled_mm":
-        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (blockwise scaling needs torch>=2.10)"
+    if kernel == "torch_scaled_mm_blockwise" and not HAS_SCALED_MM_V2:
+        return f"torch {torch.__version__} has no aten._scaled_mm_v2 (blockwise scaling needs torch>=2.10)"
     if kernel == "torchao_triton_blockwise" and not torchao_blockwise_available():
         return "torchao or triton is not installed"
     m, k, n = PROBE_SHAPE

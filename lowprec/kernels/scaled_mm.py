@@ -46,6 +46,20 @@ SCALED_MM_OP = (
     else "torch._scaled_mm"
 )
 RECIPES = ("TensorWise", "RowWise", "BlockWise1x128", "BlockWise128x128")
+#: Whether this torch has the aten op under ``F.scaled_mm`` (added in torch 2.10, pytorch/pytorch#164141); the
+#: blockwise calls use it even where ``F.ScalingType`` is not exposed under that name.
+HAS_SCALED_MM_V2 = hasattr(torch.ops.aten, "_scaled_mm_v2")
+#: ``ScalingType`` values the aten op takes (``torch.nn.functional.ScalingType`` on torch 2.13; torchao's
+#: blockwise kernels fall back to the same ids, 4 and 5, where the enum is not exposed).
+_RECIPE_IDS = {"TensorWise": 0, "RowWise": 1, "BlockWise1x16": 2, "BlockWise1x32": 3, "BlockWise1x128": 4}
+_RECIPE_IDS["BlockWise128x128"] = 5
+
+
+def _recipe_id(name: str) -> int:
+    enum = getattr(getattr(F, "ScalingType", None), name, None)
+    return int(enum.value) if enum is not None else _RECIPE_IDS[name]
+
+
 BLOCK = 128
 
 
@@ -78,16 +92,16 @@ def native_scaled_mm(call: ScaledMMCall) -> torch.Tensor:
         return torch._scaled_mm(
             call.mat_a, call.mat_b, scale_a=call.scale_a, scale_b=call.scale_b, out_dtype=call.out_dtype
         )
-    if SCALED_MM_OP != "torch.nn.functional.scaled_mm":
+    if not HAS_SCALED_MM_V2:
         raise ValueError(f"torch._scaled_mm has no {call.recipe_a} x {call.recipe_b} scaling; it needs torch>=2.10")
     return torch.ops.aten._scaled_mm_v2.default(
         call.mat_a,
         call.mat_b,
         [call.scale_a],
-        [getattr(F.ScalingType, call.recipe_a).value],
+        [_recipe_id(call.recipe_a)],
         [],
         [call.scale_b],
-        [getattr(F.ScalingType, call.recipe_b).value],
+        [_recipe_id(call.recipe_b)],
         [],
         None,
         call.out_dtype,
@@ -111,10 +125,10 @@ SCALED_MM_KERNELS = {"native": native_scaled_mm, "emulated": emulated_scaled_mm}
 
 @functools.cache
 def native_blockwise_supported(device: torch.device) -> bool:
-    """True where torch's own ``BlockWise1x128``/``BlockWise128x128`` kernel can exist: the public op, a CUDA
+    """True where torch's own ``BlockWise1x128``/``BlockWise128x128`` kernel can exist: the aten op, a CUDA
     device of compute capability 9.x (H100/H200; ``_check_deepseek_support`` in torch's ``ScaledBlas.cpp``) and a
     CUDA 12.9+ build of torch. A precondition only: ``lowprec.kernels.blockwise`` runs the kernel to choose it."""
-    if SCALED_MM_OP != "torch.nn.functional.scaled_mm" or device.type != "cuda" or not torch.version.cuda:
+    if not HAS_SCALED_MM_V2 or device.type != "cuda" or not torch.version.cuda:
         return False
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
     return torch.cuda.get_device_capability(device)[0] == 9 and (major, minor) >= (12, 9)
