@@ -71,16 +71,23 @@ def _call(a: torch.Tensor, bt: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
 _NATIVE_BLOCKWISE_PAIRS = {
     ("tile1x128", "block128x128"): ("BlockWise1x128", "BlockWise128x128"),
     ("tile1x128", "tile1x128"): ("BlockWise1x128", "BlockWise1x128"),
+    # torch's kernel only (torchao has no 128x128 x 1x128 GEMM): grad_output_granularity=block128x128's weight
+    # gradient.
+    ("block128x128", "tile1x128"): ("BlockWise128x128", "BlockWise1x128"),
 }
 
 
 def _native_blockwise_call(a: QTensor, bt: QTensor, out_dtype: torch.dtype, kernel: str) -> ScaledMMCall | None:
     """One blockwise call for ``a @ bt.T`` on ``kernel`` (``lowprec.kernels.blockwise``), or ``None`` when the
-    pair or the shapes do not fit the kernels (K and the block operand's rows multiples of 128, every dim a
+    pair or the shapes do not fit the kernel (K and a block operand's rows multiples of 128, every dim a
     multiple of 16). 128x128 x 128x128 (``grad_output_granularity=block128x128``'s input gradient) has no kernel."""
     recipes = _NATIVE_BLOCKWISE_PAIRS.get((a.granularity, bt.granularity))
     (m, k), n = a.shape, bt.shape[0]
-    if recipes is None or k % BLOCK or m % 16 or n % 16 or (bt.granularity == "block128x128" and n % BLOCK):
+    if recipes is None or k % BLOCK or m % 16 or n % 16:
+        return None
+    if (bt.granularity == "block128x128" and n % BLOCK) or (a.granularity == "block128x128" and m % BLOCK):
+        return None
+    if a.granularity == "block128x128" and kernel != "torch_scaled_mm_blockwise":
         return None
     return ScaledMMCall(
         a.data.contiguous(),

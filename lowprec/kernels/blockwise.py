@@ -4,11 +4,14 @@ Three kernels, chosen once per device by ``select_blockwise_gemm`` and recorded 
 (``kernels.fp8_blockwise_gemm``):
 
 - ``torch_scaled_mm_blockwise``: torch's own cuBLASLt kernel behind ``torch.nn.functional.scaled_mm``
-  (``aten._scaled_mm_v2``, torch >= 2.10): ``BlockWise1x128 x BlockWise128x128`` (output and input-gradient GEMMs)
-  and ``BlockWise1x128 x BlockWise1x128`` (weight-gradient GEMM). torch accepts them on compute capability 9.x
-  only, with cuBLASLt >= 12.9 (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``,
-  ``_scaled_block1x128_block128x128``, ``_scaled_block1x128_block1x128``); scale layouts in
-  ``lowprec.kernels.scaled_mm``.
+  (``aten._scaled_mm_v2``, torch >= 2.10): ``BlockWise1x128 x BlockWise128x128`` (output and input-gradient GEMMs),
+  ``BlockWise1x128 x BlockWise1x128`` (weight-gradient GEMM) and ``BlockWise128x128 x BlockWise1x128`` (the weight
+  gradient with ``grad_output_granularity=block128x128``; 128x128 x 128x128 has no kernel and runs K-chunked).
+  torch accepts them on compute capability 9.x only, with cuBLASLt >= 12.9 (``aten/src/ATen/native/cuda/
+  ScaledBlas.cpp``: ``_check_deepseek_support``, ``_scaled_block1x128_block128x128``,
+  ``_scaled_block128x128_block1x128``, ``_scaled_block1x128_block1x128``; the kernels came with
+  pytorch/pytorch#158037, torch 2.9, the ``round_up(K/128, 4)`` padding of 128x128 scales, without which cuBLASLt
+  gave silently wrong results, with #166752); scale layouts in ``lowprec.kernels.scaled_mm``.
 - ``torchao_triton_blockwise``: torchao's Triton GEMMs (``torchao.prototype.blockwise_fp8_training.kernels``:
   ``triton_fp8_gemm_1x128_128x128`` and ``triton_fp8_gemm_1x128_128x1``). Same semantics as lowprec's: decoding
   (reciprocal) FP32 scales, each 128-wide K step's FP32 partial product multiplied by its two scales and added
@@ -89,15 +92,16 @@ def blockwise_scale_layout(
     ``block128x128`` (rows/128, K/128). ``role``: ``a`` (first operand) or ``b`` (second). Layouts: both kernels
     take 1x128 scales (rows, K/128) with stride (1, rows) as ``a`` and 128x128 scales as ``b`` transposed to
     (K/128, rows/128), column-major; torch pads that to ``round_up(K/128, 4)`` rows (cuBLASLt's 16-byte stride;
-    the padding rows are never read); a 1x128 ``b`` is (rows, K/128) stride (1, rows) for torch and its transpose
-    (K/128, rows) row-major for torchao's 128x1 kernel. Returns float32. Raises ``ValueError`` for a pair of
+    the padding rows are never read) and takes the same layout for a 128x128 ``a`` (its 128x128 x 1x128 GEMM); a
+    1x128 ``b`` is (rows, K/128) stride (1, rows) for torch and its transpose (K/128, rows) row-major for
+    torchao's 128x1 kernel. Returns float32. Raises ``ValueError`` for a pair of
     granularity and role no kernel takes."""
     dec = scale.float().reciprocal()
     if granularity == "tile1x128" and role == "a":
         return column_major(dec)
     if granularity == "tile1x128" and role == "b":
         return column_major(dec) if kernel == "torch_scaled_mm_blockwise" else dec.t().contiguous()
-    if granularity == "block128x128" and role == "b":
+    if granularity == "block128x128" and (role == "b" or kernel == "torch_scaled_mm_blockwise"):
         kb = dec.t()  # (K/128, rows/128)
         if kernel != "torch_scaled_mm_blockwise":
             return column_major(kb)

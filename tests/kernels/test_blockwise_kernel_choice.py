@@ -28,15 +28,19 @@ def _expand_cols(s: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _torch_contract(call) -> torch.Tensor:
-    """torch's ``_scaled_mm_v2`` blockwise contract (``ScaledBlas.cpp`` ``_scaled_block1x128_block128x128`` and
-    ``_scaled_block1x128_block1x128``), strides asserted, computed in FP32 on the CPU."""
+    """torch's ``_scaled_mm_v2`` blockwise contract (``ScaledBlas.cpp`` ``_scaled_block1x128_block128x128``,
+    ``_scaled_block128x128_block1x128``, ``_scaled_block1x128_block1x128``), strides asserted, computed in FP32."""
     a, b = call.mat_a, call.mat_b  # (M, K) row-major, (K, N) column-major
     (m, k), n, kb = a.shape, b.shape[1], a.shape[1] // 128
+    l4 = -(-kb // 4) * 4
     assert a.stride() == (k, 1) and b.stride() == (1, k)
-    assert call.scale_a.shape == (m, kb) and call.scale_a.stride() == (1, m)
-    sa = _expand_cols(call.scale_a, k)
+    if call.recipe_a == "BlockWise128x128":
+        assert call.scale_a.shape == (l4, m // 128) and call.scale_a.stride() == (1, l4)
+        sa = _expand_cols(call.scale_a[:kb].t().repeat_interleave(128, dim=0), k)
+    else:
+        assert call.scale_a.shape == (m, kb) and call.scale_a.stride() == (1, m)
+        sa = _expand_cols(call.scale_a, k)
     if call.recipe_b == "BlockWise128x128":
-        l4 = -(-kb // 4) * 4
         assert call.scale_b.shape == (l4, n // 128) and call.scale_b.stride() == (1, l4)
         sb = _expand_cols(call.scale_b[:kb].t().repeat_interleave(128, dim=0), k)
     else:
@@ -154,6 +158,24 @@ def test_fp8_gemm_on_a_blockwise_kernel_matches_the_reference(stand_ins, kernel,
         bw.BLOCKWISE_RUNNERS[kernel] = real
     assert len(calls) == 1, "one blockwise call, not 128-wide K chunks"
     assert sqnr_db(ref, out.float()) >= 40.0
+
+
+@pytest.mark.parametrize("kernel, n_calls", [("torch_scaled_mm_blockwise", 1), ("torchao_triton_blockwise", 0)])
+def test_block_by_tile_runs_on_torchs_kernel_only(stand_ins, kernel, n_calls):
+    # grad_output_granularity=block128x128's weight gradient: torch has a 128x128 x 1x128 kernel, torchao has not
+    # (its GEMM runs as 128-wide K chunks of rowwise calls there).
+    g = torch.Generator().manual_seed(2)
+    a = quantize_operand(torch.randn(256, 640, generator=g), E4M3, "block128x128")
+    bt = quantize_operand(torch.randn(128, 640, generator=g) * 3, E4M3, "tile1x128")
+    calls = []
+    real = bw.BLOCKWISE_RUNNERS[kernel]
+    bw.BLOCKWISE_RUNNERS[kernel] = lambda call: calls.append(call) or real(call)
+    try:
+        out = fp8_gemm(a, bt, torch.float32, blockwise_gemm=kernel)
+    finally:
+        bw.BLOCKWISE_RUNNERS[kernel] = real
+    assert len(calls) == n_calls
+    assert sqnr_db(fp8_gemm(a, bt, torch.float32, backend="emulated"), out) >= 40.0
 
 
 def test_the_emulated_path_is_unchanged():
