@@ -112,24 +112,23 @@ def blockwise_scale_layout(
     raise ValueError(f"no blockwise kernel layout for a {granularity} scale as operand {role!r}")
 
 
-def _probe_operands(device: torch.device, gen: torch.Generator):
+def _probe_operands(gen: torch.Generator):
     m, k, n = PROBE_SHAPE
     kb = k // BLOCK
 
     def fp8(rows: int) -> torch.Tensor:
         return (torch.randn(rows, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-    a, b = fp8(m), fp8(n)
-    # Encoding scales per tile/block, spread over 2^-4 .. 2^4 so that a kernel that drops or misplaces one fails.
-    sa = torch.exp2(torch.randint(-4, 5, (m, kb), generator=gen).float())
-    sb_tile = torch.exp2(torch.randint(-4, 5, (n, kb), generator=gen).float())
-    sb_block = torch.exp2(torch.randint(-4, 5, (n // BLOCK, kb), generator=gen).float())
-    return a, b, sa, sb_tile, sb_block
+    def scales(rows: int) -> torch.Tensor:
+        # Encoding scales spread over 2^-4 .. 2^4, so that a kernel that drops or misplaces one fails.
+        return torch.exp2(torch.randint(-4, 5, (rows, kb), generator=gen).float())
+
+    return fp8(m), fp8(n), {"tile": (scales(m), scales(n)), "block": (scales(m // BLOCK), scales(n // BLOCK))}
 
 
-def _reference(a, b, sa, sb_rows) -> torch.Tensor:
+def _reference(a, b, sa_rows, sb_rows) -> torch.Tensor:
     # Dequantize exactly in FP32 (FP8 x power-of-2 scale is exact), FP64 matmul.
-    da = a.float() / sa.repeat_interleave(BLOCK, dim=1)
+    da = a.float() / sa_rows.repeat_interleave(BLOCK, dim=1)
     db = b.float() / sb_rows.repeat_interleave(BLOCK, dim=1)
     return da.double() @ db.double().t()
 
@@ -139,36 +138,42 @@ def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
 
 
+_GRAN = {"tile": ("tile1x128", "BlockWise1x128"), "block": ("block128x128", "BlockWise128x128")}
+
+
 def probe_blockwise_gemm(kernel: str, device: torch.device) -> str | None:
-    """Run ``kernel`` once on ``device`` for both pairs lowprec issues (1x128 x 128x128, 1x128 x 1x128) and
-    return ``None`` when both hold ``PROBE_MIN_SQNR_DB`` against the FP64 reference, else one line saying why
-    not (the exception, or the SQNR reached)."""
+    """Run ``kernel`` once on ``device`` for each pair lowprec issues on it (1x128 x 128x128, 1x128 x 1x128, and
+    on torch's kernel 128x128 x 1x128) and return ``None`` when all hold ``PROBE_MIN_SQNR_DB`` against the FP64
+    reference, else one line saying why not (the exception, or the SQNR reached). K/128 = 2 is not a multiple of
+    4: the case where unpadded 128x128 scales gave silently wrong results (pytorch/pytorch#166752)."""
     if kernel == "torch_scaled_mm_blockwise" and not HAS_SCALED_MM_V2:
         return f"torch {torch.__version__} has no aten._scaled_mm_v2 (blockwise scaling needs torch>=2.10)"
     if kernel == "torchao_triton_blockwise" and not torchao_blockwise_available():
         return "torchao or triton is not installed"
     m, k, n = PROBE_SHAPE
-    a, b, sa, sb_tile, sb_block = _probe_operands(device, torch.Generator().manual_seed(0))
-    run = BLOCKWISE_RUNNERS[kernel]
-    cases = {
-        "1x128 x 128x128": ("BlockWise128x128", "block128x128", sb_block, sb_block.repeat_interleave(BLOCK, dim=0)),
-        "1x128 x 1x128": ("BlockWise1x128", "tile1x128", sb_tile, sb_tile),
-    }
-    for name, (recipe_b, gran_b, sb, sb_rows) in cases.items():
+    a, b, sc = _probe_operands(torch.Generator().manual_seed(0))
+    pairs = [("tile", "block"), ("tile", "tile")]
+    if kernel == "torch_scaled_mm_blockwise":
+        pairs.append(("block", "tile"))
+    for pa, pb in pairs:
+        name = f"{'1x128' if pa == 'tile' else '128x128'} x {'1x128' if pb == 'tile' else '128x128'}"
+        sa, sb = sc[pa][0], sc[pb][1]
         call = ScaledMMCall(
             a.to(device),
             b.to(device).t(),
-            blockwise_scale_layout(sa.to(device), "tile1x128", m, k, "a", kernel),
-            "BlockWise1x128",
-            blockwise_scale_layout(sb.to(device), gran_b, n, k, "b", kernel),
-            recipe_b,
+            blockwise_scale_layout(sa.to(device), _GRAN[pa][0], m, k, "a", kernel),
+            _GRAN[pa][1],
+            blockwise_scale_layout(sb.to(device), _GRAN[pb][0], n, k, "b", kernel),
+            _GRAN[pb][1],
             torch.float32,
         )
         try:
-            out = run(call).cpu()  # .cpu() synchronizes: an asynchronous CUDA error surfaces here
+            out = BLOCKWISE_RUNNERS[kernel](call).cpu()  # synchronizes: an asynchronous CUDA error surfaces here
         except Exception as e:  # noqa: BLE001 - any failure means "not this kernel"; its text is the reason
             return f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        db = _sqnr_db(_reference(a, b, sa, sb_rows), out)
+        rows_a = sa if pa == "tile" else sa.repeat_interleave(BLOCK, dim=0)
+        rows_b = sb if pb == "tile" else sb.repeat_interleave(BLOCK, dim=0)
+        db = _sqnr_db(_reference(a, b, rows_a, rows_b), out)
         if not db >= PROBE_MIN_SQNR_DB:
             return f"{name}: {db:.1f} dB SQNR against the FP64 reference (< {PROBE_MIN_SQNR_DB:.0f} dB)"
     return None
