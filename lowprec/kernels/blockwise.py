@@ -120,8 +120,9 @@ def _probe_operands(gen: torch.Generator):
         return (torch.randn(rows, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
 
     def scales(rows: int) -> torch.Tensor:
-        # Encoding scales spread over 2^-4 .. 2^4, so that a kernel that drops or misplaces one fails.
-        return torch.exp2(torch.randint(-4, 5, (rows, kb), generator=gen).float())
+        # Encoding scales over 2^-4 .. 2^4, all different where there are at most 9 (the block scales), so that a
+        # kernel that drops or misplaces one fails.
+        return torch.exp2((torch.randperm(rows * kb, generator=gen) % 9 - 4).float()).reshape(rows, kb)
 
     return fp8(m), fp8(n), {"tile": (scales(m), scales(n)), "block": (scales(m // BLOCK), scales(n // BLOCK))}
 

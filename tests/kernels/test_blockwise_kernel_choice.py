@@ -27,6 +27,11 @@ def _expand_cols(s: torch.Tensor, k: int) -> torch.Tensor:
     return s.repeat_interleave(128, dim=-1)[..., :k]
 
 
+def _laid_out(t: torch.Tensor, shape: tuple, stride: tuple) -> bool:
+    # torch's check_size_stride: the stride of a dimension of size 1 is not checked.
+    return tuple(t.shape) == shape and all(n == 1 or s == e for n, s, e in zip(shape, t.stride(), stride))
+
+
 def _torch_contract(call) -> torch.Tensor:
     """torch's ``_scaled_mm_v2`` blockwise contract (``ScaledBlas.cpp`` ``_scaled_block1x128_block128x128``,
     ``_scaled_block128x128_block1x128``, ``_scaled_block1x128_block1x128``), strides asserted, computed in FP32."""
@@ -35,16 +40,16 @@ def _torch_contract(call) -> torch.Tensor:
     l4 = -(-kb // 4) * 4
     assert a.stride() == (k, 1) and b.stride() == (1, k)
     if call.recipe_a == "BlockWise128x128":
-        assert call.scale_a.shape == (l4, m // 128) and call.scale_a.stride() == (1, l4)
+        assert _laid_out(call.scale_a, (l4, m // 128), (1, l4))
         sa = _expand_cols(call.scale_a[:kb].t().repeat_interleave(128, dim=0), k)
     else:
-        assert call.scale_a.shape == (m, kb) and call.scale_a.stride() == (1, m)
+        assert _laid_out(call.scale_a, (m, kb), (1, m))
         sa = _expand_cols(call.scale_a, k)
     if call.recipe_b == "BlockWise128x128":
-        assert call.scale_b.shape == (l4, n // 128) and call.scale_b.stride() == (1, l4)
+        assert _laid_out(call.scale_b, (l4, n // 128), (1, l4))
         sb = _expand_cols(call.scale_b[:kb].t().repeat_interleave(128, dim=0), k)
     else:
-        assert call.scale_b.shape == (n, kb) and call.scale_b.stride() == (1, n)
+        assert _laid_out(call.scale_b, (n, kb), (1, n))
         sb = _expand_cols(call.scale_b, k)
     return ((a.float() * sa) @ (b.float().t() * sb).t()).to(call.out_dtype)
 
@@ -55,13 +60,13 @@ def _torchao_contract(call) -> torch.Tensor:
     a, b = call.mat_a, call.mat_b
     (m, k), n, kb = a.shape, b.shape[1], a.shape[1] // 128
     assert a.stride() == (k, 1) and b.stride() == (1, k)
-    assert call.scale_a.shape == (m, kb) and call.scale_a.stride() == (1, m)
+    assert _laid_out(call.scale_a, (m, kb), (1, m))
     sa = _expand_cols(call.scale_a, k)
     if call.recipe_b == "BlockWise128x128":
-        assert call.scale_b.shape == (kb, n // 128) and call.scale_b.stride() == (1, kb)
+        assert _laid_out(call.scale_b, (kb, n // 128), (1, kb))
         sb = _expand_cols(call.scale_b.t().repeat_interleave(128, dim=0), k)
     else:
-        assert call.scale_b.shape == (kb, n) and call.scale_b.stride() == (n, 1)
+        assert _laid_out(call.scale_b, (kb, n), (n, 1))
         sb = _expand_cols(call.scale_b.t(), k)
     return ((a.float() * sa) @ (b.float().t() * sb).t()).to(call.out_dtype)
 
