@@ -98,8 +98,11 @@ def convert_fp8(
 def convert_kernels(model: nn.Module, policy: KernelPolicy) -> list[str]:
     """Apply ``policy.bf16 == "emulated"`` in place (after ``convert_fp8``): every plain ``nn.Linear`` left
     becomes an ``EmulatedLinear`` (same parameters and FQNs) and every attention's ``sdpa`` kernel slot
-    ``emulated_sdpa``; returns the swapped linears' FQNs. FP8 linears got their kernel at conversion. A no-op
-    for ``native``."""
+    ``emulated_sdpa``; returns the swapped linears' FQNs. FP8 linears got their kernel at conversion; lowprec's
+    also get the kernel of their blockwise GEMMs (``policy.blockwise``) here."""
+    for m in model.modules():
+        if hasattr(m, "blockwise_gemm"):  # lowprec's FP8 linears: the kernel of their tile/block GEMMs
+            m.blockwise_gemm = policy.blockwise
     if policy.bf16 != "emulated":
         return []
     swapped = []

@@ -174,6 +174,16 @@ class Float8Backend(ABC):
         from the module, for the effective recipe)."""
         return "native"
 
+    def needs_blockwise_gemm(self, spec: Float8Spec) -> bool:
+        """True when ``spec``'s linears issue blockwise (1x128/128x128) FP8 GEMMs through
+        ``lowprec.float8.gemm``, whose kernel the build chooses (``lowprec.kernels.blockwise``)."""
+        return False
+
+    def blockwise_gemm_of(self, module: nn.Module) -> str | None:
+        """The blockwise GEMM kernel a converted ``module`` runs (``lowprec.kernels.blockwise.BLOCKWISE_GEMMS``),
+        or ``None`` when it has no blockwise GEMM (read from the module, for the effective recipe)."""
+        return None
+
     # ---- estimator ------------------------------------------------------------------------------------
     def scaling_state_bytes(self, spec: Float8Spec, n_fp8_linears: int) -> int:
         """Bytes of FP8 scaling buffers (amax histories, scales) per rank for ``n_fp8_linears`` linears."""

@@ -259,7 +259,7 @@ def build(
     check_compile(recipe, train, device)
     dims = parallel or ParallelDims()
     check_moe_layout(args, dims, train)
-    kernels = resolve_kernels(cpu_kernels, device)
+    kernels = resolve_kernels(cpu_kernels, device, fp8_backend(recipe.fp8.backend).needs_blockwise_gemm(recipe.fp8))
     if dist.is_available() and dist.is_initialized():
         # One decision for every rank (rank 0's probe): ranks that timed the kernels differently must not run
         # different kernels on the shards of one model.
