@@ -24,13 +24,13 @@ from experiments.config import (
 )
 from experiments.faults import nan_target, stop_signal
 from experiments.resume_ablation import check_ablation_id
+from lowprec.build_optim import OptimHParams
+from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.model import ModelArgs
-from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
-from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import (
     build_model_meta,
