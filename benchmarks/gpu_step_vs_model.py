@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import lowprec.train.build as build_mod  # noqa: E402
+from lowprec.build_optim import OptimHParams  # noqa: E402
 from lowprec.convert import fp8_candidate_fqns  # noqa: E402
 from lowprec.estimate.cost_model import Layout, step_cost  # noqa: E402
 from lowprec.estimate.hardware import cuda_device_hardware  # noqa: E402
 from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
-from lowprec.optim.builder import OptimHParams  # noqa: E402
 from lowprec.train.build import build  # noqa: E402
 from lowprec.train.spec import TrainSpec  # noqa: E402
 from lowprec.train.step import train_step  # noqa: E402

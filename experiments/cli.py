@@ -115,6 +115,7 @@ def train_main(cfg: DictConfig, echo=print):
     from experiments.runner.orphans import close_orphans
     from experiments.runner.run import run_one
     from experiments.tracking.tracker import make_tracker
+    from lowprec.backends import short_str
     from lowprec.data import check_vocab_fits
     from lowprec.parallel.runtime import is_rank0
 
@@ -129,7 +130,7 @@ def train_main(cfg: DictConfig, echo=print):
     for run_id in close_orphans(tracker, echo):
         echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
     echo(
-        f"train {recipe.name} ({recipe.short_str()}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "
+        f"train {recipe.name} ({short_str(recipe)}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "
         f"{cfg.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")
     )
     o = run_one(cfg, recipe, int(cfg.seed), data, tracker)
@@ -236,18 +237,19 @@ def _recipes(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lowprec recipes")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     args = p.parse_args(argv)
+    from lowprec.backends import short_str
     from recipes import CATALOG
 
     if args.json:
         print(
             json.dumps(
-                {n: {"short": r.short_str(), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1
+                {n: {"short": short_str(r), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1
             )
         )
         return 0
     width = max(map(len, CATALOG))
     for n, r in CATALOG.items():
-        print(f"{n:<{width}}  {r.short_str():<52}  {r.description}")
+        print(f"{n:<{width}}  {short_str(r):<52}  {r.description}")
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lowprec.backends import fp8_backend
+from lowprec.backends import check_fp8, fp8_backend
 from lowprec.kernels import EmulatedLinear, KernelPolicy, emulated_sdpa
 from lowprec.model.llama import SwiGLU
 from lowprec.recipe import Float8Spec, RecipeError
@@ -87,8 +87,10 @@ def convert_fp8(
     the swap is the backend object's (``lowprec.backends``: lowprec's ``Float8Linear``, torchao's
     ``convert_to_float8_training``, Transformer Engine's ``te.Linear``). ``fp8_weight_all_gather``: the run
     gathers weights in FP8 under FSDP2 (torchao chooses its weight wrapper at conversion). ``fp8_kernel``:
-    ``native`` | ``emulated`` (``KernelPolicy.fp8``).
+    ``native`` | ``emulated`` (``KernelPolicy.fp8``). Raises ``RecipeError`` for a spec its backend refuses
+    (``lowprec.backends.check_fp8``) or a selection ``require_fp8_selection`` refuses.
     """
+    check_fp8(spec)
     fqns = require_fp8_selection(model, spec)
     if fqns:
         fp8_backend(spec.backend).convert(model, spec, fqns, fp8_weight_all_gather, fp8_kernel)

@@ -24,13 +24,13 @@ from experiments.plan.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
+from lowprec.build_optim import OptimHParams
+from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.model import ModelArgs
-from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
-from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import (
     build_model_meta,

@@ -25,6 +25,7 @@ from experiments.runner.orphans import owner_tags
 from experiments.tracking.anomaly_log import AnomalyLog
 from experiments.tracking.stability_log import StabilityRecorder, rule_tag
 from experiments.tracking.tracker import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
+from lowprec.backends import short_str
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import DiskError, UserError
 from lowprec.estimate.activations import predict_saved_activations
@@ -214,7 +215,7 @@ def run_one(
     dims = parallel_from_cfg(cfg)
     tags = {
         "recipe": recipe.name,
-        "recipe_short": recipe.short_str(),
+        "recipe_short": short_str(recipe),
         "recipe_hash": recipe.hash(),
         "recipe_json": dumps(recipe.to_dict()),
         "model": model_name,

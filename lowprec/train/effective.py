@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lowprec.backends import fp8_backend, fp8_backends, optim_impl
+from lowprec.build_optim import moment_kind
 from lowprec.kernels import EmulatedLinear, emulated_sdpa
 from lowprec.model.moe import RouterGate
-from lowprec.optim.builder import moment_kind
 from lowprec.parallel.comm_metrics import observed_comm_dtypes
 from lowprec.train.ac import is_checkpointed
 from lowprec.train.build import Built
