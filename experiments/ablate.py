@@ -21,7 +21,7 @@ from experiments.report import build_report
 from experiments.resume_ablation import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
 from experiments.scheduler import resolve_workers, run_jobs
-from experiments.startup import prepare_data, start_parallel
+from experiments.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.stats import SpendingPlan, check_margin
 from experiments.studies import GROUP_TAG, check_studies
 from experiments.tracking import ABLATION_TAG, dumps, make_tracker, provenance_tags
@@ -169,6 +169,8 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         if resume is not None:
             resume.check_corpus(data.fingerprint)
         tracker = make_tracker(cfg)
+        if is_rank0():
+            warn_repeated_data(cfg, data, "ablate")
         if not is_rank0():
             echo = lambda *a, **k: None  # noqa: E731
         if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
@@ -304,6 +306,7 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
             "model": cfg.model.name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,
+            **corpus_tags(cfg, data),
             "parallel": dims.short(),
             "world_size": str(dims.world_size),
             **provenance_tags(resolve_device(cfg.device)),

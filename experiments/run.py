@@ -24,6 +24,7 @@ from experiments.continued_runs import Continuation, history_before, reopen_run,
 from experiments.faults import fault_hooks
 from experiments.orphans import owner_tags
 from experiments.stability_log import StabilityRecorder, rule_tag
+from experiments.startup import corpus_tags
 from experiments.tracking import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import DiskError, UserError
@@ -221,6 +222,7 @@ def run_one(
         "seed": str(seed),
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
+        **corpus_tags(cfg, data),
         "parallel": dims.short(),
         "world_size": str(dims.world_size),
         **provenance_tags(device),
