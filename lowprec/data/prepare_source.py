@@ -146,16 +146,19 @@ def _train_source_bpe(source: Source, spec: PrepareSpec, progress: bool) -> Toke
     return train_bpe(feed(), spec.vocab_size)
 
 
-def _tokenizer(spec: PrepareSpec, source: Source, out: Path, state: dict, progress: bool) -> Tokenizer:
-    """The tokenizer of this preparation, saved as ``out/tokenizer.json``; a resumed BPE preparation loads the
-    one it trained (training again would cost minutes), a pretrained one must be the same as before."""
+def _tokenizer(
+    spec: PrepareSpec, source: Source, out: Path, state: dict, progress: bool, pretrained: Tokenizer | None
+) -> Tokenizer:
+    """The tokenizer of this preparation (``pretrained``, or the BPE trained here), saved as ``out/tokenizer.json``;
+    a resumed BPE preparation loads the one it trained (training again would cost minutes), a pretrained one must be
+    the same as before."""
     saved = out / TOKENIZER
-    if spec.tokenizer == "bpe":
-        if state.get("tokenizer_sha256") and saved.exists():
-            return load_tokenizer(saved)
-        tok = _train_source_bpe(source, spec, progress)
+    if pretrained is not None:
+        tok = pretrained
+    elif state.get("tokenizer_sha256") and saved.exists():
+        return load_tokenizer(saved)
     else:
-        tok = load_pretrained_tokenizer(spec.tokenizer)
+        tok = _train_source_bpe(source, spec, progress)
     sha = _sha256(tok.to_str())
     if state.get("tokenizer_sha256") not in (None, sha):
         raise DataError(f"tokenizer={spec.tokenizer!r} changed since {str(out)!r} was begun; delete it to start over")
@@ -177,14 +180,17 @@ def _begin(spec: PrepareSpec, source: Source, out: Path) -> dict | None:
             f"out={str(out)!r} already holds token shards of another source or settings; choose another out= or "
             "delete it"
         )
-    if (out / STATE).exists():
-        state = json.loads((out / STATE).read_text())
-        if {k: state.get(k) for k in key} != key:
-            raise DataError(
-                f"out={str(out)!r} holds an unfinished preparation of another source or settings; rerun that "
-                "command to finish it, or delete the folder"
-            )
+    state = json.loads((out / STATE).read_text()) if (out / STATE).exists() else None
+    if state is not None and {k: state.get(k) for k in key} == key:
         return state
+    if state is not None and state["docs"] == 0:  # begun with other settings (a typo), no shard recorded: anew
+        for p in [out / STATE, out / TOKENIZER, *out.glob("*.bin*")]:
+            p.unlink(missing_ok=True)
+    elif state is not None:
+        raise DataError(
+            f"out={str(out)!r} holds an unfinished preparation of another source or settings; rerun that command "
+            "to finish it, or delete the folder"
+        )
     if out.exists() and any(out.iterdir()):
         raise DataError(f"out={str(out)!r} exists and is not a lowprec shard folder; choose an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -247,11 +253,14 @@ def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
     """
     out = Path(spec.out).expanduser()
     source = open_source(spec.source, spec.text_column, spec.pattern, spec.val_fraction, spec.config, spec.split)
+    pretrained = None if spec.tokenizer == "bpe" else load_pretrained_tokenizer(spec.tokenizer)
+    if pretrained is not None:
+        eot_id(pretrained, spec.eot_token)  # a tokenizer that cannot separate documents: refused before any write
     state = _begin(spec, source, out)
     if state is None:
         return Prepared(out, read_meta(out), skipped=True)
     resumed = state["docs"]
-    tok = _tokenizer(spec, source, out, state, progress)
+    tok = _tokenizer(spec, source, out, state, progress, pretrained)
     eot = eot_id(tok, spec.eot_token)
     vocab = vocab_size_of(tok)
     dtype = token_dtype(vocab)
