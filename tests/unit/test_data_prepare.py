@@ -163,3 +163,41 @@ def test_missing_sources_and_bad_tokenizers_are_one_line_errors(tmp_path):
     (tmp_path / "full" / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="exists and is not a lowprec shard folder"):
         prepare_shards(PrepareSpec(source=str(src), out=str(tmp_path / "full")))
+
+
+def test_a_name_that_is_no_local_path_streams_from_the_hub(tmp_path, monkeypatch):
+    """The hub path with the hub faked (no network in tests): ``datasets.load_dataset`` is asked for the name, its
+    config and split, streaming; the tokenizer name goes to ``transformers`` when installed, else ``tokenizers``."""
+    import importlib.util
+    import types
+
+    import datasets
+    import huggingface_hub
+    from tokenizers import Tokenizer
+
+    asked = {}
+    rows = [{"text": f"row {i} says {i * i}. " * 10, "url": f"u{i}"} for i in range(200)]
+
+    def load_dataset(name, config=None, split=None, streaming=False, **kw):
+        asked.update(name=name, config=config, split=split, streaming=streaming)
+        return datasets.IterableDataset.from_generator(lambda: iter(rows))
+
+    class Info:
+        sha = "0123abcd"
+
+    tok = big_vocab_tokenizer(tmp_path / "t.json")
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name: Info())
+    monkeypatch.setattr(Tokenizer, "from_pretrained", staticmethod(lambda name: Tokenizer.from_file(str(tok))))
+    if importlib.util.find_spec("transformers"):
+        import transformers
+
+        fast = types.SimpleNamespace(is_fast=True, backend_tokenizer=Tokenizer.from_file(str(tok)))
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name: fast)
+    spec = PrepareSpec(source="someone/web-text", config="sample", out=str(tmp_path / "o"), tokenizer="someone/tok")
+    meta = prepare_shards(spec).meta
+    assert asked == {"name": "someone/web-text", "config": "sample", "split": "train", "streaming": True}
+    assert meta["corpus"] == "hub someone/web-text/sample" and meta["documents"] == 200 and meta["dtype"] == "uint32"
+    monkeypatch.setattr(Info, "sha", "4567ef01")  # a new revision of the dataset: another source
+    again = prepare_shards(PrepareSpec(**{**spec.__dict__, "out": str(tmp_path / "o2")})).meta
+    assert again["source_fingerprint"] != meta["source_fingerprint"]
