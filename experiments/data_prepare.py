@@ -4,9 +4,10 @@
                          [vocab_size=8192] [max_tokens=0] [shard_tokens=67108864] [val_fraction=0.05]
                          [config=NAME] [split=train] [pattern=**/*] [eot_token=TOKEN] [progress=true]
 
-Every key is a field of ``PrepareSpec`` (typed and checked by OmegaConf, as Hydra checks ``train``'s), plus
-``progress``. Bad input ends in one line (exit 2); an interrupted preparation continues when the same command runs
-again (exit 130 on Ctrl-C, saying so).
+Every key is a field of ``PrepareSpec`` plus ``progress``; values are read with Hydra's override grammar
+(``pattern=**/*.txt``, ``config=null``, quotes) and typed and checked by OmegaConf, as ``train``'s are. Bad input
+ends in one line (exit 2); an interrupted preparation continues when the same command runs again (exit 130 on
+Ctrl-C, saying so).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ USAGE = (
 
 
 def parse_prepare_args(argv: list[str]):
-    """``key=value`` arguments -> (``PrepareSpec``, progress). OmegaConf checks every key and type against the
-    dataclass (an unknown key, a value of the wrong type or a missing ``source``/``out`` raises its
-    ``OmegaConfBaseException``; an argument without ``=`` raises ``ConfigError``)."""
+    """``key=value`` arguments -> (``PrepareSpec``, progress). Hydra's override parser reads the values (a value it
+    cannot read raises ``OverrideParseException``) and OmegaConf checks every key and type against the dataclass (an
+    unknown key, a value of the wrong type or a missing ``source``/``out`` raises its ``OmegaConfBaseException``);
+    an argument without ``=`` raises ``ConfigError``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     from lowprec.data.prepare_source import PrepareSpec
@@ -32,7 +35,7 @@ def parse_prepare_args(argv: list[str]):
     bare = [a for a in argv if "=" not in a]
     if bare:
         raise ConfigError(f"{bare[0]!r} is not key=value; {USAGE.removeprefix('usage: ')}")
-    given = OmegaConf.from_dotlist(list(argv))
+    given = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(list(argv))}
     progress = bool(given.pop("progress", True))
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrepareSpec), given)), progress
 

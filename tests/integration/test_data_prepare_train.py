@@ -121,6 +121,8 @@ BAD_DATA = [
     ("data", ["prepare", "source=/tmp", "out=OUT", "vocab_size=abc"], "vocab_size: Value 'abc' of type 'str'"),
     ("data", ["prepare", "source=/tmp", "out=OUT", "srouce=x"], "srouce: Key 'srouce' not in 'PrepareSpec'"),
     ("data", ["prepare", "out=OUT"], "missing mandatory value: source"),
+    ("data", ["prepare", "source=/tmp", "out=OUT", "pattern=[a"], "no viable alternative at input '[a'"),
+    ("data", ["prepare", "source", "out=OUT"], "'source' is not key=value"),
 ]
 
 
