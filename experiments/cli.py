@@ -1,5 +1,5 @@
 """The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``recommend``,
-``selfcheck``, ``ui``.
+``selfcheck``, ``ui``, ``sync``, ``data``.
 
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # Every other import is in the function that needs it: torch, MLflow and the catalog cost ~10 s together, which
 # `lowprec --help`, `--version` and shell completion must not pay (tests/unit/test_cli_startup.py).
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync,data} ...
        lowprec --version | --help | --shell-completion install=bash
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
@@ -41,6 +41,8 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
   lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
   lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
+  lowprec data prepare source=PATH|HF_DATASET out=DIR [tokenizer=bpe|FILE|HF_NAME] [key=value ...]
+                                                         token shards for data.source=tokens (resumable)
 """
 
 
@@ -111,7 +113,7 @@ def train_main(cfg: DictConfig, echo=print):
     """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
     from experiments.plan.config import recipe_from_cfg
     from experiments.plan.preflight import preflight
-    from experiments.plan.startup import prepare_data, start_parallel
+    from experiments.plan.startup import prepare_data, start_parallel, warn_repeated_data
     from experiments.runner.orphans import close_orphans
     from experiments.runner.run import run_one
     from experiments.tracking.tracker import make_tracker
@@ -125,6 +127,8 @@ def train_main(cfg: DictConfig, echo=print):
     data = prepare_data(cfg)
     check_vocab_fits(data, args.vocab_size)
     tracker = make_tracker(cfg)
+    if is_rank0():
+        warn_repeated_data(cfg, data, "train")
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
     for run_id in close_orphans(tracker, echo):
@@ -303,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from experiments.tracking.sync import sync_main
 
         return sync_main(rest, compose)
+    if cmd == "data":
+        from experiments.plan.data_prepare import data_main
+
+        return data_main(rest)
     if cmd == "ui":
         from experiments.tracking.ui import ui_main
 

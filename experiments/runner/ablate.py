@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.plan.config import flat_params, model_node, parallel_from_cfg
 from experiments.plan.preflight import preflight
-from experiments.plan.startup import prepare_data, start_parallel
+from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.report.build import build_report
 from experiments.report.verdict_table import LEVEL
 from experiments.runner.orphans import close_orphans, owner_tags
@@ -169,6 +169,8 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         if resume is not None:
             resume.check_corpus(data.fingerprint)
         tracker = make_tracker(cfg)
+        if is_rank0():
+            warn_repeated_data(cfg, data, "ablate")
         if not is_rank0():
             echo = lambda *a, **k: None  # noqa: E731
         if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
@@ -306,6 +308,7 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
             "model": cfg.model.name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,
+            **corpus_tags(cfg, data),
             "parallel": dims.short(),
             "world_size": str(dims.world_size),
             **provenance_tags(resolve_device(cfg.device)),

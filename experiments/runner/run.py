@@ -19,6 +19,7 @@ from experiments.plan.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
+from experiments.plan.startup import corpus_tags
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
 from experiments.runner.faults import fault_hooks
 from experiments.runner.orphans import owner_tags
@@ -222,6 +223,7 @@ def run_one(
         "seed": str(seed),
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
+        **corpus_tags(cfg, data),
         "parallel": dims.short(),
         "world_size": str(dims.world_size),
         **provenance_tags(device),
