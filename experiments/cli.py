@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "data":
         from experiments.plan.data_prepare import data_main
 
-        return data_main(rest)
+        return data_main(rest, _user_errors(), one_line)
     if cmd == "ui":
         from experiments.tracking.ui import ui_main
 

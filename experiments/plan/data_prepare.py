@@ -40,21 +40,21 @@ def parse_prepare_args(argv: list[str]):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrepareSpec), given)), progress
 
 
-def data_main(argv: list[str]) -> int:
-    """``lowprec data SUBCOMMAND ...``; returns the exit status."""
+def data_main(argv: list[str], user_errors: tuple[type[BaseException], ...], one_line) -> int:
+    """``lowprec data SUBCOMMAND ...``; returns the exit status. ``user_errors`` are the exceptions printed as one
+    line with ``one_line(e)`` (the command line's own, passed down so this module never imports the top)."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "prepare":
         print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     if any(a in ("-h", "--help") for a in argv[1:]):
         print(USAGE)
         return 0
-    from experiments.cli import _user_errors, one_line
     from lowprec.data.prepare_source import prepare_shards
 
     try:
         spec, progress = parse_prepare_args(argv[1:])
         done = prepare_shards(spec, progress=progress)
-    except _user_errors() as e:
+    except user_errors as e:
         print(f"lowprec data prepare: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
