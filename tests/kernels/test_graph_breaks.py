@@ -74,7 +74,7 @@ def test_one_training_step_traces_without_a_graph_break(recipe):
     torch._dynamo.reset()
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         ex = torch._dynamo.explain(step)(ids[:, :-1], ids[:, 1:])
-    reasons = [f"{br.reason.splitlines()[0]} at {br.user_stack[-1] if br.user_stack else '?'}" for br in ex.break_reasons]
+    reasons = [f"{br.reason.splitlines()[0]} at {br.user_stack[-1:]}" for br in ex.break_reasons]
     assert ex.graph_break_count == 0 and ex.graph_count == 1 and not reasons, "\n".join(reasons)
     params = list(b.model.parameters())
     assert all(p.grad is not None for p in params), "the traced step did not reach every parameter's gradient"
