@@ -37,6 +37,8 @@ class KernelPolicy:
     isa: tuple[str, ...] = ()
     probe: dict = field(default_factory=dict)
     warning: str = ""
+    #: ``train.fused_casts`` resolved at build: ``on`` or ``off: <why>`` (``lowprec.kernels.fused_casts``).
+    fused_casts: str = "off"
 
     def summary(self) -> dict:
         """What the effective recipe records: the kernel per kind and the op that runs scaled matmuls."""
@@ -49,6 +51,7 @@ class KernelPolicy:
             "cpu_kernels_bf16": self.bf16,
             "cpu_kernels_fp8": self.fp8,
             "scaled_mm_op": SCALED_MM_OP,
+            "fused_casts": self.fused_casts,
         }
         if self.device_type == "cpu":
             out |= {"cpu_model": self.cpu_model, "cpu_isa": " ".join(self.isa) or "none"}

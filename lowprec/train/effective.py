@@ -51,10 +51,12 @@ def _observed_kernels(model: nn.Module) -> dict[str, str]:
     """Which kernels the built model runs: ``bf16`` from its high-precision linears and attention slots
     (``emulated``, ``native`` or ``mixed``), ``fp8`` from its FP8 linears (absent when there are none)."""
     backends = {b.module_class: b for b in fp8_backends().values() if b.module_class}
-    hp, fp8 = set(), set()
+    hp, fp8, casts = set(), set(), set()
     for m in model.modules():
         if _qualname(m) in backends:
             fp8.add(backends[_qualname(m)].kernel_of(m))
+            if hasattr(m, "fused_casts"):  # lowprec's Float8Linear (train.fused_casts)
+                casts.add("fused" if m.fused_casts else "eager")
         elif isinstance(m, nn.Linear):
             hp.add("emulated" if isinstance(m, EmulatedLinear) else "native")
         if hasattr(m, "sdpa"):
@@ -62,6 +64,8 @@ def _observed_kernels(model: nn.Module) -> dict[str, str]:
     out = {"bf16": hp.pop() if len(hp) == 1 else "mixed"}
     if fp8:
         out["fp8"] = fp8.pop() if len(fp8) == 1 else "mixed"
+    if casts:
+        out["fp8_casts"] = casts.pop() if len(casts) == 1 else "mixed"
     return out
 
 
@@ -235,7 +239,11 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
         else "params_are_master"
         if r.param_dtype == torch.float32
         else "none",
-        "kernels": {"bf16": built.kernels.bf16, **({"fp8": built.kernels.fp8} if fp8 else {})},
+        "kernels": {
+            "bf16": built.kernels.bf16,
+            **({"fp8": built.kernels.fp8} if fp8 else {}),
+            **({"fp8_casts": "fused" if built.kernels.fused_casts == "on" else "eager"} if _casts(built) else {}),
+        },
         "blocks": {
             "n": len(built.model.layers),
             "checkpointed": 0 if built.ac == "none" else len(built.model.layers),
@@ -244,6 +252,11 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
         **({"router_dtype": {"float32": len(routers)}} if (routers := _router_fqns(built.model)) else {}),
     }
+
+
+def _casts(built) -> bool:
+    """The run has lowprec FP8 linears whose casts ``train.fused_casts`` decides."""
+    return any(hasattr(m, "fused_casts") for m in built.model.modules())
 
 
 def check_effective(effective: dict, expected: dict) -> None:
