@@ -184,7 +184,8 @@ class Float8Linear(nn.Linear):
         fallback = f", fallback={self.fallback_kernel}" if self.fallback_kernel is not None else ""
         return (
             f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
-            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}, fused_casts={self.fused_casts}{fallback}"
+            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}, "
+            f"fused_casts={self.fused_casts}{fallback}"
         )
 
 
