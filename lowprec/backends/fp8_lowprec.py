@@ -152,6 +152,6 @@ def compile_device_blocker(spec, device_type: str) -> str | None:
     if device_type != "cpu" or not spec.enabled or spec.scaling != "blockwise":
         return None
     return (
-        "inductor's CPU backend cannot compile lowprec's blockwise FP8 casts (a C++ codegen error on torch 2.13; "
+        "inductor's CPU backend cannot compile lowprec's blockwise FP8 casts (a loop-tiling assertion on torch 2.13; "
         "they compile on CUDA); use train.compile=false on a CPU"
     )
