@@ -4,7 +4,8 @@
    rowwise), a BF16 linear and an FP32 linear; ratio lowprec/torchao for tensorwise (target <= 1.1); and
    lowprec's block-scaled linear (``MXLinear``: ``mxfp8``, ``nvfp4`` with its stabilisers), emulated exactly.
 2. Quantization throughput (GB/s of high-precision input read) per granularity against a plain copy of
-   the same bytes, block-scaled formats included (MXFP8 RCEIL and FLOOR, MXFP4, NVFP4 1x16 and 16x16, and NVFP4
+   the same bytes, eager and fused (``train.fused_casts``: one compiled kernel per cast, the same bits; compile
+   time excluded), block-scaled formats included (MXFP8 RCEIL and FLOOR, MXFP4, NVFP4 1x16 and 16x16, and NVFP4
    with stochastic rounding; ``lowprec.numerics.microscaling``, exact CPU code) beside the per-tensor FP8 ones.
 3. Bytes saved for backward with and without FP8 activation caching, for one linear and for one training
    step of the `tiny` Llama under ``fp8_blockwise``.
@@ -14,7 +15,7 @@
 CPU timings say nothing about FP8 speed on a GPU: on this CPU, FP8 GEMMs are emulated by ``_scaled_mm``'s
 CPU path and are slower than FP32.
 
-    .venv/bin/python benchmarks/fp8_linear.py [--tokens 2048] [--dim 1024] [--hidden 1024] [--reps 10]
+    .venv/bin/python benchmarks/fp8_linear.py [--tokens 2048] [--dim 1024] [--hidden 1024] [--reps 10] [--quant-only]
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
 from lowprec.float8.mx_linear import MXConfig, MXLinear
+from lowprec.kernels import cpu_model
+from lowprec.kernels.fused_casts import fused_quantize_operand
 from lowprec.numerics.formats import E4M3
 from lowprec.numerics.microscaling import quantize_mx, quantize_nvfp4
 from lowprec.numerics.scaling import quantize_operand
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quant-only", action="store_true", help="section 2 alone")
     a = ap.parse_args()
     torch.manual_seed(0)
     base = torch.nn.Linear(a.dim, a.hidden, bias=False)
@@ -89,7 +93,10 @@ def main() -> None:
     print(
         f"linear {a.dim} -> {a.hidden}, {a.tokens} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    print("CPU timings: they say nothing about FP8 speed on a GPU.\n")
+    print(f"CPU: {cpu_model()}. CPU timings: they say nothing about FP8 speed on a GPU.\n")
+    if a.quant_only:
+        quantization(a.reps)
+        return
 
     fns = {
         "fp32 nn.Linear": fwd_bwd(copy.deepcopy(base), x, g, False),
@@ -121,11 +128,22 @@ def main() -> None:
         "(target <= 1.1)"
     )
     print(f"   ratio lowprec/torchao rowwise:    {t['lowprec rowwise'] / t['torchao rowwise']:.3f}")
+    quantization(a.reps)
 
+    print("\n3. bytes saved for backward")
+    for name in ("blockwise", "blockwise + fp8 cache"):
+        mod = Float8Linear.from_linear(copy.deepcopy(base), LinearFP8Config.from_spec(LOWPREC[name]))
+        b = saved_bytes(lambda: mod(x.detach().requires_grad_()).sum(), mod)
+        print(f"   one linear ({a.tokens} x {a.dim} fp32 input), lowprec {name:<22} {b / 2**20:8.2f} MiB")
+    model_saved()
+
+
+def quantization(reps: int) -> None:
     big = torch.randn(4096, 4096)
     q = {"plain copy (clone)": lambda: big.clone()}
     for gran in ("tensorwise", "rowwise", "tile1x128", "block128x128"):
         q[gran] = (lambda gg: lambda: quantize_operand(big, E4M3, gg))(gran)
+        q[f"{gran} fused"] = (lambda gg: lambda: fused_quantize_operand(big, E4M3, gg))(gran)
     q |= {
         "mxfp8 rceil": lambda: quantize_mx(big, "e4m3", 32, "rceil"),
         "mxfp8 floor": lambda: quantize_mx(big, "e4m3", 32, "floor"),
@@ -134,7 +152,7 @@ def main() -> None:
         "nvfp4 16x16": lambda: quantize_nvfp4(big, two_d=True),
         "nvfp4 1x16 SR": lambda: quantize_nvfp4(big, "stochastic"),
     }
-    tq = timeit(q, a.reps)
+    tq = timeit(q, reps)  # the fused casts compile in timeit's two warm-up calls
     nbytes = big.numel() * big.element_size()
     print(f"\n2. quantization of a {tuple(big.shape)} fp32 tensor ({nbytes / 2**20:.0f} MiB read; e4m3 unless named)")
     for k, v in tq.items():
@@ -142,13 +160,6 @@ def main() -> None:
             f"   {k:<20} {nbytes / v / 1e9:7.2f} GB/s   {v * 1e3:7.1f} ms   "
             f"{tq['plain copy (clone)'] / v:5.3f} of a copy's throughput"
         )
-
-    print("\n3. bytes saved for backward")
-    for name in ("blockwise", "blockwise + fp8 cache"):
-        mod = Float8Linear.from_linear(copy.deepcopy(base), LinearFP8Config.from_spec(LOWPREC[name]))
-        b = saved_bytes(lambda: mod(x.detach().requires_grad_()).sum(), mod)
-        print(f"   one linear ({a.tokens} x {a.dim} fp32 input), lowprec {name:<22} {b / 2**20:8.2f} MiB")
-    model_saved()
 
 
 def model_saved() -> None:

@@ -115,10 +115,12 @@ class LowprecMX(Float8Backend):
         switch = math.ceil(spec.precision_switch_at * total_steps) if spec.precision_switch_at is not None else -1
         for m in modules:
             m.hp_after_step.fill_(switch)
+            m.sync_precision_switch()
 
         def count(opt, args, kwargs):
             for m in modules:
                 m.steps_done += 1
+                m.sync_precision_switch()
 
         optimizer.register_step_post_hook(count)
         out = [f"block-scaled step counter after the optimizer step ({len(modules)} linears)"]

@@ -28,6 +28,7 @@ from lowprec.float8.config import ROLES, LinearFP8Config
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.kernels import recompute
 from lowprec.kernels.emulated import emulated_linear
+from lowprec.kernels.fused_casts import fused_quantize_operand
 from lowprec.numerics.e5m6 import e5m6_tiles
 from lowprec.numerics.scaling import DelayedScaler, QTensor, compute_amax, quantize_operand
 
@@ -73,6 +74,9 @@ class Float8Linear(nn.Linear):
         #: None: the GEMMs run in FP8. ``native`` | ``emulated``: switched to high precision by the FP8 fallback,
         #: with that kernel for the high-precision GEMM (the run's ``cpu_kernels`` BF16 choice).
         self.fallback_kernel: str | None = None
+        #: Current-scaling casts run as one compiled kernel each (``lowprec.kernels.fused_casts``; set at build from
+        #: ``train.fused_casts``; the same bits as the eager casts).
+        self.fused_casts = False
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: LinearFP8Config) -> Float8Linear:
@@ -105,7 +109,10 @@ class Float8Linear(nn.Linear):
         cfg = self.fp8_config
         rc = cfg.role(role)
         if rc.strategy == "current":
-            q = quantize_operand(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2, amax_floor=cfg.amax_floor)
+            # inside a compiled block the casts are traced with the block; a nested compiled call is not wanted there
+            fused = self.fused_casts and not torch.compiler.is_compiling()
+            cast = fused_quantize_operand if fused else quantize_operand
+            q = cast(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2, amax_floor=cfg.amax_floor)
         elif rc.strategy == "delayed":
             scaler = self.scalers[role]
             # A checkpointed block's recompute casts with the same scale and must not record its amax again
@@ -181,7 +188,8 @@ class Float8Linear(nn.Linear):
         fallback = f", fallback={self.fallback_kernel}" if self.fallback_kernel is not None else ""
         return (
             f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
-            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}{fallback}"
+            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}, "
+            f"fused_casts={self.fused_casts}{fallback}"
         )
 
 

@@ -96,6 +96,9 @@ class MXLinear(nn.Linear):
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("hp_after_step", torch.full((), -1, dtype=torch.int64, device=device))
         self.fp8_kernel = "native"
+        #: ``high_precision`` as a Python bool, for ``torch.compile`` (``sync_precision_switch``).
+        self.switched = False
+        self.register_load_state_dict_post_hook(_sync_after_load)
         #: ``None`` or an object with ``observe_block_cast`` / ``observe_block_gemm`` (``lowprec.measure``).
         self.telemetry = None
 
@@ -115,11 +118,21 @@ class MXLinear(nn.Linear):
             u = torch.rand(n, generator=generator, device=self.rht_signs.device)
             self.rht_signs.copy_(torch.where(u < 0.5, -1.0, 1.0))
         self.steps_done.zero_()
+        self.sync_precision_switch()
 
     @property
     def high_precision(self) -> bool:
-        """True once ``precision_switch_at`` has switched this linear to ``F.linear``."""
+        """True once ``precision_switch_at`` has switched this linear to ``F.linear``. Eager code reads the
+        buffers; code that ``torch.compile`` traces reads ``switched``, their value as a Python bool, because reading a
+        tensor's value is a graph break (dynamo guards on the bool, so a switch recompiles the block once)."""
+        if torch.compiler.is_compiling():
+            return self.switched
         return 0 <= int(self.hp_after_step) <= int(self.steps_done)
+
+    def sync_precision_switch(self) -> None:
+        """Set ``switched`` from the buffers: called wherever they change (``init_buffers``, the ``mx`` backend's
+        step counter and schedule, a state-dict load)."""
+        self.switched = 0 <= int(self.hp_after_step) <= int(self.steps_done)
 
     def quantize(self, role: str, t: torch.Tensor, rounding: str = "nearest") -> BlockQTensor:
         """Quantize the 2-D operand ``t`` (rows, K) as ``role`` (``input``, ``weight``, ``grad_output``)."""
@@ -159,6 +172,11 @@ class MXLinear(nn.Linear):
             f"rht={c.rht_size}, weight_2d={c.weight_scaling_2d}, grad_rounding={c.grad_rounding}, "
             f"kernel={self.fp8_kernel}"
         )
+
+
+def _sync_after_load(module: MXLinear, incompatible_keys) -> None:
+    # a resumed run's step counter arrives through load_state_dict (DCP's set_state_dict calls it too)
+    module.sync_precision_switch()
 
 
 def _pad_tokens(t: torch.Tensor, cfg: MXConfig) -> torch.Tensor:

@@ -41,6 +41,8 @@ class KernelPolicy:
     probe: dict = field(default_factory=dict)
     warning: str = ""
     blockwise: str = "emulated"
+    #: ``train.fused_casts`` resolved at build: ``on`` or ``off: <why>`` (``lowprec.kernels.fused_casts``).
+    fused_casts: str = "off"
 
     def summary(self) -> dict:
         """What the effective recipe records: the kernel per kind and the op that runs scaled matmuls."""
@@ -54,6 +56,7 @@ class KernelPolicy:
             "cpu_kernels_fp8": self.fp8,
             "scaled_mm_op": SCALED_MM_OP,
             "fp8_blockwise_gemm": self.blockwise,
+            "fused_casts": self.fused_casts,
         }
         if self.device_type == "cpu":
             out |= {"cpu_model": self.cpu_model, "cpu_isa": " ".join(self.isa) or "none"}

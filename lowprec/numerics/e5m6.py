@@ -34,8 +34,12 @@ def round_e5m6(x: torch.Tensor) -> torch.Tensor:
     ``2**(max(e, -14) - 6)`` with ``e = floor(log2 |x|)``, and ``torch.round`` rounds halves to even.
     """
     xd = x.to(torch.float64).clamp(-MAX, MAX)
-    _, e = torch.frexp(xd)  # xd = m * 2**e, 0.5 <= |m| < 1, so floor(log2 |xd|) = e - 1
-    ulp = torch.exp2((torch.clamp(e - 1, min=1 - BIAS) - MAN_BITS).to(torch.float64))
+    # floor(log2 |xd|) from the float64 exponent field (xd is never a float64 subnormal: it holds a float32 value;
+    # zero gives -1023, clamped like every exponent below E5M6's normal range). Not torch.frexp: its int32 exponent
+    # beside float64 values made inductor's CPU vectorizer emit VectorizedN<int,4> - VectorizedN<int,2> (a C++
+    # compile error, torch 2.13), so deepseek_v3 could not compile on a CPU.
+    e = ((xd.view(torch.int64) >> 52) & 0x7FF) - 1023
+    ulp = torch.exp2((torch.clamp(e, min=1 - BIAS) - MAN_BITS).to(torch.float64))
     return (torch.round(xd / ulp) * ulp).to(torch.float32)
 
 

@@ -133,8 +133,13 @@ def round_to_codes(
         raise ValueError(f"rounding={rounding!r} is not one of {list(ROUNDINGS)}")
     mag = y.abs().clamp(max=fmt.max)
     nan = torch.isnan(y)
-    if fmt.dtype is None and bool(nan.any()):
-        raise ValueError("E2M1 has no NaN; the block holds NaN")
+    if fmt.dtype is None:
+        if torch.compiler.is_compiling():
+            # reading the flag is a graph break under torch.compile; the traced graph asserts it instead
+            # (a RuntimeError when the compiled code runs)
+            torch._assert_async(~nan.any(), "E2M1 has no NaN; the block holds NaN")
+        elif bool(nan.any()):
+            raise ValueError("E2M1 has no NaN; the block holds NaN")
     mag = torch.where(nan, torch.zeros_like(mag), mag)
     if fmt.dtype is None:
         idx = _e2m1_index(mag, rounding, generator)

@@ -11,6 +11,7 @@ The mixed-precision mechanism is chosen here and only here (``choose_precision``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -81,6 +82,20 @@ class Built:
     def step_context(self, step: int) -> AbstractContextManager:
         """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
         return self.comm_metrics.context(step) if self.comm_metrics is not None else contextlib.nullcontext()
+
+
+def _apply_fused_casts(model: nn.Module, train: TrainSpec, device: torch.device, kernels: KernelPolicy) -> KernelPolicy:
+    """``train.fused_casts`` resolved and set on every lowprec ``Float8Linear``; recorded in the kernel policy (run
+    tags, effective recipe). Raises ``ConfigError`` for ``on`` where the casts cannot compile."""
+    from lowprec.kernels.fused_casts import resolve_fused_casts
+
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if not linears:
+        return kernels
+    state = resolve_fused_casts(train.fused_casts, device, train.compile)
+    for m in linears:
+        m.fused_casts = state == "on"
+    return dataclasses.replace(kernels, fused_casts=state)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -278,6 +293,7 @@ def build(
     fp8_gather = dims.fsdp and recipe.comm.weight_all_gather == "fp8"
     fp8_fqns = convert_fp8(model, recipe.fp8, fp8_weight_all_gather=fp8_gather, fp8_kernel=kernels.fp8)  # 2
     convert_kernels(model, kernels)
+    kernels = _apply_fused_casts(model, train, device, kernels)
     apply_ac(model, train.ac)  # activation checkpointing per block, before sharding (torchtitan's order)
     if train.compile:
         apply_compile(model)  # after AC, before sharding (torchtitan's order)

@@ -52,11 +52,13 @@ def _observed_kernels(model: nn.Module) -> dict[str, str]:
     (``emulated``, ``native`` or ``mixed``), ``fp8`` from its FP8 linears (absent when there are none),
     ``fp8_blockwise_gemm`` from those with blockwise GEMMs (``lowprec.kernels.blockwise``; absent without)."""
     backends = {b.module_class: b for b in fp8_backends().values() if b.module_class}
-    hp, fp8, blockwise = set(), set(), set()
+    hp, fp8, blockwise, casts = set(), set(), set(), set()
     for m in model.modules():
         if _qualname(m) in backends:
             fp8.add(backends[_qualname(m)].kernel_of(m))
             blockwise.add(backends[_qualname(m)].blockwise_gemm_of(m))
+            if hasattr(m, "fused_casts"):  # lowprec's Float8Linear (train.fused_casts)
+                casts.add("fused" if m.fused_casts else "eager")
         elif isinstance(m, nn.Linear):
             hp.add("emulated" if isinstance(m, EmulatedLinear) else "native")
         if hasattr(m, "sdpa"):
@@ -67,6 +69,8 @@ def _observed_kernels(model: nn.Module) -> dict[str, str]:
     blockwise.discard(None)
     if blockwise:
         out["fp8_blockwise_gemm"] = blockwise.pop() if len(blockwise) == 1 else "mixed"
+    if casts:
+        out["fp8_casts"] = casts.pop() if len(casts) == 1 else "mixed"
     return out
 
 
@@ -248,6 +252,7 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
                 if fp8 and fp8_backend(r.fp8.backend).needs_blockwise_gemm(r.fp8)
                 else {}
             ),
+            **({"fp8_casts": "fused" if built.kernels.fused_casts == "on" else "eager"} if _casts(built) else {}),
         },
         "blocks": {
             "n": len(built.model.layers),
@@ -257,6 +262,11 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
         **({"router_dtype": {"float32": len(routers)}} if (routers := _router_fqns(built.model)) else {}),
     }
+
+
+def _casts(built) -> bool:
+    """The run has lowprec FP8 linears whose casts ``train.fused_casts`` decides."""
+    return any(hasattr(m, "fused_casts") for m in built.model.modules())
 
 
 def check_effective(effective: dict, expected: dict) -> None:

@@ -33,7 +33,9 @@ class TrainSpec:
     ``checkpoint_every`` > 0). ``fp8_fallback=layer``: an FP8 linear whose overflow or underflow share (FP8
     telemetry, so ``telemetry_every`` > 0) is above ``fp8_fallback_threshold`` on ``fp8_fallback_samples``
     consecutive sampled steps runs in high precision for the rest of the run. ``skip_batches``: batch indices
-    never trained on (``lowprec.train.data_position``; what a rollback does, by hand).
+    never trained on (``lowprec.train.data_position``; what a rollback does, by hand). ``fused_casts``: ``auto`` |
+    ``on`` | ``off``, lowprec's FP8 casts as one compiled kernel each in an eager run
+    (``lowprec.kernels.fused_casts.resolve_fused_casts``: ``auto`` is on for CUDA).
     """
 
     steps: int = 200
@@ -61,6 +63,7 @@ class TrainSpec:
     fp8_fallback_threshold: float = 0.05
     fp8_fallback_samples: int = 3
     skip_batches: tuple[int, ...] = ()
+    fused_casts: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_batches", tuple(self.skip_batches))
@@ -99,6 +102,8 @@ class TrainSpec:
                 "train.on_anomaly=rollback reloads the last checkpoint: set train.checkpoint_every > 0 "
                 "(or use train.on_anomaly=skip)"
             )
+        if self.fused_casts not in ("auto", "on", "off"):
+            raise ConfigError(f"train.fused_casts={self.fused_casts!r} is not one of auto, on, off")
         if self.fp8_fallback not in FP8_FALLBACKS:
             raise ConfigError(f"train.fp8_fallback={self.fp8_fallback!r} is not one of {', '.join(FP8_FALLBACKS)}")
         if not (0.0 < self.fp8_fallback_threshold <= 1.0):

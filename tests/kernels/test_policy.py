@@ -79,7 +79,8 @@ def test_the_real_probe_measures_all_four(fresh_probe):
 def test_a_run_records_its_kernels_and_the_cpu(run_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(policy, "has_bf16_instructions", lambda: False)
     common = ["model=debug", "train.steps=3", "train.timing_warmup_steps=1", "train.batch_size=2", "train.seq_len=32"]
-    assert main(["train", *run_dirs, *common, "recipe=fp8_current", "cpu_kernels=native"]) == 0
+    # the native run also fuses its FP8 casts (train.fused_casts=on compiles them): the run records that they ran
+    assert main(["train", *run_dirs, *common, "recipe=fp8_current", "cpu_kernels=native", "train.fused_casts=on"]) == 0
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "cpu_kernels=native" in warning[0], warning
     assert main(["train", *run_dirs, *common, "recipe=fp8_current", "cpu_kernels=emulated"]) == 0
@@ -89,5 +90,8 @@ def test_a_run_records_its_kernels_and_the_cpu(run_dirs, tmp_path, capsys, monke
     assert native["cpu_kernels_bf16"] == "native" and "cpu_kernels_warning" in native
     assert emulated["cpu_kernels_bf16"] == emulated["cpu_kernels_fp8"] == "emulated"
     assert emulated["cpu_model"] and "cpu_isa" in emulated and emulated["effective_matches"] == "true"
-    assert json.loads(emulated["effective_recipe"])["kernels"] == {"bf16": "emulated", "fp8": "emulated"}
-    assert json.loads(native["effective_recipe"])["kernels"] == {"bf16": "native", "fp8": "native"}
+    kernels = {k: json.loads(tags["effective_recipe"])["kernels"] for k, tags in (("n", native), ("e", emulated))}
+    assert kernels["e"] == {"bf16": "emulated", "fp8": "emulated", "fp8_casts": "eager"}
+    assert kernels["n"] == {"bf16": "native", "fp8": "native", "fp8_casts": "fused"}
+    assert native["fused_casts"] == "on" and emulated["fused_casts"].startswith("off: train.fused_casts=auto on cpu")
+    assert native["effective_matches"] == "true"

@@ -120,14 +120,18 @@ def test_precision_switch_at_a_fraction_of_the_run(token_data):
                      timing_warmup_steps=1, telemetry_every=0, progress=False)  # fmt: skip
     b = build(recipe, model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))
     mx = [m for m in b.model.modules() if isinstance(m, MXLinear)]
-    assert mx and all(int(m.hp_after_step) == 2 and not m.high_precision for m in mx)
+    assert mx and all(int(m.hp_after_step) == 2 and not m.high_precision and not m.switched for m in mx)
 
     class Sink:
         def log_metrics(self, m, step):
             pass
 
     run_training(b, TokenBatches(token_data.train, token_data.val, 64, 2, 0), spec, Sink())
-    assert all(int(m.steps_done) == 4 and m.high_precision for m in mx)
+    # ``switched`` is what torch.compile'd code reads (a tensor's value would be a graph break): it follows the buffers
+    assert all(int(m.steps_done) == 4 and m.high_precision and m.switched for m in mx)
+    fresh = build(recipe, model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))
+    fresh.model.load_state_dict(b.model.state_dict())  # a resume: the counters arrive by a state-dict load
+    assert all(m.switched for m in fresh.model.modules() if isinstance(m, MXLinear))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
