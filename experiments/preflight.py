@@ -22,7 +22,7 @@ from experiments.config import (
     spike_rule_from_cfg,
     train_from_cfg,
 )
-from experiments.faults import nan_target, stop_signal
+from experiments.faults import check_point, nan_target, stop_signal
 from experiments.resume_ablation import check_ablation_id
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError
@@ -146,6 +146,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     check_writable_dirs(cfg)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     nan_target(cfg.faults.nan_into)
+    check_point(cfg.faults.at_point, cfg.faults.point_action, int(cfg.faults.point_hit))
     resume = cfg.get("resume")
     if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/resume_ablation.py)
         check_ablation_id(resume)

@@ -33,6 +33,7 @@ from experiments.spool import Spooler, batch_record, end_record, is_transient, s
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.storage import disk_errno, disk_error
+from lowprec.train.fault_points import reached
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
@@ -111,14 +112,23 @@ class Tracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | Path):
-        """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached."""
+        """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached, ``DiskError`` (one line) when a
+        local store's disk is full or read-only before it holds the experiment (no run exists yet whose writes a
+        spool could keep)."""
         self.uri = resolve_uri(uri)
         check_reachable(self.uri)
         mlflow.set_tracking_uri(self.uri)
-        with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
-            self.client = MlflowClient(self.uri)
-            self.experiment_id = self._experiment(experiment, artifact_root)
         folder = Path(artifact_root).resolve() / "spool"
+        quiet_disk_full_logs()  # before MLflow first writes: a full disk is told in one line, not in its logs
+        try:
+            with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
+                self.client = MlflowClient(self.uri)
+                self.experiment_id = self._experiment(experiment, artifact_root)
+        except Exception as e:  # MLflow creating its tables or the experiment on a full disk: hundreds of lines
+            err = disk_error(f"opening the tracking store {self.uri}", folder.parent, e)
+            if err is None:
+                raise
+            raise err from e
         if is_server(self.uri):
             self.spool = Spooler(folder, self.uri)
         else:  # a full disk under the sqlite store: the run goes on, its writes wait in the spool
@@ -130,7 +140,6 @@ class Tracker:
                 down="does not take writes (disk full)",
                 back="it has space again",
             )
-            quiet_disk_full_logs()
 
     def _experiment(self, name: str, artifact_root: str | Path) -> str:
         """The experiment's id, created on first use with its kind (``EXPERIMENT_KIND_TAG``); an existing experiment
@@ -303,6 +312,8 @@ class MetricBuffer:
             self.flush()
 
     def flush(self) -> None:
+        if self._pending:
+            reached("log.flush")
         for i in range(0, len(self._pending), 1000):
             self.tracker.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
         self._pending = []
