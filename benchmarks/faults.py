@@ -140,15 +140,19 @@ class Store:
         timeout: float = 600,
         signal_after: float | None = None,
         at_stop: Callable[[], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[int, str]:
         """Run ``lowprec <args>`` (the store's paths appended) in a new session; with ``kill_after``, SIGKILL its
         whole process group (torchrun and its ranks too) that many seconds after the start; with ``signal_after``,
         send SIGTERM to the command's process alone (as a scheduler would) and wait for it; with ``at_stop``, call it
         once when a process of the command has stopped itself (``faults.point_action=stop``), then SIGCONT every
-        stopped one. Returns the exit code (negative: the signal) and stdout and stderr together."""
+        stopped one; ``env``: added to the environment. Returns the exit code (negative: the signal) and stdout and
+        stderr together."""
         cmd = [sys.executable, "-m", "experiments", *args, *self.overrides]
         with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, stdout=err, stderr=err, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=err, stderr=err, text=True, start_new_session=True, env={**os.environ, **(env or {})}
+            )
             if at_stop is not None:
                 _continue_after(proc, at_stop, timeout)
             first = kill_after if kill_after is not None else signal_after
@@ -257,6 +261,10 @@ def _recover(store: Store, case: Case, args: list[str], killed, ref: dict[int, f
         case.note = "no complete checkpoint: restarted"
     before = {r.info.run_id for r in store.runs()}
     rc, err = store.lowprec(args + resume)
+    if not [r for r in store.runs() if r.info.run_id not in before]:  # the resume did not start: what it said
+        case.note += f" resume exited {rc} without a run: {' / '.join(err.strip().splitlines()[-3:])[:300]}"
+        case.left_running = sum(r.info.status == "RUNNING" for r in store.runs())
+        return
     new = _new_run(store, before)
     old = store.client.get_run(killed.info.run_id)
     case.detected = old.info.status == "FAILED" and old.data.tags.get("orphan_closed") == "true"
@@ -604,6 +612,10 @@ class DiskFault:
     fill: tuple[str, ...] = ()
     read_only: tuple[str, ...] = ()
     split: bool = True
+    #: the run's environment: ``MLFLOW_SQLALCHEMYSTORE_POOLCLASS=NullPool`` (MLflow's own setting) closes the store's
+    #: file between writes; the kernel refuses to remount a file system read-only while a file on it is open for
+    #: writing, which MLflow's default pool keeps the store's file.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 DISK_FAULTS = [
@@ -635,6 +647,7 @@ DISK_FAULTS = [
         "spooled",
         (),
         ("runs",),
+        env=(("MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool"),),
     ),
     DiskFault("store and spool disks fill at a metric flush", "log.flush", "fp32", "failed", ("runs", "spool")),
     DiskFault("store disk full when the command starts (a new store)", None, "fp32", "refused", ("runs",)),
@@ -699,7 +712,7 @@ def _disk_case(dstore: Store, fault: DiskFault, disks: dict[str, Tmpfs], ref: di
         inject()
         rc, said = dstore.lowprec(args, timeout=300)
     else:
-        rc, said = dstore.lowprec(args + _point(fault.point, "stop"), timeout=300, at_stop=inject)
+        rc, said = dstore.lowprec(args + _point(fault.point, "stop"), timeout=300, at_stop=inject, env=dict(fault.env))
     for name in {*fault.fill, *fault.read_only}:
         disks[name].restore()
     case.detected = _one_line(said) and not notes
@@ -715,12 +728,14 @@ def _disk_case(dstore: Store, fault: DiskFault, disks: dict[str, Tmpfs], ref: di
         case.recovered = rc2 == 0 and run.info.status == "FINISHED" and case.bit_identical
     elif fault.expect == "spooled":
         case.detected = case.detected and rc == 0 and "does not take writes" in said
+        # the command the run printed, as a user would copy it
+        said_sync = [ln.split("with: lowprec ", 1)[1] for ln in said.splitlines() if "with: lowprec sync" in ln]
+        sync_args = shlex.split(said_sync[-1]) if said_sync else ["sync", str(dstore.root / "runs")]
         sync = subprocess.run(
-            [sys.executable, "-m", "experiments", "sync", str(dstore.root / "runs")],
-            capture_output=True,
-            text=True,
-            timeout=600,
+            [sys.executable, "-m", "experiments", *sync_args], capture_output=True, text=True, timeout=600
         )
+        if sync.returncode:
+            notes.append("sync: " + (sync.stderr.strip().splitlines() or [""])[-1][:200])
         (run,) = dstore.runs()
         got = dstore.losses(run.info.run_id)
         case.steps_lost = 0
@@ -746,8 +761,12 @@ def _disk_case(dstore: Store, fault: DiskFault, disks: dict[str, Tmpfs], ref: di
 
 KINDS: dict[str, Callable] = {
     "kill9": lambda store, a, rng: kill9_cases(store, a.kills, rng),
-    "savekill": lambda store, a, rng: savekill_cases(store, rng, SAVE_KILLS_QUICK if a.quick else SAVE_KILLS),
-    "disk": lambda store, a, rng: disk_cases(store, rng, DISK_FAULTS_QUICK if a.quick else DISK_FAULTS),
+    "savekill": lambda store, a, rng: savekill_cases(
+        store, rng, [c for c in (SAVE_KILLS_QUICK if a.quick else SAVE_KILLS) if (a.only or "") in " ".join(c[:2])]
+    ),
+    "disk": lambda store, a, rng: disk_cases(
+        store, rng, [f for f in (DISK_FAULTS_QUICK if a.quick else DISK_FAULTS) if (a.only or "") in f.label]
+    ),
     "corrupt": lambda store, a, rng: corrupt_cases(store, rng),
     "nan": lambda store, a, rng: nan_cases(store, rng),
     "server": lambda store, a, rng: server_cases(store, rng),
@@ -821,6 +840,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="the campaign's store (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None, help="write every case as JSON here")
     ap.add_argument("--quick", action="store_true", help="a few save-kill and disk cases (the test suite's form)")
+    ap.add_argument("--only", default=None, help="savekill and disk: only the cases whose label contains this")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     root = a.workdir or Path(tempfile.mkdtemp(prefix="lowprec-faults-"))

@@ -137,7 +137,7 @@ class Tracker:
                 self.uri,
                 _disk_full,
                 what=f"tracking store {self.uri}",
-                down="does not take writes (disk full)",
+                down="does not take writes (disk full or read-only)",
                 back="it has space again",
             )
 
@@ -239,12 +239,13 @@ class Tracker:
 
 
 class _QuietDiskFull(logging.Filter):
-    """Drops MLflow's ERROR log of a sqlite write that failed for a full disk (``mlflow.store.db.utils`` logs each
-    with its traceback: hundreds of lines per write); the spool says it in one line, once per run."""
+    """Drops MLflow's ERROR log of a sqlite write that failed for a full (or read-only) disk
+    (``mlflow.store.db.utils`` logs each with its traceback: hundreds of lines per write); the spool says it in one
+    line, once per run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not ((exc is not None and _disk_full(exc)) or "database or disk is full" in record.getMessage())
+        return not ((exc is not None and _disk_full(exc)) or disk_errno(Exception(record.getMessage())) is not None)
 
 
 _QUIET_DISK_FULL = _QuietDiskFull()
