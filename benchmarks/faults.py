@@ -3,7 +3,8 @@ would run, and what it cost. Prints, per kind of fault: faults injected, detecte
 the last checkpoint, metrics lost, runs left RUNNING in MLflow, and whether every continuation was bit-identical
 to an uninterrupted run of the same configuration.
 
-    .venv/bin/python benchmarks/faults.py [--kills 20] [--seed 0] [--kinds kill9 corrupt ...] [--json out.json]
+    .venv/bin/python benchmarks/faults.py [--kills 20] [--seed 0] [--kinds kill9 savekill disk ...] [--quick]
+                                         [--only TEXT] [--json out.json]
 
 Kinds:
 
@@ -16,6 +17,22 @@ Kinds:
   when the kill came before the first checkpoint. Detected: the next command found the dead run and recorded it
   FAILED. Metrics lost: steps of the 12 with a ``loss`` in neither the killed nor the resumed run.
   Bit-identical: every logged loss equals the uninterrupted run's (``==``).
+- ``savekill``: SIGKILL at a named point inside the save of ``step_6`` (``faults.at_point=<point>
+  faults.point_action=kill``; ``lowprec.train.fault_points``): the staging folder just made, a shard file part
+  written, every shard written but not ``trainer_state.pt``, every file but not the manifest, the manifest but not
+  the rename, and after the commit while the checkpoint before is pruned (``train.keep_checkpoints=1``); recipes in
+  turn, two of the points under FSDP2 (world size 2, every rank that reaches the point kills itself). Recovery and
+  figures as for ``kill9``; steps lost: 6 minus the step of the checkpoint the resume loaded.
+- ``disk``: real disk faults: each case's ``paths.runs`` (the sqlite store and MLflow's artifacts), its ``spool/``
+  and its ``checkpoints/`` are small tmpfs mounts (``fault_disks.py``; needs root, else the kind is skipped with
+  the reason). The run stops itself at a named point (``faults.point_action=stop``); the campaign fills disks to the
+  last byte or remounts them read-only, and continues it: the kernel refuses the next write (``ENOSPC``,
+  ``EROFS``). Cases: the checkpoint disk fills while a shard is written, before ``trainer_state.pt``, before the
+  manifest; it turns read-only before the rename; one disk for everything fills mid-save; the store's disk fills
+  or turns read-only at a metric flush (the spool on another disk: the run trains to the end, ``lowprec sync``, as
+  the run printed it, replays it); the store's and the spool's disks fill at a flush; the store's disk is full or
+  read-only when the command starts. Detected: told in one line naming the error, no traceback. Recovered: space
+  back (or writable again), then the resume (or the sync, or the same command again) ends FINISHED, bit-identical.
 - ``corrupt``: the newest checkpoint of a killed run is damaged (its ``__0_0.distcp`` truncated, a byte of it
   flipped, a byte of ``trainer_state.pt`` flipped); the resume must refuse it by name, fall back to the previous
   complete checkpoint and continue bit for bit.
@@ -36,8 +53,14 @@ Kinds:
   random delay, then the resume command it printed. Bit-identical: every run's ``loss`` series equals an
   uninterrupted ablation's.
 
-Targets (issue 15): at least 20 kill -9 cases, 0 metrics lost, 0 runs left RUNNING, every continuation
-bit-identical. The exit code is 1 when one is missed.
+Per case (a table row each): steps trained again, metrics lost (steps whose ``loss`` neither the faulted nor the
+resumed run holds), runs left RUNNING, bit-identical continuation; then a table per kind.
+
+Targets (issues 15 and 33): at least 20 kill -9 cases, 5 kills during saves, 5 disk faults and 30 faults in all
+(each counted for the kinds that ran; not with ``--quick``), 0 metrics lost beyond the steps a resume trains
+again, 0 runs left RUNNING, every continuation bit-identical, every fault detected and recovered. The exit code is
+1 when one is missed. ``--quick`` (the test suite, tests/integration/test_fault_campaign.py): one save kill
+(``save.prune``) and one disk case (a shard write on a full disk).
 """
 
 from __future__ import annotations
