@@ -185,7 +185,7 @@ class Store:
                 if first is None:
                     raise
                 if kill_after is not None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _kill_tree(proc.pid)
                 else:
                     proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=timeout)
@@ -229,6 +229,22 @@ def _stopped(p: psutil.Process) -> bool:
         return p.status() == psutil.STATUS_STOPPED
     except psutil.NoSuchProcess:
         return False
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the process ``pid``, its process group and every descendant at once, as a scheduler or the OOM killer
+    ends a job: torchrun starts each rank in a session of its own (``start_new_session``), out of the group's reach;
+    a launcher killed alone left ranks that ended their run FAILED themselves when its store went away."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    for p in kids:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    _reap(pid)
 
 
 def _reap(pgid: int) -> None:
