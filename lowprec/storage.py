@@ -17,6 +17,9 @@ from lowprec.errors import DiskError
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 #: How libraries that drop the errno say it: C stdio/strerror, sqlite (``SQLITE_FULL``), torch's stream writer.
 _FULL_TEXTS = ("no space left on device", "database or disk is full", "disk quota exceeded")
+#: How sqlite says that its file became read-only under an open store (``SQLITE_READONLY``: the file system was
+#: remounted read-only, or the file's permissions changed): the errno is gone.
+_READ_ONLY_TEXTS = ("attempt to write a readonly database", "read-only file system")
 
 
 def _chain(e: BaseException):
@@ -37,13 +40,17 @@ def _chain(e: BaseException):
 
 def disk_errno(e: BaseException) -> int | None:
     """The errno of the disk failure inside ``e`` (one of ``DISK_ERRNOS``; ``ENOSPC`` for a library's text that
-    says the disk is full), or None when ``e`` is no disk failure."""
+    says the disk is full, ``EROFS`` for one that says the file is read-only), or None when ``e`` is no disk
+    failure."""
     for x in _chain(e):
         if isinstance(x, OSError) and x.errno in DISK_ERRNOS:
             return x.errno
     for x in _chain(e):
-        if any(t in str(x).lower() for t in _FULL_TEXTS):
+        text = str(x).lower()
+        if any(t in text for t in _FULL_TEXTS):
             return errno.ENOSPC
+        if any(t in text for t in _READ_ONLY_TEXTS):
+            return errno.EROFS
     return None
 
 

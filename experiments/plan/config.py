@@ -66,7 +66,11 @@ class FaultsConfig:
     weight's gradient); ``nan_steps``: how many consecutive steps from ``nan_at_step`` are poisoned, each the first
     time it runs (a rollback's replay runs clean). ``fp8_overflow_at_step``: for ``fp8_overflow_steps`` steps,
     multiply the input of the FP8 linear ``fp8_overflow_layer`` (null: the first) by ``fp8_overflow_factor`` to the
-    power 1, 2, ...: a delayed-scaling layer saturates on each of them."""
+    power 1, 2, ...: a delayed-scaling layer saturates on each of them. ``at_point``: a named point inside a
+    checkpoint save or the metric flush (``lowprec.train.fault_points.POINTS``: ``save.start``, ``save.shards``,
+    ``save.trainer_state``, ``save.manifest``, ``save.rename``, ``save.prune``, ``log.flush``) where, the
+    ``point_hit``-th time it is reached, ``point_action`` happens: ``kill`` (SIGKILL there) or ``stop`` (SIGSTOP
+    there, for a harness to inject a fault and send SIGCONT; ``experiments.runner.faults.arm_point``)."""
 
     recipe: str | None = None
     crash_at_step: int | None = None
@@ -81,6 +85,9 @@ class FaultsConfig:
     fp8_overflow_steps: int = 3
     fp8_overflow_layer: str | None = None
     fp8_overflow_factor: float = 1000.0
+    at_point: str | None = None
+    point_action: str = "kill"
+    point_hit: int = 1
 
 
 @dataclass

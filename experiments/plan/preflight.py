@@ -32,6 +32,7 @@ from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.model import ModelArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
+from lowprec.train import fault_points
 from lowprec.train.build import (
     build_model_meta,
     check_compile,
@@ -77,6 +78,20 @@ def check_ablation_id(value) -> str:
             "lowprec train ... resume=runs/checkpoints/<run id>"
         )
     return text
+
+
+#: ``faults.point_action``: what happens at ``faults.at_point``.
+POINT_ACTIONS = ("kill", "stop")
+
+
+def check_point(name: str | None, action: str, hit: int) -> None:
+    """``faults.at_point``/``point_action``/``point_hit`` checked; raises ``ConfigError`` naming the bad one."""
+    if name is not None and name not in fault_points.POINTS:
+        raise ConfigError(f"faults.at_point={name} is not one of {', '.join(fault_points.POINTS)}")
+    if action not in POINT_ACTIONS:
+        raise ConfigError(f"faults.point_action={action} is not one of {', '.join(POINT_ACTIONS)}")
+    if hit < 1:
+        raise ConfigError(f"faults.point_hit={hit} must be >= 1 (1: the first time the point is reached)")
 
 
 def stop_signal(name: str) -> int:
@@ -186,6 +201,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     check_writable_dirs(cfg)
     stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
     nan_target(cfg.faults.nan_into)
+    check_point(cfg.faults.at_point, cfg.faults.point_action, int(cfg.faults.point_hit))
     resume = cfg.get("resume")
     if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/runner/resume.py)
         check_ablation_id(resume)

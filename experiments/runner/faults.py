@@ -11,8 +11,9 @@ import signal
 
 import torch
 
-from experiments.plan.preflight import nan_target, stop_signal
+from experiments.plan.preflight import check_point, nan_target, stop_signal
 from lowprec.errors import ConfigError
+from lowprec.train import fault_points
 from lowprec.train.build import Built
 from lowprec.train.loop import StepHook
 
@@ -22,9 +23,13 @@ class InjectedCrash(RuntimeError):
 
 
 def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
-    """Step hooks for the faults that target ``recipe_name`` (``faults.recipe`` null targets every run)."""
+    """Step hooks for the faults that target ``recipe_name`` (``faults.recipe`` null targets every run); arms
+    ``faults.at_point`` too (``arm_point``), so a point fault follows the same targeting."""
+    fault_points.disarm()  # a point armed for an earlier run of this process (an in-process ablation) is not this one's
     if faults.recipe not in (None, recipe_name):
         return []
+    if faults.at_point is not None:
+        arm_point(faults.at_point, faults.point_action, int(faults.point_hit))
     hooks: list[StepHook] = []
     if faults.crash_at_step is not None:
         at = int(faults.crash_at_step)
@@ -64,6 +69,30 @@ def fault_hooks(faults, recipe_name: str) -> list[StepHook]:
 
         hooks.append(preempt)
     return hooks
+
+
+def arm_point(name: str, action: str, hit: int = 1) -> None:
+    """Arm the named point ``name`` (``lowprec.train.fault_points.POINTS``: inside a checkpoint save, or the metric
+    flush) in this process: the ``hit``-th time the code reaches it, ``action`` happens there:
+
+    - ``kill``: SIGKILL to this process (a real ``kill -9`` at that place: no handler, no flush, no cleanup);
+    - ``stop``: SIGSTOP to this process, so that a harness that waits for the stopped state injects its fault at
+      that place (SIGKILL, a disk filled to the last byte, a file system remounted read-only) and then sends
+      SIGCONT: the run goes on into the fault (benchmarks/faults.py).
+
+    Under torchrun each rank counts and acts for itself (``save.trainer_state`` and later save points, and
+    ``log.flush``, are reached on rank 0 only). Raises ``ConfigError`` for an unknown point or action.
+    """
+    check_point(name, action, hit)
+    seen = [0]
+    signum = signal.SIGKILL if action == "kill" else signal.SIGSTOP
+
+    def act(point: str) -> None:
+        seen[0] += 1
+        if seen[0] == hit:
+            os.kill(os.getpid(), signum)
+
+    fault_points.arm(name, act)
 
 
 def nan_hook(at: int, steps: int, into: str) -> StepHook:

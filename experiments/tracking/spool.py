@@ -150,6 +150,7 @@ def short_reason(e: BaseException) -> str:
     text = str(e)
     patterns = (
         r"database or disk is full",  # sqlite's SQLITE_FULL, inside MLflow's paragraph about it
+        r"attempt to write a readonly database",  # SQLITE_READONLY: the store's file system turned read-only
         r"\[Errno -?\d+\] [^'\")]+",
         r"Read timed out",
         r"\d{3} Server Error[^\n]*",
@@ -332,7 +333,9 @@ def _write_cursor(path: Path, n: int) -> None:
 def _append_line(path: Path, line: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        view = memoryview(line)
+        while view:  # a nearly full disk takes part of a write and returns its count; the next write raises ENOSPC
+            view = view[os.write(fd, view) :]
         os.fsync(fd)  # the spool may be the only copy of a finished run's results
     finally:
         os.close(fd)
@@ -340,19 +343,35 @@ def _append_line(path: Path, line: bytes) -> None:
 
 def append(path: Path, run_id: str, uri: str, rec: dict, earlier_writes: int = 0) -> None:
     """Append ``rec`` to the spool of ``run_id`` at ``path`` (created with its header if missing). A ``file``
-    record's file is copied beside the spool now, since the original may change before the replay."""
+    record's file is copied beside the spool now, since the original may change before the replay.
+
+    All or nothing: when a write fails (the spool's disk is full too: ``OSError``, raised), the file is cut back to
+    what it held (a spool it created is removed, with the copy of a ``file`` record), so no header without a record
+    and no half line is left for the next command's sweep to refuse."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
-        if rec["op"] == "file":
-            src = Path(rec["path"])
-            dest = _files_dir(path) / secrets.token_hex(6) / src.name
-            dest.parent.mkdir(parents=True)
-            shutil.copyfile(src, dest)
-            rec = {**rec, "path": str(dest.relative_to(path.parent))}
-        if not path.exists():
-            header = {"lowprec_spool": VERSION, "run_id": run_id, "uri": uri, "earlier_writes": earlier_writes}
-            _append_line(path, (json.dumps(header) + "\n").encode())
-        _append_line(path, (json.dumps(rec) + "\n").encode())
+        size = path.stat().st_size if path.exists() else None
+        copy = None
+        try:
+            if rec["op"] == "file":
+                src = Path(rec["path"])
+                dest = _files_dir(path) / secrets.token_hex(6) / src.name
+                copy = dest.parent
+                dest.parent.mkdir(parents=True)
+                shutil.copyfile(src, dest)
+                rec = {**rec, "path": str(dest.relative_to(path.parent))}
+            if size is None:
+                header = {"lowprec_spool": VERSION, "run_id": run_id, "uri": uri, "earlier_writes": earlier_writes}
+                _append_line(path, (json.dumps(header) + "\n").encode())
+            _append_line(path, (json.dumps(rec) + "\n").encode())
+        except OSError:
+            if size is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.truncate(path, size)
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+            raise
 
 
 def remove(path: Path) -> None:

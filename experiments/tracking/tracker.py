@@ -34,6 +34,7 @@ from experiments.tracking.spool import Spooler, batch_record, end_record, is_tra
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.storage import disk_errno, disk_error
+from lowprec.train.fault_points import reached
 
 ABLATION_TAG = "lowprec.ablation_id"
 PARENT_TAG = "mlflow.parentRunId"
@@ -113,14 +114,23 @@ class Tracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | Path):
-        """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached."""
+        """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached, ``DiskError`` (one line) when a
+        local store's disk is full or read-only before it holds the experiment (no run exists yet whose writes a
+        spool could keep)."""
         self.uri = resolve_uri(uri)
         check_reachable(self.uri)
         mlflow.set_tracking_uri(self.uri)
-        with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
-            self.client = MlflowClient(self.uri)
-            self.experiment_id = self._experiment(experiment, artifact_root)
         folder = Path(artifact_root).resolve() / "spool"
+        quiet_disk_full_logs()  # before MLflow first writes: a full disk is told in one line, not in its logs
+        try:
+            with store_lock(self.uri):  # a new sqlite store's tables, and the experiment, created by one process
+                self.client = MlflowClient(self.uri)
+                self.experiment_id = self._experiment(experiment, artifact_root)
+        except Exception as e:  # MLflow creating its tables or the experiment on a full disk: hundreds of lines
+            err = disk_error(f"opening the tracking store {self.uri}", folder.parent, e)
+            if err is None:
+                raise
+            raise err from e
         if is_server(self.uri):
             self.spool = Spooler(folder, self.uri)
         else:  # a full disk under the sqlite store: the run goes on, its writes wait in the spool
@@ -129,10 +139,9 @@ class Tracker:
                 self.uri,
                 _disk_full,
                 what=f"tracking store {self.uri}",
-                down="does not take writes (disk full)",
+                down="does not take writes (disk full or read-only)",
                 back="it has space again",
             )
-            quiet_disk_full_logs()
 
     def _experiment(self, name: str, artifact_root: str | Path) -> str:
         """The experiment's id, created on first use with its kind (``EXPERIMENT_KIND_TAG``); an existing experiment
@@ -232,12 +241,13 @@ class Tracker:
 
 
 class _QuietDiskFull(logging.Filter):
-    """Drops MLflow's ERROR log of a sqlite write that failed for a full disk (``mlflow.store.db.utils`` logs each
-    with its traceback: hundreds of lines per write); the spool says it in one line, once per run."""
+    """Drops MLflow's ERROR log of a sqlite write that failed for a full (or read-only) disk
+    (``mlflow.store.db.utils`` logs each with its traceback: hundreds of lines per write); the spool says it in one
+    line, once per run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not ((exc is not None and _disk_full(exc)) or "database or disk is full" in record.getMessage())
+        return not ((exc is not None and _disk_full(exc)) or disk_errno(Exception(record.getMessage())) is not None)
 
 
 _QUIET_DISK_FULL = _QuietDiskFull()
@@ -305,6 +315,8 @@ class MetricBuffer:
             self.flush()
 
     def flush(self) -> None:
+        if self._pending:
+            reached("log.flush")
         for i in range(0, len(self._pending), 1000):
             self.tracker.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
         self._pending = []

@@ -12,21 +12,26 @@ the next step reads is in here. Under torchrun, rank 0 writes ``trainer_state.pt
 
 from __future__ import annotations
 
+import io
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lowprec.errors import CheckpointError
 from lowprec.parallel.fp8_all_gather import register_safe_globals
 from lowprec.storage import disk_error
+from lowprec.train import fault_points
 from lowprec.train.checkpoint_files import commit, staging_folder, start_staging
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
+from lowprec.train.fault_points import reached
 
 TRAINER_STATE = "trainer_state.pt"
 
@@ -60,9 +65,10 @@ def save_checkpoint(
     staging = start_staging(final) if rank0 else staging_folder(final)
     if dist.is_initialized():
         dist.barrier()  # a killed save's leftover staging folder is gone before any rank writes
+    reached("save.start")
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(staging))
     except (Exception, CheckpointException) as e:  # DCP raises collectively: every rank is here
         raise _save_failed(final, staging, rank0, e) from e
     if dist.is_initialized():
@@ -80,7 +86,12 @@ def save_checkpoint(
             "health": health,
         }
         try:
-            torch.save(trainer, staging / TRAINER_STATE)  # identical on every rank: step, schedule, scaler
+            reached("save.trainer_state")
+            # Serialized in memory and written by Python: torch's file writer reports a full disk as "file write
+            # failed", without the errno that makes it a one-line DiskError.
+            buf = io.BytesIO()
+            torch.save(trainer, buf)  # identical on every rank: step, schedule, scaler
+            (staging / TRAINER_STATE).write_bytes(buf.getvalue())
             commit(staging, final)
         except Exception as e:
             failure = _save_failed(final, staging, rank0, e)
@@ -92,6 +103,43 @@ def save_checkpoint(
             failure = RuntimeError(box[0])
     if failure is not None:
         raise failure
+
+
+def _writer(staging: Path) -> dcp.FileSystemWriter:
+    """DCP's file-system writer for ``staging``; with the fault point ``save.shards`` armed, one whose first shard
+    file reaches that point after its first item is written (``_PointFileSystem``)."""
+    writer = dcp.FileSystemWriter(staging)
+    if fault_points.is_armed("save.shards"):
+        writer.fs = _PointFileSystem()
+    return writer
+
+
+class _PointFileSystem(FileSystem):
+    """DCP's ``FileSystem`` whose first written ``.distcp`` file reaches the fault point ``save.shards`` after its
+    first write: the shard file is part written when the fault lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hit = False
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if self.hit or "w" not in mode or not str(path).endswith(".distcp"):
+                yield stream
+                return
+            self.hit = True
+            real = stream.write
+
+            def write(data):
+                n = real(data)
+                stream.write = real
+                stream.flush()  # the part written is on the disk when the fault lands
+                reached("save.shards")
+                return n
+
+            stream.write = write
+            yield stream
 
 
 def _save_failed(final: Path, staging: Path, rank0: bool, e: BaseException) -> Exception:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lowprec.errors import CheckpointError
+from lowprec.train.fault_points import reached
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d+)$")
@@ -115,7 +116,9 @@ def start_staging(final: Path) -> Path:
 def commit(staging: Path, final: Path) -> None:
     """Write the manifest of the complete ``staging`` folder, then rename it to ``final`` (replacing an older
     ``final`` of the same step)."""
+    reached("save.manifest")
     write_manifest(staging)
+    reached("save.rename")
     if Path(final).exists():
         shutil.rmtree(final)
     os.replace(staging, final)
@@ -136,6 +139,8 @@ def prune(directory: Path, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     old = [p for _, p in step_folders(directory)[:-keep]]
+    if old:
+        reached("save.prune")
     for p in old:
         shutil.rmtree(p)
     return old

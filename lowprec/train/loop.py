@@ -164,8 +164,12 @@ def run_training(
             logged_through = step
         elif pending := health.pop_metrics():
             sink.log_metrics(pending, step)
-        if checkpointer.maybe_save(step) is not None:
-            flush_sink(sink)  # every step up to a checkpoint is stored: a kill -9 loses none a resume cannot redo
+        if checkpointer.due(step):
+            # Every step up to the checkpoint is stored before the save starts: a kill -9 or a full disk at any
+            # point of the save loses no metric a resume does not train again (flushed after the save, a kill
+            # between the commit and the flush lost the steps since the last flush for good).
+            flush_sink(sink)
+            checkpointer.maybe_save(step)
         signum = stop_requested()
         if signum:  # a stop signal arrived during this step: it is complete, checkpoint and stop here
             bar.close()

@@ -109,20 +109,23 @@ STORE_RUN += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmu
 
 
 @contextmanager
-def full_store(until_refused: int | None = None):
-    """The sqlite store's disk fills when the first metrics are written: every INSERT/UPDATE/DELETE then fails in
-    sqlite3 itself with ``database or disk is full`` (SQLITE_FULL), under MLflow's own error handling; after
+def full_store(
+    until_refused: int | None = None, message: str = "database or disk is full", first: str = "INSERT INTO METRICS"
+):
+    """The sqlite store's disk fills when the first metrics are written (the first statement that starts with
+    ``first``): every INSERT/UPDATE/DELETE (and CREATE) then fails in sqlite3 itself with ``message`` (default
+    SQLITE_FULL's; SQLITE_READONLY's for a file system remounted read-only), under MLflow's own error handling; after
     ``until_refused`` refused statements (None: never) space returns. Yields the count of refused statements."""
     state = {"on": False, "refused": 0}
 
     def before(conn, cursor, statement, parameters, context, executemany):
-        if statement.lstrip().upper().startswith("INSERT INTO METRICS"):
+        if statement.lstrip().upper().startswith(first):
             state["on"] = state["on"] or state["refused"] == 0
-        if state["on"] and statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+        if state["on"] and statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE", "CREATE")):
             state["refused"] += 1
             if until_refused is not None and state["refused"] >= until_refused:
                 state["on"] = False
-            raise sqlite3.OperationalError("database or disk is full")
+            raise sqlite3.OperationalError(message)
 
     event.listen(Engine, "before_cursor_execute", before)
     try:
@@ -208,3 +211,35 @@ def test_a_full_store_whose_spool_is_full_too_is_one_line_and_the_next_command_c
     tracker = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "lowprec", tmp_path / "runs")
     assert close_orphans(tracker) == [run.info.run_id]  # space is back: no run is left RUNNING
     assert client.get_run(run.info.run_id).info.status == "FAILED"
+
+
+def test_a_store_whose_file_system_turns_read_only_spools_the_run_in_one_line(run_dirs, tmp_path, capsys):
+    # issue 33's fault campaign: a store remounted read-only mid-run (sqlite: "attempt to write a readonly
+    # database", no errno) gave MLflow's traceback, and the run was left RUNNING with its metrics lost
+    with full_store(message="attempt to write a readonly database") as state:
+        assert main([*STORE_RUN, *run_dirs]) == 0
+    assert state["refused"] >= 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    said = [ln for ln in out.err.splitlines() if "readonly database" in ln or "does not take writes" in ln]
+    assert len(said) == 2 and "(disk full or read-only)" in said[-1], out.err
+    client, run = _only_run(tmp_path)
+    spool = tmp_path / "runs" / "spool" / f"{run.info.run_id}.jsonl"
+    assert main(["sync", str(spool), *run_dirs[2:3]]) == 0  # the file system is writable again
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
+
+
+def test_a_full_disk_when_the_store_is_created_is_one_line(run_dirs, tmp_path, capsys):
+    # issue 33: a full disk in Tracker.__init__ (MLflow creating a new store's tables) was a traceback
+    with full_store(first="CREATE TABLE") as state:
+        assert main([*STORE_RUN, *run_dirs]) == 2
+    assert state["refused"] >= 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    (line,) = [ln for ln in out.err.splitlines() if "(ENOSPC)" in ln]
+    assert "opening the tracking store sqlite:///" in line and "disk '" in line
+    assert main([*STORE_RUN, *run_dirs]) == 0  # space is back: the store is created and the run trains
+    client, run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED"

@@ -285,3 +285,44 @@ def test_a_bad_cursor_is_one_line_and_replays_nothing(store, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "holds 'banana', not a count of the 1 record(s)" in err and "tracking server" not in err
     assert "k" not in client.get_run(run_id).data.tags
+
+
+def _nearly_full_disk(monkeypatch, room: int) -> None:
+    """The spool's disk takes ``room`` more bytes, then refuses with ENOSPC: a write that meets the end of the space
+    is taken in part and returns its count (as the kernel's write does), the next one raises."""
+    import errno
+    import os
+
+    import experiments.tracking.spool as spool_module
+
+    real, left = os.write, [room]
+
+    def write(fd, data):
+        if left[0] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = real(fd, bytes(data)[: left[0]])
+        left[0] -= n
+        return n
+
+    monkeypatch.setattr(spool_module.os, "write", write)
+
+
+@pytest.mark.parametrize("room", [0, 20, 50])  # a record line is ~70 bytes, a header ~110
+def test_an_append_on_a_full_disk_leaves_the_spool_as_it_was(store, tmp_path, monkeypatch, room):
+    # issue 33's fault campaign: the store's and the spool's disks full at a metric flush left a spool file without
+    # its header (or with half a line), and every later command's orphan sweep refused it ("not a lowprec spool file")
+    client, run_id, folder = store
+    new, old = spool_path(folder, "a" * 32), spool_path(folder, run_id)
+    append(old, run_id, "sqlite:///x.db", batch_record([Metric("loss", 1.0, 1, 0)]))
+    before = old.read_bytes()
+    rec = batch_record([Metric("loss", 2.0, 2, 1)])
+    _nearly_full_disk(monkeypatch, room)
+    with pytest.raises(OSError, match="No space left"):
+        append(old, run_id, "sqlite:///x.db", rec)  # takes ``room`` bytes of the record, then the disk is full
+    _nearly_full_disk(monkeypatch, room)
+    with pytest.raises(OSError, match="No space left"):
+        append(new, "a" * 32, "sqlite:///x.db", rec)
+    monkeypatch.undo()
+    assert old.read_bytes() == before  # no half line after the last whole record
+    assert [r["metrics"][0][1] for r in read_spool(old).records] == [1.0]
+    assert not new.exists()  # nothing of a spool that could not be written whole
