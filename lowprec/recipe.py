@@ -443,21 +443,21 @@ class Recipe:
         return self.param_dtype if c == "none" else DTYPES[c]
 
     def short_str(self) -> str:
-        """One-line summary, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
+        """One-line summary, e.g. ``w=fp32 autocast=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
         w, c = self.weights, self.compute
         ws = (
             w.param_dtype
             + ("+master32" if w.master_dtype == "fp32" else "")
             + (f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
         )
-        ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
+        autocast = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
         opt = (
             "param"
             if (self.optim.state, self.optim.impl) == ("param", "torch")
             else f"{self.optim.state}:{self.optim.impl}"
         )
         comm = self.comm.short()
-        return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}" + (f" comm={comm}" if comm else "")
+        return f"w={ws} autocast={autocast} fp8={self.fp8.short()} opt={opt}" + (f" comm={comm}" if comm else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

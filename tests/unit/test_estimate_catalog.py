@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import experiments.planning.estimate as est
-from experiments.cli import main
-from experiments.planning.estimate import EstimateArgError, estimate_main, parse_args, run
+from experiments.cli import main, planning_query
+from experiments.planning.estimate import EstimateArgError
+from experiments.planning.estimate import run as _run
 from lowprec.backends import fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -24,7 +25,21 @@ from lowprec.model import model_args
 from recipes import CATALOG, get_recipe
 
 PAIRS = [(r, h) for r in CATALOG for h in HARDWARE]
-DEBUG = ["model=debug", "seq=256"]
+DEBUG = ["model=debug", "train.seq_len=256"]
+
+
+def estimate_main(argv):
+    return main(["estimate", *argv])
+
+
+def parse_args(argv):
+    """``(query, as_json)`` of an estimate command line (``experiments.cli.planning_query``: real Hydra)."""
+    keys = [a for a in argv if not a.startswith("--")]
+    return planning_query("estimate", keys, emulate="--emulate" in argv), "--json" in argv
+
+
+def run(parsed):
+    return _run(*parsed)
 
 
 def test_every_part_has_a_compute_capability():
@@ -93,19 +108,21 @@ def test_fp8_gemms_of_llama3_8b_run_at_the_fp8_rate_on_an_h100():
 
 def test_no_step_time_where_the_layout_does_not_fit(capsys):
     """Issue 29: Llama-3-8B bf16 on one H100 (200 GiB without recompute) printed a step time under "does NOT fit"."""
-    assert estimate_main(["model=llama3_8b", "recipe=bf16"]) == 0
+    at_8k = ["train.batch_size=1", "train.seq_len=8192"]  # the old defaults: one 8k sequence per GPU
+    assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "predicted step" not in out and "flat-efficiency" not in out
-    assert "step time: none: does not fit: 199.9 GiB with recompute none on h100_sxm (74.5 GiB)" in out
-    assert estimate_main(["model=llama3_8b", "recipe=bf16", "--json"]) == 0
+    assert "step time: none: does not fit: 199.9 GiB with train.ac=none on h100_sxm (74.5 GiB)" in out
+    assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["cost_model"] is None and d["no_step_time"].startswith("does not fit")
     # the same model sharded over 8 GPUs with full recompute fits, and is timed
-    assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "recompute=full"]) == 0
+    full = ["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "train.batch_size=8", "train.seq_len=8192"]
+    assert estimate_main([*full, "train.ac=full"]) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "step time: none" not in out
     # recipe=all: a row that does not fit has no step time
-    assert estimate_main(["model=llama3_8b", "recipe=all"]) == 0
+    assert estimate_main(["model=llama3_8b", "recipe=all", *at_8k]) == 0
     out = capsys.readouterr().out
     bf16 = next(line for line in out.splitlines() if line[4:].startswith("bf16 "))
     assert bf16.split()[5:] == ["no", "-", "-", "-"], bf16
@@ -121,7 +138,7 @@ def test_sizes_are_gib(capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("model + optimizer state"))
     assert f"{state:,} {state / 2**30:10,.2f}" in row, row
     assert " GB" not in out and "GiB" in out and "vs 74.5 GiB on h100_sxm" in out
-    assert estimate_main(["model=debug", "recipe=all", "seq=256"]) == 0
+    assert estimate_main(["model=debug", "recipe=all", "train.seq_len=256"]) == 0
     assert "state GiB" in capsys.readouterr().out
 
 
@@ -134,7 +151,7 @@ def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
 
     monkeypatch.setattr(est, "step_cost", bug)
     with pytest.raises(type(exc)):
-        main(["estimate", "model=debug", "recipe=bf16", "seq=256"])
+        main(["estimate", "model=debug", "recipe=bf16", "train.seq_len=256"])
 
 
 def test_the_report_predicts_nothing_for_a_recipe_the_h100_cannot_run():

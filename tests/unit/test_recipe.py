@@ -17,8 +17,8 @@ def test_catalog_recipes_are_frozen_hashed_and_distinct():
 
 
 def test_short_str_states_every_group():
-    assert get_recipe("fp8_tensorwise").short_str() == "w=fp32 ac=bf16 fp8=torchao:tensorwise opt=param"
-    assert get_recipe("bf16_adamw8bit").short_str() == "w=fp32 ac=bf16 fp8=off opt=int8:bitsandbytes"
+    assert get_recipe("fp8_tensorwise").short_str() == "w=fp32 autocast=bf16 fp8=torchao:tensorwise opt=param"
+    assert get_recipe("bf16_adamw8bit").short_str() == "w=fp32 autocast=bf16 fp8=off opt=int8:bitsandbytes"
 
 
 def test_hash_ignores_name_but_not_numerics():
