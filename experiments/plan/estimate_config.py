@@ -125,12 +125,12 @@ class EstimateQuery:
         return self.train.batch_size // self.dims.dp
 
 
-def _run_settings(cfg: DictConfig, train: TrainSpec | None = None):
+def _run_settings(cfg: DictConfig):
     """(args, train, dims) of ``cfg`` with the checks ``lowprec train``'s preflight makes of them without data:
     ``train.seq_len`` within ``model.max_seq_len``, the batch and heads splitting over the layout, what a MoE
     model supports. HSDP replicas are refused: the estimator does not model them."""
     args = model_from_cfg(cfg.model)
-    spec = train or train_from_cfg(cfg)
+    spec = train_from_cfg(cfg)
     dims = parallel_from_cfg(cfg)
     if spec.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -204,7 +204,7 @@ def loss_gap(value) -> float:
 
 
 #: keys recommend prints itself in its command lines (chosen or pinned), never passed through
-_PRINTED = ("model", "recipe", "recipes", "parallel.dp_shard", "parallel.tp", "parallel.dp_replicate", "device")
+_PRINTED = ("model", "recipe", "recipes", "parallel.dp_shard", "parallel.tp", "parallel.dp_replicate")
 _PRINTED_TRAIN = ("train.batch_size", "train.seq_len", "train.ac", "train.compile")
 
 
@@ -242,7 +242,7 @@ def recommend_query(cfg: DictConfig, overrides: list[str]) -> RecommendQuery:
     names = tuple(get_recipe(str(n)).name for n in cfg.recipes) if cfg.recipes is not None else ()
     if cfg.recipes is not None and not names:
         raise ConfigError("recipes=[] names no recipe: list some, e.g. 'recipes=[bf16,fp8_rowwise]', or leave it out")
-    own = set(OWN_KEYS["recommend"]) | set(_PRINTED) | set(_PRINTED_TRAIN) | {"hardware"}
+    own = {*OWN_KEYS["recommend"], *_PRINTED, *_PRINTED_TRAIN}
     passthrough = tuple(o for o in overrides if override_key(o) not in own)
     return RecommendQuery(
         model=cfg.model.name,
