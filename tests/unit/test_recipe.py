@@ -21,6 +21,20 @@ def test_short_str_states_every_group():
     assert get_recipe("bf16_adamw8bit").short_str() == "w=fp32 autocast=bf16 fp8=off opt=int8:bitsandbytes"
 
 
+def test_lowprec_recipes_spells_autocast_out(capsys):
+    """Issue 30: ``ac`` meant autocast in ``lowprec recipes`` and activation checkpointing (``train.ac``) everywhere
+    else; the catalog's lines (and ``--json``'s ``short``) now say ``autocast=``."""
+    import json
+
+    from experiments.cli import main
+
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(CATALOG) and all(" autocast=" in x and " ac=" not in x for x in lines)
+    assert main(["recipes", "--json"]) == 0
+    assert all(d["short"].split()[1].startswith("autocast=") for d in json.loads(capsys.readouterr().out).values())
+
+
 def test_hash_ignores_name_but_not_numerics():
     a = get_recipe("bf16")
     assert dataclasses.replace(a, name="other").hash() == a.hash()
