@@ -10,6 +10,7 @@ refused with one line naming the key that replaced it (``OLD_KEYS``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -31,6 +32,7 @@ from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.spec import TrainSpec
+from recipes import CATALOG, get_recipe
 
 #: The old keys of estimate/recommend -> the ``lowprec train`` key that replaced each (one line says so).
 OLD_KEYS = {
@@ -150,8 +152,6 @@ def _run_settings(cfg: DictConfig):
 def estimate_query(cfg: DictConfig, *, all_recipes: bool = False, emulate: bool = False) -> EstimateQuery:
     """The typed query of a composed conf/estimate.yaml (``all_recipes``: ``recipe=all`` was given, the catalog is
     estimated). Raises ``ConfigError``/``RecipeError``/``ParallelError`` (one line) for a bad value."""
-    from recipes import CATALOG
-
     args, spec, dims = _run_settings(cfg)
     if cfg.efficiency is not None and not 0.0 < cfg.efficiency <= 1.0:
         raise ConfigError(f"efficiency={cfg.efficiency} must be in (0, 1]")
@@ -191,8 +191,6 @@ class RecommendQuery:
 
 def loss_gap(value) -> float:
     """``max_loss_gap`` as a fraction: ``0.0025`` or ``0.25%``; ``ConfigError`` outside (0, 1)."""
-    import math
-
     t = str(value).strip()
     try:
         v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
@@ -211,10 +209,6 @@ _PRINTED_TRAIN = ("train.batch_size", "train.seq_len", "train.ac", "train.compil
 def recommend_query(cfg: DictConfig, overrides: list[str]) -> RecommendQuery:
     """The typed query of a composed conf/recommend.yaml; ``overrides`` (the command line) say what is pinned.
     Raises ``ConfigError`` (one line) for a missing or bad value."""
-    import math
-
-    from recipes import get_recipe
-
     keys = {override_key(o) for o in overrides}
     if "model" not in keys:
         raise ConfigError("model= is required (the model to pretrain, e.g. model=llama3_8b)")
