@@ -7,7 +7,9 @@ subprocesses: every case runs in milliseconds on the ``debug`` model."""
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,6 +40,11 @@ def parse_args(argv):
     return planning_query("estimate", keys, emulate="--emulate" in argv), "--json" in argv
 
 
+@functools.cache
+def _debug_query():
+    return planning_query("estimate", DEBUG)
+
+
 def run(parsed):
     return _run(*parsed)
 
@@ -62,14 +69,15 @@ def test_estimate_refuses_what_the_part_cannot_run_and_times_what_it_can(recipe,
         training_refuses = str(e)
     assert training_refuses == why
 
-    argv = [*DEBUG, f"recipe={recipe}", f"hardware={hardware}", "--json"]
+    # one real composition for every pair (Hydra's compose costs ~0.2 s), the pair's keys set on its typed query
+    q = replace(_debug_query(), recipes=(r,), hardware=hardware)
     if why is None:
-        d = json.loads(run(parse_args(argv)))
+        d = json.loads(run((q, True)))
         assert d["cost_model"]["step_time_s"] > 0 and d["no_step_time"] is None
         return
     with pytest.raises(EstimateArgError, match=f"recipe {recipe} cannot run on hardware={hw.name}: "):
-        run(parse_args(argv))
-    d = json.loads(run(parse_args([*argv, "--emulate"])))
+        run((q, True))
+    d = json.loads(run((replace(q, emulate=True), True)))
     assert d["cost_model"] is None and why in d["no_step_time"]  # the memory, with the reason, and no time
 
 
