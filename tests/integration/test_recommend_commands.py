@@ -15,7 +15,6 @@ from experiments.plan.estimate_config import register_planning_configs
 from experiments.plan.preflight import preflight
 from lowprec.train.spec import TrainSpec
 
-
 #: appended to each printed line: the acceptance's ``train.steps=2 model=debug``, and the timing warmup below 2 steps
 #: (``TrainSpec`` refuses ``train.timing_warmup_steps=3`` >= ``train.steps``, for every ``lowprec train`` line)
 SMALL = ["train.steps=2", "train.timing_warmup_steps=1", "model=debug"]
