@@ -34,10 +34,13 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
                  [resume=ABLATION_ID]                   continue an interrupted ablation (same overrides)
   lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]
   lowprec recipes [--json]
-  lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
-                   [batch=N] [seq=N] [recompute=MODE] [compile=BOOL] [--emulate] [--json]
+  lowprec estimate [model=SIZE] [recipe=NAME|all] [hardware=NAME] [train.batch_size=N] [train.seq_len=N]
+                   [train.ac=MODE] [train.compile=BOOL] [parallel.dp_shard=N] [parallel.tp=N] [key=value ...]
+                   [--emulate] [--json]                   the run `lowprec train` would make with the same keys
   lowprec estimate --validate [--json]                   the cost model against published measurements
-  lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [--json]
+  lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [train.batch_size=N]
+                    [train.seq_len=N] [train.ac=MODE] [train.compile=BOOL] [key=value ...] [--json]
+                                                         prints the train and ablate lines of its top choice
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
   lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
   lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
@@ -257,6 +260,63 @@ def _recipes(argv: list[str]) -> int:
     return 0
 
 
+def planning_query(cmd: str, overrides: list[str], emulate: bool = False):
+    """The typed query (``EstimateQuery``/``RecommendQuery``) of ``lowprec estimate``/``recommend``'s ``key=value``
+    arguments: the keys they took before sharing train's refused with one line naming the new key, the rest composed
+    by Hydra from conf/<cmd>.yaml (``lowprec train``'s schema and defaults plus the command's own keys) and typed by
+    ``experiments.plan.estimate_config``; ``recipe=all`` (estimate) asks for the whole catalog. Raises a
+    ``UserError`` or a Hydra/OmegaConf exception for a bad key or value."""
+    from experiments.plan.estimate_config import (
+        check_old_keys,
+        estimate_query,
+        override_key,
+        recommend_query,
+        register_planning_configs,
+    )
+
+    check_old_keys(cmd, overrides)
+    register_planning_configs()
+    if cmd == "recommend":
+        return recommend_query(compose(cmd, overrides), overrides)
+    all_recipes = "recipe=all" in overrides
+    rest = [o for o in overrides if o != "recipe=all"]
+    if all_recipes and any(override_key(o).startswith("recipe.") for o in rest):
+        raise UserError("recipe.<group>.<field> overrides need a single recipe, not recipe=all")
+    return estimate_query(compose(cmd, rest), all_recipes=all_recipes, emulate=emulate)
+
+
+def _planning(cmd: str, argv: list[str]) -> int:
+    """``lowprec estimate`` / ``lowprec recommend``: the ``--`` flags apart, ``planning_query`` of the rest, and its
+    output; a bad argument is one line on stderr and exit 2 (anything else is a bug and keeps its traceback)."""
+    from experiments.planning import estimate, recommend  # MLflow only when recommend reads a store
+
+    usage, known = (estimate.USAGE, estimate.FLAGS) if cmd == "estimate" else (recommend.USAGE, ("--json",))
+    if "-h" in argv or "--help" in argv:
+        print(usage)
+        return 0
+    flags = [a for a in argv if a.startswith("-")]
+    overrides = [a for a in argv if not a.startswith("-")]
+    as_json = "--json" in flags
+    try:
+        bad = [f for f in flags if f not in known]
+        if bad:
+            raise UserError(f"unknown flag {bad[0]!r}; known: {', '.join(known)} (everything else is key=value)")
+        if "--validate" in flags:
+            if overrides:
+                raise UserError(f"--validate takes no other key (got {overrides[0]}): it predicts the published points")
+            out = estimate.validation(as_json)
+        elif cmd == "estimate":
+            out = estimate.run(planning_query(cmd, overrides, emulate="--emulate" in flags), as_json)
+        else:
+            rec = recommend.recommend(planning_query(cmd, overrides))
+            out = json.dumps(rec.to_dict(), indent=1) if as_json else recommend.format_table(rec)
+    except _user_errors() as e:
+        print(f"lowprec {cmd}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def version() -> str:
     """``lowprec <version>`` and the versions of torch and MLflow, from the installed packages' metadata (no
     import); "not installed" for a package without metadata (a checkout run without ``pip install``)."""
@@ -291,14 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _recipes(rest)
     if cmd == "report":
         return _report(rest)
-    if cmd == "estimate":
-        from experiments.planning.estimate import estimate_main
-
-        return estimate_main(rest)
-    if cmd == "recommend":
-        from experiments.planning.recommend import recommend_main  # reads MLflow only when asked
-
-        return recommend_main(rest)
+    if cmd in ("estimate", "recommend"):
+        return _planning(cmd, rest)
     if cmd == "selfcheck":
         from experiments.selfcheck.runner import selfcheck_main
 

@@ -3,8 +3,10 @@
 ``lowprec --shell-completion install=bash`` (or ``-sc``) prints a script that registers ``lowprec``, the command
 that exists (Hydra's own flag after ``train`` registered ``lowprec-train``, which does not). On a TAB, the script
 runs ``lowprec -sc query=bash`` with bash's ``COMP_LINE``: the first word completes to a subcommand; after
-``train`` or ``ablate`` Hydra's own completion answers (config groups, keys, values); after another subcommand,
-the keys and flags its line of the usage text names.
+``train`` or ``ablate`` Hydra's own completion answers (config groups, keys, values); after ``estimate`` or
+``recommend``, ``PLANNING_KEYS`` (static, so a TAB imports neither Hydra nor torch; a test keeps it equal to their
+schemas in ``experiments.plan.estimate_config``); after another subcommand, the keys and flags its lines of the
+usage text name.
 """
 
 from __future__ import annotations
@@ -31,6 +33,41 @@ complete -o nospace -o default -F _lowprec_completion lowprec
 """
 _UNINSTALL = "complete -r lowprec 2>/dev/null\nunset -f _lowprec_completion\n"
 
+#: The keys of ``lowprec estimate`` and ``lowprec recommend`` a TAB offers: the ``lowprec train`` keys they read and
+#: their own (``EstimateConfig``, ``RecommendConfig``; every other key of train composes too), and their flags.
+_SHARED = (
+    "model=",
+    "train.batch_size=",
+    "train.seq_len=",
+    "train.ac=",
+    "train.compile=",
+    "parallel.dp_shard=",
+    "parallel.tp=",
+)
+PLANNING_KEYS = {
+    "estimate": (
+        *_SHARED,
+        "recipe=",
+        "hardware=",
+        "efficiency=",
+        "async_tp=",
+        "--emulate",
+        "--json",
+        "--validate",
+    ),
+    "recommend": (
+        *_SHARED,
+        "hardware=",
+        "gpus=",
+        "tokens=",
+        "max_loss_gap=",
+        "recipes=",
+        "ablate_steps=",
+        "tracking.uri=",
+        "--json",
+    ),
+}
+
 
 def subcommands(usage: str) -> list[str]:
     """The subcommands the usage text's first line lists (``usage: lowprec {train,ablate,...} ...``)."""
@@ -49,7 +86,7 @@ def options(usage: str, cmd: str) -> list[str]:
         elif not line.startswith("    "):
             mine = False
         if mine:
-            words += re.findall(r"(?<![\w.-])(--[\w-]+|[a-z][\w.]*=)", head)
+            words += re.findall(r"(?<![\w.-])(--[\w-]+|[a-z][\w.]*=)(?!value\b)", head)
     return list(dict.fromkeys(words))
 
 
@@ -65,6 +102,8 @@ def query(line: str, usage: str, hydra_main: Callable[[str, Callable, list[str]]
         os.environ["COMP_LINE"] = line.split(None, 1)[1]
         hydra_main(cmd, lambda cfg: None, ["-sc", "query=bash"])
         return None
+    if cmd in PLANNING_KEYS:
+        return list(PLANNING_KEYS[cmd])
     return options(usage, cmd)
 
 

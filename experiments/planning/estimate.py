@@ -1,62 +1,48 @@
 """``lowprec estimate``: predicted per-GPU memory by component and step time, without running anything.
 
-    lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME]
-                     [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full]
-                     [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--emulate] [--json]
+    lowprec estimate [model=SIZE] [recipe=NAME|all] [train.batch_size=N] [train.seq_len=N] [train.ac=MODE]
+                     [train.compile=BOOL] [parallel.dp_shard=N] [parallel.tp=N] [hardware=NAME] [efficiency=F]
+                     [async_tp=BOOL] [model.<field>=V ...] [recipe.<group>.<field>=V ...] [--emulate] [--json]
 
-``batch`` is sequences per data-parallel rank (default 1); ``seq`` defaults to the model's ``max_seq_len``;
-``hardware`` defaults to ``h100_sxm``; ``efficiency`` (default 0.4) is the assumed MFU of the time
-prediction; ``recompute`` picks the column that ranks ``recipe=all`` and the AC mode of the step time. Sizes are
-printed in GiB (2**30 bytes), as ``lowprec recommend`` and torch's memory statistics print them. A step time is
-predicted only for a layout that fits the part's memory with that ``recompute``: otherwise the output says "does
-not fit" instead. Whether the part can run a recipe is the check training makes (``lowprec.estimate.runnable``:
-the FP8 backend's ``hardware_blocker`` at the part's compute capability): a recipe it refuses (FP8 on an A100,
-MXFP8/NVFP4 outside sm100) is refused here unless ``--emulate`` is given (the memory is then estimated and no
-step time is predicted: emulated speed is not modelled); under ``recipe=all`` such a recipe gets no step time and
-a note. A bad argument prints one line on stderr and returns 2: every key is checked (``recompute`` also for a
-single recipe). Any other exception is a bug and keeps its traceback. The figures come from ``lowprec.estimate``
-(its module doc states every rule and assumption).
+The keys are ``lowprec train``'s, with its defaults (experiments/plan/estimate_config.py composes them with Hydra
+into an ``EstimateQuery``): the estimate is of the run that ``lowprec train`` with the same keys would make.
+``train.batch_size`` is the global batch (``train.batch_size / (dp_replicate x dp_shard)`` sequences per GPU);
+``hardware`` defaults to ``h100_sxm``; ``efficiency`` also prints the flat-MFU step time at that MFU; ``train.ac``
+ranks ``recipe=all`` and is the AC mode of the step time; ``train.compile`` (default false, as in train) fuses the
+elementwise kernels in the cost model and counts the loss compiled. Sizes are printed in GiB (2**30 bytes), as
+``lowprec recommend`` and torch's memory statistics print them. A step time is predicted only for a layout that
+fits the part's memory with that ``train.ac``: otherwise the output says "does not fit" instead. Whether the part
+can run a recipe is the check training makes (``lowprec.estimate.runnable``: the FP8 backend's
+``hardware_blocker`` at the part's compute capability): a recipe it refuses (FP8 on an A100, MXFP8/NVFP4 outside
+sm100) is refused here unless ``--emulate`` is given (the memory is then estimated and no step time is predicted:
+emulated speed is not modelled); under ``recipe=all`` such a recipe gets no step time and a note. A bad argument
+prints one line on stderr and returns 2 (experiments/cli.py). Any other exception is a bug and keeps its
+traceback. The figures come from ``lowprec.estimate`` (its module doc states every rule and assumption).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
+from experiments.plan.estimate_config import EstimateQuery
 from experiments.planning.cost_validation import format_table, load_points, summary, validate
-from lowprec.errors import ConfigError, UserError
-from lowprec.estimate.activations import RECOMPUTE_MODES
+from lowprec.errors import ConfigError
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
 from lowprec.estimate.runnable import hardware_blocker
-from lowprec.model import ModelArgs, MoEArgs, model_args
-from lowprec.recipe import Recipe
-from recipes import CATALOG, get_recipe
 
 USAGE = (
-    "usage: lowprec estimate model=SIZE recipe=NAME|all [parallel.dp_shard=N] [parallel.tp=N] "
-    "[hardware=NAME] [batch=N] [seq=N] [efficiency=F] [recompute=none|selective|full] [compile=true|false] "
-    "[async_tp=true|false] [model.<field>=V] [recipe.<group>.<field>=V] [--emulate] [--json]\n"
+    "usage: lowprec estimate [model=SIZE] [recipe=NAME|all] [train.batch_size=N] [train.seq_len=N] "
+    "[train.ac=none|selective|full] [train.compile=true|false] [parallel.dp_shard=N] [parallel.tp=N] "
+    "[hardware=NAME] [efficiency=F] [async_tp=true|false] [model.<field>=V] [recipe.<group>.<field>=V] "
+    "[any other key of lowprec train] [--emulate] [--json]\n"
     "       lowprec estimate --validate [--json]"
 )
-_KEYS = (
-    "model",
-    "recipe",
-    "parallel.dp_shard",
-    "parallel.tp",
-    "hardware",
-    "batch",
-    "seq",
-    "efficiency",
-    "recompute",
-    "compile",
-    "async_tp",
-)
-_BOOLS = ("compile", "async_tp")
-_INTS = ("parallel.dp_shard", "parallel.tp", "batch", "seq")
+#: the flags of ``lowprec estimate`` (everything else is a key=value of its Hydra config)
+FLAGS = ("--json", "--emulate", "--validate")
 
 
 #: The largest held-out throughput error of the shipped calibration (``lowprec estimate --validate``;
@@ -71,11 +57,6 @@ MOE_NOTE = (
 
 class EstimateArgError(ConfigError):
     """A bad command-line argument; the message names it (a ``UserError``: one line, exit 2)."""
-
-
-def one_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (what a user error prints)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _value(text: str):
@@ -95,96 +76,6 @@ def _value(text: str):
     return text
 
 
-def parse_args(argv: list[str]) -> dict:
-    """``key=value`` pairs and ``--json`` into a dict; raises ``EstimateArgError`` for anything else."""
-    out: dict = {"json": False, "emulate": False, "validate": False, "model_over": {}, "recipe_over": {}}
-    for a in argv:
-        if a in ("--json", "--emulate", "--validate"):
-            out[a[2:]] = True
-            continue
-        key, eq, val = a.partition("=")
-        if not eq or not key or not val:
-            raise EstimateArgError(f"argument {a!r} is not key=value (or --json, --emulate, --validate)")
-        if key.startswith("model."):
-            out["model_over"][key.removeprefix("model.")] = _value(val)
-        elif key.startswith("recipe."):
-            group, dot, name = key.removeprefix("recipe.").partition(".")
-            if not dot:
-                raise EstimateArgError(f"recipe override {key!r} must be recipe.<group>.<field>")
-            out["recipe_over"].setdefault(group, {})[name] = _value(val)
-        elif key in _KEYS:
-            if key in _INTS:
-                try:
-                    out[key] = int(val)
-                except ValueError:
-                    raise EstimateArgError(f"{key}={val!r} is not an integer") from None
-            elif key in _BOOLS:
-                if val.lower() not in ("true", "false"):
-                    raise EstimateArgError(f"{key}={val!r} is not true or false")
-                out[key] = val.lower() == "true"
-            elif key == "efficiency":
-                try:
-                    out[key] = float(val)
-                except ValueError:
-                    raise EstimateArgError(f"efficiency={val!r} is not a number") from None
-            else:
-                out[key] = val
-        else:
-            raise EstimateArgError(
-                f"unknown key {key!r}; known: {', '.join(_KEYS)}, model.<field>, recipe.<group>.<field>"
-            )
-    if out["validate"]:
-        extra = [k for k in out if k in _KEYS]
-        if extra:
-            raise EstimateArgError(f"--validate takes no other key (got {extra[0]}=): it predicts the published points")
-        return out
-    for req in ("model", "recipe"):
-        if req not in out:
-            raise EstimateArgError(f"{req}= is required")
-    if out.get("recompute", "none") not in RECOMPUTE_MODES:
-        raise EstimateArgError(f"recompute={out['recompute']!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    if "efficiency" in out and not 0.0 < out["efficiency"] <= 1.0:
-        raise EstimateArgError(f"efficiency={out['efficiency']} must be in (0, 1]")
-    if out.get("async_tp") and out.get("parallel.tp", 1) == 1:
-        raise EstimateArgError("async_tp=true needs parallel.tp > 1")
-    return out
-
-
-def compile_for(args, asked: bool | None) -> bool:
-    """Whether the cost model times the elementwise kernels fused and the memory model counts the loss compiled
-    (``compile``, what ``train.compile`` does): as asked, by default ``true``
-    for a dense model and ``false`` for a DeepSeekMoE model, which lowprec trains eager
-    (``lowprec.train.moe_balance`` refuses ``train.compile`` there). ``compile=true`` on a MoE model raises
-    ``EstimateArgError`` (one line)."""
-    moe = isinstance(args, MoEArgs)
-    if asked and moe:
-        raise EstimateArgError(
-            "compile=true: lowprec trains MoE models eager (train.compile is refused for their per-expert loop); "
-            "drop it or set compile=false"
-        )
-    return (not moe) if asked is None else asked
-
-
-def check_model_overrides(over: dict) -> dict:
-    """``model.<field>=V`` overrides checked against ``ModelArgs``'s fields: known name, and an integer for the
-    integer fields, a number for the float ones (``None`` allowed where the default is). Raises
-    ``EstimateArgError``; the values themselves are checked by ``ModelArgs``."""
-    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
-    for k, v in over.items():
-        if k not in fields:
-            raise EstimateArgError(f"unknown model field model.{k}; known: {', '.join(fields)}")
-        default = fields[k].default
-        ok = (
-            (isinstance(v, int) and not isinstance(v, bool))
-            if isinstance(default, int)
-            else (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
-        )
-        if not ok:
-            kind = "an integer" if isinstance(default, int) else "a number"
-            raise EstimateArgError(f"model.{k}={v!r} is not {kind}")
-    return over
-
-
 def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
     """Refuse a recipe ``hw`` cannot run (``lowprec.estimate.runnable.hardware_blocker``: the FP8 backend's own
     check at the part's compute capability, as training makes it) unless ``emulate`` (``EstimateArgError``)."""
@@ -199,23 +90,6 @@ def check_fp8_hardware(recipes, hw, emulate: bool) -> None:
             )
 
 
-def _recipes(name: str, overrides: dict):
-    if name == "all":
-        if overrides:
-            raise EstimateArgError("recipe.<group>.<field> overrides need a single recipe, not recipe=all")
-        return list(CATALOG.values())
-    r = get_recipe(name)
-    if overrides:
-        d = r.to_dict()
-        for group, fields in overrides.items():
-            if group not in d or not isinstance(d[group], dict):
-                known = ", ".join(k for k, v in d.items() if isinstance(v, dict))
-                raise EstimateArgError(f"unknown recipe group {group!r}; known: {known}")
-            d[group].update(fields)
-        r = Recipe.from_dict(d)
-    return [r]
-
-
 GIB = 2**30
 
 
@@ -228,13 +102,13 @@ def _row(label: str, nbytes: int, note: str = "") -> str:
 
 
 def no_fit_reason(e, ac: str) -> str | None:
-    """Why no step time is predicted for estimate ``e`` under recompute ``ac``: its total does not fit the part's
+    """Why no step time is predicted for estimate ``e`` under ``train.ac=ac``: its total does not fit the part's
     memory (one phrase with both sizes in GiB), or ``None`` when it fits or no part is given."""
     if e.hardware is None or e.fits(ac) is not False:
         return None
     return (
-        f"does not fit: {e.totals[ac] / GIB:,.1f} GiB with recompute {ac} on {e.hardware.name} "
-        f"({e.hardware.memory_bytes / GIB:,.1f} GiB); no step time (raise parallel.dp_shard or recompute=)"
+        f"does not fit: {e.totals[ac] / GIB:,.1f} GiB with train.ac={ac} on {e.hardware.name} "
+        f"({e.hardware.memory_bytes / GIB:,.1f} GiB); no step time (raise parallel.dp_shard or set train.ac=)"
     )
 
 
@@ -251,23 +125,25 @@ def cost_line(c) -> str:
     lo = c.layout
     return (
         f"predicted step {c.step_time_s:.4g} s, {c.tokens_per_s_per_gpu:,.0f} tokens/s/GPU on {c.hardware} "
-        f"(cost model, ac={lo.ac}, compile={str(lo.compile).lower()}): GEMMs {c.gemm:.3g} s, attention "
+        f"(cost model, train.ac={lo.ac}, train.compile={str(lo.compile).lower()}): GEMMs {c.gemm:.3g} s, attention "
         f"{c.attention:.3g} s, memory-bound kernels {c.kernels:.3g} s, FP8 casts {c.fp8_casts:.3g} s, "
         f"communication {c.fsdp_comm + c.tp_comm:.3g} s of which {c.exposed_comm:.3g} s exposed; "
         f"held-out error of the model up to {100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
     )
 
 
-def format_one(e, args, model_name: str, unsharded, cost=None, flat: bool = False, no_time: str | None = None) -> str:
+def format_one(
+    e, args, model_name: str, unsharded, cost=None, flat: bool = False, no_time: str | None = None, batch: int = 0
+) -> str:
     """The per-GPU table of one ``lowprec.estimate.Estimate`` (``unsharded``: its state at dp_shard=tp=1;
     ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time; ``no_time``: why no step
-    time is predicted, printed instead of one)."""
+    time is predicted, printed instead of one; ``batch``: the global ``train.batch_size``)."""
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
         f"model={model_name}: {s.n_params:,} parameters ({s.n_tensors} tensors); recipe={e.recipe} ({e.short})",
-        f"layout: parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}; batch={e.batch} x seq={e.seq} per "
-        f"data-parallel rank; figures are per GPU (rank 0)",
+        f"layout: parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}; train.batch_size={batch} ({e.batch} per "
+        f"data-parallel rank) x train.seq_len={e.seq}; figures are per GPU (rank 0)",
         *_activated_line(args),
         "",
         f"  {'component':<40} {'bytes':>19} {'GiB':>10}",
@@ -362,14 +238,15 @@ def published_for(e, model_name: str, cost):
     return None
 
 
-def format_ranking(r, model_name: str, costs: dict) -> str:
+def format_ranking(r, model_name: str, costs: dict, batch: int = 0) -> str:
     """The ``recipe=all`` table of a ``lowprec.estimate.Ranking``; ``costs``: recipe -> ``StepCost`` or an
-    error string (why no time is predicted)."""
+    error string (why no time is predicted); ``batch``: the global ``train.batch_size``."""
     e0 = r.rows[0]
     hw = e0.hardware
     head = (
-        f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, batch={e0.batch} x "
-        f"seq={e0.seq}, hardware={hw.name if hw else 'none'}; per GPU, ranked by total with recompute={r.recompute}"
+        f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, train.batch_size={batch} "
+        f"({e0.batch} per data-parallel rank) x train.seq_len={e0.seq}, hardware={hw.name if hw else 'none'}; "
+        f"per GPU, ranked by total with train.ac={r.recompute}"
     )
     cols = (
         f"{'mem':>3} {'recipe':<21} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'fits':>4} "
@@ -390,7 +267,7 @@ def format_ranking(r, model_name: str, costs: dict) -> str:
         )
     if timed:
         lines.append(
-            f"\nstep time from the per-op cost model (ac={r.recompute}); its held-out error reaches "
+            f"\nstep time from the per-op cost model (train.ac={r.recompute}); its held-out error reaches "
             f"{100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
             + (f"\n{MOE_NOTE}" if r.rows[0].flops.is_moe else "")
         )
@@ -416,43 +293,37 @@ def _costs(args, estimates, hw, lo) -> dict:
     return out
 
 
-def run(opts: dict) -> str:
-    """Compute and format (text or JSON) the estimate for parsed ``opts``; raises on bad values."""
-    if opts["validate"]:
-        rows = validate()
-        if opts["json"]:
-            return json.dumps({"rows": [r.to_dict() for r in rows], **summary(rows)}, indent=1)
-        return format_table(rows, Calibration())
-    args = model_args(opts["model"], **check_model_overrides(opts["model_over"]))
-    hw = get_hardware(opts.get("hardware", "h100_sxm"))
-    compiled = compile_for(args, opts.get("compile"))  # lowprec compiles the loss with the blocks
+def validation(as_json: bool) -> str:
+    """``lowprec estimate --validate``: the cost model against every published point (text or JSON)."""
+    rows = validate()
+    if as_json:
+        return json.dumps({"rows": [r.to_dict() for r in rows], **summary(rows)}, indent=1)
+    return format_table(rows, Calibration())
+
+
+def run(q: EstimateQuery, as_json: bool = False) -> str:
+    """Compute and format (text or JSON) the estimate of the typed query ``q``; raises ``UserError`` subclasses
+    for what the part cannot run (``check_fp8_hardware``) or an unknown ``hardware``."""
+    args, hw = q.args, get_hardware(q.hardware)
+    lo_seq, ac = q.train.seq_len, q.train.ac
     kw = dict(
-        dp_shard=opts.get("parallel.dp_shard", 1),
-        tp=opts.get("parallel.tp", 1),
-        batch=opts.get("batch", 1),
-        seq=opts.get("seq"),
+        dp_shard=q.dims.dp_shard,
+        tp=q.dims.tp,
+        batch=q.batch_per_rank,
+        seq=lo_seq,
         hardware=hw,
-        efficiency=opts.get("efficiency", DEFAULT_EFFICIENCY),
-        compiled_loss=compiled,
+        efficiency=q.efficiency if q.efficiency is not None else DEFAULT_EFFICIENCY,
+        compiled_loss=q.train.compile,  # lowprec compiles the loss with the blocks
     )
-    recipes = _recipes(opts["recipe"], opts["recipe_over"])
-    check_fp8_hardware(recipes if opts["recipe"] != "all" else [], hw, opts["emulate"])
-    model_info = {"name": opts["model"], **dataclasses.asdict(args)}
-    ac = opts.get("recompute", "none")
-    if opts["recipe"] == "all":
+    recipes = list(q.recipes)
+    check_fp8_hardware([] if q.all_recipes else recipes, hw, q.emulate)
+    model_info = {"name": q.model, **dataclasses.asdict(args)}
+    lo = Layout(q.dims.dp_shard, q.dims.tp, q.batch_per_rank, lo_seq, ac, q.train.compile, q.async_tp)
+    if q.all_recipes:
         r = estimate_all(args, recipes, recompute=ac, **kw)
-        lo = Layout(
-            kw["dp_shard"],
-            kw["tp"],
-            kw["batch"],
-            r.rows[0].seq,
-            ac,
-            compiled,
-            opts.get("async_tp", False),
-        )
         by_name = {e.recipe: e for e in r.rows}
         costs = _costs(args, [(x, by_name[x.name]) for x in recipes], hw, lo)
-        if opts["json"]:
+        if as_json:
             return json.dumps(
                 {
                     "model": model_info,
@@ -461,24 +332,15 @@ def run(opts: dict) -> str:
                 },
                 indent=1,
             )
-        return format_ranking(r, opts["model"], costs)
+        return format_ranking(r, q.model, costs, q.train.batch_size)
     e = estimate(args, recipes[0], **kw)
-    lo = Layout(
-        kw["dp_shard"],
-        kw["tp"],
-        kw["batch"],
-        e.seq,
-        ac,
-        compiled,
-        opts.get("async_tp", False),
-    )
     cost = _costs(args, [(recipes[0], e)], hw, lo)[recipes[0].name]
     no_time = None
     if isinstance(cost, str):  # not runnable there (--emulate), or it does not fit
         no_time = cost if cost.startswith("does not fit") else f"{cost} (emulated speed is not modelled)"
         cost = None
     unsharded = predict_state_bytes(args, recipes[0])
-    if opts["json"]:
+    if as_json:
         return json.dumps(
             {
                 "model": model_info,
@@ -489,24 +351,6 @@ def run(opts: dict) -> str:
             },
             indent=1,
         )
-    return format_one(e, args, opts["model"], unsharded, cost, flat="efficiency" in opts, no_time=no_time)
-
-
-def estimate_main(argv: list[str]) -> int:
-    """Entry point of ``lowprec estimate``; returns the exit status (0, or 2 for bad input: a
-    ``lowprec.errors.UserError``). Any other exception, a ``KeyError`` or ``IndexError`` from the program's own
-    tables included, is a bug and propagates with its traceback."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    try:
-        out = run(parse_args(argv))
-    except UserError as e:  # anything else is a bug: its traceback is kept
-        print(f"lowprec estimate: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(estimate_main(sys.argv[1:]))
+    return format_one(
+        e, args, q.model, unsharded, cost, flat=q.efficiency is not None, no_time=no_time, batch=q.train.batch_size
+    )

@@ -1,19 +1,26 @@
 """``lowprec recommend``: which catalog recipe (and layout) to pretrain with, and what is known about its loss.
 
-    lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N]
-                      [recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b,...]]
-                      [ablate_steps=N] [tracking.uri=URI] [--json]
+    lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [train.batch_size=N]
+                      [train.seq_len=N] [train.ac=none|selective|full] [train.compile=true|false]
+                      [parallel.tp=N] [parallel.dp_shard=N] [recipes=[a,b,...]] [ablate_steps=N]
+                      [tracking.uri=URI] [any other key of lowprec train] [--json]
+
+The keys are ``lowprec train``'s (experiments/plan/estimate_config.py composes them with Hydra into a
+``RecommendQuery``); those given pin what they name, the others recommend chooses. For its top choice it prints
+the ``lowprec train`` and ``lowprec ablate`` command lines that run it (``commands``; across hosts, the torchrun
+line to start on each), with the user's other ``lowprec train`` keys carried over.
 
 Which recipes the hardware can run is the question training asks before it builds anything: the recipe's FP8
 backend decides from the part's compute capability (``lowprec.estimate.runnable``, ``Float8Backend.
 hardware_blocker``); a recipe it refuses (FP8 on an A100, MXFP8/NVFP4 outside sm100) is listed as not runnable with
 that reason and never given a step time. For every other recipe, every tensor-parallel degree ``tp`` in 1, 2, 4, 8
 that divides ``gpus`` and the head counts (FSDP over the rest, ``dp_shard = gpus / tp``), and every
-activation-checkpointing mode (the lightest that fits unless ``recompute=`` pins one),
+activation-checkpointing mode (the lightest that fits unless ``train.ac=`` pins one),
 ``lowprec.estimate.memory_model`` predicts the peak reserved memory and ``lowprec.estimate.cost_model`` the step
 time. Each recipe keeps its fastest layout that fits in memory with ``MEMORY_MARGIN`` of it free; recipes are ranked
-by predicted time to train ``tokens`` tokens (``batch`` sequences of ``seq`` tokens per data-parallel rank and
-step, so a row's step takes ``dp_shard * batch * seq`` tokens), then by memory headroom. A row whose layout lies
+by predicted time to train ``tokens`` tokens (``train.batch_size`` sequences of ``train.seq_len`` tokens per step,
+split over the data-parallel ranks; unpinned, one sequence per rank, so a row's step takes ``dp_shard * seq``
+tokens), then by memory headroom. A row whose layout lies
 outside every published point of ``published.yaml`` (other TP degree, FSDP degree or hardware) says so: the cost
 model's error is known only near them. A DeepSeekMoE model (``model=moe_*``) gets FSDP layouts only (``tp = 1``:
 the cost and memory models do not cover tensor or expert parallelism of its experts), its time from the activated
@@ -35,13 +42,12 @@ tables included) is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from experiments.planning.estimate import MODEL_ERROR, MOE_NOTE, EstimateArgError, _value, compile_for, one_line
+from experiments.plan.estimate_config import RecommendQuery
+from experiments.planning.estimate import MODEL_ERROR, MOE_NOTE, _value
 from experiments.planning.recommend_evidence import (
     LOWPREC_GPU_CHECK,
     PUBLISHED_EVIDENCE,  # noqa: F401 (re-exported: the citations live in experiments.planning.recommend_evidence)
@@ -50,7 +56,6 @@ from experiments.planning.recommend_evidence import (
     published_hardware,
 )
 from experiments.planning.recommend_plan import (
-    EVIDENCE_STEPS,
     MEMORY_MARGIN,
     TP_DEGREES,  # noqa: F401 (re-exported)
     AblationPlan,
@@ -58,6 +63,7 @@ from experiments.planning.recommend_plan import (
     layouts,
     memory_limit,
     peak_reserved,
+    run_commands,
 )
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
@@ -68,90 +74,12 @@ from lowprec.recipe import Recipe
 from recipes import CATALOG, get_recipe
 
 USAGE = (
-    "usage: lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [batch=N] [seq=N] "
-    "[recompute=auto|none|selective|full] [compile=true|false] [recipes=[a,b]] [ablate_steps=N] [tracking.uri=URI] "
+    "usage: lowprec recommend model=SIZE hardware=NAME gpus=N tokens=T [max_loss_gap=0.25%] [train.batch_size=N] "
+    "[train.seq_len=N] [train.ac=none|selective|full] [train.compile=true|false] [parallel.tp=N] "
+    "[parallel.dp_shard=N] ['recipes=[a,b]'] [ablate_steps=N] [tracking.uri=URI] [any other key of lowprec train] "
     "[--json]"
 )
-_KEYS = (
-    "model",
-    "hardware",
-    "gpus",
-    "tokens",
-    "max_loss_gap",
-    "batch",
-    "seq",
-    "recompute",
-    "compile",
-    "recipes",
-    "ablate_steps",
-    "tracking.uri",
-)
-DEFAULT_URI = "sqlite:///runs/mlflow.db"
-DEFAULT_GAP = 0.0025
 CONTROL = "bf16"
-
-
-class RecommendArgError(EstimateArgError):
-    """A bad ``lowprec recommend`` argument; the message names it."""
-
-
-def _gap(text: str) -> float:
-    t = text.strip()
-    try:
-        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise RecommendArgError(f"max_loss_gap={text!r} is not a number or a percentage like 0.25%") from None
-    if not (0.0 < v < 1.0 and math.isfinite(v)):
-        raise RecommendArgError(f"max_loss_gap={text!r} must be a relative gap in (0, 100%)")
-    return v
-
-
-def parse_args(argv: list[str]) -> dict:
-    """``key=value`` pairs and ``--json`` into a dict with every field checked; raises ``RecommendArgError``."""
-    out: dict = {"json": False}
-    for a in argv:
-        if a == "--json":
-            out["json"] = True
-            continue
-        key, eq, val = a.partition("=")
-        if not eq or not key or not val:
-            raise RecommendArgError(f"argument {a!r} is not key=value (or --json)")
-        if key not in _KEYS:
-            raise RecommendArgError(f"unknown key {key!r}; known: {', '.join(_KEYS)}")
-        out[key] = val
-    for req in ("model", "hardware", "gpus", "tokens"):
-        if req not in out:
-            raise RecommendArgError(f"{req}= is required")
-    for k in ("gpus", "batch", "seq", "ablate_steps"):
-        if k in out:
-            try:
-                out[k] = int(out[k])
-            except ValueError:
-                raise RecommendArgError(f"{k}={out[k]!r} is not an integer") from None
-            if out[k] < 1:
-                raise RecommendArgError(f"{k}={out[k]} must be >= 1")
-    try:
-        out["tokens"] = float(out["tokens"])
-    except ValueError:
-        raise RecommendArgError(f"tokens={out['tokens']!r} is not a number (e.g. 2e12)") from None
-    if not (out["tokens"] > 0 and math.isfinite(out["tokens"])):
-        raise RecommendArgError(f"tokens={out['tokens']:g} must be a finite number > 0")
-    out["max_loss_gap"] = _gap(out.get("max_loss_gap", str(DEFAULT_GAP)))
-    rc = out.get("recompute", "auto")
-    if rc not in ("auto", *AC_MODES):
-        raise RecommendArgError(f"recompute={rc!r} is not one of auto, {', '.join(AC_MODES)}")
-    out["recompute"] = rc
-    if "compile" in out:  # unset: experiments.planning.estimate.compile_for decides per model
-        c = str(out["compile"]).lower()
-        if c not in ("true", "false"):
-            raise RecommendArgError(f"compile={out['compile']!r} is not true or false")
-        out["compile"] = c == "true"
-    if "recipes" in out:
-        names = _value(out["recipes"])
-        if not isinstance(names, list) or not names:
-            raise RecommendArgError(f"recipes={out['recipes']!r} is not a list like [bf16,fp8_rowwise]")
-        out["recipes"] = [get_recipe(str(n)).name for n in names]
-    return out
 
 
 # ---- evidence from the user's MLflow store ----------------------------------------------------------------
@@ -271,7 +199,8 @@ class Option:
     train, ``speedup`` over bf16's best layout (``None`` without a bf16 row), peak ``reserved_gib`` (GiB, 2**30
     bytes) and ``headroom`` (fraction of device memory left); ``tokens_per_step`` (``dp_shard * batch * seq``);
     ``outside_published``: why the layout lies outside every published point, or ``None``; ``ablation``: the
-    ablation that would give the missing loss evidence (``ablate_command`` is its command), or ``None``."""
+    ablation that would give the missing loss evidence (``ablate_command`` is its command), or ``None``;
+    ``batch_per_rank``: sequences per data-parallel rank (``train.batch_size / dp_shard``)."""
 
     recipe: str
     dp_shard: int
@@ -289,26 +218,46 @@ class Option:
     published: str = ""
     outside_published: str | None = None
     excluded: str | None = None
+    batch_per_rank: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
-    """The fastest (layout, AC) of ``recipe`` that fits ``hw``'s memory, or why none does."""
-    batch, seq = opts.get("batch", 1), opts.get("seq", args.max_seq_len)
-    modes = AC_MODES if opts["recompute"] == "auto" else (opts["recompute"],)
+def _batch_per_rank(q: RecommendQuery, dp: int) -> int | None:
+    """Sequences per data-parallel rank of a layout with ``dp`` of them: the pinned ``train.batch_size`` split over
+    them (``None`` when it does not split evenly, as training refuses), else 1."""
+    if q.batch_size is None:
+        return 1
+    return q.batch_size // dp if q.batch_size % dp == 0 else None
+
+
+def best_option(args, recipe: Recipe, hw, q: RecommendQuery) -> Option | str:
+    """The fastest (layout, AC) of ``recipe`` that fits ``hw``'s memory, or why none does; the layouts and AC modes
+    are those ``q`` leaves open (``parallel.tp``, ``parallel.dp_shard``, ``train.ac`` pin theirs)."""
+    seq = q.seq
+    modes = AC_MODES if q.ac is None else (q.ac,)
     best = None
-    lays = list(layouts(args, opts["gpus"], recipe))
+    lays = [
+        (dp, tp)
+        for dp, tp in layouts(args, q.gpus, recipe)
+        if (q.tp is None or tp == q.tp) and (q.dp_shard is None or dp == q.dp_shard)
+    ]
     if not lays:
-        return f"no layout of {opts['gpus']} GPUs can run it (FP8 communication needs FSDP and, in lowprec, no TP)"
+        pins = "".join(
+            f", {k}={v}" for k, v in (("parallel.tp", q.tp), ("parallel.dp_shard", q.dp_shard)) if v is not None
+        )
+        return f"no layout of {q.gpus} GPUs{pins} can run it (FP8 communication needs FSDP and, in lowprec, no TP)"
     for dp, tp in lays:
+        batch = _batch_per_rank(q, dp)
+        if batch is None:
+            continue  # train.batch_size does not split over this layout's data-parallel ranks
         for ac in modes:
-            reserved = peak_reserved(args, recipe, dp, tp, batch, seq, ac, opts["compile"])
+            reserved = peak_reserved(args, recipe, dp, tp, batch, seq, ac, q.compile)
             if reserved > memory_limit(hw):
                 continue
-            c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, opts["compile"]))
-            days = opts["tokens"] / (c.tokens_per_s_per_gpu * opts["gpus"]) / 86400
+            c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, q.compile))
+            days = q.tokens / (c.tokens_per_s_per_gpu * q.gpus) / 86400
             o = Option(
                 recipe.name,
                 dp,
@@ -319,14 +268,16 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
                 reserved / 2**30,
                 1 - reserved / hw.memory_bytes,
                 dp * batch * seq,
+                batch_per_rank=batch,
             )
             if best is None or (o.days, -o.headroom) < (best.days, -best.headroom):
                 best = o
             break  # a heavier AC mode of the same layout is only slower
     if best is None:
+        batch = "1 per data-parallel rank" if q.batch_size is None else f"train.batch_size={q.batch_size}"
         return (
-            f"no layout of {opts['gpus']} GPUs leaves {100 * MEMORY_MARGIN:.0f}% of "
-            f"{hw.memory_bytes / 2**30:.1f} GiB free at batch {batch} x seq {seq}"
+            f"no layout of {q.gpus} GPUs leaves {100 * MEMORY_MARGIN:.0f}% of "
+            f"{hw.memory_bytes / 2**30:.1f} GiB free at {batch} x train.seq_len={seq}"
         )
     return best
 
@@ -335,18 +286,21 @@ def best_option(args, recipe: Recipe, hw, opts: dict) -> Option | str:
 class Recommendation:
     """``options`` ranked (fastest first; excluded ones after, with the reason), ``top`` (first not excluded,
     or ``None``), ``not_runnable`` (recipe -> why it is not runnable there, or why no layout fits: never with a
-    step time), ``paragraph`` (the top choice in words)."""
+    step time), ``paragraph`` (the top choice in words), ``commands``: the ``lowprec train`` and ``lowprec ablate``
+    command lines that run the top choice (``recommend_plan.run_commands``; ``None`` without a top choice)."""
 
     query: dict
     options: list[Option]
     top: str | None
     not_runnable: dict[str, str]
     paragraph: str
+    commands: dict[str, str] | None = None
 
     def to_dict(self) -> dict:
         return {
             "query": self.query,
             "top": self.top,
+            "commands": self.commands,
             "options": [o.to_dict() for o in self.options],
             "not_runnable": self.not_runnable,
             "paragraph": self.paragraph,
@@ -355,25 +309,16 @@ class Recommendation:
         }
 
 
-def recommend(opts: dict) -> Recommendation:
-    """Rank the candidate recipes for parsed ``opts`` (see the module doc). Raises ``ConfigError`` for an unknown
-    model or hardware, or a sequence longer than the model's."""
-    args = model_args(opts["model"])
-    hw = get_hardware(opts["hardware"])
-    seq = opts.get("seq", args.max_seq_len)
-    if seq > args.max_seq_len:
-        raise RecommendArgError(f"seq={seq} exceeds model.max_seq_len={args.max_seq_len}")
-    names = opts.get("recipes") or list(CATALOG)
-    opts = {
-        **opts,
-        "batch": opts.get("batch", 1),
-        "seq": seq,
-        "ablate_steps": opts.get("ablate_steps", EVIDENCE_STEPS),
-        "compile": compile_for(args, opts.get("compile")),
-        "moe": isinstance(args, MoEArgs),
-    }
-    evidence = stored_verdicts(opts.get("tracking.uri", DEFAULT_URI), opts["model"], model_class(args))
-    gap = opts["max_loss_gap"]
+def recommend(q: RecommendQuery) -> Recommendation:
+    """Rank the candidate recipes for the typed query ``q`` (see the module doc). Raises ``ConfigError`` for an
+    unknown hardware or recipe."""
+    args = q.args
+    hw = get_hardware(q.hardware)
+    names = list(q.recipes) or list(CATALOG)
+    evidence = stored_verdicts(q.tracking_uri, q.model, model_class(args))
+    gap = q.max_loss_gap
+    # the evidence ablation keeps the pinned batch per GPU (one sequence per data-parallel rank otherwise)
+    evidence_batch = max(1, q.batch_size // q.gpus) if q.batch_size is not None else 1
     control = get_recipe(CONTROL)
     options, not_runnable = [], {}
     for name in dict.fromkeys([*names, CONTROL]):
@@ -382,7 +327,7 @@ def recommend(opts: dict) -> Recommendation:
         if why is not None:
             not_runnable[name] = f"on {hw.name}: {why}"
             continue
-        o = best_option(args, r, hw, opts)
+        o = best_option(args, r, hw, q)
         if isinstance(o, str):
             not_runnable[name] = o
             continue
@@ -395,16 +340,16 @@ def recommend(opts: dict) -> Recommendation:
         plan = None
         if not has_comparable and name != CONTROL and excluded is None:
             plan = ablation_plan(
-                opts["model"],
+                q.model,
                 args,
                 control,
                 r,
                 hw,
-                gpus=opts["gpus"],
-                batch=opts["batch"],
-                seq=seq,
+                gpus=q.gpus,
+                batch=evidence_batch,
+                seq=q.seq,
                 gap=gap,
-                steps=opts["ablate_steps"],
+                steps=q.ablate_steps,
             )
         options.append(
             replace(
@@ -413,7 +358,7 @@ def recommend(opts: dict) -> Recommendation:
                 ablation=plan,
                 ablate_command=plan.command if plan else None,
                 published=published_evidence(r, CONTROL),
-                outside_published=outside_published(opts["model"], hw.name, o.dp_shard, o.tp),
+                outside_published=outside_published(q.model, hw.name, o.dp_shard, o.tp),
                 excluded=excluded,
             )
         )
@@ -422,8 +367,42 @@ def recommend(opts: dict) -> Recommendation:
         options = [replace(o, speedup=base.days / o.days) for o in options]
     options.sort(key=lambda o: (o.excluded is not None, o.days, -o.headroom))
     top = next((o for o in options if o.excluded is None), None)
-    query = {k: v for k, v in opts.items() if k != "json"}
-    return Recommendation(query, options, top.recipe if top else None, not_runnable, paragraph(top, base, opts, gap))
+    query = {
+        "model": q.model,
+        "hardware": q.hardware,
+        "gpus": q.gpus,
+        "tokens": q.tokens,
+        "max_loss_gap": gap,
+        "batch_size": q.batch_size,
+        "seq": q.seq,
+        "ac": q.ac,
+        "compile": q.compile,
+        "tp": q.tp,
+        "dp_shard": q.dp_shard,
+        "recipes": list(q.recipes) or None,
+        "ablate_steps": q.ablate_steps,
+        "tracking_uri": q.tracking_uri,
+        "moe": isinstance(args, MoEArgs),
+    }
+    commands = None
+    if top is not None:
+        commands = run_commands(
+            q.model,
+            top.recipe,
+            CONTROL,
+            hw.name,
+            dp_shard=top.dp_shard,
+            tp=top.tp,
+            batch_per_rank=top.batch_per_rank,
+            seq=q.seq,
+            ac=top.ac,
+            compile=q.compile,
+            margin=gap,
+            extra=q.passthrough,
+        )
+    return Recommendation(
+        query, options, top.recipe if top else None, not_runnable, paragraph(top, base, query, gap), commands
+    )
 
 
 def published_refs(options: list[Option]) -> list[dict]:
@@ -473,8 +452,9 @@ def paragraph(top: Option | None, base: Option | None, opts: dict, gap: float) -
     lay = f"FSDP over {top.dp_shard} GPUs" + (f" with tensor parallel {top.tp}" if top.tp > 1 else "")
     s = (
         f"Recommended: {top.recipe}, {lay}, activation checkpointing {top.ac}: predicted "
-        f"{top.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at batch {opts['batch']} x seq {opts['seq']} per "
-        f"data-parallel rank ({top.tokens_per_step:,} tokens per step), {top.days:,.1f} days for "
+        f"{top.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at train.batch_size={top.dp_shard * top.batch_per_rank} "
+        f"({top.batch_per_rank} per data-parallel rank) x train.seq_len={opts['seq']} ({top.tokens_per_step:,} "
+        f"tokens per step), {top.days:,.1f} days for "
         f"{opts['tokens']:.3g} tokens on {opts['gpus']} {opts['hardware']} GPUs, with {100 * top.headroom:.0f}% of "
         "memory to spare. "
     )
@@ -519,9 +499,8 @@ def format_table(rec: Recommendation) -> str:
     lines = [
         f"model={q['model']} hardware={q['hardware']} gpus={q['gpus']} tokens={q['tokens']:.3g} "
         f"max_loss_gap={100 * q['max_loss_gap']:.2f}%; ranked by predicted time to train, then memory headroom",
-        f"assumed: batch={q['batch']} sequence(s) of seq={q['seq']} tokens per data-parallel rank and step "
-        f"(batch=, seq= change it), so a row's step takes its FSDP degree x {q['batch'] * q['seq']:,} tokens "
-        f"(tok/step); compile={str(q['compile']).lower()}; memory in GiB (2**30 bytes)",
+        f"assumed: {_assumed_batch(q)} of train.seq_len={q['seq']} tokens per step (train.batch_size=, "
+        f"train.seq_len= pin them); train.compile={str(q['compile']).lower()}; memory in GiB (2**30 bytes)",
         "",
         f"{'#':>2} {'recipe':<{w}} {'layout':<16} {'tok/step':>9} {'tok/s/GPU':>9} {'days':>8} {'vs bf16':>8} "
         f"{'peak GiB':>8} {'free':>5} {'pub':>4}  loss evidence",
@@ -577,27 +556,14 @@ def format_table(rec: Recommendation) -> str:
         "",
         rec.paragraph,
     ]
+    if rec.commands:
+        lines += ["", f"Run {rec.top} (add train.steps=N and your data):"]
+        lines += [f"  {rec.commands['train']}", f"Ablate it against {CONTROL} in this layout:"]
+        lines += [f"  {rec.commands['ablate']}"]
     return "\n".join(lines)
 
 
-def recommend_main(argv: list[str]) -> int:
-    """Entry point of ``lowprec recommend``; returns the exit status (0, or 2 for bad input). Only a
-    ``lowprec.errors.UserError`` is bad input; anything else (a ``KeyError`` or ``IndexError`` from the program's
-    own tables) is a bug and propagates with its traceback."""
-    from lowprec.errors import UserError
-
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    try:
-        opts = parse_args(argv)
-        rec = recommend(opts)
-    except UserError as e:
-        print(f"lowprec recommend: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(json.dumps(rec.to_dict(), indent=1) if opts["json"] else format_table(rec))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(recommend_main(sys.argv[1:]))
+def _assumed_batch(q: dict) -> str:
+    if q["batch_size"] is None:
+        return "1 sequence per data-parallel rank (train.batch_size = its FSDP degree)"
+    return f"train.batch_size={q['batch_size']} sequences split over the data-parallel ranks"

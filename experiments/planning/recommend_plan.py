@@ -122,16 +122,62 @@ class AblationPlan:
             f"seeds={self.seeds}",
             f"report.margin={self.margin:g}",
         ]
-        if self.nodes == 1:
-            return shlex.join(["lowprec", "ablate", *overrides])
-        launcher = (
-            f"torchrun --nnodes={self.nodes} --nproc_per_node={self.nproc_per_node} --rdzv_backend=c10d "
-            "--rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=lowprec -m experiments ablate"
-        )
-        return f"{launcher} {shlex.join(overrides)}"  # $HEAD_NODE unquoted: each host's shell expands it
+        return launch_line("ablate", overrides, self.nodes, self.nproc_per_node)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "gpu_hours": self.gpu_hours, "command": self.command}
+
+
+def launch_line(subcommand: str, overrides: list[str], nodes: int, nproc_per_node: int) -> str:
+    """``lowprec <subcommand> <overrides>`` (shell-quoted) on one host, where lowprec starts torchrun itself; across
+    ``nodes`` hosts, the torchrun line the README gives, to start on each with ``HEAD_NODE`` set to the first."""
+    if nodes == 1:
+        return shlex.join(["lowprec", subcommand, *overrides])
+    launcher = (
+        f"torchrun --nnodes={nodes} --nproc_per_node={nproc_per_node} --rdzv_backend=c10d "
+        f"--rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=lowprec -m experiments {subcommand}"
+    )
+    return f"{launcher} {shlex.join(overrides)}"  # $HEAD_NODE unquoted: each host's shell expands it
+
+
+def run_commands(
+    model: str,
+    recipe: str,
+    control: str,
+    hardware: str,
+    *,
+    dp_shard: int,
+    tp: int,
+    batch_per_rank: int,
+    seq: int,
+    ac: str,
+    compile: bool,
+    margin: float,
+    extra: tuple[str, ...] = (),
+) -> dict[str, str]:
+    """``{"train": ..., "ablate": ...}``: the command lines that train ``recipe`` on ``model`` in the layout
+    ``dp_shard`` x ``tp`` (``train.batch_size = dp_shard * batch_per_rank``, ``train.seq_len``, ``train.ac``,
+    ``train.compile``), and that ablate it against ``control`` in the same layout with the verdicts at ``margin``;
+    ``extra``: the user's other ``lowprec train`` overrides, carried over. No ``device=``: ``auto`` takes the GPU.
+    One host runs ``lowprec`` (it starts torchrun); more (``GPUS_PER_HOST``) get ``launch_line``'s torchrun line."""
+    common = [
+        f"model={model}",
+        f"parallel.dp_shard={dp_shard}",
+        f"parallel.tp={tp}",
+        f"train.batch_size={dp_shard * batch_per_rank}",
+        f"train.seq_len={seq}",
+        f"train.ac={ac}",
+        f"train.compile={str(compile).lower()}",
+        *extra,
+    ]
+    nodes, nproc = _hosts(dp_shard * tp, hardware)
+    recipes = [control] if recipe == control else [control, recipe]
+    return {
+        "train": launch_line("train", [f"recipe={recipe}", *common], nodes, nproc),
+        "ablate": launch_line(
+            "ablate", [f"recipes=[{','.join(recipes)}]", *common, f"report.margin={margin:g}"], nodes, nproc
+        ),
+    }
 
 
 def _hosts(n: int, hardware: str) -> tuple[int, int]:

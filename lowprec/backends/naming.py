@@ -54,7 +54,7 @@ def fp8_short(spec: Float8Spec) -> str:
 
 
 def short_str(recipe: Recipe) -> str:
-    """One-line summary of ``recipe``, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``
+    """One-line summary of ``recipe``, e.g. ``w=fp32 autocast=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``
     (weights, autocast, ``fp8_short``, optimizer states, and ``CommSpec.short`` when not the default). Raises
     ``RecipeError`` for an unregistered FP8 backend."""
     w, c = recipe.weights, recipe.compute
@@ -63,11 +63,11 @@ def short_str(recipe: Recipe) -> str:
         + ("+master32" if w.master_dtype == "fp32" else "")
         + (f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
     )
-    ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
+    autocast = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
     opt = (
         "param"
         if (recipe.optim.state, recipe.optim.impl) == ("param", "torch")
         else f"{recipe.optim.state}:{recipe.optim.impl}"
     )
     comm = recipe.comm.short()
-    return f"w={ws} ac={ac} fp8={fp8_short(recipe.fp8)} opt={opt}" + (f" comm={comm}" if comm else "")
+    return f"w={ws} autocast={autocast} fp8={fp8_short(recipe.fp8)} opt={opt}" + (f" comm={comm}" if comm else "")

@@ -87,8 +87,8 @@ def forward_precision(recipe: Recipe, dp_shard: int = 1, device_type: str = "cud
     compute = recipe.compute_dtype
     if dp_shard > 1:
         return _Precision(compute, compute, None, compute, device_type)
-    ac = None if recipe.compute.autocast_dtype == "none" else DTYPES[recipe.compute.autocast_dtype]
-    return _Precision(recipe.param_dtype, compute, ac, recipe.param_dtype, device_type)
+    autocast = None if recipe.compute.autocast_dtype == "none" else DTYPES[recipe.compute.autocast_dtype]
+    return _Precision(recipe.param_dtype, compute, autocast, recipe.param_dtype, device_type)
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,13 @@ class _Ledger:
 
 def _linear(led: _Ledger, scope: str, lin: LinearInfo, x: _T, p: _Precision, spec: Float8Spec, rows: int) -> _T:
     """Record what ``lin`` saves when it reads ``x`` (rows = tokens); returns its output."""
-    ac = p.autocast
-    needs_cast = ac is not None and x.dtype != ac
-    cast = _T(f"{lin.fqn}.input_cast", ac, rows * lin.in_features) if needs_cast else None
+    autocast = p.autocast
+    needs_cast = autocast is not None and x.dtype != autocast
+    cast = _T(f"{lin.fqn}.input_cast", autocast, rows * lin.in_features) if needs_cast else None
     if lin.kind == "hp":
         led.save_t(cast or x, scope)
-        if ac is not None and p.weight_fwd != ac:
-            led.save(f"{lin.fqn}.weight_cast", lin.numel * _size(ac), scope, kind="weight")
+        if autocast is not None and p.weight_fwd != autocast:
+            led.save(f"{lin.fqn}.weight_cast", lin.numel * _size(autocast), scope, kind="weight")
     elif lin.kind == "lowprec" and spec.saves_e5m6_input(lin.fqn):
         # emulated E5M6 (lowprec.numerics.e5m6): the rounded values are held in float32; packed would be 1.5 B
         led.save(f"{lin.fqn}.e5m6_input", 4 * rows * lin.in_features, scope)

@@ -229,29 +229,55 @@ def test_a_bug_inside_a_run_is_recorded_failed_with_its_traceback(run_dirs, tmp_
 
 
 BAD_ESTIMATE = [
-    # issue 17 item 5: what a new user tried on `lowprec estimate`, each refused with one line
+    # issue 17 item 5: what a new user tried on `lowprec estimate`, each refused with one line; since issue 30 the
+    # keys are lowprec train's and so are the messages
     (["model=llama3_8b", "recipe=bf16", "model.n_layers=-10"], "model.n_layers=-10 must be >= 1"),
-    (["model=llama3_8b", "recipe=bf16", "recompute=sometimes"], "recompute='sometimes' is not one of none"),
+    (["model=llama3_8b", "recipe=bf16", "train.ac=sometimes"], "train.ac='sometimes' is not one of none"),
     (["model=llama3_8b", "recipe=fp8_tensorwise", "hardware=a100"], "has no FP8 tensor cores"),
-    (["model=llama3_8b", "recipe=bf16", "batch=0"], "batch=0"),
-    (["model=llama3_8b", "recipe=bf16", "seq=-1"], "seq=-1"),
-    (["model=llama3_8b", "recipe=bf16", "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+    (["model=llama3_8b", "recipe=bf16", "train.batch_size=0"], "train.batch_size=0"),
+    (["model=llama3_8b", "recipe=bf16", "train.seq_len=-1"], "train.seq_len=-1"),
+    (["model=llama3_8b", "recipe=bf16", "train.seq_len=100000"], "train.seq_len=100000 exceeds model.max_seq_len=8192"),
     (["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=0"], "parallel.dp_shard=0"),
     (["model=llama3_8b", "recipe=bf16", "parallel.tp=3"], "parallel.tp=3 must divide"),
+    (
+        ["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=3"],
+        "train.batch_size=8 is not divisible by the data-parallel",
+    ),
     (["model=llama3_8b", "recipe=bf16", "efficiency=1.5"], "efficiency=1.5 must be in (0, 1]"),
     (["model=llama3_8b", "recipe=bf16", "hardware=tpu"], "unknown hardware 'tpu'"),
-    (["model=llama3_8b", "recipe=bf16", "batch=two"], "batch='two' is not an integer"),
+    (["model=llama3_8b", "recipe=bf16", "train.batch_size=two"], "train.batch_size: Value 'two'"),
     (["model=llama3_8b", "recipe=fp8_current", "recipe.fp8.margin=-1"], "recipe.fp8.margin"),
-    (["model=llama3_8b", "recipe=bf16", "--fast"], "'--fast' is not key=value"),
-    (["model=llama3_8b", "recipe=bf16", "model.dim=abc"], "model.dim='abc' is not an integer"),
-    (["model=llama3_8b", "recipe=bf16", "model.foo=1"], "unknown model field model.foo"),
-    (["model=llama3_8b", "recipe=bf16", "compile=maybe"], "compile='maybe' is not true or false"),
+    (["model=llama3_8b", "recipe=bf16", "--fast"], "unknown flag '--fast'"),
+    (["model=llama3_8b", "recipe=bf16", "model.dim=abc"], "model.dim: Value 'abc'"),
+    (["model=llama3_8b", "recipe=bf16", "model.foo=1"], "Could not override 'model.foo'"),
+    (["model=llama3_8b", "recipe=bf16", "train.compile=maybe"], "train.compile: Value 'maybe' is not a valid bool"),
     (["model=llama3_8b", "recipe=bf16", "async_tp=true"], "async_tp=true needs parallel.tp > 1"),
-    (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "unknown recipe group 'fp9'; known: weights"),
+    (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "Could not override 'recipe.fp9.x'"),
+    (["model=llama3_8b", "recipe=all", "recipe.fp8.margin=1"], "overrides need a single recipe, not recipe=all"),
     (["--validate", "model=llama3_8b"], "--validate takes no other key"),
-    # a MoE model's experts under tensor parallel: neither the memory nor the cost model covers it
-    (["model=moe_debug", "recipe=bf16", "parallel.tp=2"], "tensor/expert parallelism of a MoE model is not modelled"),
-    (["model=moe_debug", "recipe=bf16", "compile=true"], "compile=true: lowprec trains MoE models eager"),
+    # the keys estimate took before it shared train's: one line naming the new one
+    (
+        ["model=llama3_8b", "recipe=bf16", "batch=2"],
+        "batch= is gone: lowprec estimate takes lowprec train's keys, train.batch_size",
+    ),
+    (
+        ["model=llama3_8b", "recipe=bf16", "seq=512"],
+        "seq= is gone: lowprec estimate takes lowprec train's keys, train.seq_len",
+    ),
+    (
+        ["model=llama3_8b", "recipe=bf16", "recompute=full"],
+        "recompute= is gone: lowprec estimate takes lowprec train's keys, train.ac",
+    ),
+    (
+        ["model=llama3_8b", "recipe=bf16", "compile=true"],
+        "compile= is gone: lowprec estimate takes lowprec train's keys, train.compile",
+    ),
+    # a MoE model: what lowprec train refuses of it (tensor parallel, compile), with train's message
+    (
+        ["model=moe_debug", "recipe=bf16", "parallel.tp=2", "train.batch_size=2"],
+        "parallel.tp=2 is not supported for MoE models",
+    ),
+    (["model=moe_debug", "recipe=bf16", "train.compile=true"], "train.compile=true is not supported for MoE models"),
     # block-scaled recipes need sm100 (Blackwell), as FP8 ones need FP8 tensor cores: the backend's own check
     (
         ["model=llama3_8b", "recipe=nvfp4", "hardware=h100"],

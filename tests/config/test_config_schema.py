@@ -32,6 +32,7 @@ from experiments.plan.config import (
     register_configs,
     train_from_cfg,
 )
+from experiments.plan.estimate_config import EstimateConfig, RecommendConfig
 from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec
 from lowprec.model import MODEL_CONFIGS, ModelArgs
@@ -48,7 +49,13 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 ANY_FIELDS = {"model": ModelArgs, "recipe": Recipe, "data": DataSpec}
 EXTRA_KEYS = {ModelArgs: {"name"}}
 #: Primary configs and the root schema they start from; groups whose yaml files are ``@package _global_``.
-PRIMARY = {"base.yaml": RunConfig, "train.yaml": TrainConfig, "ablate.yaml": AblateConfig}
+PRIMARY = {
+    "base.yaml": RunConfig,
+    "train.yaml": TrainConfig,
+    "ablate.yaml": AblateConfig,
+    "estimate.yaml": EstimateConfig,
+    "recommend.yaml": RecommendConfig,
+}
 GLOBAL_GROUPS = {"experiment": AblateConfig}
 #: The options of every group registered from Python tables, and those added as yaml files (none today).
 REGISTERED = {

@@ -60,7 +60,7 @@ def store(tmp_path_factory):
 
 
 def test_stored_verdicts_are_cited_and_an_inferior_recipe_is_never_recommended(store, capsys):
-    argv = ["model=debug", "hardware=h100", "gpus=1", "tokens=1e9", "seq=512", f"tracking.uri={store}"]
+    argv = ["model=debug", "hardware=h100", "gpus=1", "tokens=1e9", "train.seq_len=512", f"tracking.uri={store}"]
     assert main(["recommend", *argv, "recipes=[bf16_pure,fp8_rowwise]", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     by = {o["recipe"]: o for o in d["options"]}
@@ -91,7 +91,15 @@ def test_a_different_size_class_is_evidence_but_not_comparable(store, capsys):
 def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store, capsys):
     """A MoE model: FSDP only (tp = 1), time from the activated experts (faster per token than counting every
     expert), and the dense ``debug`` ablation of the store is cited but not comparable (other family)."""
-    argv = ["model=moe_debug", "hardware=h100", "gpus=4", "tokens=1e9", "seq=512", f"tracking.uri={store}", "--json"]
+    argv = [
+        "model=moe_debug",
+        "hardware=h100",
+        "gpus=4",
+        "tokens=1e9",
+        "train.seq_len=512",
+        f"tracking.uri={store}",
+        "--json",
+    ]
     assert main(["recommend", *argv, "recipes=[fp8_rowwise,bf16_pure]"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["options"] and all(o["tp"] == 1 and o["dp_shard"] == 4 for o in d["options"])
@@ -115,21 +123,30 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
     "argv, needle",
     [
         (["hardware=h100", "gpus=8", "tokens=1e9"], "model= is required"),
-        ([*BASE[:3], "tokens=lots"], "tokens='lots' is not a number"),
+        (["model=llama3_8b", "gpus=8", "tokens=1e9"], "hardware= is required"),
+        ([*BASE[:3], "tokens=lots"], "tokens: Value 'lots'"),
         ([*BASE[:3], "tokens=-5"], "tokens=-5 must be"),
         ([*BASE[:2], "gpus=0", "tokens=1e9"], "gpus=0 must be >= 1"),
         ([*BASE, "max_loss_gap=150%"], "max_loss_gap='150%' must be a relative gap"),
         ([*BASE, "max_loss_gap=abc"], "max_loss_gap='abc' is not a number"),
-        ([*BASE, "recompute=sometimes"], "recompute='sometimes' is not one of auto"),
-        ([*BASE, "compile=maybe"], "compile='maybe' is not true or false"),
+        ([*BASE, "train.ac=sometimes"], "train.ac='sometimes' is not one of none"),
+        ([*BASE, "train.compile=maybe"], "train.compile: Value 'maybe' is not a valid bool"),
         ([*BASE, "recipes=[fp9]"], "unknown recipe 'fp9'"),
-        ([*BASE, "hardwre=h100"], "unknown key 'hardwre'"),
-        (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "unknown model size 'nope'"),
+        ([*BASE, "hardwre=h100"], "Could not override 'hardwre'"),
+        ([*BASE, "recipe=bf16"], "Could not override 'recipe'"),  # recommend ranks recipes=, as ablate takes them
+        (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "Could not find 'model/nope'"),
         (["model=llama3_8b", "hardware=tpu", "gpus=8", "tokens=1e9"], "unknown hardware 'tpu'"),
-        ([*BASE, "seq=100000"], "seq=100000 exceeds model.max_seq_len=8192"),
+        ([*BASE, "train.seq_len=100000"], "train.seq_len=100000 exceeds model.max_seq_len=8192"),
+        ([*BASE, "parallel.dp_replicate=2"], "HSDP replicas are not modelled"),
+        ([*BASE, "--fast"], "unknown flag '--fast'"),
+        # the keys recommend took before it shared train's: one line naming the new one
+        ([*BASE, "batch=2"], "batch= is gone: lowprec recommend takes lowprec train's keys, train.batch_size=N"),
+        ([*BASE, "seq=512"], "seq= is gone: lowprec recommend takes lowprec train's keys, train.seq_len=N"),
+        ([*BASE, "recompute=auto"], "recompute= is gone: lowprec recommend takes lowprec train's keys, train.ac="),
+        ([*BASE, "compile=true"], "compile= is gone: lowprec recommend takes lowprec train's keys, train.compile="),
         (
-            ["model=moe_debug", "hardware=h100", "gpus=2", "tokens=1e9", "compile=true"],
-            "lowprec trains MoE models eager",
+            ["model=moe_debug", "hardware=h100", "gpus=2", "tokens=1e9", "train.compile=true"],
+            "train.compile=true is not supported for MoE models",
         ),
     ],
 )

@@ -8,20 +8,22 @@ subprocess, as a user types it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import experiments.planning.recommend as rec_mod
-from experiments.cli import compose, main
+from experiments.cli import compose, main, planning_query
 from experiments.plan.preflight import preflight
-from experiments.planning.recommend import format_table, parse_args, recommend
+from experiments.planning.recommend import format_table, recommend
 from experiments.planning.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
 from experiments.runner.ablate import ablation_recipes
 from lowprec.backends import fp8_backends
@@ -38,8 +40,13 @@ def no_store(tmp_path):
     return f"tracking.uri=sqlite:///{tmp_path / 'none' / 'mlflow.db'}"
 
 
+@functools.cache
+def _debug_query():
+    return planning_query("recommend", ["model=debug", "hardware=h100", "gpus=2", "tokens=1e9", "train.seq_len=256"])
+
+
 def _rec(no_store, *argv):
-    return recommend(parse_args([*argv, no_store]))
+    return recommend(planning_query("recommend", [*argv, no_store]))
 
 
 def test_every_scaling_a_backend_implements_has_a_citation():
@@ -54,7 +61,9 @@ def test_every_scaling_a_backend_implements_has_a_citation():
 def test_recommend_lists_what_the_part_cannot_run_with_the_reason_and_no_time(recipe, hardware, no_store):
     hw = get_hardware(hardware)
     why = hardware_blocker(get_recipe(recipe), hw)
-    r = _rec(no_store, "model=debug", f"hardware={hardware}", "gpus=2", "tokens=1e9", "seq=256", f"recipes=[{recipe}]")
+    # one real composition for every pair (Hydra's compose costs ~0.2 s), the pair's keys set on its typed query
+    store = no_store.partition("=")[2]
+    r = recommend(replace(_debug_query(), hardware=hardware, recipes=(recipe,), tracking_uri=store))
     timed = {o.recipe: o for o in r.options}
     if why is not None:
         assert r.not_runnable[recipe] == f"on {hw.name}: {why}" and recipe not in timed
@@ -68,7 +77,7 @@ def test_recommend_lists_what_the_part_cannot_run_with_the_reason_and_no_time(re
 def test_the_default_path_covers_the_whole_catalog(hardware, no_store):
     """No ``recipes=``: every catalog recipe is either ranked with a time or listed as not runnable, never both."""
     hw = get_hardware(hardware)
-    r = _rec(no_store, "model=debug", f"hardware={hardware}", "gpus=2", "tokens=1e9", "seq=256")
+    r = _rec(no_store, "model=debug", f"hardware={hardware}", "gpus=2", "tokens=1e9", "train.seq_len=256")
     timed = {o.recipe for o in r.options}
     assert timed | set(r.not_runnable) == set(CATALOG) and not timed & set(r.not_runnable)
     assert {n for n in CATALOG if hardware_blocker(get_recipe(n), hw)} == set(r.not_runnable)
@@ -92,15 +101,15 @@ def test_the_readme_example_runs_as_typed(tmp_path):
 
 
 def test_recommend_says_what_it_assumed_and_which_evidence_supports_each_row(no_store):
-    r = _rec(no_store, "model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11", "batch=2", "seq=4096")
+    argv = ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11", "train.batch_size=16", "train.seq_len=4096"]
+    r = _rec(no_store, *argv)
     r = replace_options(r, ["fp8_rowwise", "fp8_tensorwise_fsdp8", "bf16_adamw8bit", "bf16"])
     text = format_table(r)
-    assert "assumed: batch=2 sequence(s) of seq=4096 tokens per data-parallel rank and step" in text
-    assert "its FSDP degree x 8,192 tokens" in text
+    assert "assumed: train.batch_size=16 sequences split over the data-parallel ranks of train.seq_len=4096" in text
     d = r.to_dict()
     refs = {x["ref"]: x for x in d["published_refs"]}
     for i, o in enumerate(r.options, 1):
-        assert o.tokens_per_step == o.dp_shard * 2 * 4096
+        assert o.tokens_per_step == 16 * 4096 and o.batch_per_rank * o.dp_shard == 16
         row = next(line for line in text.splitlines() if line.startswith(f"{i:>2} {o.recipe} "))
         assert f"{o.tokens_per_step:,}" in row
         ref = int(row.split("[")[1].split("]")[0])
@@ -169,10 +178,11 @@ def test_a_bug_in_recommend_keeps_its_traceback(exc, monkeypatch, no_store):
 
     monkeypatch.setattr(rec_mod, "published_evidence", bug)
     with pytest.raises(type(exc)):
-        main(["recommend", "model=debug", "hardware=h100", "gpus=1", "tokens=1e9", "seq=256", no_store])
+        main(["recommend", "model=debug", "hardware=h100", "gpus=1", "tokens=1e9", "train.seq_len=256", no_store])
 
 
 def test_not_runnable_for_memory_says_gib(no_store, capsys):
     assert main(["recommend", "model=llama3_70b", "hardware=h100", "gpus=1", "tokens=1e9", "recipes=[bf16]"]) == 0
     out = capsys.readouterr().out
-    assert "no layout of 1 GPUs leaves 7% of 74.5 GiB free at batch 1 x seq 8192" in out and " GB " not in out
+    assert "no layout of 1 GPUs leaves 7% of 74.5 GiB free at 1 per data-parallel rank x train.seq_len=8192" in out
+    assert " GB " not in out

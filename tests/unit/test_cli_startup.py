@@ -65,17 +65,64 @@ def _complete(line: str) -> str:
     )
 
 
-def test_bash_completion_registers_lowprec_and_completes_its_subcommands(bash_with_lowprec):
-    out = bash_with_lowprec(
-        "complete -p lowprec\ncomplete -p lowprec-train || echo 'no lowprec-train'\n"
-        + _complete("lowprec est")
-        + _complete("lowprec estimate --va")
-        + _complete("lowprec train rec")
-    ).splitlines()
+#: per subcommand: a line typed so far, and a candidate TAB must offer there (Hydra's own after train and ablate,
+#: estimate's and recommend's keys from their schemas, the usage text's for the others)
+EVERY_SUBCOMMAND = {
+    "train": ("lowprec train rec", "recipe="),
+    "ablate": ("lowprec ablate se", "seeds="),
+    "report": ("lowprec report ABL ", "report.margin="),
+    "recipes": ("lowprec recipes ", "--json"),
+    "estimate": ("lowprec estimate ", "train.batch_size="),
+    "recommend": ("lowprec recommend ", "gpus="),
+    "selfcheck": ("lowprec selfcheck ", "--quick"),
+    "ui": ("lowprec ui ", "--port"),
+    "sync": ("lowprec sync runs ", "tracking.uri="),
+}
+
+
+def test_bash_completion_registers_lowprec_and_completes_every_subcommand(bash_with_lowprec):
+    """One real bash: ``complete -p`` names ``lowprec`` (never ``lowprec-train``), the first word completes to each
+    subcommand of the usage text, and after each subcommand TAB offers its keys (about 10 s: Hydra's completion of
+    train and ablate composes their configs)."""
+    from experiments.cli import USAGE
+    from experiments.plan.completion import PLANNING_KEYS, subcommands
+
+    assert sorted(EVERY_SUBCOMMAND) == sorted(subcommands(USAGE))
+    script = "complete -p lowprec\ncomplete -p lowprec-train || echo 'no lowprec-train'\n" + _complete("lowprec ")
+    script += _complete("lowprec estimate --va") + _complete("lowprec estimate train.")
+    script += "".join(_complete(line) for line, _ in EVERY_SUBCOMMAND.values())
+    out = bash_with_lowprec(script).splitlines()
     assert out[0].endswith("-F _lowprec_completion lowprec")
     assert out[1] == "no lowprec-train"
-    assert out[2] == "estimate" and out[3] == "--validate"
-    assert "recipe=" in out[4].split()  # Hydra's completion of train's config groups, through lowprec
+    assert set(subcommands(USAGE)) <= set(out[2].split())
+    assert out[3] == "--validate"
+    assert out[4].split() == ["train.batch_size=", "train.seq_len=", "train.ac=", "train.compile="]
+    for (cmd, (line, want)), got in zip(EVERY_SUBCOMMAND.items(), out[5:], strict=True):
+        assert want in got.split(), (cmd, line, got)
+    for cmd in ("estimate", "recommend"):  # the static keys of their schemas, not the usage's words (`key=value`)
+        assert out[5 + list(EVERY_SUBCOMMAND).index(cmd)].split() == list(PLANNING_KEYS[cmd])
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "recommend"])
+def test_static_completion_keys_are_the_schema_keys(cmd):
+    """``PLANNING_KEYS`` (static, for a fast TAB) against the real composition: every key offered composes in
+    conf/<cmd>.yaml, the command's own keys (``OWN_KEYS``) are all offered, and so are its flags."""
+    from omegaconf import OmegaConf
+
+    from experiments.cli import compose
+    from experiments.plan.completion import PLANNING_KEYS
+    from experiments.plan.estimate_config import OWN_KEYS, register_planning_configs
+    from experiments.planning import estimate
+
+    register_planning_configs()
+    cfg = compose(cmd, [])
+    keys = [k[:-1] for k in PLANNING_KEYS[cmd] if k.endswith("=")]
+    for k in keys:
+        parent, _, leaf = k.rpartition(".")
+        assert leaf in (OmegaConf.select(cfg, parent) if parent else cfg).keys(), k  # keys(): also the ??? ones
+    assert set(OWN_KEYS[cmd]) <= set(keys)
+    flags = {k for k in PLANNING_KEYS[cmd] if k.startswith("--")}
+    assert flags == (set(estimate.FLAGS) if cmd == "estimate" else {"--json"})
 
 
 def test_hydra_completion_flag_after_train_installs_lowprec_too():

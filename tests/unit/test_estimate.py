@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.planning.estimate import estimate_main
+from experiments.cli import main
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate.activations import predict_saved_activations
@@ -199,6 +199,10 @@ def test_estimate_all_ranks_every_recipe():
     assert e.throughput is None and e.fits() is None and e.state.fp8_scaling_state == 2856
 
 
+def estimate_main(argv):
+    return main(["estimate", *argv])
+
+
 def test_cli_reports_8b_bf16(capsys):
     assert estimate_main(["model=llama3_8b", "recipe=bf16"]) == 0
     out = capsys.readouterr().out
@@ -209,17 +213,17 @@ def test_cli_reports_8b_bf16(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["state"]["n_params"] == N_8B and d["unsharded_state"]["model_and_optimizer"] == 16 * N_8B + 4 * 291
     assert d["state"]["params"] * 8 == d["unsharded_state"]["params"]
-    assert estimate_main(["model=debug", "recipe=all", "batch=8", "seq=256", "--json"]) == 0
+    assert estimate_main(["model=debug", "recipe=all", "train.batch_size=8", "train.seq_len=256", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["rows"]) == len(CATALOG)
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["model=llama3_8b"],
+        ["model=llama3_8b", "batch=8"],
         ["model=nope", "recipe=bf16"],
         ["model=tiny", "recipe=nope"],
-        ["model=tiny", "recipe=bf16", "batch=x"],
+        ["model=tiny", "recipe=bf16", "train.batch_size=x"],
         ["model=tiny", "recipe=bf16", "foo=1"],
         ["model=tiny", "recipe=bf16", "parallel.tp=3"],
         ["model=tiny", "recipe=bf16", "hardware=tpu"],

@@ -7,14 +7,17 @@ subprocesses: every case runs in milliseconds on the ``debug`` model."""
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import experiments.planning.estimate as est
-from experiments.cli import main
-from experiments.planning.estimate import EstimateArgError, estimate_main, parse_args, run
+from experiments.cli import main, planning_query
+from experiments.planning.estimate import EstimateArgError
+from experiments.planning.estimate import run as _run
 from lowprec.backends import fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -24,7 +27,26 @@ from lowprec.model import model_args
 from recipes import CATALOG, get_recipe
 
 PAIRS = [(r, h) for r in CATALOG for h in HARDWARE]
-DEBUG = ["model=debug", "seq=256"]
+DEBUG = ["model=debug", "train.seq_len=256"]
+
+
+def estimate_main(argv):
+    return main(["estimate", *argv])
+
+
+def parse_args(argv):
+    """``(query, as_json)`` of an estimate command line (``experiments.cli.planning_query``: real Hydra)."""
+    keys = [a for a in argv if not a.startswith("--")]
+    return planning_query("estimate", keys, emulate="--emulate" in argv), "--json" in argv
+
+
+@functools.cache
+def _debug_query():
+    return planning_query("estimate", DEBUG)
+
+
+def run(parsed):
+    return _run(*parsed)
 
 
 def test_every_part_has_a_compute_capability():
@@ -47,14 +69,15 @@ def test_estimate_refuses_what_the_part_cannot_run_and_times_what_it_can(recipe,
         training_refuses = str(e)
     assert training_refuses == why
 
-    argv = [*DEBUG, f"recipe={recipe}", f"hardware={hardware}", "--json"]
+    # one real composition for every pair (Hydra's compose costs ~0.2 s), the pair's keys set on its typed query
+    q = replace(_debug_query(), recipes=(r,), hardware=hardware)
     if why is None:
-        d = json.loads(run(parse_args(argv)))
+        d = json.loads(run((q, True)))
         assert d["cost_model"]["step_time_s"] > 0 and d["no_step_time"] is None
         return
     with pytest.raises(EstimateArgError, match=f"recipe {recipe} cannot run on hardware={hw.name}: "):
-        run(parse_args(argv))
-    d = json.loads(run(parse_args([*argv, "--emulate"])))
+        run((q, True))
+    d = json.loads(run((replace(q, emulate=True), True)))
     assert d["cost_model"] is None and why in d["no_step_time"]  # the memory, with the reason, and no time
 
 
@@ -93,19 +116,24 @@ def test_fp8_gemms_of_llama3_8b_run_at_the_fp8_rate_on_an_h100():
 
 def test_no_step_time_where_the_layout_does_not_fit(capsys):
     """Issue 29: Llama-3-8B bf16 on one H100 (200 GiB without recompute) printed a step time under "does NOT fit"."""
-    assert estimate_main(["model=llama3_8b", "recipe=bf16"]) == 0
+    at_8k = ["train.batch_size=1", "train.seq_len=8192"]  # the old defaults: one 8k sequence per GPU
+    assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "predicted step" not in out and "flat-efficiency" not in out
-    assert "step time: none: does not fit: 199.9 GiB with recompute none on h100_sxm (74.5 GiB)" in out
-    assert estimate_main(["model=llama3_8b", "recipe=bf16", "--json"]) == 0
+    # 207.7 GiB eager, as lowprec train runs by default; 199.9 GiB with the loss compiled (train.compile=true)
+    assert "step time: none: does not fit: 207.7 GiB with train.ac=none on h100_sxm (74.5 GiB)" in out
+    assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k, "train.compile=true"]) == 0
+    assert "does not fit: 199.9 GiB with train.ac=none on h100_sxm" in capsys.readouterr().out
+    assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["cost_model"] is None and d["no_step_time"].startswith("does not fit")
     # the same model sharded over 8 GPUs with full recompute fits, and is timed
-    assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "recompute=full"]) == 0
+    full = ["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "train.batch_size=8", "train.seq_len=8192"]
+    assert estimate_main([*full, "train.ac=full"]) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "step time: none" not in out
     # recipe=all: a row that does not fit has no step time
-    assert estimate_main(["model=llama3_8b", "recipe=all"]) == 0
+    assert estimate_main(["model=llama3_8b", "recipe=all", *at_8k]) == 0
     out = capsys.readouterr().out
     bf16 = next(line for line in out.splitlines() if line[4:].startswith("bf16 "))
     assert bf16.split()[5:] == ["no", "-", "-", "-"], bf16
@@ -121,7 +149,7 @@ def test_sizes_are_gib(capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("model + optimizer state"))
     assert f"{state:,} {state / 2**30:10,.2f}" in row, row
     assert " GB" not in out and "GiB" in out and "vs 74.5 GiB on h100_sxm" in out
-    assert estimate_main(["model=debug", "recipe=all", "seq=256"]) == 0
+    assert estimate_main(["model=debug", "recipe=all", "train.seq_len=256"]) == 0
     assert "state GiB" in capsys.readouterr().out
 
 
@@ -134,7 +162,7 @@ def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
 
     monkeypatch.setattr(est, "step_cost", bug)
     with pytest.raises(type(exc)):
-        main(["estimate", "model=debug", "recipe=bf16", "seq=256"])
+        main(["estimate", "model=debug", "recipe=bf16", "train.seq_len=256"])
 
 
 def test_the_report_predicts_nothing_for_a_recipe_the_h100_cannot_run():

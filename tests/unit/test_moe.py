@@ -216,11 +216,11 @@ def test_load_metrics_of_no_tokens_are_zero():
 
 
 def test_lowprec_estimate_states_the_activated_parameters(capsys):
-    from experiments.planning.estimate import estimate_main
+    from experiments.cli import main
 
-    assert estimate_main(["model=moe_debug", "recipe=deepseek_v3"]) == 0
+    assert main(["estimate", "model=moe_debug", "recipe=deepseek_v3"]) == 0
     out = capsys.readouterr().out
     assert "model=moe_debug: 586,400 parameters" in out
     assert "MoE: 549,536 parameters activated per token of 586,400" in out
-    assert estimate_main(["model=debug", "recipe=bf16"]) == 0
+    assert main(["estimate", "model=debug", "recipe=bf16"]) == 0
     assert "activated" not in capsys.readouterr().out

@@ -25,8 +25,22 @@ def test_catalog_recipes_are_frozen_hashed_and_distinct():
 
 
 def test_short_str_states_every_group():
-    assert short_str(get_recipe("fp8_tensorwise")) == "w=fp32 ac=bf16 fp8=torchao:tensorwise opt=param"
-    assert short_str(get_recipe("bf16_adamw8bit")) == "w=fp32 ac=bf16 fp8=off opt=int8:bitsandbytes"
+    assert short_str(get_recipe("fp8_tensorwise")) == "w=fp32 autocast=bf16 fp8=torchao:tensorwise opt=param"
+    assert short_str(get_recipe("bf16_adamw8bit")) == "w=fp32 autocast=bf16 fp8=off opt=int8:bitsandbytes"
+
+
+def test_lowprec_recipes_spells_autocast_out(capsys):
+    """Issue 30: ``ac`` meant autocast in ``lowprec recipes`` and activation checkpointing (``train.ac``) everywhere
+    else; the catalog's lines (and ``--json``'s ``short``) now say ``autocast=``."""
+    import json
+
+    from experiments.cli import main
+
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(CATALOG) and all(" autocast=" in x and " ac=" not in x for x in lines)
+    assert main(["recipes", "--json"]) == 0
+    assert all(d["short"].split()[1].startswith("autocast=") for d in json.loads(capsys.readouterr().out).values())
 
 
 def test_hash_ignores_name_but_not_numerics():

@@ -1,0 +1,101 @@
+"""``lowprec recommend`` prints the ``lowprec train`` and ``lowprec ablate`` lines of its top choice (issue 30 item 4),
+and they run: each printed line, with ``train.steps=2 model=debug`` appended, composes with the real Hydra config of
+its command and passes ``lowprec``'s preflight (every check before data, MLflow or torchrun; no training). The
+estimator and recommend take ``lowprec train``'s keys with its defaults."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from experiments.cli import _recipes_of, compose, main, planning_query
+from experiments.plan.estimate_config import register_planning_configs
+from experiments.plan.preflight import preflight
+from lowprec.train.spec import TrainSpec
+
+#: appended to each printed line: the acceptance's ``train.steps=2 model=debug``, and the timing warmup below 2 steps
+#: (``TrainSpec`` refuses ``train.timing_warmup_steps=3`` >= ``train.steps``, for every ``lowprec train`` line)
+SMALL = ["train.steps=2", "train.timing_warmup_steps=1", "model=debug"]
+
+
+def _printed(capsys, argv: list[str]) -> dict:
+    assert main(["recommend", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _subcommand_args(line: str, subcommand: str) -> list[str]:
+    """The overrides of a printed line: the words after ``lowprec <subcommand>`` or ``-m experiments <subcommand>``
+    (the torchrun line of several hosts), as the shell splits them."""
+    words = shlex.split(line)
+    start = next(i for i, w in enumerate(words) if w == subcommand and words[i - 1] in ("lowprec", "experiments"))
+    return words[start + 1 :]
+
+
+CASES = {
+    # one host: `lowprec train ...` (it starts torchrun itself); the user's optim.lr is carried over
+    "one host": ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11", "train.seq_len=512", "optim.lr=1e-4"],
+    # 32 GPUs of 8 per host: the torchrun line to start on each host; a pinned global batch and AC
+    "four hosts": [
+        "model=llama3_8b",
+        "hardware=h100",
+        "gpus=32",
+        "tokens=2e12",
+        "train.seq_len=256",
+        "train.batch_size=64",
+        "train.ac=full",
+        "parallel.tp=1",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_printed_train_and_ablate_lines_pass_preflight(case, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # preflight creates paths.runs and paths.reports (relative: runs/, reports/)
+    store = f"tracking.uri=sqlite:///{tmp_path / 'none' / 'mlflow.db'}"
+    d = _printed(capsys, [*CASES[case], store])
+    top = next(o for o in d["options"] if o["recipe"] == d["top"])
+    train, ablate = d["commands"]["train"], d["commands"]["ablate"]
+    assert train.startswith("lowprec train " if case == "one host" else "torchrun --nnodes=4 --nproc_per_node=8 ")
+    # the command lines are in the text output too
+    assert main(["recommend", *CASES[case], store]) == 0
+    text = capsys.readouterr().out
+    assert f"  {train}\n" in text and text.rstrip().endswith(ablate)
+
+    args = _subcommand_args(train, "train")
+    cfg = compose("train", [*args, *SMALL])
+    checked = preflight(cfg, _recipes_of("train", cfg))
+    assert cfg.recipe.name == d["top"] and checked.train.steps == 2
+    assert (checked.dims.dp_shard, checked.dims.tp) == (top["dp_shard"], top["tp"])
+    assert checked.train.batch_size == top["dp_shard"] * top["batch_per_rank"] and checked.train.ac == top["ac"]
+    assert checked.train.seq_len == d["query"]["seq"] and checked.train.compile is d["query"]["compile"]
+    if case == "one host":
+        assert cfg.optim.lr == 1e-4
+    else:
+        assert (checked.train.batch_size, checked.train.ac, checked.dims.tp) == (64, "full", 1)
+
+    cfg = compose("ablate", [*_subcommand_args(ablate, "ablate"), *SMALL])
+    recipes = _recipes_of("ablate", cfg)
+    checked = preflight(cfg, recipes)
+    assert [r.name for r in recipes] == ["bf16", d["top"]] and cfg.report.margin == 0.0025
+    assert (checked.dims.dp_shard, checked.dims.tp) == (top["dp_shard"], top["tp"])
+
+
+def test_estimate_and_recommend_default_to_trains_settings():
+    """The estimate is of the run ``lowprec train`` with the same keys makes: the same ``train`` node (compile and AC
+    as train's, not the estimator's old ``compile=true``), and recommend times ``train.compile`` as train runs it."""
+    register_planning_configs()
+    train = compose("train", ["model=llama3_8b"]).train
+    assert compose("estimate", ["model=llama3_8b"]).train == train
+    assert compose("recommend", ["model=llama3_8b"]).train == train
+    q = planning_query("estimate", ["model=llama3_8b", "parallel.dp_shard=8"])
+    assert (q.train.compile, q.train.ac, q.train.batch_size, q.train.seq_len) == (
+        TrainSpec().compile,
+        TrainSpec().ac,
+        TrainSpec().batch_size,
+        TrainSpec().seq_len,
+    )
+    assert q.batch_per_rank == TrainSpec().batch_size // 8
+    r = planning_query("recommend", ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e9"])
+    assert r.compile is TrainSpec().compile and (r.ac, r.batch_size, r.tp) == (None, None, None)  # chosen
