@@ -82,6 +82,19 @@ class FaultsConfig:
     fp8_overflow_factor: float = 1000.0
 
 
+@dataclass(frozen=True)
+class TrainNode(TrainSpec):
+    """The ``train`` node: ``TrainSpec``'s fields, with ``compile`` and ``ac`` also ``auto`` (the default: resolved
+    per device and recipe by ``experiments.plan.auto_train``; ``train_from_cfg`` returns the resolved
+    ``TrainSpec``). Its values are checked once resolved, by ``TrainSpec`` itself."""
+
+    compile: Any = "auto"
+    ac: str = "auto"
+
+    def __post_init__(self) -> None:  # checked as a TrainSpec after ``auto`` is resolved (train_from_cfg)
+        pass
+
+
 @dataclass
 class RunConfig:
     """The keys shared by ``lowprec train`` and ``lowprec ablate`` (conf/base.yaml picks the group options).
@@ -106,7 +119,7 @@ class RunConfig:
     device: str = "auto"
     cpu_kernels: str = "auto"
     resume: str | None = None
-    train: TrainSpec = field(default_factory=TrainSpec)
+    train: TrainNode = field(default_factory=TrainNode)
     paths: PathsConfig = field(default_factory=PathsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: SpikeRule = field(default_factory=SpikeRule)
@@ -155,6 +168,12 @@ class AblateConfig(RunConfig):
     #: one see every model's ablation
     models: list[str] = field(default_factory=list)
     report: ReportConfig = field(default_factory=ReportConfig)
+    #: print the plan (runs, placement, steps, tokens, corpus epochs, predicted wall time) and train nothing
+    dry_run: bool = False
+    #: GPUs of the node to plan for (null: ``torch.cuda.device_count()``); plans a node from a laptop with dry_run
+    gpus: int | None = None
+    #: the part the dry run predicts for (``lowprec estimate``'s names; null: the detected GPU, else h100_sxm)
+    hardware: str | None = None
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
@@ -284,8 +303,32 @@ def model_from_cfg(node) -> ModelArgs:
     return dataclasses.replace(base, **typed(type(base), {**dataclasses.asdict(base), **d}, "model"))
 
 
-def train_from_cfg(cfg: DictConfig) -> TrainSpec:
-    return TrainSpec(**typed(TrainSpec, cfg.train, "train"))
+def train_resolved(cfg: DictConfig, recipe: Recipe | None = None):
+    """``cfg.train``'s ``compile`` / ``ac`` after ``auto`` (``experiments.plan.auto_train.Resolved``) on
+    ``cfg.device`` for ``cfg.model``; with ``recipe``, a recipe that cannot compile there falls back to eager
+    (``Resolved.fallback``). Raises ``ConfigError`` for a bad ``train.compile`` value or device."""
+    from experiments.plan.auto_train import resolve_compile_ac
+    from lowprec.backends.registry import fp8_backend
+    from lowprec.model.moe import MoEArgs
+    from lowprec.train.build import resolve_device
+
+    node = cfg.train
+    want_c, want_ac = node.get("compile", False), node.get("ac", "none")
+    if want_c != "auto" and want_ac != "auto":
+        return resolve_compile_ac(want_c, want_ac, "cpu", False)  # nothing to resolve: no device query
+    device = resolve_device(cfg.device).type
+    moe = isinstance(model_from_cfg(cfg.model), MoEArgs)
+    blocker = None
+    if recipe is not None:
+        blocker = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, int(node.telemetry_every), device)
+    return resolve_compile_ac(want_c, want_ac, device, moe, blocker)
+
+
+def train_from_cfg(cfg: DictConfig, recipe: Recipe | None = None) -> TrainSpec:
+    """``TrainSpec`` of ``cfg.train`` with ``auto`` resolved (``train_resolved``; per recipe when given)."""
+    d = typed(TrainNode, cfg.train, "train")
+    r = train_resolved(cfg, recipe)
+    return TrainSpec(**{**d, "compile": r.compile, "ac": r.ac})
 
 
 def optim_from_cfg(cfg: DictConfig) -> OptimHParams:
@@ -331,4 +374,7 @@ def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
     for key in ("recipe", "recipes", "hydra"):
         plain.pop(key, None)
     both = leaves(plain) | leaves(recipe.to_dict(), "recipe.")
+    if "train" in plain and ("auto" in (plain["train"].get("compile"), plain["train"].get("ac"))):
+        r = train_resolved(cfg, recipe)  # the values the run trains with, not the request (tagged train_auto)
+        both |= {"train.compile": r.compile, "train.ac": r.ac}
     return {k: str(v) for k, v in both.items() if v != {}}

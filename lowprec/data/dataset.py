@@ -35,6 +35,8 @@ class DataSpec:
     val_fraction: float = 0.05
     shard_tokens: int = 1 << 26
     cache_dir: str = "~/.cache/lowprec"
+    #: an ablation whose runs would see the training tokens more than once is refused before training unless true
+    allow_epochs: bool = False
 
 
 @dataclass
