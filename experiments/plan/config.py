@@ -149,8 +149,11 @@ class AblateConfig(RunConfig):
     sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
     verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe). ``seeds``: N seeds
     ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
-    inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once on a CPU,
-    each in its own process, or ``auto`` (2 on a CPU, 1 on a GPU; experiments/runner/scheduler.py)."""
+    inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once, each in
+    its own process, or ``auto``: 2 on a CPU (sharing its cores), one per GPU on CUDA (each worker pinned to its own
+    GPU(s), ``floor(gpus / GPUs per run)`` at a time; experiments/runner/placement.py). ``dry_run``: print the plan
+    (runs, placement, tokens, corpus epochs, predicted wall time) and train nothing; ``gpus``: the node's GPUs to
+    use or plan for; ``hardware``: the part the dry run predicts for (experiments/runner/dry_run.py)."""
 
     control: str | None = None
     name: str = MISSING
@@ -158,7 +161,7 @@ class AblateConfig(RunConfig):
     #: an int >= 1, or ``auto`` (experiments/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
     seeds: Any = 1
     max_seeds: int = 8
-    workers: Any = 1  # an int >= 1 or auto (experiments/runner/scheduler.py)
+    workers: Any = 1  # an int >= 1 or auto (experiments/runner/placement.py)
     #: the experiment's own reports beside report.md (experiments/studies: registered names)
     studies: list[str] = field(default_factory=list)
     #: each study's own settings under its name (``study.deepseek_v3.capture_batches=4``; the study documents them)

@@ -9,10 +9,17 @@ call, recorded exactly as a sequential run is. Throughput figures of concurrent
 runs are measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
-A worker process that dies (killed, out of memory) breaks the pool: every run not finished by then fails with that
-reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on to its report. A worker whose
-ablation process dies (kill -9) notices within a second: its run stops after the current step with its checkpoint,
-recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
+On CUDA each worker is a slot of ``experiments.runner.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
+naming its own GPU(s) only (``start_slot_pool``: set in the environment it is spawned with, before anything in it
+can initialise CUDA), so runs on distinct GPUs never share one, and each run is tagged with its ``gpus``.
+
+Each worker has a pool of its own and one run at a time; the next queued run goes to the first worker free. A worker
+process that dies (its GPU failed, killed, out of memory) fails its run in flight only (a run left RUNNING in MLflow
+is marked FAILED): its slot is not used again (a failed GPU stays failed), the other workers take the queued runs,
+and the ablation goes on to its report. Only when every worker has died do the runs left fail, not started.
+
+A worker whose ablation process dies (kill -9) notices within a second: its run stops after the current step with its
+checkpoint, recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
 
 A stop signal never kills a worker: the workers start with the stop signals blocked (a signal that arrives while
 one still imports waits), and unblock them once their handlers are installed. A worker asked to stop before a run
