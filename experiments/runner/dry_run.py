@@ -72,6 +72,11 @@ def _step_s(model: ModelArgs, recipe: Recipe, hw: Hardware, dims: ParallelDims, 
         return f"no prediction: {e}", r
 
 
+def _dur(seconds: float) -> str:
+    """``"43.8 min"``, or ``"12 s"`` under a minute."""
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def _makespan(durations: Sequence[float], workers: int) -> float:
     """Wall time of ``durations`` run in order, each on the first free of ``workers`` slots."""
     free = [0.0] * max(workers, 1)
@@ -137,13 +142,13 @@ def plan_text(
         note = f"; {res.fallback}" if res.fallback else ""
         lines.append(
             f"  {r.name:<16} {setup}: {step * 1e3:.1f} ms/step, {spec.tokens_per_step / step:,.0f} tokens/s per run, "
-            f"{step * spec.steps / 60:.1f} min per run{note}"
+            f"{_dur(step * spec.steps)} per run{note}"
         )
     known = [per_recipe[r.name] for _ in seeds for r in recipes if per_recipe[r.name] is not None]
     total = _makespan(known, placement.workers)
     missing = sum(per_recipe[r.name] is None for r in recipes) * len(seeds)
     lines.append(
-        f"predicted wall time: {total / 60:.1f} min for {runs - missing} runs, {placement.workers} at a time"
+        f"predicted wall time: {_dur(total)} for {runs - missing} runs, {placement.workers} at a time"
         + (f" ({missing} run(s) without a prediction not counted)" if missing else "")
     )
     return "\n".join(lines)
