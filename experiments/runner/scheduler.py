@@ -314,7 +314,13 @@ def run_jobs(
                 for pool, procs, _m in pools.values():
                     forward_stop(pool, procs)
                 forwarded = True
+            for f in [f for f in pending if f.cancelled()]:  # by forward_stop: not started
+                # ``wait`` never returns a future cancelled by the pool's shutdown (it is not "notified"): drop it
+                pending.pop(f)
             for f in done:
+                if f not in pending or f.cancelled():  # dropped above, or queued when the stop came: not started
+                    pending.pop(f, None)
+                    continue
                 i, slot = pending.pop(f)
                 try:
                     o = f.result()
@@ -335,16 +341,15 @@ def run_jobs(
                 for slot in [s.index for s in slots if s.index not in dead]:
                     if queue and not any(sl == slot for _, sl in pending.values()):
                         feed(slot)
-            if queue and not pending and not local_stop():  # every worker died: nothing left to run them
-                for i, (recipe, seed) in queue:
-                    o = RunOutcome("", recipe.name, seed, "FAILED", reason="not started: every worker process died")
-                    results[i] = o
-                    on_done(o)
-                queue.clear()
     except KeyboardInterrupt:
         for pool, _p, _m in pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         raise
+    if queue and not local_stop():  # every worker died: nothing is left to run them
+        for i, (recipe, seed) in queue:
+            o = RunOutcome("", recipe.name, seed, "FAILED", reason="not started: every worker process died")
+            results[i] = o
+            on_done(o)
     for pool, procs, manager in pools.values():
         for pid in close_pool(pool, procs, manager):
             print(
