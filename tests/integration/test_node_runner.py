@@ -54,14 +54,15 @@ def _parent_and_kids(tmp_path, out):
 def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys, monkeypatch):
     # a node of 2 GPUs, faked: each worker pinned to one (CUDA_VISIBLE_DEVICES), the runs on the CPU
     monkeypatch.setattr(ablate_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
-    args = ["ablate", "recipes=[fp32,bf16,bf16_pure]", "control=fp32", "seeds=1", "workers=auto"]
-    args += ["faults.recipe=bf16", "faults.exit_at_step=2"]
+    # bf16 dies at its first step, while at least fp8_rowwise is still queued (4 runs, 2 workers)
+    args = ["ablate", "recipes=[fp32,bf16,bf16_pure,fp8_rowwise]", "control=fp32", "seeds=1", "workers=auto"]
+    args += ["faults.recipe=bf16", "faults.exit_at_step=1"]
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     parent, kids = _parent_and_kids(tmp_path, out)
     status = {k.data.tags["recipe"]: k.info.status for k in kids}
-    # fp32 on GPU 0, bf16 on GPU 1 dies: GPU 1 is not used again, bf16_pure trains on GPU 0 once fp32 is done
-    assert status == {"fp32": "FINISHED", "bf16": "FAILED", "bf16_pure": "FINISHED"}
+    # fp32 on GPU 0, bf16 on GPU 1 dies: GPU 1 is not used again, the queued runs train on GPU 0
+    assert status == {"fp32": "FINISHED", "bf16": "FAILED", "bf16_pure": "FINISHED", "fp8_rowwise": "FINISHED"}
     assert {k.data.tags.get("gpus") for k in kids if k.info.status == "FINISHED"} == {"0"}
     assert parent.data.tags["runs_per_device"] == "1" and '"1": [1]' in parent.data.tags["placement"]
     fp32 = next(k for k in kids if k.data.tags["recipe"] == "fp32")
