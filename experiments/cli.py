@@ -187,7 +187,7 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
     try:
         cfg = compose(config_name, argv)
         dims = parallel_from_cfg(cfg)
-        if dims.enabled and not under_torchrun():
+        if dims.enabled and not under_torchrun() and not cfg.get("dry_run"):  # a dry run plans in one process
             # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
 
             preflight(cfg, _recipes_of(config_name, cfg))

@@ -90,6 +90,19 @@ class FaultsConfig:
     point_hit: int = 1
 
 
+@dataclass(frozen=True)
+class TrainNode(TrainSpec):
+    """The ``train`` node: ``TrainSpec``'s fields, with ``compile`` and ``ac`` also ``auto`` (the default: resolved
+    per device and recipe by ``experiments.plan.auto_train``; ``train_from_cfg`` returns the resolved
+    ``TrainSpec``). Its values are checked once resolved, by ``TrainSpec`` itself."""
+
+    compile: Any = "auto"
+    ac: str = "auto"
+
+    def __post_init__(self) -> None:  # checked as a TrainSpec after ``auto`` is resolved (train_from_cfg)
+        pass
+
+
 @dataclass
 class RunConfig:
     """The keys shared by ``lowprec train`` and ``lowprec ablate`` (conf/base.yaml picks the group options).
@@ -114,7 +127,7 @@ class RunConfig:
     device: str = "auto"
     cpu_kernels: str = "auto"
     resume: str | None = None
-    train: TrainSpec = field(default_factory=TrainSpec)
+    train: TrainNode = field(default_factory=TrainNode)
     paths: PathsConfig = field(default_factory=PathsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: SpikeRule = field(default_factory=SpikeRule)
@@ -144,8 +157,11 @@ class AblateConfig(RunConfig):
     sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
     verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe). ``seeds``: N seeds
     ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
-    inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once on a CPU,
-    each in its own process, or ``auto`` (2 on a CPU, 1 on a GPU; experiments/runner/scheduler.py)."""
+    inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once, each in
+    its own process, or ``auto``: 2 on a CPU (sharing its cores), one per GPU on CUDA (each worker pinned to its own
+    GPU(s), ``floor(gpus / GPUs per run)`` at a time; experiments/runner/placement.py). ``dry_run``: print the plan
+    (runs, placement, tokens, corpus epochs, predicted wall time) and train nothing; ``gpus``: the node's GPUs to
+    use or plan for; ``hardware``: the part the dry run predicts for (experiments/runner/dry_run.py)."""
 
     control: str | None = None
     name: str = MISSING
@@ -153,7 +169,7 @@ class AblateConfig(RunConfig):
     #: an int >= 1, or ``auto`` (experiments/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
     seeds: Any = 1
     max_seeds: int = 8
-    workers: Any = 1  # an int >= 1 or auto (experiments/runner/scheduler.py)
+    workers: Any = 1  # an int >= 1 or auto (experiments/runner/placement.py)
     #: the experiment's own reports beside report.md (experiments/studies: registered names)
     studies: list[str] = field(default_factory=list)
     #: each study's own settings under its name (``study.deepseek_v3.capture_batches=4``; the study documents them)
@@ -163,6 +179,12 @@ class AblateConfig(RunConfig):
     #: one see every model's ablation
     models: list[str] = field(default_factory=list)
     report: ReportConfig = field(default_factory=ReportConfig)
+    #: print the plan (runs, placement, steps, tokens, corpus epochs, predicted wall time) and train nothing
+    dry_run: bool = False
+    #: GPUs of the node to plan for (null: ``torch.cuda.device_count()``); plans a node from a laptop with dry_run
+    gpus: int | None = None
+    #: the part the dry run predicts for (``lowprec estimate``'s names; null: the detected GPU, else h100_sxm)
+    hardware: str | None = None
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
@@ -293,8 +315,32 @@ def model_from_cfg(node) -> ModelArgs:
     return dataclasses.replace(base, **typed(type(base), {**dataclasses.asdict(base), **d}, "model"))
 
 
-def train_from_cfg(cfg: DictConfig) -> TrainSpec:
-    return TrainSpec(**typed(TrainSpec, cfg.train, "train"))
+def train_resolved(cfg: DictConfig, recipe: Recipe | None = None):
+    """``cfg.train``'s ``compile`` / ``ac`` after ``auto`` (``experiments.plan.auto_train.Resolved``) on
+    ``cfg.device`` for ``cfg.model``; with ``recipe``, a recipe that cannot compile there falls back to eager
+    (``Resolved.fallback``). Raises ``ConfigError`` for a bad ``train.compile`` value or device."""
+    from experiments.plan.auto_train import resolve_compile_ac
+    from lowprec.backends.registry import fp8_backend
+    from lowprec.model.moe import MoEArgs
+    from lowprec.train.build import resolve_device
+
+    node = cfg.train
+    want_c, want_ac = node.get("compile", False), node.get("ac", "none")
+    if want_c != "auto" and want_ac != "auto":
+        return resolve_compile_ac(want_c, want_ac, "cpu", False)  # nothing to resolve: no device query
+    device = resolve_device(cfg.device).type
+    moe = isinstance(model_from_cfg(cfg.model), MoEArgs)
+    blocker = None
+    if recipe is not None:
+        blocker = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, int(node.telemetry_every), device)
+    return resolve_compile_ac(want_c, want_ac, device, moe, blocker)
+
+
+def train_from_cfg(cfg: DictConfig, recipe: Recipe | None = None) -> TrainSpec:
+    """``TrainSpec`` of ``cfg.train`` with ``auto`` resolved (``train_resolved``; per recipe when given)."""
+    d = typed(TrainNode, cfg.train, "train")
+    r = train_resolved(cfg, recipe)
+    return TrainSpec(**{**d, "compile": r.compile, "ac": r.ac})
 
 
 def optim_from_cfg(cfg: DictConfig) -> OptimHParams:
@@ -340,4 +386,7 @@ def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
     for key in ("recipe", "recipes", "hydra"):
         plain.pop(key, None)
     both = leaves(plain) | leaves(recipe.to_dict(), "recipe.")
+    if "train" in plain and ("auto" in (plain["train"].get("compile"), plain["train"].get("ac"))):
+        r = train_resolved(cfg, recipe)  # the values the run trains with, not the request (tagged train_auto)
+        both |= {"train.compile": r.compile, "train.ac": r.ac}
     return {k: str(v) for k, v in both.items() if v != {}}

@@ -192,7 +192,7 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
     for r in recipes:
         check_runtime(r, device)
         check_fp8_fallback(r, spec)
-        check_compile(r, spec, device)
+        check_compile(r, train_from_cfg(cfg, r), device)  # train.compile=auto: eager where it cannot compile
         require_fp8_selection(meta, r.fp8)
         check_fp8_shapes(r, meta, spec)
         check_layout(r, dims)

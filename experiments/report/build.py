@@ -291,8 +291,8 @@ def _run_links(tracker: Tracker, runs: list[RunData]) -> dict[str, str]:
 def contention(parent_tags: dict) -> int:
     """How many runs of the ablation trained at a time (its parent's ``workers`` tag; 1 when absent or not a
     number): above 1, every measured tokens/s of the report was measured under the other runs' load."""
-    try:
-        return max(1, int(parent_tags.get("workers", "1")))
+    try:  # ``runs_per_device``: 1 when each worker had its own GPU(s) (experiments.runner.placement)
+        return max(1, int(parent_tags.get("runs_per_device", parent_tags.get("workers", "1"))))
     except ValueError:
         return 1
 
@@ -302,9 +302,14 @@ def contended_mark(contended: int) -> str:
     return f"contended: {contended} runs at a time" if contended > 1 else ""
 
 
-def _workers_note(workers: str | None) -> str:
+def _workers_note(workers: str | None, alone: bool = False) -> str:
     if workers in (None, "1"):
         return ""
+    if alone:
+        return (
+            f"; {workers} runs trained at a time, each alone on its own GPU(s) (parent tag `placement`, each run's "
+            "`gpus`), so each run's tokens/s is its device's own"
+        )
     return f"; {workers} runs trained at a time (`workers`), so each run's tokens/s was measured under the others' load"
 
 
@@ -413,7 +418,8 @@ def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> l
         "",
         f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
         f"{params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
-        f"seeds {ptags.get('seeds')}" + _workers_note(ptags.get("workers")),
+        f"seeds {ptags.get('seeds')}" + _workers_note(ptags.get("workers"), ptags.get("runs_per_device") == "1"),
+        *_auto_note(ok),
         f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
         f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, "
         f"torchao {ptags.get('torchao_version')}, bitsandbytes {ptags.get('bitsandbytes_version')}; "
@@ -423,6 +429,22 @@ def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> l
         f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
         "",
     ]
+
+
+def _auto_note(ok: list[RunData]) -> list[str]:
+    """The setup line for ``train.compile=auto`` / ``train.ac=auto``: what each recipe resolved to on this device,
+    and the recipes that fell back to eager (their throughput is not comparable with compiled runs)."""
+    resolved = sorted({(r.recipe, r.train_auto) for r in ok if r.train_auto})
+    if not resolved:
+        return []
+    lines = [f"- `train.compile`/`train.ac` auto: {'; '.join(f'`{n}` {v}' for n, v in resolved)}"]
+    fell = sorted({r.recipe for r in ok if r.compile_fallback})
+    if fell:
+        lines.append(
+            f"- **throughput not comparable**: {', '.join(f'`{n}`' for n in fell)} ran eager (`compile_fallback` "
+            "on the run: it cannot compile on this device) while `auto` compiled the others"
+        )
+    return lines
 
 
 def _cpu_timing_warning(on_cpu: bool) -> list[str]:

@@ -18,10 +18,12 @@ from experiments.plan.preflight import preflight
 from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.report.build import build_report
 from experiments.report.verdict_table import LEVEL
+from experiments.runner.dry_run import PREPARE_HINT, Corpus, check_corpus_path, plan_text
 from experiments.runner.orphans import close_orphans, owner_tags
+from experiments.runner.placement import Placement, plan_placement
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome, config_yaml
-from experiments.runner.scheduler import resolve_workers, run_jobs
+from experiments.runner.scheduler import cores, run_jobs, visible_gpus
 from experiments.stats import SpendingPlan, check_margin
 from experiments.stats.auto_seeds import plan_for, replay_results
 from experiments.studies import GROUP_TAG, check_studies, report_studies
@@ -63,9 +65,34 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
     return [int(cfg.seed) + i for i in range(raw)], None
 
 
+def ablation_placement(cfg: DictConfig) -> Placement:
+    """Where the runs train (``experiments.runner.placement.plan_placement``): ``cfg.workers`` on this device and
+    layout; on CUDA over ``cfg.gpus`` GPUs (null: the visible ones). ``device=cuda:N`` is that one GPU.
+    Raises ``ConfigError`` (one line) for ``gpus=0``, a layout larger than the node, or ``workers`` above the bound."""
+    gpus = cfg.get("gpus")
+    if gpus is not None and (isinstance(gpus, bool) or int(gpus) < 1):
+        raise ConfigError(f"gpus={gpus}: name at least one GPU, or leave gpus unset (device=cpu trains on the CPU)")
+    if cfg.get("dry_run") and gpus is not None:  # planning a node from another machine: no device query
+        kind, device = ("cpu" if str(cfg.device) == "cpu" else "cuda"), None
+    else:
+        device = resolve_device(cfg.device)
+        kind = device.type
+    if kind != "cuda":
+        visible = 0
+    elif device is None:
+        visible = int(gpus)
+    else:
+        seen = 1 if device.index is not None else visible_gpus()
+        if gpus is not None and int(gpus) > seen:
+            raise ConfigError(f"gpus={gpus} but this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES); lower gpus=")
+        visible = seen if gpus is None else int(gpus)
+    k = parallel_from_cfg(cfg).world_size
+    return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=False)
+
+
 def ablation_workers(cfg: DictConfig) -> int:
-    """``cfg.workers`` resolved for this device and layout (``experiments.runner.scheduler.resolve_workers``)."""
-    return resolve_workers(cfg.workers, resolve_device(cfg.device).type, parallel_from_cfg(cfg).enabled)
+    """Runs trained at once (``ablation_placement``)."""
+    return ablation_placement(cfg).workers
 
 
 def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
@@ -156,9 +183,15 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
     recipes = ablation_recipes(cfg)
     names = [r.name for r in recipes]
     seeds, plan = ablation_seeds(cfg)
-    workers = ablation_workers(cfg)
+    placement = ablation_placement(cfg)
+    workers = placement.workers
     control = ablation_control(cfg, names)
+    if not cfg.get("dry_run"):  # a dry run plans without the corpus and says how many tokens it needs
+        check_corpus_path(str(cfg.data.source), cfg.data.get("path"))
     args = preflight(cfg, recipes).args  # every check that needs no data, before the parent run exists
+    if cfg.get("dry_run"):  # the plan, printed: no data prepared unless it is already there, no MLflow run
+        echo(dry_run_text(cfg, recipes, seeds, plan))
+        return AblationOutcome("", "")
     dims = start_parallel(cfg)
     with ExitStack() as held:  # the ablation's lock, held until it ends: no resume of it meanwhile
         resume = _resume_plan(cfg, recipes) if cfg.get("resume") else None  # reads MLflow, writes nothing
@@ -182,7 +215,7 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
             if is_rank0():
                 held.callback(lock_ablation(cfg, ablation_id).release)
             parent = _start_parent(
-                cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims, group or ablation_id
+                cfg, tracker, ablation_id, recipes, seeds, plan, placement, control, data, dims, group or ablation_id
             )
             tracker.set_description(parent, ablation_description(cfg, names, how, control))
         else:
@@ -196,7 +229,7 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
         echo(
             f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={cfg.model.name}, "
             f"{cfg.train.steps} steps each; layout {dims.short()}"
-            + (f"; {workers} runs at a time" if workers > 1 else "")
+            + (f"; {placement.describe()}" if workers > 1 else "")
             + f"; data: {data.description}"
         )
 
@@ -218,7 +251,7 @@ def ablate_one(cfg: DictConfig, echo=print, group: str | None = None) -> Ablatio
                     echo(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
             todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
             cont = resume.continued if resume is not None else None
-            ran = iter(run_jobs(cfg, todo, data, tracker, parent, ablation_id, workers, show, cont))
+            ran = iter(run_jobs(cfg, todo, data, tracker, parent, ablation_id, placement, show, cont))
             out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
 
         by_name = dict(zip(names, recipes, strict=True))
@@ -288,7 +321,7 @@ def parent_run_name(cfg: DictConfig, ablation_id: str) -> str:
     return f"{experiment} {cfg.model.name} {ablation_id}"
 
 
-def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, control, data, dims, group) -> str:
+def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, placement, control, data, dims, group) -> str:
     """The ablation's parent run: its tags, params (the settings shared by its runs) and ``config.yaml``."""
     seeds_tags = {"seeds": dumps(seeds)}
     if plan is not None:
@@ -301,7 +334,11 @@ def _start_parent(cfg, tracker, ablation_id, recipes, seeds, plan, workers, cont
             "experiment": str(cfg.get("name", "")),
             "recipes": dumps([r.name for r in recipes]),
             **seeds_tags,
-            "workers": str(workers),
+            "workers": str(placement.workers),
+            # which GPU(s) each worker had (each run's own ``gpus`` tag names them); runs alone on their device(s)
+            # measure their own throughput, which the report compares (``experiments.report.build.contention``)
+            "placement": placement.to_json(),
+            "runs_per_device": "1" if placement.alone_on_device else str(placement.workers),
             "control": control,
             "studies": dumps(list(cfg.get("studies") or [])),
             GROUP_TAG: group,
@@ -327,3 +364,46 @@ def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: in
     results = [(o.recipe, o.seed, o.summary["final_val_loss"] if o.status == "FINISHED" else None) for o in runs]
     others = [n for n in names if n != control]
     return replay_results(results, control, others, seed0, plan.max_seeds, margin, LEVEL)
+
+
+def dry_run_text(cfg: DictConfig, recipes: list[Recipe], seeds: list[int], plan) -> str:
+    """``experiments.runner.dry_run.plan_text`` for ``cfg``: the corpus read if it is already prepared (stdlib's
+    cache, a token folder), the hardware named (``hardware=``), detected (CUDA device 0) or, planning ``gpus=`` from
+    a machine without one, ``h100_sxm``. Raises ``ConfigError`` for a corpus smaller than one run's tokens."""
+    from experiments.plan.config import TrainNode, data_from_cfg, model_from_cfg, typed
+    from lowprec.estimate.hardware import cuda_device_hardware, get_hardware
+    from lowprec.train.spec import TrainSpec
+
+    placement = ablation_placement(cfg)
+    node = typed(TrainNode, cfg.train, "train")
+    spec = TrainSpec(**{**node, "compile": False, "ac": "none"})  # the loop's settings; compile/ac: ``asked``
+    dspec = data_from_cfg(cfg)
+    corpus = Corpus(None, f"data.source={dspec.source} data.path not set: {PREPARE_HINT}", dspec.allow_epochs)
+    if dspec.source == "stdlib" or (dspec.path and Path(dspec.path).expanduser().exists()):
+        data = prepare_data(cfg)
+        corpus = Corpus(data.n_train_tokens, data.description, dspec.allow_epochs)
+    elif dspec.path:
+        corpus = Corpus(None, f"{dspec.path} does not exist yet ({PREPARE_HINT})", dspec.allow_epochs)
+    hw, source = None, "a CPU plan: the cost model predicts GPUs only"
+    if cfg.get("hardware"):
+        hw, source = get_hardware(str(cfg.hardware)), "hardware="
+    elif placement.device_type == "cuda":
+        try:
+            name, hw = cuda_device_hardware()
+            source = f"detected: {name}"
+        except (RuntimeError, LookupError):
+            hw, source = get_hardware("h100_sxm"), "no GPU here: h100_sxm assumed, name it with hardware="
+    return plan_text(
+        cfg.model.name,
+        model_from_cfg(cfg.model),
+        recipes,
+        seeds,
+        spec,
+        parallel_from_cfg(cfg),
+        placement,
+        corpus,
+        hw,
+        source,
+        plan.max_seeds if plan is not None else None,
+        (node["compile"], node["ac"]),
+    )

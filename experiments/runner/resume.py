@@ -46,8 +46,9 @@ from lowprec.recipe import Recipe
 #: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, fault injection
 #: (``faults.*``: the fault that interrupted it is left out of the resume command), the progress bar, and
 #: ``workers`` (how many runs train at once; on a CPU it also sets each run's intra-op threads, which may change
-#: the last bits of the numerics: resume with the same ``workers`` for bit-identical continuations).
-MAY_DIFFER = ("resume", "faults", "train.progress", "workers")
+#: the last bits of the numerics: resume with the same ``workers`` for bit-identical continuations), and ``gpus``,
+#: ``hardware``, ``dry_run`` (where the runs are placed and what a plan predicts, never what a run trains).
+MAY_DIFFER = ("resume", "faults", "train.progress", "workers", "gpus", "hardware", "dry_run")
 
 
 def lock_ablation(cfg: DictConfig, ablation_id: str) -> FileLock:

@@ -18,6 +18,7 @@ from experiments.plan.config import (
     parallel_from_cfg,
     spike_rule_from_cfg,
     train_from_cfg,
+    train_resolved,
 )
 from experiments.plan.startup import corpus_tags
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
@@ -258,7 +259,8 @@ def run_one(
     try:
         args = model_from_cfg(cfg.model)
         check_vocab_fits(data, args.vocab_size)
-        spec = train_from_cfg(cfg)
+        spec = train_from_cfg(cfg, recipe)
+        tracker.set_tags(run_id, train_resolved(cfg, recipe).tags())  # train.compile/ac=auto: resolved, fallback
         built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims, cfg.cpu_kernels)
         tracker.set_tags(run_id, built.kernels.tags())
         if built.parallel is not None:

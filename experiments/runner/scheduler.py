@@ -9,10 +9,17 @@ call, recorded exactly as a sequential run is. Throughput figures of concurrent
 runs are measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
-A worker process that dies (killed, out of memory) breaks the pool: every run not finished by then fails with that
-reason (a run left RUNNING in MLflow is marked FAILED), and the ablation goes on to its report. A worker whose
-ablation process dies (kill -9) notices within a second: its run stops after the current step with its checkpoint,
-recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
+On CUDA each worker is a slot of ``experiments.runner.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
+naming its own GPU(s) only (``start_slot_pool``: set in the environment it is spawned with, before anything in it
+can initialise CUDA), so runs on distinct GPUs never share one, and each run is tagged with its ``gpus``.
+
+Each worker has a pool of its own and one run at a time; the next queued run goes to the first worker free. A worker
+process that dies (its GPU failed, killed, out of memory) fails its run in flight only (a run left RUNNING in MLflow
+is marked FAILED): its slot is not used again (a failed GPU stays failed), the other workers take the queued runs,
+and the ablation goes on to its report. Only when every worker has died do the runs left fail, not started.
+
+A worker whose ablation process dies (kill -9) notices within a second: its run stops after the current step with its
+checkpoint, recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
 
 A stop signal never kills a worker: the workers start with the stop signals blocked (a signal that arrives while
 one still imports waits), and unblock them once their handlers are installed. A worker asked to stop before a run
@@ -37,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context, resource_tracker
@@ -45,9 +53,9 @@ from multiprocessing.connection import wait as wait_sentinels
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.runner.continued_runs import Continuation
+from experiments.runner.placement import Placement, Slot, physical_ids
 from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
-from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
 from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
 
@@ -65,21 +73,51 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_workers(workers, device_type: str, parallel: bool) -> int:
-    """How many runs train at once. ``auto``: 1 on a GPU or under a parallel layout (one device per process
-    already), else ``min(cores, 2)`` (measured on 2 cores only). An int >= 1: that many; > 1 only for one-process
-    CPU runs. Raises ``ConfigError`` for anything else."""
-    if workers == "auto":
-        return 1 if device_type != "cpu" or parallel else min(cores(), 2)
-    if isinstance(workers, bool) or not isinstance(workers, int):
-        raise ConfigError(f"workers={workers} must be an integer >= 1 or auto")
-    if workers < 1:
-        raise ConfigError(f"workers={workers} must be >= 1")
-    if workers > 1 and device_type != "cpu":
-        raise ConfigError(f"workers={workers} trains runs side by side on the CPU; on {device_type} use workers=1")
-    if workers > 1 and parallel:
-        raise ConfigError(f"workers={workers} cannot combine with a parallel layout (parallel.*); use workers=1")
-    return workers
+def visible_gpus() -> int:
+    """CUDA devices this process sees (``torch.cuda.device_count()``: honours ``CUDA_VISIBLE_DEVICES``); 0 without
+    CUDA. Queried in the ablation process only: its workers are pinned before they touch CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def slot_env(slot: Slot) -> dict[str, str]:
+    """The environment a slot's worker starts with: ``CUDA_VISIBLE_DEVICES`` naming its GPUs only (mapped through
+    this process's own ``CUDA_VISIBLE_DEVICES``); empty for a CPU slot."""
+    if not slot.gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": physical_ids(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+
+
+@contextmanager
+def _environ(env: dict[str, str]):
+    """``os.environ`` updated with ``env`` for the body: a process spawned meanwhile inherits it from its start, so
+    CUDA (which reads ``CUDA_VISIBLE_DEVICES`` once, at its initialisation) never sees another GPU."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_slot_pool(slot: Slot, initializer=None, initargs=()) -> ProcessPoolExecutor:
+    """A one-process pool for ``slot``, its worker started now with ``slot_env(slot)`` (a ``ProcessPoolExecutor``
+    starts its process on the first submit, so this submits a no-op under the environment). One pool per slot: a
+    worker that dies (its GPU failed, or it was killed) breaks its own pool only, so only its run fails."""
+    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=initializer, initargs=initargs)
+    with _environ(slot_env(slot)):
+        pool.submit(int)  # starts the worker under this environment
+    return pool
+
+
+def worker_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as a worker process sees it (run in the worker: what its runs can reach)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 # --- in the worker process ------------------------------------------------------------------------------------
@@ -125,7 +163,10 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _init_worker(threads: int, cfg: dict, parent: int) -> None:
+def _init_worker(threads: int, cfg: dict, parent: int, env: dict[str, str] | None = None) -> None:
+    # The slot's environment was already this process's from its start (``start_slot_pool``); set again here so that
+    # a worker started any other way is still pinned before its first CUDA call.
+    os.environ.update(env or {})
     # Started with the stop signals blocked (``_stop_signals_blocked``): handlers first, then unblock, so a stop
     # that arrived during this process's imports is recorded now, not lost and not fatal.
     install_stop_handlers()  # the ablation forwards its stop signal; each run stops after its current step
@@ -165,7 +206,7 @@ def _run_in_worker(
     s = _state
     s["busy"] = True
     try:
-        return run_one(
+        o = run_one(
             s["cfg"],
             recipe,
             seed,
@@ -175,6 +216,9 @@ def _run_in_worker(
             ablation_id=ablation_id,
             continuation=continuation,
         )
+        if o.run_id and worker_visible_devices() is not None:  # which GPU(s) ran it (the parent has the placement)
+            s["tracker"].set_tags(o.run_id, {"gpus": worker_visible_devices()})
+        return o
     except StopSignal as stop:  # recorded KILLED by run_one; a result, so the pool stays usable
         return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
     finally:
@@ -193,7 +237,7 @@ def run_jobs(
     tracker,
     parent_id: str,
     ablation_id: str,
-    workers: int,
+    workers: int | Placement,
     on_done: Callable[[RunOutcome], None] = lambda o: None,
     continuations: Continuations | None = None,
 ) -> list[RunOutcome]:
@@ -207,7 +251,8 @@ def run_jobs(
     alone (the process group's) stops the ablation the same way, once that worker declines its next run.
     """
     cont = continuations or {}
-    if workers == 1 or len(jobs) == 1:
+    n_slots = workers.workers if isinstance(workers, Placement) else workers
+    if n_slots == 1 or len(jobs) == 1:  # in this process (a single GPU slot: CUDA device 0 of this process's own)
         out = []
         for recipe, seed in jobs:
             if local_stop():  # stopped between two runs: start no other
@@ -232,35 +277,55 @@ def run_jobs(
         return out
     if local_stop():  # stopped before this batch of runs: start no worker
         raise _ablation_stop([], len(jobs))
-    threads = max(1, cores() // workers)
+    slots = list(workers.slots) if isinstance(workers, Placement) else [Slot(i) for i in range(workers)]
+    slots = slots[: len(jobs)]
+    threads = max(1, cores() // len(slots))
     plain = OmegaConf.to_container(cfg, resolve=True)
+    queue = list(enumerate(jobs))  # (index in jobs, job) not yet handed to a worker
+    pools: dict[int, tuple[ProcessPoolExecutor, list, threading.Thread | None]] = {}
+    dead: set[int] = set()  # slots whose worker died: not used again (a failed GPU stays failed)
     results: dict[int, RunOutcome] = {}
-    with _stop_signals_blocked():  # the pool starts its workers in submit
-        pool = ProcessPoolExecutor(
-            workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plain, os.getpid())
-        )
-        pending: dict[Future, int] = {
-            pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id, cont.get((recipe.name, seed))): i
-            for i, (recipe, seed) in enumerate(jobs)
-        }
-    procs, manager = pool_internals(pool)
+    pending: dict[Future, tuple[int, int]] = {}  # future -> (index in jobs, slot)
+
+    def feed(slot: int) -> None:
+        """Hand the next queued run to ``slot``'s worker (one run in flight per worker)."""
+        i, (recipe, seed) = queue.pop(0)
+        pool = pools[slot][0]
+        try:
+            f = pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id, cont.get((recipe.name, seed)))
+        except BrokenProcessPool:  # its worker died while idle: the run goes back to the queue
+            dead.add(slot)
+            queue.insert(0, (i, jobs[i]))
+            return
+        pending[f] = (i, slot)
+
+    with _stop_signals_blocked():  # each worker starts with the stop signals blocked
+        for slot in slots:
+            env = slot_env(slot)
+            pool = start_slot_pool(slot, _init_worker, (threads, plain, os.getpid(), env))
+            pools[slot.index] = (pool, *pool_internals(pool))
+    for slot in slots:
+        feed(slot.index)
     try:
         forwarded = False
         while pending:
             done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             if local_stop() and not forwarded:  # this process got the signal: each worker stops after its step
-                forward_stop(pool, procs)
+                for pool, procs, _m in pools.values():
+                    forward_stop(pool, procs)
                 forwarded = True
             for f in [f for f in pending if f.cancelled()]:  # by forward_stop: not started
                 # ``wait`` never returns a future cancelled by the pool's shutdown (it is not "notified"): drop it
                 pending.pop(f)
             for f in done:
-                i = pending.pop(f, None)
-                if i is None or f.cancelled():  # queued when the stop came: not started
+                if f not in pending or f.cancelled():  # dropped above, or queued when the stop came: not started
+                    pending.pop(f, None)
                     continue
+                i, slot = pending.pop(f)
                 try:
                     o = f.result()
-                except Exception as e:  # the worker process died: the run is failed, the ablation goes on
+                except Exception as e:  # the worker process died: its run is failed, the other workers go on
+                    dead.add(slot)
                     recipe, seed = jobs[i]
                     o = RunOutcome(
                         "", recipe.name, seed, "FAILED", reason=f"worker process died: {type(e).__name__}: {e}"
@@ -270,15 +335,28 @@ def run_jobs(
                     continue
                 results[i] = o
                 on_done(o)
+                if queue and not local_stop() and slot not in dead:
+                    feed(slot)
+            if queue and not local_stop():  # a slot freed by a dead worker: its queued runs go to the others
+                for slot in [s.index for s in slots if s.index not in dead]:
+                    if queue and not any(sl == slot for _, sl in pending.values()):
+                        feed(slot)
     except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
+        for pool, _p, _m in pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         raise
-    for pid in close_pool(pool, procs, manager):
-        print(
-            f"worker process {pid} had not exited {EXIT_GRACE_S:.0f} s after its last run; killed (its runs are "
-            "recorded)",
-            file=sys.stderr,
-        )
+    if queue and not local_stop():  # every worker died: nothing is left to run them
+        for i, (recipe, seed) in queue:
+            o = RunOutcome("", recipe.name, seed, "FAILED", reason="not started: every worker process died")
+            results[i] = o
+            on_done(o)
+    for pool, procs, manager in pools.values():
+        for pid in close_pool(pool, procs, manager):
+            print(
+                f"worker process {pid} had not exited {EXIT_GRACE_S:.0f} s after its last run; killed (its runs "
+                "are recorded)",
+                file=sys.stderr,
+            )
     if any(o.run_id == "" for o in results.values()):
         fail_orphans(tracker, parent_id)
     if local_stop():

@@ -55,6 +55,10 @@ class RunData:
     anomalies: list[dict] = field(default_factory=list)
     #: Sampled steps left out of ``telemetry`` (``telemetry_warmup``), and why; empty when none.
     telemetry_left_out: tuple[int, ...] = ()
+    #: ``train.compile``/``train.ac`` as ``auto`` resolved them (the run's ``train_auto`` tag; empty: not auto).
+    train_auto: str = ""
+    #: why ``train.compile=auto`` ran this recipe eager (``compile_fallback`` tag): its tokens/s is not comparable.
+    compile_fallback: str = ""
 
     def tokens(self, step: int) -> int:
         return (step + 1) * self.tokens_per_step
@@ -87,6 +91,8 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             layout=tags.get("parallel", "single"),
             ac=params.get("train.ac", "none"),
             kernels=kernels_line(tags),
+            train_auto=tags.get("train_auto", ""),
+            compile_fallback=tags.get("compile_fallback", ""),
         )
         for key in CURVES:
             rd.curves[key] = metric_series(tracker.client.get_metric_history(r.info.run_id, key))

@@ -165,7 +165,7 @@ def test_the_checker_sees_unknown_and_restated_keys():
     assert sorted(unknown) == [
         "model.dimm (no field 'dimm' in ModelArgs)",
         "recipe (no field 'recipe' in AblateConfig)",
-        "train.stepz (no field 'stepz' in TrainSpec)",
+        "train.stepz (no field 'stepz' in TrainNode)",
     ]
     assert sorted(restated) == ["optim.lr: 0.003", "seeds: 1", "train.steps: 200"]
     assert check_yaml(TrainConfig, {"recipe": {"fp8": {"scalingg": 1}}})[0] == [
@@ -282,7 +282,9 @@ def test_composed_config_is_the_registered_defaults_plus_the_yaml(config_name, e
 def test_defaults_come_from_the_dataclasses():
     cfg = compose("train", [])
     assert optim_from_cfg(cfg) == OptimHParams() and OptimHParams().lr == 3e-3  # the LR the runs have always used
-    assert train_from_cfg(cfg) == _default_of(TrainConfig).train
+    # the train node's defaults, with train.compile/ac=auto resolved for this CPU (experiments.plan.auto_train)
+    node = dataclasses.asdict(_default_of(TrainConfig).train)
+    assert train_from_cfg(cfg) == TrainSpec(**{**node, "compile": False, "ac": "none"})
     raw = OmegaConf.to_container(cfg, resolve=False)
     assert (
         raw["paths"]["cache"] == "${oc.env:LOWPREC_CACHE,'~/.cache/lowprec'}"
