@@ -245,9 +245,10 @@ def _recipes(argv: list[str]) -> int:
             )
         )
         return 0
-    width = max(map(len, CATALOG))
-    for n, r in CATALOG.items():
-        print(f"{n:<{width}}  {r.short_str():<52}  {r.description}")
+    from experiments.planning.tables import render_table
+
+    cols = [("recipe", "left"), ("what it is", "left"), ("description", "left")]
+    print(render_table(cols, [(n, r.short_str(), r.description) for n, r in CATALOG.items()]))
     return 0
 
 
