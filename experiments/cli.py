@@ -254,9 +254,10 @@ def _recipes(argv: list[str]) -> int:
             )
         )
         return 0
-    width = max(map(len, CATALOG))
-    for n, r in CATALOG.items():
-        print(f"{n:<{width}}  {short_str(r):<52}  {r.description}")
+    from experiments.planning.tables import render_table
+
+    cols = [("recipe", "left"), ("what it is", "left"), ("description", "left")]
+    print(render_table(cols, [(n, short_str(r), r.description) for n, r in CATALOG.items()]))
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from experiments.planning.tables import render_table
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
@@ -241,25 +242,22 @@ def summary(rows: list[Row]) -> dict:
 
 def format_table(rows: list[Row], cal: Calibration) -> str:
     """The ``lowprec estimate --validate`` table: one line per point, fitted ones marked, errors in %."""
-    head = (
-        f"{'point':<30} {'split':<8} {'hardware':<15} {'layout':<16} {'recipe':<21} {'figure':<15} "
-        f"{'published':>10} {'predicted':>10} {'error':>7} {'mem pub':>8} {'mem pred':>8} {'error':>7}"
-    )
-    lines = [head]
+    cols = [(h, "left") for h in ("point", "split", "hardware", "layout", "recipe", "figure")]
+    cols += [(h, "right") for h in ("published", "predicted", "error", "mem pub", "mem pred", "error")]
+    cells = []
     for r in rows:
         p = r.point
         lay = f"{p.dp_shard}x{p.tp} b{p.batch} s{p.seq // 1024}k {p.ac[:3]}{'' if p.compile else ' eager'}"
         fig = "tok/s/GPU" if p.tokens_per_s_per_gpu is not None else "speedup/bf16"
         fmt = (lambda v: f"{v:,.0f}") if p.tokens_per_s_per_gpu is not None else (lambda v: f"{v:.3f}")
         mem = (
-            f"{p.memory_gib:>8.1f} {r.predicted_memory_gib:>8.1f} {100 * r.memory_error:>+6.1f}%"
+            (f"{p.memory_gib:.1f}", f"{r.predicted_memory_gib:.1f}", f"{100 * r.memory_error:+.1f}%")
             if r.memory_error is not None
-            else f"{'-':>8} {'-':>8} {'-':>7}"
+            else ("-", "-", "-")
         )
-        lines.append(
-            f"{p.id:<30} {p.split:<8} {p.hardware:<15} {lay:<16} {p.recipe:<21} {fig:<15} "
-            f"{fmt(p.published):>10} {fmt(r.predicted):>10} {100 * r.error:>+6.1f}% {mem}"
-        )
+        err = f"{100 * r.error:+.1f}%"
+        cells.append((p.id, p.split, p.hardware, lay, p.recipe, fig, fmt(p.published), fmt(r.predicted), err, *mem))
+    lines = [render_table(cols, cells)]
     s = summary(rows)
     lines += [
         "",

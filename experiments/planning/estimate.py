@@ -27,6 +27,7 @@ import json
 
 from experiments.plan.estimate_config import EstimateQuery
 from experiments.planning.cost_validation import format_table, load_points, summary, validate
+from experiments.planning.tables import render_table
 from lowprec.errors import ConfigError
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
@@ -248,23 +249,29 @@ def format_ranking(r, model_name: str, costs: dict, batch: int = 0) -> str:
         f"({e0.batch} per data-parallel rank) x train.seq_len={e0.seq}, hardware={hw.name if hw else 'none'}; "
         f"per GPU, ranked by total with train.ac={r.recompute}"
     )
-    cols = (
-        f"{'mem':>3} {'recipe':<21} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'fits':>4} "
-        f"{'step s':>8} {'tok/s/GPU':>10} {'time':>4}"
-    )
-    lines = [head, "", cols]
     timed = sorted((c.step_time_s, n) for n, c in costs.items() if not isinstance(c, str))
     rank_time = {n: i + 1 for i, (_, n) in enumerate(timed)}
+    cols = [("mem", "right"), ("recipe", "left"), ("state GiB", "right"), ("act GiB", "right")]
+    cols += [("total GiB", "right"), ("fits", "right"), ("step s", "right"), ("tok/s/GPU", "right"), ("time", "right")]
+    rows = []
     for e in r.rows:
         c = costs.get(e.recipe)
         ok = c is not None and not isinstance(c, str)
         fits = {True: "yes", False: "no", None: "-"}[e.fits(r.recompute)]
-        lines.append(
-            f"{r.rank_memory[e.recipe]:>3} {e.recipe:<21} {_gib(e.state.total):>9} "
-            f"{_gib(e.activations.recompute[r.recompute]):>8} {_gib(e.totals[r.recompute]):>9} {fits:>4} "
-            f"{(f'{c.step_time_s:.4g}' if ok else '-'):>8} {(f'{c.tokens_per_s_per_gpu:,.0f}' if ok else '-'):>10} "
-            f"{rank_time.get(e.recipe, '-'):>4}"
+        rows.append(
+            (
+                r.rank_memory[e.recipe],
+                e.recipe,
+                _gib(e.state.total),
+                _gib(e.activations.recompute[r.recompute]),
+                _gib(e.totals[r.recompute]),
+                fits,
+                f"{c.step_time_s:.4g}" if ok else "-",
+                f"{c.tokens_per_s_per_gpu:,.0f}" if ok else "-",
+                rank_time.get(e.recipe, "-"),
+            )
         )
+    lines = [head, "", render_table(cols, rows)]
     if timed:
         lines.append(
             f"\nstep time from the per-op cost model (train.ac={r.recompute}); its held-out error reaches "

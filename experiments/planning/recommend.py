@@ -65,6 +65,7 @@ from experiments.planning.recommend_plan import (
     peak_reserved,
     run_commands,
 )
+from experiments.planning.tables import render_table
 from lowprec.estimate.cost_model import AC_MODES, Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import inventory
@@ -495,16 +496,17 @@ def format_table(rec: Recommendation) -> str:
     ref_of = {r: x["ref"] for x in refs for r in x["recipes"]}
     groups = ablation_groups(rec.options)
     group_of = {o.recipe: k for k, (_, rows) in enumerate(groups, 1) for o in rows}
-    w = max([21, *(len(o.recipe) for o in rec.options), *(len(n) for n in rec.not_runnable)])
     lines = [
         f"model={q['model']} hardware={q['hardware']} gpus={q['gpus']} tokens={q['tokens']:.3g} "
         f"max_loss_gap={100 * q['max_loss_gap']:.2f}%; ranked by predicted time to train, then memory headroom",
         f"assumed: {_assumed_batch(q)} of train.seq_len={q['seq']} tokens per step (train.batch_size=, "
         f"train.seq_len= pin them); train.compile={str(q['compile']).lower()}; memory in GiB (2**30 bytes)",
         "",
-        f"{'#':>2} {'recipe':<{w}} {'layout':<16} {'tok/step':>9} {'tok/s/GPU':>9} {'days':>8} {'vs bf16':>8} "
-        f"{'peak GiB':>8} {'free':>5} {'pub':>4}  loss evidence",
     ]
+    cols = [("#", "right"), ("recipe", "left"), ("layout", "left"), ("tok/step", "right"), ("tok/s/GPU", "right")]
+    cols += [("days", "right"), ("vs bf16", "right"), ("peak GiB", "right"), ("free", "right"), ("pub", "right")]
+    cols += [("loss evidence", "left")]
+    rows = []
     for i, o in enumerate(rec.options, 1):
         lay = f"{o.dp_shard}x{o.tp} ac={o.ac}" + ("*" if o.outside_published else "")
         sp = f"{100 * (o.speedup - 1):+.0f}%" if o.speedup is not None else "-"
@@ -518,13 +520,13 @@ def format_table(rec: Recommendation) -> str:
             ev = f"no evidence: ablation [a{group_of[o.recipe]}] below"
         else:
             ev = f"no evidence, and no ablation with {CONTROL} fits eager on these GPUs"
-        lines.append(
-            f"{i:>2} {o.recipe:<{w}} {lay:<16} {o.tokens_per_step:>9,} {o.tokens_per_s_per_gpu:>9,.0f} "
-            f"{o.days:>8,.1f} {sp:>8} {o.reserved_gib:>8.1f} {100 * o.headroom:>4.0f}% {f'[{ref_of[o.recipe]}]':>4}"
-            f"  {ev}"
+        rows.append(
+            (i, o.recipe, lay, f"{o.tokens_per_step:,}", f"{o.tokens_per_s_per_gpu:,.0f}", f"{o.days:,.1f}", sp)
+            + (f"{o.reserved_gib:.1f}", f"{100 * o.headroom:.0f}%", f"[{ref_of[o.recipe]}]", ev)
         )
-    for name, why in rec.not_runnable.items():
-        lines.append(f"   {name:<{w}} not runnable, no step time: {why}")
+    # A recipe with no step time: an unnumbered row, its reason in the last column.
+    rows += [("", n, *[""] * 8, f"not runnable, no step time: {why}") for n, why in rec.not_runnable.items()]
+    lines.append(render_table(cols, rows, min_width={0: 2}))
     outside = [o for o in rec.options if o.outside_published]
     if outside:
         lines += ["", "* layout outside every published point (the cost model's error there is not known):"]

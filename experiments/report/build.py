@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments.plan.config import ReportConfig
-from experiments.report import plots, verdict_table
+from experiments.report import markdown, plots, verdict_table
 from experiments.report.anomalies import anomalies_section
 from experiments.report.html import markdown_to_html
 from experiments.report.predicted import predict_recipes
@@ -233,10 +233,10 @@ def build_report(
         "effective": _effective_section(ok, order),
     }
     title = f"Precision ablation `{ablation_id}`"
-    footer = ["", f"Browse the runs: `lowprec ui tracking.uri={tracker.uri}`", ""]
 
-    def page(order_: tuple[str, ...]) -> str:
-        return "\n".join([f"# {title}", "", *(line for key in order_ for line in sections[key]), *footer])
+    def page(order_: tuple[str, ...]) -> str:  # template report.md.j2: the title, the sections, where to browse
+        texts = ["\n".join(sections[key]) for key in order_ if sections[key]]
+        return markdown.render("report.md.j2", title=title, sections=texts, uri=tracker.uri)
 
     path = out / "report.md"
     path.write_text(page(MARKDOWN_ORDER))
@@ -350,7 +350,8 @@ def _by_seed(runs: list[RunData], name: str, key: str) -> dict[int, list[tuple[i
 
 def _curves_section(ok: list[RunData], order: list[str], control: str, margin: float, out: Path) -> list[str]:
     """Right after the verdicts: the relative loss error against the control (DeepSeek-V3's metric, paired by
-    seed, t-band) and the loss curves (mean over seeds, min-max band), from the comparable runs."""
+    seed, t-band) and the loss curves (mean over seeds, min-max band), from the comparable runs (template
+    ``curves.md.j2``)."""
     if not ok:
         return []
     w = TRAIN_SMOOTH_WINDOW
@@ -359,39 +360,22 @@ def _curves_section(ok: list[RunData], order: list[str], control: str, margin: f
     train = {n: relative_loss_error(_by_seed(ok, n, "loss"), ctrl_train, window=w, level=LEVEL) for n in names}
     val = {n: relative_loss_error(_by_seed(ok, n, "val_loss"), ctrl_val, level=LEVEL) for n in names}
     bands = {n: (seed_band(_by_seed(ok, n, "loss"), window=w), seed_band(_by_seed(ok, n, "val_loss"))) for n in order}
-    lines = ["## Loss curves", ""]
+    gap_fig, level, no_band = None, None, []
     if any(c is not None for c in [*train.values(), *val.values()]):
-        fig = plots.relative_loss_error(train, val, order, control, margin, out / "loss_gap.png")
-        lines += [*_relative_error_text(train, val, control, margin, w), "", f"![relative loss error]({fig.name})", ""]
-    else:
-        lines += [f"No relative loss error: no recipe has a finished run paired by seed with `{control}`.", ""]
+        gap_fig = plots.relative_loss_error(train, val, order, control, margin, out / "loss_gap.png").name
+        level = next(c.level for d in (train, val) for c in d.values() if c is not None)
+        no_band = sorted({n for d in (train, val) for n, c in d.items() if c is not None and c.lo is None})
     loss = plots.loss_curves(bands, order, ok[0].tokens_per_step, out / "loss.png")
-    lines += [
-        f"Training loss (each run smoothed by a trailing mean over {w} logged steps) and validation loss by tokens "
-        "seen: the mean over each recipe's finished seeds, the band spans the lowest to the highest seed "
-        "(min-max, not a confidence interval); n in the legend = seeds.",
-        "",
-        f"![loss]({loss.name})",
-        "",
-    ]
-    return lines
-
-
-def _relative_error_text(train: dict, val: dict, control: str, margin: float, window: int) -> list[str]:
-    one = sorted({n for d in (train, val) for n, c in d.items() if c is not None and c.lo is None})
-    level = next(c.level for d in (train, val) for c in d.values() if c is not None)
-    text = (
-        f"Relative loss error against `{control}` (DeepSeek-V3's FP8 metric): e_i(t) = (L_recipe,i(t) - "
-        f"L_control,i(t)) / L_control,i(t), seed i of the recipe against seed i of `{control}` (same batches and "
-        f"initial weights); > 0: the recipe's loss is higher. Left: training loss, each run smoothed first by a "
-        f"trailing mean over {window} logged steps; right: validation loss at each validation point. Line: mean "
-        f"over the paired seeds; band: two-sided {level:.0%} paired t-interval across seeds (scipy.stats.t, "
-        f"n - 1 degrees of freedom, at each step); red lines: the margin +{100 * margin:.3g}% (solid) and "
-        f"-{100 * margin:.3g}% (dashed), zero in black."
+    return markdown.lines(
+        "curves.md.j2",
+        control=control,
+        margin=margin,
+        window=w,
+        gap_fig=gap_fig,
+        level=level,
+        no_band=no_band,
+        loss_fig=loss.name,
     )
-    if one:
-        text += f" No band (one paired seed, so no interval): {', '.join(f'`{n}`' for n in one)}."
-    return [text]
 
 
 def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[str, Path]:
@@ -411,24 +395,22 @@ def _telemetry_left_out(ok: list[RunData]) -> dict[str, tuple[int, ...]]:
 
 
 def _header_section(parent: Run, ok: list[RunData], control: str, uri: str) -> list[str]:
-    """The setup: experiment, model, steps, seeds, data, device and versions, control, store."""
-    ptags, params = parent.data.tags, parent.data.params
-    return [
-        "## Setup",
-        "",
-        f"- experiment: `{ptags.get('experiment', '')}`, model `{ptags.get('model')}`, "
-        f"{params.get('train.steps')} optimizer steps of {ok[0].tokens_per_step if ok else '?'} tokens, "
-        f"seeds {ptags.get('seeds')}" + _workers_note(ptags.get("workers"), ptags.get("runs_per_device") == "1"),
-        *_auto_note(ok),
-        f"- data: {ptags.get('corpus')} (fingerprint `{ptags.get('corpus_fingerprint', '')[:16]}`)",
-        f"- device: {ptags.get('device')}; torch {ptags.get('torch_version')}, "
-        f"torchao {ptags.get('torchao_version')}, bitsandbytes {ptags.get('bitsandbytes_version')}; "
-        f"git `{ptags.get('git_sha')}`",
-        *[f"- kernels: {k}" for k in sorted({r.kernels for r in ok if r.kernels})],
-        f"- control recipe: `{control}`; tracking store: `{uri}` (MLflow run `{parent.info.run_id}`)",
-        f"- wall time: {_num(float(ptags.get('wall_s', 'nan')), '.0f')} s",
-        "",
-    ]
+    """The setup: experiment, model, steps, seeds, data, device and versions, control, store (template
+    ``setup.md.j2``)."""
+    ptags = parent.data.tags
+    return markdown.lines(
+        "setup.md.j2",
+        tags=ptags,
+        params=parent.data.params,
+        tokens_per_step=ok[0].tokens_per_step if ok else "?",
+        kernels=sorted({r.kernels for r in ok if r.kernels}),
+        control=control,
+        uri=uri,
+        run_id=parent.info.run_id,
+        wall_s=float(ptags.get("wall_s", "nan")),
+        workers_note=_workers_note(ptags.get("workers"), ptags.get("runs_per_device") == "1"),
+        auto_lines=_auto_note(ok),
+    )
 
 
 def _auto_note(ok: list[RunData]) -> list[str]:
@@ -448,16 +430,8 @@ def _auto_note(ok: list[RunData]) -> list[str]:
 
 
 def _cpu_timing_warning(on_cpu: bool) -> list[str]:
-    """A warning that CPU timings say nothing about GPU speed (nothing on a GPU)."""
-    if not on_cpu:
-        return []
-    return [
-        "> **These timings were measured on a CPU.** They say nothing about FP8 or BF16 speed on a GPU: "
-        "they depend on this CPU's kernels (the kernels line above; emulated kernels compute BF16/FP8 GEMMs in "
-        "FP32). Read the tokens/s column as the cost of these kernels here, never as a speedup or slowdown you "
-        "would see on an H100.",
-        "",
-    ]
+    """A warning that CPU timings say nothing about GPU speed (nothing on a GPU; template ``cpu_warning.md.j2``)."""
+    return markdown.lines("cpu_warning.md.j2") if on_cpu else []
 
 
 SUMMARY_COLUMNS = (
@@ -477,30 +451,18 @@ SUMMARY_COLUMNS = (
 
 def _summary_section(rows: list[dict], control: str, on_cpu: bool, contended: int = 1) -> list[str]:
     """The summary table (one row per recipe, from ``summarise``) and what its columns mean; the tokens/s column's
-    header says when it was measured under contention."""
-    peak = "process peak RSS (CPU)" if on_cpu else "CUDA peak allocated"
+    header says when it was measured under contention (template ``summary.md.j2``)."""
     mark = contended_mark(contended)
     columns = [f"tokens/s ({mark})" if c == "tokens/s" and mark else c for c in SUMMARY_COLUMNS]
-    return [
-        "## Summary",
-        "",
-        f"Validation loss after the last step; gap = relative difference to `{control}` (paired by seed); "
-        "state = parameters + gradients + master + optimizer states (exact bytes); AdamW m error = relative error "
-        "of the stored first moment against an FP32 shadow AdamW on sampled tensors, last sample "
-        f"(n/a: FP32 moments); peak = {peak}, with its growth during the run in brackets; "
-        "loss spikes = mean per run of the steps the stability rule flags (experiments/stats/stability.py: loss "
-        "above its EMA by more than k robust sd; the rule is each run's `stability_rule` tag).",
-        "",
-        "| " + " | ".join(columns) + " |",
-        "|---" * len(columns) + "|",
-        *(_summary_row(row) for row in rows),
-    ]
+    rows_ = [_summary_row(row) for row in rows]
+    return markdown.lines("summary.md.j2", control=control, on_cpu=on_cpu, head=columns, rows=rows_)
 
 
-def _summary_row(row: dict) -> str:
+def _summary_row(row: dict) -> list[str]:
+    """The cells of a recipe's row of the summary table."""
     std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
     peak = f"{_fmt_bytes(row['peak_bytes'])} (+{_fmt_bytes(row['peak_growth_bytes'])})" if row["n_ok"] else "n/a"
-    cells = [
+    return [
         f"`{row['recipe']}`",
         f"`{row['short']}`",
         row["status"],
@@ -513,89 +475,46 @@ def _summary_row(row: dict) -> str:
         _num(row["spikes"], ".1f"),
         _num(row["max_grad_norm"], ".3f"),
     ]
-    return "| " + " | ".join(cells) + " |"
 
 
 def _failed_section(runs: list[RunData]) -> list[str]:
-    """Runs left out of every comparison, each with the reason recorded in MLflow (nothing if none)."""
+    """Runs left out of every comparison, each with the reason recorded in MLflow (nothing if none; template
+    ``failed.md.j2``)."""
     failed = [r for r in runs if not r.comparable]
-    if not failed:
-        return []
-    return [
-        "",
-        "## Failed or excluded runs",
-        "",
-        "These runs are left out of every comparison; the reason is the one recorded in MLflow.",
-        "",
-        *(
-            f"- `{r.recipe}` seed {r.seed}: {r.status}: {r.reason or 'effective recipe did not match'} "
-            f"(run `{r.run_id}`)"
-            for r in failed
-        ),
-    ]
+    return markdown.lines("failed.md.j2", failed=failed) if failed else []
 
 
 def _figure_sections(figs: dict[str, Path], contended: int = 1) -> list[str]:
     """One section per comparison plot, in the order they were drawn (the throughput one's title says when it was
-    measured under contention)."""
-    titles = {
-        "memory": "Memory by component",
-        "throughput": "Throughput",
-        "grad_norm": "Gradient norm",
-        "reconcile": "Memory: predicted (lowprec estimate) vs measured",
-    }
-    lines: list[str] = []
-    if contended > 1:
-        titles["throughput"] += f" ({contended_mark(contended)})"
-    for key, path in figs.items():
-        lines += ["", f"## {titles[key]}", "", f"![{key}]({path.name})"]
-    return lines
+    measured under contention; template ``figures.md.j2``)."""
+    return markdown.lines("figures.md.j2", figs=figs, contended_mark=contended_mark(contended)) if figs else []
 
 
 def _telemetry_section(heatmaps: dict[str, Path], left_out: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """The FP8 numerics heatmaps (recipe -> PNG) and how to read them (nothing without telemetry); ``left_out``:
-    recipe -> the steps its heatmap leaves out (``telemetry_warmup``), said under it."""
+    recipe -> the steps its heatmap leaves out (``telemetry_warmup``), said under it (template
+    ``telemetry.md.j2``)."""
     if not heatmaps:
         return []
-    lines = [
-        "",
-        "## FP8 numerics telemetry",
-        "",
-        "Per lowprec FP8 linear (rows) and sampled step (columns), on the training batch: SQNR in dB of the "
-        "FP8 output and grad_input GEMMs against an FP32 shadow GEMM of the same operands, the share of "
-        "non-zero grad_output elements flushed to zero (underflow), and the share of input elements that "
-        "saturate (overflow).",
-    ]
-    for name, path in heatmaps.items():
-        lines += ["", f"### `{name}`", "", f"![telemetry {name}]({path.name})"]
-        if (left_out or {}).get(name) == (0,):
-            lines += ["", f"`{name}`: {TELEMETRY_WARMUP_NOTE}."]
-    return lines
+    return markdown.lines(
+        "telemetry.md.j2", heatmaps=heatmaps, left_out=left_out or {}, warmup_note=TELEMETRY_WARMUP_NOTE
+    )
 
 
 def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
-    """Measured vs predicted bytes per component (first seed of each recipe), from the logged metrics."""
+    """Measured vs predicted bytes per component (first seed of each recipe), from the logged metrics (template
+    ``reconcile.md.j2``)."""
     first = _first_per_recipe(runs)
     names = [n for n in order if n in first]
     if not names or not any(f"pred_{MEM_COMPONENTS[0]}" in first[n].metrics for n in names):
         return []
-    short = {c: c.removeprefix("mem_").removesuffix("_bytes") for c in MEM_COMPONENTS}
-    lines = [
-        "",
-        "### Predicted vs measured bytes",
-        "",
-        "Each cell: measured / predicted by `lowprec estimate` for this run's model, recipe, batch and "
-        "sequence (exact where equal; saved activations counted once per storage, under the run's activation "
-        "checkpointing `ac`: what the forward keeps plus the largest block recomputed).",
-        "",
-        "| recipe | ac | " + " | ".join(short.values()) + " |",
-        "|---" * (len(MEM_COMPONENTS) + 2) + "|",
-    ]
+    head = ["recipe", "ac", *(c.removeprefix("mem_").removesuffix("_bytes") for c in MEM_COMPONENTS)]
+    rows = []
     for n in names:
         m = first[n].metrics
         cells = [_reconcile_cell(m.get(c), m.get(_predicted_name(c), m.get(f"pred_{c}"))) for c in MEM_COMPONENTS]
-        lines.append(f"| `{n}` | {first[n].ac} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append([f"`{n}`", first[n].ac, *cells])
+    return markdown.lines("reconcile.md.j2", head=head, rows=rows)
 
 
 def _predicted_name(component: str) -> str:
@@ -619,44 +538,21 @@ COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def _comm_section(runs: list[RunData], order: list[str], out: Path) -> list[str]:
-    """The communication table and its bar chart (drawn here, only for runs that metered communication)."""
-    table = _comm_table(runs, order)
-    if not table:
-        return []
-    fig = plots.comm_bars(runs, order, COMM_KINDS, out / "comm_bytes.png")
-    return [*table, "", f"![comm]({fig.name})"]
-
-
-def _comm_table(runs: list[RunData], order: list[str]) -> list[str]:
     """Bytes per optimizer step by collective kind and wire dtype, as the communication meter counted them at
-    the process-group call on rank 0 (the only evidence of FP8 communication the report accepts)."""
+    the process-group call on rank 0 (the only evidence of FP8 communication the report accepts), and its bar chart
+    (drawn here, only for runs that metered communication; template ``comm.md.j2``)."""
     first = _first_per_recipe(runs)
     names = [n for n in order if n in first and any(k.startswith("comm_") for k in first[n].metrics)]
     if not names:
         return []
-    lines = [
-        "",
-        "## Communication per step",
-        "",
-        "Bytes per optimizer step on rank 0, counted by `lowprec.parallel.comm_meter` at the process-group "
-        "call (all-gather: gathered output; reduce-scatter: full input; all-reduce: the tensor). FP8 payloads "
-        "move as uint8 views and are listed as fp8. `wire` is the effective recipe's record of the dtypes "
-        "that moved weights and gradients under FSDP2.",
-        "",
-        "| recipe | layout | " + " | ".join(k.replace("_", "-") for k in COMM_KINDS) + " | wire |",
-        "|---" * (len(COMM_KINDS) + 3) + "|",
-    ]
+    head = ["recipe", "layout", *(k.replace("_", "-") for k in COMM_KINDS), "wire"]
+    rows = []
     for n in names:
         cells = [_comm_cell(first[n].metrics, kind) for kind in COMM_KINDS]
         wire = first[n].effective.get("comm") or {}
-        lines.append(
-            f"| `{n}` | {first[n].layout} | "
-            + " | ".join(cells)
-            + " | "
-            + (", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a")
-            + " |"
-        )
-    return lines
+        rows.append([f"`{n}`", first[n].layout, *cells, ", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a"])
+    fig = plots.comm_bars(runs, order, COMM_KINDS, out / "comm_bytes.png")
+    return markdown.lines("comm.md.j2", head=head, rows=rows, fig=fig.name)
 
 
 def _comm_cell(metrics: dict[str, float], kind: str) -> str:
@@ -680,31 +576,25 @@ EFFECTIVE_COLUMNS = ("recipe", "params", "grads", "linear outputs", "FP8 linears
 
 
 def _effective_section(ok: list[RunData], order: list[str]) -> list[str]:
-    """What each recipe ran as (first seed): element counts per dtype, FP8 linears, optimizer class."""
+    """What each recipe ran as (first seed): element counts per dtype, FP8 linears, optimizer class (template
+    ``effective.md.j2``)."""
     first = _first_per_recipe(ok)
-    lines = [
-        "",
-        "## Effective recipes",
-        "",
-        "Read from the built objects after the first optimizer step (element counts per dtype).",
-        "",
-        "| " + " | ".join(EFFECTIVE_COLUMNS) + " |",
-        "|---" * len(EFFECTIVE_COLUMNS) + "|",
-    ]
+    rows = []
     for name in (n for n in order if n in first):
         e = first[name].effective
         fp8 = sum((e.get("fp8_linears") or {}).values())
-        cells = [
-            f"`{first[name].recipe}`",
-            _dtypes(e.get("param_dtype")),
-            _dtypes(e.get("grad_dtype")),
-            _dtypes(e.get("linear_output_dtype")),
-            f"{fp8}/{e.get('linears')}",
-            _dtypes(e.get("moment_dtype")),
-            f"`{e.get('optimizer')}`",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                f"`{first[name].recipe}`",
+                _dtypes(e.get("param_dtype")),
+                _dtypes(e.get("grad_dtype")),
+                _dtypes(e.get("linear_output_dtype")),
+                f"{fp8}/{e.get('linears')}",
+                _dtypes(e.get("moment_dtype")),
+                f"`{e.get('optimizer')}`",
+            ]
+        )
+    return markdown.lines("effective.md.j2", head=list(EFFECTIVE_COLUMNS), rows=rows)
 
 
 def _dtypes(d: dict | None) -> str:

@@ -35,6 +35,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from experiments.report import markdown
 from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
 from experiments.stats.auto_seeds import AutoSeeds
 from experiments.stats.stability import LESS_STABLE
@@ -335,27 +336,14 @@ def build_table(
 
 
 def _auto_note(auto: AutoSeeds) -> str:
-    looks = ", ".join(f"{lk.n} seeds at {lk.level:.4g}" for lk in auto.looks)
-    tail = (
-        f" The ablation ended before {', '.join(auto.wanting)} stopped (seed {auto.next_seed} never ran)."
-        if auto.wanting
-        else ""
-    )
-    return (
-        "- `seeds=auto` (experiments/stats/auto_seeds.py): 3 seeds, then one more at a time for the recipes (and the "
-        "control) still inconclusive, up to `max_seeds`; Lan-DeMets O'Brien-Fleming-type alpha spending with exact "
-        "group-sequential boundaries, one-sided alpha 0.025 over all looks (experiments/stats/sequential.py). Each "
-        "recipe's verdict and interval are those of the look where it stopped, at that look's two-sided level "
-        f"(printed in each row; per look: {looks}), Holm over the recipes still running at that look; the seeds "
-        f"column says why it stopped.{tail}"
-    )
+    """The note under the verdict table on the ``seeds=auto`` procedure (template ``auto_seeds_note.md.j2``)."""
+    return markdown.render("auto_seeds_note.md.j2", auto=auto).removesuffix("\n")
 
 
 # --- markdown ---------------------------------------------------------------------------------------------------
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.3f}%"
+_pct = markdown.pct
 
 
 def _level(level: float) -> str:
@@ -423,7 +411,8 @@ def _throughput_cell(x: float | None, contended: int) -> str:
     return f"{_ratio_cell(x)} (contended: {contended} runs at a time)"
 
 
-def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1) -> str:
+def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1) -> list[str]:
+    """The cells of a recipe's row of the verdict table."""
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
@@ -433,8 +422,7 @@ def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
     memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
     cells += [mdd, needed, _throughput_cell(row.throughput_ratio, contended), memory]
-    cells += [_ratio_cell(row.predicted_throughput_ratio), _ratio_cell(row.predicted_memory_ratio)]
-    return "| " + " | ".join(cells) + " |"
+    return [*cells, _ratio_cell(row.predicted_throughput_ratio), _ratio_cell(row.predicted_memory_ratio)]
 
 
 def _columns(with_late: bool, hardware: str | None, level: float, auto: bool = False) -> list[str]:
@@ -448,7 +436,8 @@ def _columns(with_late: bool, hardware: str | None, level: float, auto: bool = F
     return cols + [f"predicted throughput ratio ({on})", f"predicted memory ratio ({on})"]
 
 
-def _control_row(t: VerdictTable, with_late: bool) -> str:
+def _control_row(t: VerdictTable, with_late: bool) -> list[str]:
+    """The cells of the control's row of the verdict table."""
     n = len(t.control_values)
     seeds = str(n) if n == t.control_runs else f"{n} of {t.control_runs} ({t.control_runs - n} failed)"
     cells = [f"`{t.control}`", seeds, "control", "control"]
@@ -457,199 +446,67 @@ def _control_row(t: VerdictTable, with_late: bool) -> str:
     stab = t.control_stability
     cells += [_spikes_cell(stab), _diverged_cell(stab), "control", "", "", "1.00x", "1.00x (1.00x)"]
     predicted = "1.00x" if t.predicted_hardware else "n/a"
-    return "| " + " | ".join([*cells, predicted, predicted]) + " |"
+    return [*cells, predicted, predicted]
 
 
 def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None, contended: int = 1) -> list[str]:
     """The report's first section: the verdict table with its rules and the noise floor, or, when no verdict is
     possible, why, followed by every finished run's numbers (``finished_runs``: the report's comparable runs).
     ``contended``: how many runs trained at a time (the parent's ``workers``); above 1 each measured throughput
-    ratio says so beside the number."""
-    lines = ["## Verdicts", ""]
+    ratio says so beside the number. Its text: templates ``verdicts.md.j2``, ``verdict_notes.md.j2`` and
+    ``noise_floor.md.j2``."""
     if t.no_verdict:
-        lines += [f"**No verdict is possible:** {t.no_verdict}."]
-        if t.control_failures:
-            lines += ["", f"Control runs: {'; '.join(t.control_failures)}."]
-        if finished_runs:
-            lines += ["", "The finished runs, each as recorded in MLflow:", "", *_runs_table(finished_runs)]
-        return [*lines, ""]
+        head, rows = _runs_table(finished_runs or [])
+        return markdown.lines("verdicts.md.j2", t=t, runs_head=head, runs_rows=rows)
     with_late = t.late_reason is None
     auto = t.auto_note is not None
-    cols = _columns(with_late, t.predicted_hardware, t.level, auto)
-    lines += [
-        "| " + " | ".join(cols) + " |",
-        "|---" * len(cols) + "|",
-        _control_row(t, with_late),
-        *(_row(r, with_late, auto, contended) for r in t.rows),
-        "",
-        *_notes(t, on_cpu),
-        "",
-        _noise_floor(t),
-        "",
-    ]
-    return lines
-
-
-def _notes(t: VerdictTable, on_cpu: bool) -> list[str]:
-    alpha = (1 - t.level) / 2
     rule = next((r.final.rule for r in t.rows if r.final), None)
     tested = next((r.final.n_tests for r in t.rows if r.final), 0)
-    if tested:
-        holm = (
-            f"Holm-corrected across the {tested} recipe(s) with >= 2 paired seeds in each one-sided family (a "
-            "verdict the interval alone would give but Holm does not confirm is shown as inconclusive, with the "
-            "interval's verdict beside it)"
-        )
-    else:  # one seed everywhere: say why the column holds no verdict rather than "Holm across 0 recipes"
-        holm = "but no recipe has 2 paired seeds, so no interval and no verdict exist (`seeds=3` or more gives them)"
-    auto = t.auto_note is not None
     if auto and rule is not None:  # every look has its own level: state the rule for all of them, not the first row's
         rule = rule_text(t.margin, None, "holm", tested)
-    interval = "at the level of the look where the recipe stopped (printed in the row)" if auto else f"{t.level:.0%}"
-    notes = [
-        f"- Relative difference d = (recipe - control) / control, paired by seed (seed i of every recipe shares "
-        f"the batches and initial weights of seed i of `{t.control}`); d > 0: the recipe's loss is higher (worse). "
-        f"Mean over the paired seeds with its two-sided paired t-interval {interval} (unadjusted).",
-        f"- Verdict at the margin +{100 * t.margin:.3g}% (`report.margin={t.margin:g}`), {holm}. "
-        f"Rule (experiments/stats/verdict.py): {rule}. Labels (CONSORT, Piaggio et al. 2012, figure 1): "
-        "**superior** = non-inferior with the interval wholly below 0; **(worse than control)** = the interval "
-        "lies wholly above 0, a significant difference smaller (non-inferior) or not shown to be smaller "
-        "(inconclusive) than the margin.",
-    ]
-    if t.auto_note:
-        notes.append(t.auto_note)
-    if t.late_reason is None:
-        how = (
-            "judged on the seeds and at the level of the look where the recipe stopped, Holm over the recipes "
-            "running at that look (the stopping rule looked at the final loss only: a secondary endpoint)"
-            if auto
-            else "judged the same way (its own Holm family)"
-        )
-        notes.append(
-            f"- Last quarter: the mean of each run's validation losses measured after step "
-            f"{math.floor(LATE_FROM * t.steps)} of {t.steps} (up to {t.late_points} points per run), paired and "
-            f"{how}."
-        )
-    else:
-        notes.append(f"- No last-quarter column: {t.late_reason}.")
-    at = (
-        f"alpha={t.auto_final_alpha:.3g} (the one-sided nominal level of the final `seeds=auto` analysis, at "
-        "`max_seeds`, not the level of the look where the recipe stopped)"
-        if t.auto_final_alpha is not None
-        else f"alpha={alpha:.3g}"
-    )
-    notes += [
-        f"- MDD (final val loss): the minimum detectable difference, the distance from the margin that a one-sided "
-        f"paired t-test at {at} detects with power {POWER} at this seed count and the observed paired "
-        "sd (statsmodels `TTestPower`, before Holm). Seeds needed: the seeds that make the verdict conclusive with "
-        f"power {POWER} if the observed mean and paired sd are the truth (same power calculation, per comparison; "
-        "Holm can need more).",
-        f"- Ratios: the recipe's mean over its finished runs divided by `{t.control}`'s: throughput = "
-        "`mean_tokens_per_s`; memory = exact training-state bytes (parameters, gradients, master, optimizer "
-        f"states), and in brackets `mem_peak_bytes` ({'process peak RSS' if on_cpu else 'CUDA peak allocated'}).",
-    ]
-    if on_cpu:
-        notes.append(
-            "- **Throughput measured on a CPU says nothing about GPU throughput**: the ratio is the cost of this "
-            "CPU's kernels (emulated or native), never a speedup or slowdown you would see on a GPU."
-        )
-    notes += [*_stability_notes(t), _predicted_note(t)]
-    for r in t.rows:
-        for v in (r.final, r.late):
-            if v and v.effect.disagree:
-                e = v.effect
-                notes.append(
-                    f"- Bootstrap cross-check disagrees for `{r.recipe}` ({v.metric}): percentile bootstrap "
-                    f"[{_pct(e.boot_lo)}, {_pct(e.boot_hi)}] against the t-interval [{_pct(e.lo)}, {_pct(e.hi)}] "
-                    "(skewed differences or one outlying seed: read the t-interval with care)."
-                )
-    if t.control_failures:
-        notes.append(f"- Failed control runs (their seeds pair with nothing): {'; '.join(t.control_failures)}.")
-    return notes
-
-
-def _stability_notes(t: VerdictTable) -> list[str]:
-    """How the stability columns are counted and judged (experiments/stats/stability.py)."""
-    rules = "; ".join(f"`{r}`" for r in t.stability_rules) or "none recorded"
-    return [
-        "- Stability (experiments/stats/stability.py, one spike definition for the loss and the grad norm): spikes "
-        "per run = mean over the recipe's judged runs of its spike events (a run of consecutive steps the spike rule "
-        "flags counts once: one decaying spike flags several steps); diverged = judged runs that "
-        "diverged / judged runs. Judged runs: the finished comparable runs, and failed runs stopped by a non-finite "
-        "loss or grad norm (or whose metrics say diverged), which count as diverged. Metrics as each run logged them "
-        "(`stability/*` at its last step), or recomputed from its logged curves with the default rule for runs that "
-        f"predate them. Rule of these runs: {rules}.",
-        "- Stability verdict (`stability_verdict`): **less stable** when one exact permutation test over runs "
-        "(each run's divergence, loss-spike events and grad-norm spike events; the largest standardised difference "
-        "of the recipe's mean over the control's, against every split of the runs) gives p <= 0.05; else **as "
-        "stable**. Under identical processes it says less stable at most 5% of the time; the smallest possible p is "
-        "1 / C(recipe runs + control runs, recipe runs), 0.05 with 3 runs each, so at 3 seeds only a recipe worse "
-        "in every run than every control run is less stable: as stable means no evidence of worse, not proof of "
-        "equal.",
-    ]
-
-
-def _predicted_note(t: VerdictTable) -> str:
-    if not t.predicted_hardware:
-        return f"- No predicted ratios: {t.predicted_setup or 'no prediction'}."
-    return (
-        f"- Predicted ratios ({t.predicted_hardware}): the recipe's predicted tokens/s per GPU and total bytes per "
-        f"GPU divided by `{t.control}`'s, from {t.predicted_setup}. Predicted, never measured on that GPU here."
-    )
-
-
-def _noise_floor(t: VerdictTable) -> str:
-    """Item 7 of issue 14: the control's seed-to-seed sd and the smallest margin this ablation could resolve."""
-    n = len(t.control_values)
     sd = t.control_sd
-    if sd is None:
-        spread = f"the control `{t.control}` has {n} finished seed: no seed-to-seed standard deviation"
-    else:
-        mean = statistics.fmean(t.control_values.values())
-        spread = (
-            f"the control `{t.control}`'s final validation loss varies from seed to seed by sd {sd:.4f} nats "
-            f"({100 * sd / mean:.3f}% of its mean {mean:.4f}, {n} seeds)"
-        )
     best = t.min_mdd
-    if best is None:
-        resolve = "no comparison has 2 paired seeds, so no margin can be resolved"
-    else:
-        mdd, name = best
-        mdds = [r.final.mdd for r in t.rows if r.final and r.final.mdd is not None]
-        resolve = (
-            f"the smallest margin this ablation could resolve is {100 * mdd:.3f}%, the MDD of its most precise "
-            f"comparison (`{name}`; a recipe equal to the control is declared non-inferior with power {POWER} only "
-            f"at a margin at least this large)"
-            + (
-                f"; across recipes the MDD runs from {100 * min(mdds):.3f}% to {100 * max(mdds):.3f}%"
-                if len(mdds) > 1
-                else ""
-            )
-            + (
-                f". The margin in use, {100 * t.margin:.3g}%, is below it: add seeds"
-                if t.margin < mdd
-                else f". The margin in use is {100 * t.margin:.3g}%"
-            )
-        )
-    return f"**Noise floor:** {spread}; {resolve}."
+    return markdown.lines(
+        "verdicts.md.j2",
+        t=t,
+        cols=_columns(with_late, t.predicted_hardware, t.level, auto),
+        control=_control_row(t, with_late),
+        rows=[_row(r, with_late, auto, contended) for r in t.rows],
+        on_cpu=on_cpu,
+        auto=auto,
+        rule=rule,
+        tested=tested,
+        alpha=(1 - t.level) / 2,
+        late_from=math.floor(LATE_FROM * t.steps),
+        power=POWER,
+        disagreements=[(r.recipe, v) for r in t.rows for v in (r.final, r.late) if v and v.effect.disagree],
+        # the noise floor (issue 14 item 7): the control's seed-to-seed sd and the smallest margin it resolves
+        n=len(t.control_values),
+        sd=sd,
+        mean=statistics.fmean(t.control_values.values()) if sd is not None else None,
+        best=best,
+        mdds=[r.final.mdd for r in t.rows if r.final and r.final.mdd is not None],
+    )
 
 
-def _runs_table(runs) -> list[str]:
+def _runs_table(runs) -> tuple[list[str], list[list[str]]]:
+    """Every finished run's numbers: the header and one row of cells per run, by recipe and seed."""
     head = ["recipe", "seed", "final val loss", "tokens/s", "state B/param", "peak memory (bytes)", "run"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    rows = []
     for r in sorted(runs, key=lambda r: (r.recipe, r.seed)):
         m = r.metrics
-        cells = [
-            f"`{r.recipe}`",
-            str(r.seed),
-            _num(m.get("final_val_loss"), ".4f"),
-            _num(m.get("mean_tokens_per_s"), ",.0f"),
-            _num(m.get("state_bytes_per_param"), ".2f"),
-            _num(m.get("mem_peak_bytes"), ",.0f"),
-            f"`{r.run_id}`",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                f"`{r.recipe}`",
+                str(r.seed),
+                _num(m.get("final_val_loss"), ".4f"),
+                _num(m.get("mean_tokens_per_s"), ",.0f"),
+                _num(m.get("state_bytes_per_param"), ".2f"),
+                _num(m.get("mem_peak_bytes"), ",.0f"),
+                f"`{r.run_id}`",
+            ]
+        )
+    return head, rows
 
 
 def _num(x, fmt: str) -> str:

@@ -2,11 +2,12 @@
 
 A process killed with SIGKILL (``kill -9``, the OOM killer, a scheduler's hard kill after its grace period) runs no
 handler, so its MLflow run stays RUNNING for good (issue 15: "0 runs left RUNNING"). Every run records which
-process owns it: tag ``lowprec.owner`` = ``<host>:<pid>:<start time>`` (the start time in clock ticks since boot
-from ``/proc/<pid>/stat``, so a recycled pid is not taken for the owner), ``lowprec.owner_pidns`` (the PID
-namespace, ``pid:[<inode>]`` from ``/proc/self/ns/pid``) and ``lowprec.owner_boot`` (the kernel's boot id,
-``/proc/sys/kernel/random/boot_id``). A pid means nothing outside its PID namespace: two containers that share a
-hostname (host networking) each have their own pid 1234 (issue 33 item 7).
+process owns it: tag ``lowprec.owner`` = ``<host>:<pid>:<start time>`` (the start time in clock ticks since boot,
+field 22 of ``/proc/<pid>/stat`` as psutil reads it, so a recycled pid is not taken for the owner),
+``lowprec.owner_pidns`` (the PID namespace, ``pid:[<inode>]`` from ``/proc/self/ns/pid``) and
+``lowprec.owner_boot`` (the kernel's boot id, ``/proc/sys/kernel/random/boot_id``; psutil reads neither). A pid
+means nothing outside its PID namespace: two containers that share a hostname (host networking) each have their
+own pid 1234 (issue 33 item 7).
 
 ``lowprec train`` and ``lowprec ablate`` look for RUNNING runs of their experiment owned by this hostname and end
 FAILED only those whose owner is provably dead: same boot and PID namespace and no process with that pid and start
@@ -23,6 +24,8 @@ import os
 import socket
 from pathlib import Path
 
+import psutil
+
 from experiments.tracking.spool import spool_path
 
 OWNER_TAG = "lowprec.owner"
@@ -32,15 +35,20 @@ CHECK_TAG = "lowprec.orphan_check"
 
 
 def _start_ticks(pid: int) -> str | None:
-    """Field 22 of ``/proc/<pid>/stat`` (the process's start time in clock ticks since boot), None when there is
-    no such process or no procfs. (psutil would give the same as seconds since the epoch, derived from this field
-    and the boot time; it is not a dependency of the project.)"""
+    """The process's start time in clock ticks since boot (field 22 of ``/proc/<pid>/stat``), a decimal string;
+    None when there is no such process or it cannot be read. Ticks since boot, not psutil's default seconds since
+    the epoch: those add ``btime``, which moves when the wall clock is stepped, and the tags of runs already stored
+    hold ticks."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        proc = psutil.Process(pid)
+        try:
+            since_boot = proc.create_time(monotonic=True)  # psutil >= 7.1: ticks / CLK_TCK, no wall clock
+        except TypeError:  # older psutil: the epoch time it derived from the same ticks and btime
+            since_boot = proc.create_time() - psutil.boot_time()
+    except (psutil.Error, OSError):
         return None
-    # The command name (field 2) is in parentheses and may hold spaces: split after its closing one.
-    return stat[stat.rindex(")") + 2 :].split()[19]
+    # psutil divides the integer ticks by CLK_TCK: the product rounds back to them exactly.
+    return str(round(since_boot * os.sysconf("SC_CLK_TCK")))
 
 
 def pid_namespace() -> str | None:
@@ -61,14 +69,12 @@ def boot_id() -> str | None:
 
 
 def boot_time_s() -> float | None:
-    """When this machine booted, seconds since the epoch (``btime`` of ``/proc/stat``), None without procfs."""
+    """When this machine booted, seconds since the epoch (psutil's ``boot_time``: ``btime`` of ``/proc/stat`` on
+    Linux), None when it cannot be read."""
     try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+        return psutil.boot_time()
+    except (RuntimeError, OSError):
+        return None
 
 
 def owner() -> str:

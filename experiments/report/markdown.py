@@ -1,0 +1,67 @@
+"""The report's markdown from Jinja2 templates (``experiments/report/templates/*.md.j2``): the templates hold the
+document's structure and prose, the section functions of ``build.py`` and ``verdict_table.py`` the numbers, which
+reach the templates as values and are formatted there by the filters below.
+
+Whitespace is the templates' own: ``trim_blocks`` and ``lstrip_blocks`` drop the lines of block tags, so each other
+template line is one line of the report, and a template ends with the newline of its last line (kept). No HTML
+escaping (the output is markdown); an undefined name raises ``jinja2.UndefinedError`` instead of printing nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import jinja2
+
+
+def num(x, fmt: str) -> str:
+    """``format(x, fmt)``, or ``n/a`` for None and NaN."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def pct(x: float) -> str:
+    """A relative difference as a signed percentage with 3 decimals: 0.0123 -> ``+1.230%``."""
+    return f"{100 * x:+.3f}%"
+
+
+def code(x) -> str:
+    """Inline markdown code: ``x`` between backticks."""
+    return f"`{x}`"
+
+
+def md_row(cells) -> str:
+    """One markdown table row: ``| a | b |``."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def md_rule(columns) -> str:
+    """The header rule of a markdown table of ``len(columns)`` columns: ``|---|---|``."""
+    return "|---" * len(columns) + "|"
+
+
+@cache
+def environment() -> jinja2.Environment:
+    """The templates' environment (one per process): templates found beside this module, filters ``fmt``
+    (``format``), ``num``, ``pct``, ``code``, ``row`` (``md_row``) and ``rule`` (``md_rule``)."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("experiments.report", "templates"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters.update(fmt=format, num=num, pct=pct, code=code, row=md_row, rule=md_rule)
+    return env
+
+
+def render(name: str, **context) -> str:
+    """The text of template ``name`` (e.g. ``"report.md.j2"``) rendered with ``context``. Raises
+    ``jinja2.TemplateNotFound`` / ``jinja2.UndefinedError`` for a missing template or name."""
+    return environment().get_template(name).render(**context)
+
+
+def lines(name: str, **context) -> list[str]:
+    """``render``'s text as a list of lines (its final newline ends the last line; it adds no empty line)."""
+    return render(name, **context).removesuffix("\n").split("\n")
