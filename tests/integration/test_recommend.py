@@ -130,7 +130,7 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
         ([*BASE, "max_loss_gap=150%"], "max_loss_gap='150%' must be a relative gap"),
         ([*BASE, "max_loss_gap=abc"], "max_loss_gap='abc' is not a number"),
         ([*BASE, "train.ac=sometimes"], "train.ac='sometimes' is not one of none"),
-        ([*BASE, "train.compile=maybe"], "train.compile: Value 'maybe' is not a valid bool"),
+        ([*BASE, "train.compile=maybe"], "train.compile='maybe' must be true, false or auto"),
         ([*BASE, "recipes=[fp9]"], "unknown recipe 'fp9'"),
         ([*BASE, "hardwre=h100"], "Could not override 'hardwre'"),
         ([*BASE, "recipe=bf16"], "Could not override 'recipe'"),  # recommend ranks recipes=, as ablate takes them

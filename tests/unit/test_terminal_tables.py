@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.planning.estimate import estimate_main
+from experiments.cli import main
 from experiments.planning.tables import render_table
 from recipes import CATALOG
 
@@ -17,7 +17,7 @@ def test_a_long_recipe_name_keeps_the_estimate_ranking_aligned(monkeypatch, caps
     """``lowprec estimate recipe=all``: its recipe column was 21 characters wide; a longer name shifted every later
     cell of its row. Now every line of the table is as wide as the header and the name is whole."""
     monkeypatch.setitem(CATALOG, LONG, dataclasses.replace(CATALOG["bf16"], name=LONG))
-    assert estimate_main(["model=debug", "recipe=all", "seq=256"]) == 0
+    assert main(["estimate", "model=debug", "recipe=all", "train.seq_len=256"]) == 0
     out = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(out) if line.split()[:2] == ["mem", "recipe"])
     table = out[start : out.index("", start)]
