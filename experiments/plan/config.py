@@ -34,7 +34,7 @@ from recipes import CATALOG
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConfig:
     """Group ``tracking``. ``tracking/sqlite``: MLflow with an embedded sqlite store under the runs folder;
     any tracking URI works via ``tracking.uri=...``."""
@@ -43,7 +43,7 @@ class TrackingConfig:
     experiment: str = "lowprec"
 
 
-@dataclass
+@dataclass(frozen=True)
 class PathsConfig:
     """Where runs (MLflow store, checkpoints, multirun output), reports and the token cache live."""
 
@@ -52,7 +52,7 @@ class PathsConfig:
     cache: str = f"${{oc.env:LOWPREC_CACHE,'{DataSpec.cache_dir}'}}"  # DataSpec's default unless $LOWPREC_CACHE
 
 
-@dataclass
+@dataclass(frozen=True)
 class FaultsConfig:
     """Fault injection, for testing failure handling (experiments/runner/faults.py): applies to the run of
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
@@ -314,6 +314,22 @@ def data_from_cfg(cfg: DictConfig) -> DataSpec:
     return DataSpec(**typed(DataSpec, cfg.data, "data"))
 
 
+def faults_from_cfg(cfg: DictConfig) -> FaultsConfig:
+    """``FaultsConfig`` from the ``faults`` node (no fault when absent)."""
+    node = cfg.get("faults")
+    return FaultsConfig(**typed(FaultsConfig, node, "faults")) if node is not None else FaultsConfig()
+
+
+def tracking_from_cfg(cfg: DictConfig) -> TrackingConfig:
+    """``TrackingConfig`` from the ``tracking`` node, its ``${paths.runs}`` resolved."""
+    return TrackingConfig(**typed(TrackingConfig, cfg.tracking, "tracking"))
+
+
+def paths_from_cfg(cfg: DictConfig) -> PathsConfig:
+    """``PathsConfig`` from the ``paths`` node, ``${oc.env:LOWPREC_CACHE,...}`` resolved."""
+    return PathsConfig(**typed(PathsConfig, cfg.paths, "paths"))
+
+
 def leaves(d: dict, prefix: str = "") -> dict[str, object]:
     """``{"a.b.c": value}`` for every leaf of the nested dict ``d`` (an empty dict is a leaf), in ``d``'s order."""
     out: dict[str, object] = {}
@@ -325,9 +341,10 @@ def leaves(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
-    """Flattened ``key -> value`` of the run's settings, for MLflow params (empty groups left out)."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
+def flat_params(cfg: DictConfig | dict, recipe: Recipe) -> dict[str, str]:
+    """Flattened ``key -> value`` of the run's settings (a composed config, or its resolved plain form), for MLflow
+    params (empty groups left out)."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     for key in ("recipe", "recipes", "hydra"):
         plain.pop(key, None)
     both = leaves(plain) | leaves(recipe.to_dict(), "recipe.")

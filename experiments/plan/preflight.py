@@ -3,33 +3,42 @@
 A bad input (a value of the wrong type or range, a recipe that cannot run on this machine or layout,
 an FP8 selection that selects nothing, a sequence longer than the model allows, a checkpoint of another
 recipe) ends here in one ``UserError`` line, so no MLflow run is ever created for it.
+
+Preflight is the construction of the ``Plan`` (experiments/plan/plan.py): ``preflight(cfg)`` converts every node to
+its typed value and checks it, once, and what it returns is all the runner reads.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.plan.config import (
     data_from_cfg,
+    faults_from_cfg,
     model_from_cfg,
+    model_node,
     optim_from_cfg,
     parallel_from_cfg,
+    paths_from_cfg,
+    recipe_from_cfg,
     spike_rule_from_cfg,
+    tracking_from_cfg,
     train_from_cfg,
 )
+from experiments.plan.plan import Plan, config_yaml, with_group
+from experiments.stats import SpendingPlan, check_margin
+from experiments.stats.auto_seeds import plan_for
+from experiments.stats.verdict import LEVEL
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
-from lowprec.model import ModelArgs
-from lowprec.optim.builder import OptimHParams
-from lowprec.parallel import ParallelDims
 from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import (
@@ -45,19 +54,8 @@ from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
-from lowprec.train.spec import TrainSpec
 from lowprec.train.stop import STOP_SIGNALS
-
-
-@dataclass(frozen=True)
-class Checked:
-    """The validated run settings shared by every recipe of the command."""
-
-    args: ModelArgs
-    train: TrainSpec
-    optim: OptimHParams
-    dims: ParallelDims
-
+from recipes import get_recipe
 
 #: The ablation id ``lowprec ablate`` prints: ``abl-<date>-<time>-<4 hex digits>``.
 ABLATION_ID = re.compile(r"abl-\d{8}-\d{6}-[0-9a-f]{4}")
@@ -146,13 +144,117 @@ def check_writable_dirs(cfg: DictConfig) -> None:
             raise ConfigError(f"paths.{key}={folder} cannot hold lowprec's {key} ({reason}): name a writable folder")
 
 
-def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
-    """Validate ``cfg`` and each of ``recipes`` against this machine, the model and the layout.
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_workers(workers, device_type: str, parallel: bool) -> int:
+    """How many runs train at once. ``auto``: 1 on a GPU or under a parallel layout (one device per process
+    already), else ``min(cores, 2)`` (measured on 2 cores only). An int >= 1: that many; > 1 only for one-process
+    CPU runs. Raises ``ConfigError`` for anything else."""
+    if workers == "auto":
+        return 1 if device_type != "cpu" or parallel else min(cores(), 2)
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise ConfigError(f"workers={workers} must be an integer >= 1 or auto")
+    if workers < 1:
+        raise ConfigError(f"workers={workers} must be >= 1")
+    if workers > 1 and device_type != "cpu":
+        raise ConfigError(f"workers={workers} trains runs side by side on the CPU; on {device_type} use workers=1")
+    if workers > 1 and parallel:
+        raise ConfigError(f"workers={workers} cannot combine with a parallel layout (parallel.*); use workers=1")
+    return workers
+
+
+def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
+    """The seeds every recipe trains first and, for ``seeds=auto``, the alpha-spending plan of the later ones.
+
+    ``seeds=N``: ``seed .. seed+N-1``, no plan. ``seeds=auto``: ``seed .. seed+2`` and the plan up to
+    ``max_seeds``. Raises ``ConfigError`` for ``seeds`` < 1, not an int or ``auto``, or ``max_seeds`` < 3 with auto.
+    """
+    raw = cfg.seeds
+    if raw == "auto":
+        plan = plan_for(int(cfg.max_seeds), LEVEL)  # the report's level: its verdicts replay these looks
+        return [int(cfg.seed) + i for i in range(plan.start)], plan
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"seeds={raw} must be an integer >= 1 or auto")
+    if raw < 1:
+        raise ConfigError(f"seeds={raw} must be >= 1")
+    return [int(cfg.seed) + i for i in range(raw)], None
+
+
+def ablation_workers(cfg: DictConfig) -> int:
+    """``cfg.workers`` resolved for this device and layout (``resolve_workers``)."""
+    return resolve_workers(cfg.workers, resolve_device(cfg.device).type, parallel_from_cfg(cfg).enabled)
+
+
+def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
+    """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
+
+    Raises ``ConfigError`` for an empty list, a repeated name, bad ``seeds``/``max_seeds`` (``ablation_seeds``),
+    ``workers`` < 1, a ``control`` that is not one of the recipes or a ``report.margin`` that is not a number > 0,
+    and ``RecipeError`` listing the catalog for an unknown name. (The ``studies`` are checked by the command line,
+    ``experiments.cli.plan_of``: the studies' registry sits above this wing.)
+    """
+    names = list(cfg.recipes)
+    if not names:
+        raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
+    ablation_seeds(cfg)
+    ablation_workers(cfg)
+    recipes = [get_recipe(n) for n in names]
+    ablation_control(cfg, names)
+    check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
+    return recipes
+
+
+def ablation_control(cfg: DictConfig, names: list[str]) -> str:
+    """The control recipe: ``cfg.control``, which must be one of ``names``; when null, ``bf16`` (the usual
+    mixed-precision baseline) if listed, else the first recipe. Raises ``ConfigError`` for a control not listed:
+    comparing against a recipe that never ran would leave every verdict without a reference."""
+    if cfg.control is None:
+        return "bf16" if "bf16" in names else names[0]
+    if cfg.control not in names:
+        raise ConfigError(
+            f"control={cfg.control} is not among recipes={names}; add it to recipes or set control to one of them"
+        )
+    return cfg.control
+
+
+def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
+    """Validate ``cfg`` and each of its recipes against this machine, the model and the layout, and return the
+    command's ``Plan``. ``recipes``: the ones to check instead of the config's (``recipe`` of ``lowprec train``,
+    ``recipes`` of ``lowprec ablate``). An ablation with ``models=[...]`` is checked for every model before the
+    first trains; its plan carries one plan per model (``Plan.group``).
 
     Raises a ``UserError`` subclass (``ConfigError``, ``RecipeError``, ``ParallelError``,
     ``CheckpointError``, ``AblationResumeError`` for an ablation's ``resume=`` that is no ablation id) with one line
     naming the field and the fix.
     """
+    models = list(cfg.get("models") or []) if "recipes" in cfg else []
+    if not models:
+        return _preflight_one(cfg, recipes)
+    if cfg.get("resume"):
+        raise ConfigError(f"resume={cfg.resume} with models={models}: resume each model's ablation by its own id")
+    nodes = {m: model_node(m) for m in models}  # ConfigError for an unknown name
+    group = []
+    for m in models:
+        one = copy.deepcopy(cfg)
+        with open_dict(one):
+            one.model = OmegaConf.create(nodes[m])
+            one.models = []
+        group.append(_preflight_one(one, recipes))  # every model's recipes checked before the first trains
+    return with_group(group[0], group)
+
+
+def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
+    ablation = "recipes" in cfg
+    if recipes is None:
+        recipes = ablation_recipes(cfg) if ablation else [recipe_from_cfg(cfg.recipe)]
     args = model_from_cfg(cfg.model)
     spec = train_from_cfg(cfg)
     hp = optim_from_cfg(cfg)
@@ -201,4 +303,59 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
             trainer = read_trainer_state(newest)
             saved = (trainer.get("health") or {}).get("data")
             resumed_position(saved, int(trainer["step"]), spec.skip_batches, repr(str(newest)))
-    return Checked(args, spec, hp, dims)
+    return _plan(cfg, recipes, args, spec, hp, dims)
+
+
+def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, saved: bool = False) -> Plan:
+    """The ``Plan`` of a checked ``cfg``: the typed nodes and the ablation's own fields (``saved``: of a config read
+    back from a run, whose seeds, workers and control are taken as they are)."""
+    ablation = "recipes" in cfg
+    seeds, spending, workers, control, study, margin = [int(cfg.seed)], None, 1, None, {}, None
+    if ablation:
+        if saved:
+            control = cfg.get("control")
+        else:
+            seeds, spending = ablation_seeds(cfg)
+            workers = ablation_workers(cfg)
+            control = ablation_control(cfg, [r.name for r in recipes])
+        study = cfg.get("study")
+        study = OmegaConf.to_container(study, resolve=True) if study else {}
+        margin = float(cfg.report.margin) if "report" in cfg else None
+    return Plan(
+        command="ablate" if ablation else "train",
+        recipes=tuple(recipes),
+        seed=int(cfg.seed),
+        seeds=tuple(seeds),
+        spending=spending,
+        control=control,
+        model_name=str(cfg.model.name),
+        model=args,
+        train=spec,
+        optim=hp,
+        parallel=dims,
+        data=data_from_cfg(cfg),
+        stability=spike_rule_from_cfg(cfg),
+        tracking=tracking_from_cfg(cfg),
+        paths=paths_from_cfg(cfg),
+        faults=faults_from_cfg(cfg),
+        device=str(cfg.device),
+        cpu_kernels=str(cfg.cpu_kernels),
+        workers=workers,
+        resume=str(cfg.resume) if cfg.get("resume") else None,
+        name=str(cfg.get("name") or ""),
+        studies=tuple(cfg.get("studies") or ()),
+        study=study,
+        margin=margin,
+        settings=OmegaConf.to_container(cfg, resolve=True),
+        config_yaml=config_yaml(cfg),
+    )
+
+
+def saved_plan(text: str) -> Plan:
+    """A run's ``config.yaml`` artifact (``Plan.yaml``) as a ``Plan``, typed but not checked against this machine
+    (a report may be rebuilt anywhere): its ``recipes`` are left empty (each run's recipe is its tags), its
+    ``seeds`` is its ``seed`` alone and its ``workers`` 1. Raises ``ConfigError`` for a node that no longer
+    converts."""
+    cfg = OmegaConf.create(text)
+    args, spec, hp, dims = model_from_cfg(cfg.model), train_from_cfg(cfg), optim_from_cfg(cfg), parallel_from_cfg(cfg)
+    return _plan(cfg, [], args, spec, hp, dims, saved=True)

@@ -4,21 +4,18 @@ prepare the data (rank 0 first)."""
 from __future__ import annotations
 
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-from experiments.plan.config import data_from_cfg, parallel_from_cfg
-from lowprec.data import prepare
-from lowprec.parallel import ParallelError
+from lowprec.data import DataSpec, TokenData, prepare
+from lowprec.parallel import ParallelDims, ParallelError
 from lowprec.parallel.runtime import init_distributed
 from lowprec.train.build import resolve_device
 
 
-def prepare_data(cfg: DictConfig):
+def prepare_data(spec: DataSpec, progress: bool = False) -> TokenData:
     """``lowprec.data.prepare`` on rank 0 first (it may tokenize and write the cache), then on the others.
 
-    With ``train.progress``, rank 0 shows a cold build's phases on stderr; a warm cache prints nothing."""
-    spec = data_from_cfg(cfg)
-    progress = bool(cfg.train.progress)
+    With ``progress`` (``train.progress``), rank 0 shows a cold build's phases on stderr; a warm cache prints
+    nothing."""
     if not dist.is_initialized():
         return prepare(spec, progress=progress)
     data = prepare(spec, progress=progress) if dist.get_rank() == 0 else None
@@ -26,10 +23,10 @@ def prepare_data(cfg: DictConfig):
     return data if data is not None else prepare(spec)
 
 
-def start_parallel(cfg: DictConfig):
-    """Validate ``cfg.parallel``; under torchrun join the process group. Returns the ``ParallelDims``."""
-    dims = parallel_from_cfg(cfg)
-    if dims.enabled and not init_distributed(resolve_device(cfg.device)):
+def start_parallel(dims: ParallelDims, device: str) -> ParallelDims:
+    """Under torchrun join the process group of the layout ``dims`` on ``device`` (``auto``, ``cuda`` ...); raises
+    ``ParallelError`` for a layout that needs ranks this process does not have. Returns ``dims``."""
+    if dims.enabled and not init_distributed(resolve_device(device)):
         raise ParallelError(
             f"parallel layout {dims.short()} needs {dims.world_size} processes: a plain `lowprec train/ablate` "
             f"launches torchrun itself; with Hydra's -m run `torchrun --nproc_per_node={dims.world_size} -m "

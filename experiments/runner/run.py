@@ -9,16 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
-from experiments.plan.config import (
-    flat_params,
-    model_from_cfg,
-    optim_from_cfg,
-    parallel_from_cfg,
-    spike_rule_from_cfg,
-    train_from_cfg,
-)
+from experiments.plan.plan import Plan
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
 from experiments.runner.faults import fault_hooks
 from experiments.runner.orphans import owner_tags
@@ -102,14 +94,6 @@ def run_name(recipe: str, seed: int) -> str:
     return f"{recipe}/seed{seed}"
 
 
-def config_yaml(cfg: DictConfig, seed: int | None = None) -> str:
-    """``cfg`` resolved, as YAML, with the ``seed`` this run trained with (an ablation's runs differ only there)."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if seed is not None:
-        cfg.seed = seed
-    return OmegaConf.to_yaml(cfg)
-
-
 def record_effective(tracker: Tracker, run_id: str, eff: dict) -> None:
     """The effective recipe as the run's tags (``effective_recipe``, searchable) and as ``effective_recipe.json``."""
     tracker.set_tags(run_id, _effective_tags(eff))
@@ -186,7 +170,7 @@ def failure_kind(e: BaseException) -> str:
 
 
 def run_one(
-    cfg: DictConfig,
+    plan: Plan,
     recipe: Recipe,
     seed: int,
     data: TokenData,
@@ -195,7 +179,7 @@ def run_one(
     ablation_id: str | None = None,
     continuation: Continuation | None = None,
 ) -> RunOutcome:
-    """Train ``recipe`` with ``seed`` on ``data`` under ``cfg`` and record it as an MLflow run.
+    """Train ``recipe`` with ``seed`` on ``data`` under ``plan`` and record it as an MLflow run.
 
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
     marks the run FAILED with ``failure_reason`` and ``failure_kind`` (``RESULT_FAILURES``) and returns; metrics
@@ -205,13 +189,13 @@ def run_one(
     ``continuation`` (an ablation's resume): instead of a new run, reopen ``continuation.run_id`` and continue it
     from ``continuation.checkpoint`` (from step 0 when None), in the same checkpoint folder; its params and
     ``config.yaml`` stay those of the first session, its stability metrics start from the series it logged before
-    the checkpoint. Without it, ``cfg.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
+    the checkpoint. Without it, ``plan.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
     checkpoint to start from, and the run it belongs to is tagged and, if its process died, closed
     (``experiments.runner.continued_runs.supersede``).
     """
-    device = resolve_device(cfg.device)
-    model_name = cfg.model.name
-    dims = parallel_from_cfg(cfg)
+    device = resolve_device(plan.device)
+    model_name = plan.model_name
+    dims = plan.parallel
     tags = {
         "recipe": recipe.name,
         "recipe_short": recipe.short_str(),
@@ -230,10 +214,10 @@ def run_one(
         tags[ABLATION_TAG] = ablation_id
     if continuation is None:
         run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
-        tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+        tracker.log_params(run_id, plan.params(recipe) | {"seed": str(seed)})
         tracker.log_corpus(run_id, data)
-        tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
-        resume = None if ablation_id else cfg.get("resume")
+        tracker.log_text(run_id, plan.yaml(seed), CONFIG_ARTIFACT)
+        resume = None if ablation_id else plan.resume
         if resume and is_rank0():
             supersede(tracker, resume, run_id)
     else:
@@ -241,7 +225,7 @@ def run_one(
         if is_rank0():
             reopen_run(tracker, continuation)
         resume = continuation.checkpoint
-    rule = spike_rule_from_cfg(cfg)
+    rule = plan.stability
     tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
     buffer = MetricBuffer(tracker, run_id)
     sink = StabilityRecorder(buffer, rule)  # the loop flushes it after every checkpoint
@@ -253,16 +237,16 @@ def run_one(
 
     release_memory()
     try:
-        args = model_from_cfg(cfg.model)
+        args = plan.model
         check_vocab_fits(data, args.vocab_size)
-        spec = train_from_cfg(cfg)
-        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims, cfg.cpu_kernels)
+        spec = plan.train
+        built = build(recipe, args, spec, plan.optim, seed, device, dims, plan.cpu_kernels)
         tracker.set_tags(run_id, built.kernels.tags())
         if built.parallel is not None:
             tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
         ckpt_dir = (
-            Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
+            Path(plan.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
             if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
             else None
         )
@@ -275,7 +259,7 @@ def run_one(
             batches,
             spec,
             sink,
-            before_step=fault_hooks(cfg.faults, recipe.name),
+            before_step=fault_hooks(plan.faults, recipe.name),
             on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,

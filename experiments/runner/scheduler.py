@@ -42,12 +42,11 @@ from dataclasses import dataclass
 from multiprocessing import get_context, resource_tracker
 from multiprocessing.connection import wait as wait_sentinels
 
-from omegaconf import DictConfig, OmegaConf
-
+from experiments.plan.plan import Plan
+from experiments.plan.preflight import cores
 from experiments.runner.continued_runs import Continuation
 from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
-from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
 from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
 
@@ -55,31 +54,6 @@ Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
 Continuations = dict[tuple[str, int], Continuation]
 """(recipe name, seed) -> the interrupted run to continue in place (an ablation's resume)."""
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def resolve_workers(workers, device_type: str, parallel: bool) -> int:
-    """How many runs train at once. ``auto``: 1 on a GPU or under a parallel layout (one device per process
-    already), else ``min(cores, 2)`` (measured on 2 cores only). An int >= 1: that many; > 1 only for one-process
-    CPU runs. Raises ``ConfigError`` for anything else."""
-    if workers == "auto":
-        return 1 if device_type != "cpu" or parallel else min(cores(), 2)
-    if isinstance(workers, bool) or not isinstance(workers, int):
-        raise ConfigError(f"workers={workers} must be an integer >= 1 or auto")
-    if workers < 1:
-        raise ConfigError(f"workers={workers} must be >= 1")
-    if workers > 1 and device_type != "cpu":
-        raise ConfigError(f"workers={workers} trains runs side by side on the CPU; on {device_type} use workers=1")
-    if workers > 1 and parallel:
-        raise ConfigError(f"workers={workers} cannot combine with a parallel layout (parallel.*); use workers=1")
-    return workers
 
 
 # --- in the worker process ------------------------------------------------------------------------------------
@@ -125,7 +99,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _init_worker(threads: int, cfg: dict, parent: int) -> None:
+def _init_worker(threads: int, plan: Plan, parent: int) -> None:
     # Started with the stop signals blocked (``_stop_signals_blocked``): handlers first, then unblock, so a stop
     # that arrived during this process's imports is recorded now, not lost and not fatal.
     install_stop_handlers()  # the ablation forwards its stop signal; each run stops after its current step
@@ -141,8 +115,8 @@ def _init_worker(threads: int, cfg: dict, parent: int) -> None:
     torch.set_num_threads(threads)
     _state.update(parent=parent, busy=False)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="lowprec-watch-parent").start()
-    conf = OmegaConf.create(cfg)
-    _state.update(cfg=conf, data=prepare_data(conf), tracker=make_tracker(conf))
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    _state.update(plan=plan, data=prepare_data(plan.data, plan.train.progress), tracker=tracker)
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:
@@ -166,7 +140,7 @@ def _run_in_worker(
     s["busy"] = True
     try:
         return run_one(
-            s["cfg"],
+            s["plan"],
             recipe,
             seed,
             s["data"],
@@ -187,7 +161,7 @@ def _run_in_worker(
 
 
 def run_jobs(
-    cfg: DictConfig,
+    plan: Plan,
     jobs: Sequence[Job],
     data: TokenData,
     tracker,
@@ -214,7 +188,7 @@ def run_jobs(
                 raise _ablation_stop(out, len(jobs) - len(out))
             try:
                 o = run_one(
-                    cfg,
+                    plan,
                     recipe,
                     seed,
                     data,
@@ -233,11 +207,10 @@ def run_jobs(
     if local_stop():  # stopped before this batch of runs: start no worker
         raise _ablation_stop([], len(jobs))
     threads = max(1, cores() // workers)
-    plain = OmegaConf.to_container(cfg, resolve=True)
     results: dict[int, RunOutcome] = {}
     with _stop_signals_blocked():  # the pool starts its workers in submit
         pool = ProcessPoolExecutor(
-            workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plain, os.getpid())
+            workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads, plan, os.getpid())
         )
         pending: dict[Future, int] = {
             pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id, cont.get((recipe.name, seed))): i
