@@ -35,9 +35,9 @@ RECIPES = [
 
 
 def _run(recipe_name: str, comm: dict, model: str, steps: int, dims: dict | None) -> dict:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

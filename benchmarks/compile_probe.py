@@ -34,10 +34,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowprec.backends.fp8_lowprec as fp8_lowprec  # noqa: E402
+from lowprec.build_optim import OptimHParams  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from lowprec.numerics.formats import E4M3  # noqa: E402
 from lowprec.numerics.scaling import quantize_operand  # noqa: E402
-from lowprec.optim.builder import OptimHParams  # noqa: E402
 from lowprec.train.build import build  # noqa: E402
 from lowprec.train.spec import TrainSpec  # noqa: E402
 from lowprec.train.step import train_step  # noqa: E402

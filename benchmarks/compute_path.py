@@ -32,11 +32,11 @@ from multiprocessing import get_context
 
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.kernels import cpu_model, isa_flags
 from lowprec.kernels.probe import probe_kernels
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step

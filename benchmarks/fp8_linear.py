@@ -154,9 +154,9 @@ def main() -> None:
 def model_saved() -> None:
     from dataclasses import replace
 
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
     from recipes import get_recipe

@@ -16,9 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build, build_model_meta, materialize
 from lowprec.train.loop import train_step
 from lowprec.train.schedule import warmup_cosine

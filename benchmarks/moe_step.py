@@ -17,10 +17,10 @@ import time
 
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.estimate.inventory import param_counts
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec

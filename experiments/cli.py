@@ -1,5 +1,5 @@
 """The ``lowprec`` command: ``train``, ``ablate``, ``report``, ``recipes``, ``estimate``, ``recommend``,
-``selfcheck``, ``ui``.
+``selfcheck``, ``ui``, ``sync``, ``data``.
 
 ``train`` and ``ablate`` take Hydra overrides (``key=value``). A plain call composes the config with
 Hydra's compose API so that a bad override or an invalid recipe ends in one clear line (exit 2);
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # Every other import is in the function that needs it: torch, MLflow and the catalog cost ~10 s together, which
 # `lowprec --help`, `--version` and shell completion must not pay (tests/unit/test_cli_startup.py).
 
-USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync} ...
+USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfcheck,ui,sync,data} ...
        lowprec --version | --help | --shell-completion install=bash
 
   lowprec train recipe=NAME model=SIZE [key=value ...]   one run (add -m to sweep with Hydra multirun)
@@ -43,6 +43,8 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
   lowprec selfcheck [--quick]                            known-answer checks of the verdicts (exit 1 on a miss)
   lowprec ui [--port 5000] [tracking.uri=...]            the MLflow UI on the store (Ctrl-C stops it)
   lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
+  lowprec data prepare source=PATH|HF_DATASET out=DIR [tokenizer=bpe|FILE|HF_NAME] [key=value ...]
+                                                         token shards for data.source=tokens (resumable)
 """
 
 
@@ -229,18 +231,19 @@ def _recipes(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lowprec recipes")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     args = p.parse_args(argv)
+    from lowprec.backends import short_str
     from recipes import CATALOG
 
     if args.json:
         print(
             json.dumps(
-                {n: {"short": r.short_str(), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1
+                {n: {"short": short_str(r), "hash": r.hash(), **r.to_dict()} for n, r in CATALOG.items()}, indent=1
             )
         )
         return 0
     width = max(map(len, CATALOG))
     for n, r in CATALOG.items():
-        print(f"{n:<{width}}  {r.short_str():<52}  {r.description}")
+        print(f"{n:<{width}}  {short_str(r):<52}  {r.description}")
     return 0
 
 
@@ -294,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from experiments.tracking.sync import sync_main
 
         return sync_main(rest, tracking_of)
+    if cmd == "data":
+        from experiments.plan.data_prepare import data_main
+
+        return data_main(rest)
     if cmd == "ui":
         from experiments.tracking.ui import ui_main
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lowprec.backends import fp8_backend
+from lowprec.backends import check_fp8, fp8_backend
 from lowprec.kernels import EmulatedLinear, KernelPolicy, emulated_sdpa
 from lowprec.model.llama import SwiGLU
 from lowprec.recipe import Float8Spec, RecipeError
@@ -87,8 +87,10 @@ def convert_fp8(
     the swap is the backend object's (``lowprec.backends``: lowprec's ``Float8Linear``, torchao's
     ``convert_to_float8_training``, Transformer Engine's ``te.Linear``). ``fp8_weight_all_gather``: the run
     gathers weights in FP8 under FSDP2 (torchao chooses its weight wrapper at conversion). ``fp8_kernel``:
-    ``native`` | ``emulated`` (``KernelPolicy.fp8``).
+    ``native`` | ``emulated`` (``KernelPolicy.fp8``). Raises ``RecipeError`` for a spec its backend refuses
+    (``lowprec.backends.check_fp8``) or a selection ``require_fp8_selection`` refuses.
     """
+    check_fp8(spec)
     fqns = require_fp8_selection(model, spec)
     if fqns:
         fp8_backend(spec.backend).convert(model, spec, fqns, fp8_weight_all_gather, fp8_kernel)
@@ -98,8 +100,11 @@ def convert_fp8(
 def convert_kernels(model: nn.Module, policy: KernelPolicy) -> list[str]:
     """Apply ``policy.bf16 == "emulated"`` in place (after ``convert_fp8``): every plain ``nn.Linear`` left
     becomes an ``EmulatedLinear`` (same parameters and FQNs) and every attention's ``sdpa`` kernel slot
-    ``emulated_sdpa``; returns the swapped linears' FQNs. FP8 linears got their kernel at conversion. A no-op
-    for ``native``."""
+    ``emulated_sdpa``; returns the swapped linears' FQNs. FP8 linears got their kernel at conversion; lowprec's
+    also get the kernel of their blockwise GEMMs (``policy.blockwise``) here."""
+    for m in model.modules():
+        if hasattr(m, "blockwise_gemm"):  # lowprec's FP8 linears: the kernel of their tile/block GEMMs
+            m.blockwise_gemm = policy.blockwise
     if policy.bf16 != "emulated":
         return []
     swapped = []

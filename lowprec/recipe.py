@@ -1,7 +1,16 @@
-"""The precision recipe: every precision decision of a training run as one frozen, validated value.
+"""The precision recipe: every precision decision of a training run as one frozen value.
 
 A ``Recipe`` is data. ``lowprec.train.build`` turns it into mechanism (module swaps, an autocast
 context, an optimizer) and records what actually ran; nothing else reads it.
+
+A pure value, like torchao's ``Float8LinearConfig`` and Transformer Engine's recipe classes: this module imports
+the standard library, torch (dtypes) and ``lowprec.errors`` only. Constructing a spec checks what the value alone
+decides (choices, ranges, fields that would be inert, conflicts between its own fields). What depends on a backend
+(``fp8.backend`` / ``optim.impl`` names, each backend's scalings and fields, which implementation provides which
+optimizer states and roundings) is asked of the backend registry where the recipe is built or planned:
+``lowprec.backends.check_recipe``, called by the catalog (``recipes``), ``lowprec.train.build.check_runtime``
+(preflight and ``build``) and ``lowprec.convert.convert_fp8``. A recipe's short name, which also needs a backend
+fact, is ``lowprec.backends.short_str``.
 
 Field groups (each a frozen dataclass, overridable from Hydra as ``recipe.<group>.<field>=value``):
 
@@ -25,8 +34,6 @@ from typing import Any
 
 import torch
 
-from lowprec.backends import fp8_backend, optim_impl, optim_impls
-from lowprec.backends.registry import refuse_inert
 from lowprec.errors import RecipeError
 
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
@@ -44,6 +51,20 @@ _HASH_OMITS_AT_DEFAULT: dict[str, Any] = {
     "e5m6_inputs": [],
     "swiglu_cache": "none",
 }
+
+
+def refuse_inert(spec: Any, group: str, names: tuple[str, ...], because: str) -> None:
+    """Refuse fields of the dataclass ``spec`` that differ from their defaults but would have no effect: they
+    would change the recipe's hash without changing what runs. Raises ``RecipeError`` naming the first one."""
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    for name in names:
+        default = defaults[name]
+        default = tuple(default) if isinstance(default, (list, tuple)) else default
+        if getattr(spec, name) != default:
+            raise RecipeError(
+                f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}.{because}; "
+                "remove the override (or enable the feature it belongs to)"
+            )
 
 
 def _check_choice(group: str, name: str, value: Any, choices: tuple) -> None:
@@ -238,11 +259,8 @@ class Float8Spec:
                 f"recipe.fp8.precision_switch_at={self.precision_switch_at} must be a fraction of train.steps in "
                 "(0, 1), or null"
             )
-        backend = fp8_backend(self.backend)  # RecipeError listing the registered backends
-        if not backend.enabled:
-            backend.validate(self)  # ``none`` refuses FP8 fields that would be inert
-            self._refuse_block_fields(backend)
-            return
+        if not self.enabled:
+            return  # the ``none`` backend refuses every FP8 field that would be inert (``check_fp8``)
         if self.strategy != "delayed":
             refuse_inert(
                 self,
@@ -264,17 +282,12 @@ class Float8Spec:
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
                 "delayed and static scaling keep one scale per tensor; use scaling=tensorwise"
             )
-        backend.validate(self)
-        self._refuse_block_fields(backend)
-
-    def _refuse_block_fields(self, backend) -> None:
-        # after the backend's own check, so e.g. nvfp4 on torchao names the missing training path first
-        unimplemented = tuple(f for f in BLOCK_FIELDS if f not in backend.block_fields)
-        refuse_inert(self, "fp8", unimplemented, f"backend={self.backend!r} (a block-scaling field)")
 
     @property
     def enabled(self) -> bool:
-        return fp8_backend(self.backend).enabled
+        """False only for ``backend='none'``, the recipe's own "no FP8" value (the registry refuses any other
+        backend that would be disabled)."""
+        return self.backend != "none"
 
     def keeps_high_precision(self, fqn: str) -> bool:
         """True if the linear at ``fqn`` stays out of FP8 by name."""
@@ -301,42 +314,6 @@ class Float8Spec:
                 return False
         return min(in_features, out_features) >= self.min_features
 
-    def short(self) -> str:
-        if not self.enabled:
-            return "off"
-        s = f"{self.backend}:{self.scaling}"
-        if self.strategy == "delayed":
-            s += f"/delayed{self.amax_history_len}-{self.amax_compute_algo}-m{self.margin}"
-        elif self.strategy == "static":
-            s += "/static"
-        if fp8_backend(self.backend).format_in_name and self.scaling not in ("mxfp4", "nvfp4"):  # E2M1 only
-            s += f"/{self.fp8_format}"
-        if self.accum_mantissa_bits is not None:
-            s += f"/acc{self.accum_mantissa_bits}" + ("" if self.promotion else "-nopromo")
-        if self.grad_output_granularity is not None:
-            s += f"/dy:{self.grad_output_granularity}"
-        if self.amax_floor != 1e-12:
-            s += f"/floor{self.amax_floor:g}"
-        if self.cache_fp8_activations:
-            s += "+fp8cache"
-        if self.e5m6_inputs:
-            s += "+e5m6"
-        if self.swiglu_cache != "none":
-            s += f"+swiglu:{self.swiglu_cache}"
-        if self.mx_scale_mode != "rceil":
-            s += f"/{self.mx_scale_mode}"
-        if self.rht_size:
-            s += f"+rht{self.rht_size}"
-        if self.weight_scaling_2d:
-            s += "+w2d"
-        if self.grad_rounding == "stochastic":
-            s += "+sr"
-        if self.precision_switch_at is not None:
-            s += f"+hp@{self.precision_switch_at:g}"
-        if self.hp_last_blocks:
-            s += f"+hplast{self.hp_last_blocks}"
-        return s
-
 
 @dataclass(frozen=True)
 class OptimSpec:
@@ -352,17 +329,6 @@ class OptimSpec:
 
     state: str = "param"
     impl: str = "torch"
-
-    def __post_init__(self) -> None:
-        impls = optim_impls()
-        _check_choice("optim", "state", self.state, tuple(dict.fromkeys(s for i in impls.values() for s in i.states)))
-        impl = optim_impl(self.impl)  # RecipeError listing the registered implementations
-        if self.state not in impl.states:
-            providers = [n for n, i in impls.items() if self.state in i.states]
-            raise RecipeError(
-                f"recipe.optim.state={self.state!r} conflicts with recipe.optim.impl={self.impl!r}: "
-                f"{impl.description or self.impl} has no {self.state} states; use impl in {providers}"
-            )
 
 
 @dataclass(frozen=True)
@@ -404,7 +370,8 @@ class CommSpec:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A complete, validated precision recipe. Raises ``RecipeError`` on an invalid combination."""
+    """A complete precision recipe. Raises ``RecipeError`` on a combination its own fields rule out; the checks
+    that need a backend are ``lowprec.backends.check_recipe`` (the module docstring says where they run)."""
 
     name: str
     description: str = ""
@@ -417,20 +384,6 @@ class Recipe:
     def __post_init__(self) -> None:
         if not self.name:
             raise RecipeError("recipe.name must be a non-empty string")
-        f8 = self.fp8
-        if self.comm.weight_all_gather == "fp8" and not fp8_backend(f8.backend).supports_fp8_weight_all_gather(f8):
-            raise RecipeError(
-                f"recipe.comm.weight_all_gather='fp8' conflicts with recipe.fp8.backend={f8.backend!r} / "
-                f"scaling={f8.scaling!r}: FP8 weight all-gather needs FP8 linears from backend=lowprec, or "
-                "backend=torchao with scaling=tensorwise (torchao's only FSDP float8 all-gather)"
-            )
-        rounding = self.weights.update_rounding
-        if rounding not in optim_impl(self.optim.impl).roundings:
-            able = [n for n, i in optim_impls().items() if rounding in i.roundings]
-            raise RecipeError(
-                f"recipe.weights.update_rounding={rounding!r} conflicts with recipe.optim.impl="
-                f"{self.optim.impl!r}: use impl in {able}"
-            )
 
     # ---- derived facts (what the build must produce) -------------------------------------------
     @property
@@ -441,23 +394,6 @@ class Recipe:
     def compute_dtype(self) -> torch.dtype:
         c = self.compute.autocast_dtype
         return self.param_dtype if c == "none" else DTYPES[c]
-
-    def short_str(self) -> str:
-        """One-line summary, e.g. ``w=fp32 ac=bf16 fp8=torchao:tensorwise opt=int8:bitsandbytes``."""
-        w, c = self.weights, self.compute
-        ws = (
-            w.param_dtype
-            + ("+master32" if w.master_dtype == "fp32" else "")
-            + (f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
-        )
-        ac = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
-        opt = (
-            "param"
-            if (self.optim.state, self.optim.impl) == ("param", "torch")
-            else f"{self.optim.state}:{self.optim.impl}"
-        )
-        comm = self.comm.short()
-        return f"w={ws} ac={ac} fp8={self.fp8.short()} opt={opt}" + (f" comm={comm}" if comm else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -477,8 +413,9 @@ class Recipe:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_fields(self, group: str, **fields: Any) -> Recipe:
-        """A copy with ``recipe.<group>.<field>`` replaced (validated again), e.g.
-        ``r.with_fields("comm", grad_reduce="fp8")``. Raises ``RecipeError`` as ``from_dict`` does."""
+        """A copy with ``recipe.<group>.<field>`` replaced (its own checks run again; the backend's are
+        ``lowprec.backends.check_recipe``), e.g. ``r.with_fields("comm", grad_reduce="fp8")``. Raises
+        ``RecipeError`` as ``from_dict`` does."""
         d = self.to_dict()
         d[group] = {**d[group], **fields}
         return Recipe.from_dict(d)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from lowprec.backends import check_recipe
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 
 
@@ -427,8 +428,9 @@ _BUILDERS: list[Callable[[], Recipe]] = [
     te_nvfp4,
 ]
 
-#: name -> Recipe, in catalog order.
-CATALOG: dict[str, Recipe] = {b.__name__: b() for b in _BUILDERS}
+#: name -> Recipe, in catalog order. Each passes the backend registry's checks as it is built (a ``Recipe`` is a
+#: pure value: ``lowprec.backends.check_recipe``), so a catalog entry no backend can honour fails on import.
+CATALOG: dict[str, Recipe] = {b.__name__: check_recipe(b()) for b in _BUILDERS}
 
 
 def recipe_names() -> list[str]:

@@ -22,10 +22,11 @@ from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.stats.stability import SpikeRule
+from lowprec.backends import check_recipe
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec
 from lowprec.errors import ConfigError
 from lowprec.model import MODEL_CONFIGS, ModelArgs, model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 from lowprec.train.spec import TrainSpec
@@ -265,7 +266,8 @@ _RECIPE_GROUPS = {
 
 
 def recipe_from_cfg(node) -> Recipe:
-    """``Recipe`` from the ``recipe`` node; raises ``RecipeError`` naming bad fields or values."""
+    """``Recipe`` from the ``recipe`` node, through the backend registry's checks (``check_recipe``; the recipe is
+    a pure value); raises ``RecipeError`` naming bad fields or values."""
     d = _plain(node)
     for group, cls in _RECIPE_GROUPS.items():
         if isinstance(d.get(group), dict):
@@ -273,7 +275,7 @@ def recipe_from_cfg(node) -> Recipe:
                 d[group] = typed(cls, d[group], f"recipe.{group}")
             except ConfigError as e:
                 raise RecipeError(str(e)) from None
-    return Recipe.from_dict(d)
+    return check_recipe(Recipe.from_dict(d))
 
 
 def model_from_cfg(node) -> ModelArgs:

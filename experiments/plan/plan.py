@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.plan.config import FaultsConfig, PathsConfig, TrackingConfig, flat_params
 from experiments.stats import SpendingPlan
 from experiments.stats.stability import SpikeRule
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec
 from lowprec.model import ModelArgs
-from lowprec.optim.builder import OptimHParams
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec

@@ -36,10 +36,10 @@ from experiments.plan.plan import Plan, config_yaml, with_group
 from experiments.stats import SpendingPlan, check_margin
 from experiments.stats.auto_seeds import plan_for
 from experiments.stats.verdict import LEVEL
+from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
-from lowprec.parallel.apply import check_layout
 from lowprec.recipe import Recipe
 from lowprec.train.build import (
     build_model_meta,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from experiments.plan.plan import Plan
-from experiments.plan.startup import prepare_data, start_parallel
+from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.report.build import build_report
 from experiments.runner.orphans import close_orphans, owner_tags
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
@@ -93,6 +93,8 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
         if resume is not None:
             resume.check_corpus(data.fingerprint)
         tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+        if is_rank0():
+            warn_repeated_data(plan.data, plan.train, data, "ablate")
         if not is_rank0():
             echo = lambda *a, **k: None  # noqa: E731
         if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
@@ -230,6 +232,7 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
             "model": plan.model_name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,
+            **corpus_tags(plan.train, data),
             "parallel": dims.short(),
             "world_size": str(dims.world_size),
             **provenance_tags(resolve_device(plan.device)),

@@ -11,12 +11,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from experiments.plan.plan import Plan
+from experiments.plan.startup import corpus_tags
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
 from experiments.runner.faults import fault_hooks
 from experiments.runner.orphans import owner_tags
 from experiments.tracking.anomaly_log import AnomalyLog
 from experiments.tracking.stability_log import StabilityRecorder, rule_tag
 from experiments.tracking.tracker import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
+from lowprec.backends import short_str
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
 from lowprec.errors import DiskError, UserError
 from lowprec.estimate.activations import predict_saved_activations
@@ -198,13 +200,14 @@ def run_one(
     dims = plan.parallel
     tags = {
         "recipe": recipe.name,
-        "recipe_short": recipe.short_str(),
+        "recipe_short": short_str(recipe),
         "recipe_hash": recipe.hash(),
         "recipe_json": dumps(recipe.to_dict()),
         "model": model_name,
         "seed": str(seed),
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
+        **corpus_tags(plan.train, data),
         "parallel": dims.short(),
         "world_size": str(dims.world_size),
         **provenance_tags(device),

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 
 from experiments.plan.plan import Plan
-from experiments.plan.startup import prepare_data, start_parallel
+from experiments.plan.startup import prepare_data, start_parallel, warn_repeated_data
 from experiments.runner.orphans import close_orphans
 from experiments.runner.run import RunOutcome, run_one
 from experiments.tracking.tracker import make_tracker
+from lowprec.backends import short_str
 from lowprec.data import check_vocab_fits
 from lowprec.parallel.runtime import is_rank0
 
@@ -23,12 +24,14 @@ def train(plan: Plan, echo=print) -> RunOutcome:
     data = prepare_data(plan.data, plan.train.progress)
     check_vocab_fits(data, plan.model.vocab_size)
     tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    if is_rank0():
+        warn_repeated_data(plan.data, plan.train, data, "train")
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
     for run_id in close_orphans(tracker, echo):
         echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
     echo(
-        f"train {recipe.name} ({recipe.short_str()}) on model={plan.model_name}, {plan.train.steps} steps, seed "
+        f"train {recipe.name} ({short_str(recipe)}) on model={plan.model_name}, {plan.train.steps} steps, seed "
         f"{plan.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")
     )
     o = run_one(plan, recipe, plan.seed, data, tracker)

@@ -15,10 +15,10 @@ from functools import cache
 import torch
 
 from experiments.selfcheck.registry import INFERIOR, NON_INFERIOR, Paired, known_answer
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, TokenData, prepare
 from lowprec.model import ModelArgs, model_args
 from lowprec.numerics.reorder import reversed_reductions
-from lowprec.optim.builder import OptimHParams
 from lowprec.optim.loss_scale import grad_underflow_share
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec

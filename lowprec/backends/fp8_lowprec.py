@@ -63,6 +63,12 @@ class LowprecFloat8(Float8Backend):
     def kernel_of(self, module) -> str:
         return module.fp8_kernel
 
+    def needs_blockwise_gemm(self, spec) -> bool:
+        return spec.enabled and LinearFP8Config.from_spec(spec).runs_blockwise_gemm
+
+    def blockwise_gemm_of(self, module) -> str | None:
+        return module.blockwise_gemm if module.fp8_config.runs_blockwise_gemm else None
+
     def fallback_blocker(self, spec, comm) -> str | None:
         if comm.weight_all_gather == "fp8":
             return (

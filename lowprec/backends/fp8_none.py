@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowprec.backends.registry import Float8Backend, refuse_inert, register_fp8_backend
+from lowprec.backends.registry import Float8Backend, register_fp8_backend
+from lowprec.recipe import refuse_inert
 
 
 class NoFloat8(Float8Backend):

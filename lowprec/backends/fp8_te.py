@@ -7,6 +7,7 @@ from lowprec.backends.fp8_lowprec import swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8.te import require_te, te_context, te_linear_from
+from lowprec.recipe import refuse_inert
 
 
 class TransformerEngineFloat8(Float8Backend):
@@ -19,8 +20,6 @@ class TransformerEngineFloat8(Float8Backend):
     def validate(self, spec) -> None:
         super().validate(spec)
         if spec.scaling != "nvfp4":
-            from lowprec.backends.registry import refuse_inert
-
             refuse_inert(spec, "fp8", self.block_fields, f"scaling={spec.scaling!r} with backend='te'")
         elif spec.rht_size not in (0, 16):
             raise RecipeError(

@@ -5,7 +5,8 @@ The pattern is torchtitan's model-converter registry (``torchtitan/protocols/mod
 ``register_model_converter(cls, name)``): built-in entries register themselves when ``lowprec.backends``
 is imported, and a user (or a test) adds one with ``register_fp8_backend`` / ``register_optim_impl``.
 
-An object answers every question the library asks about its backend: recipe validation (``validate``),
+An object answers every question the library asks about its backend: recipe validation (``validate``, asked by
+``lowprec.backends.check``),
 whether this machine can run it (``check_runtime``, from
 ``hardware_blocker``, which the estimator asks too), module conversion (``convert``), the forward context
 (``precision_context``), hooks after the optimizer step (``register_hooks``), the FP8 fallback
@@ -18,7 +19,6 @@ from, so prediction and run cannot drift apart.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,26 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from lowprec.errors import RecipeError
 
-if TYPE_CHECKING:  # type hints only: the recipe layer sits above this one
+if TYPE_CHECKING:  # type hints only
     import torch
     from torch import nn
 
     from lowprec.parallel.dims import ParallelDims
     from lowprec.recipe import CommSpec, Float8Spec
-
-
-def refuse_inert(spec: Any, group: str, names: tuple[str, ...], because: str) -> None:
-    """Refuse fields of the dataclass ``spec`` that differ from their defaults but would have no effect: they
-    would change the recipe's hash without changing what runs. Raises ``RecipeError`` naming the first one."""
-    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
-    for name in names:
-        default = defaults[name]
-        default = tuple(default) if isinstance(default, (list, tuple)) else default
-        if getattr(spec, name) != default:
-            raise RecipeError(
-                f"recipe.{group}.{name}={getattr(spec, name)!r} has no effect with recipe.{group}.{because}; "
-                "remove the override (or enable the feature it belongs to)"
-            )
 
 
 class Float8Backend(ABC):
@@ -174,6 +160,16 @@ class Float8Backend(ABC):
         from the module, for the effective recipe)."""
         return "native"
 
+    def needs_blockwise_gemm(self, spec: Float8Spec) -> bool:
+        """True when ``spec``'s linears issue blockwise (1x128/128x128) FP8 GEMMs through
+        ``lowprec.float8.gemm``, whose kernel the build chooses (``lowprec.kernels.blockwise``)."""
+        return False
+
+    def blockwise_gemm_of(self, module: nn.Module) -> str | None:
+        """The blockwise GEMM kernel a converted ``module`` runs (``lowprec.kernels.blockwise.BLOCKWISE_GEMMS``),
+        or ``None`` when it has no blockwise GEMM (read from the module, for the effective recipe)."""
+        return None
+
     # ---- estimator ------------------------------------------------------------------------------------
     def scaling_state_bytes(self, spec: Float8Spec, n_fp8_linears: int) -> int:
         """Bytes of FP8 scaling buffers (amax histories, scales) per rank for ``n_fp8_linears`` linears."""
@@ -238,9 +234,16 @@ _OPTIM: dict[str, OptimizerImpl] = {}
 
 
 def register_fp8_backend(backend: Float8Backend) -> Float8Backend:
-    """Add (or replace) ``backend`` under ``backend.name``; returns it."""
+    """Add (or replace) ``backend`` under ``backend.name``; returns it. Raises ``ValueError`` for a nameless
+    backend, and for one whose ``enabled`` disagrees with its name: ``none`` is the recipe's own "no FP8" value
+    (``Float8Spec.enabled`` reads the name, not this registry), so it alone is disabled."""
     if not backend.name:
         raise ValueError("an FP8 backend needs a name")
+    if backend.enabled != (backend.name != "none"):
+        raise ValueError(
+            f"FP8 backend {backend.name!r} has enabled={backend.enabled}: only 'none' (the recipe's no-FP8 value) "
+            "is disabled"
+        )
     _FP8[backend.name] = backend
     return backend
 

@@ -25,7 +25,9 @@ class DataSpec:
     """Where the tokens come from.
 
     ``source``: ``stdlib`` (default corpus), ``text`` (files under ``path`` matching ``pattern``)
-    or ``tokens`` (a folder of pre-tokenized shards with ``meta.json``, as written by ``write_shards``).
+    or ``tokens`` (a folder of pre-tokenized shards with ``meta.json``, as written by ``write_shards`` or
+    ``lowprec data prepare``). ``allow_epochs``: a run that would see its training tokens more than once
+    (``data_usage``) trains without the warning it otherwise gets.
     """
 
     source: str = "stdlib"
@@ -35,11 +37,12 @@ class DataSpec:
     val_fraction: float = 0.05
     shard_tokens: int = 1 << 26
     cache_dir: str = "~/.cache/lowprec"
+    allow_epochs: bool = False
 
 
 @dataclass
 class TokenData:
-    """Tokenized train/val splits. Each split is a list of uint16 memmaps (shards)."""
+    """Tokenized train/val splits. Each split is a list of uint16 or uint32 memmaps (shards)."""
 
     train: list[np.ndarray]
     val: list[np.ndarray]
@@ -131,6 +134,8 @@ def prepare(spec: DataSpec, progress: bool = False) -> TokenData:
             raise DataError(f"data path {str(shard_dir)!r} does not exist")
         meta = read_meta(shard_dir)
         desc = f"pre-tokenized shards at {shard_dir}"
+        if meta.get("corpus"):  # written by `lowprec data prepare`: name the source and the tokenizer
+            desc = f"{meta['corpus']} tokenized by {meta.get('tokenizer', '?')}: shards at {shard_dir}"
         fingerprint = meta.get("fingerprint") or _digest_of_digests(meta)
     elif spec.source in ("stdlib", "text"):
         if spec.source == "stdlib":
@@ -171,6 +176,36 @@ def check_vocab_fits(data: TokenData, model_vocab_size: int) -> None:
             f"tokenizer vocab {data.vocab_size} does not fit model.vocab_size={model_vocab_size}; "
             "raise model.vocab_size or lower data.vocab_size"
         )
+
+
+@dataclass(frozen=True)
+class DataUsage:
+    """How much of the training split a run reads: ``train_tokens`` in the split, ``tokens_seen`` over the run
+    (steps x tokens per step) and ``epochs`` = tokens_seen / train_tokens (windows are drawn at random, so an
+    epoch is a count of tokens, not a pass in order)."""
+
+    train_tokens: int
+    tokens_seen: int
+
+    @property
+    def epochs(self) -> float:
+        return self.tokens_seen / max(self.train_tokens, 1)
+
+    def warning(self) -> str | None:
+        """One line when the run repeats data (more than one epoch), else None."""
+        if self.epochs <= 1.0:
+            return None
+        return (
+            f"the run reads {self.tokens_seen:,} training tokens, {self.epochs:.2f} epochs of the corpus's "
+            f"{self.train_tokens:,}: it repeats data (prepare a larger corpus with `lowprec data prepare`, or set "
+            "data.allow_epochs=true to train on it anyway)"
+        )
+
+
+def data_usage(data: TokenData, steps: int, tokens_per_step: int) -> DataUsage:
+    """``DataUsage`` of a run of ``steps`` optimizer steps of ``tokens_per_step`` tokens
+    (``batch_size * grad_accum * seq_len``) on ``data``."""
+    return DataUsage(train_tokens=data.n_train_tokens, tokens_seen=steps * tokens_per_step)
 
 
 def _digest_of_digests(meta: dict) -> str:

@@ -9,7 +9,7 @@ from lowprec.data.errors import DataError
 
 
 class TokenBatches:
-    """Random windows from uint16 shards.
+    """Random windows from uint16 or uint32 shards.
 
     ``train_batch(step, micro)`` -> (inputs, targets), each (batch_size, seq_len) int64 on CPU;
     targets are inputs shifted by one token. The window offsets come from

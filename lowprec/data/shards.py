@@ -1,7 +1,9 @@
-"""Token shards: flat little-endian uint16 files (the nanoGPT / llm.c convention) plus ``meta.json``.
+"""Token shards: flat little-endian uint16 files (the nanoGPT / llm.c convention), uint32 for a vocabulary past
+65,536 ids (Llama 3's 128,256), plus ``meta.json``.
 
-``meta.json`` holds, per split, the shard file names, token counts and sha256 digests, and the
-vocabulary size, so a truncated or altered shard is detected before training.
+``meta.json`` holds, per split, the shard file names, token counts and sha256 digests, the vocabulary size and the
+shards' ``dtype`` (``uint16`` when absent, as in folders written before uint32 existed), so a truncated or altered
+shard is detected before training and every reader maps the files with the width they were written in.
 """
 
 from __future__ import annotations
@@ -14,8 +16,32 @@ import numpy as np
 
 from lowprec.data.errors import DataError
 
-TOKEN_DTYPE = np.uint16
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 META = "meta.json"
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """``np.uint16`` if every id below ``vocab_size`` fits 16 bits, else ``np.uint32``.
+
+    Raises ``DataError`` past 2**32 ids (no tokenizer has that many)."""
+    if vocab_size <= np.iinfo(np.uint16).max + 1:
+        return np.uint16
+    if vocab_size <= np.iinfo(np.uint32).max + 1:
+        return np.uint32
+    raise DataError(f"vocab_size {vocab_size} does not fit uint32 token shards")
+
+
+def shard_dtype(meta: dict, where: str = "meta.json") -> type[np.unsignedinteger]:
+    """The dtype ``meta`` (a ``meta.json``) says its shards hold: ``uint16`` when absent.
+
+    Raises ``DataError`` for an unknown dtype, or one too narrow for ``meta['vocab_size']`` ids."""
+    name = meta.get("dtype", "uint16")
+    if name not in DTYPES:
+        raise DataError(f"{where}: dtype {name!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[name]
+    if int(meta["vocab_size"]) > np.iinfo(dtype).max + 1:
+        raise DataError(f"{where}: vocab_size {meta['vocab_size']} does not fit dtype {name}")
+    return dtype
 
 
 def _sha256(path: Path) -> str:
@@ -29,17 +55,17 @@ def _sha256(path: Path) -> str:
 def write_shards(out_dir: Path, splits: dict[str, np.ndarray], vocab_size: int, shard_tokens: int, extra: dict) -> None:
     """Write each split as shards of at most ``shard_tokens`` tokens and a ``meta.json``.
 
-    ``splits`` maps split name to a 1-D integer array of token ids < ``vocab_size`` <= 65536.
+    ``splits`` maps split name to a 1-D integer array of token ids < ``vocab_size``; the shards are uint16 up to
+    65,536 ids and uint32 above (``token_dtype``), recorded as ``dtype`` in ``meta.json``.
     """
-    if vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise DataError(f"vocab_size {vocab_size} does not fit uint16 shards")
-    meta: dict = {"vocab_size": vocab_size, "dtype": "uint16", "splits": {}, **extra}
+    dtype = token_dtype(vocab_size)
+    meta: dict = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, "splits": {}, **extra}
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, tokens in splits.items():
         entries = []
         for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
             path = out_dir / f"{split}_{i:03d}.bin"
-            tokens[start : start + shard_tokens].astype(TOKEN_DTYPE).tofile(path)
+            tokens[start : start + shard_tokens].astype(dtype).tofile(path)
             entries.append(
                 {"file": path.name, "tokens": int(min(shard_tokens, len(tokens) - start)), "sha256": _sha256(path)}
             )
@@ -72,11 +98,14 @@ def read_meta(shard_dir: Path) -> dict:
 
 
 def open_split(shard_dir: Path, split: str, verify: bool = True) -> list[np.memmap]:
-    """Memory-map every shard of ``split``. With ``verify``, sizes and sha256 digests are checked.
+    """Memory-map every shard of ``split`` with the dtype ``meta.json`` names (``shard_dtype``). With ``verify``,
+    sizes and sha256 digests are checked.
 
-    Raises ``DataError`` for a missing split or shard, a wrong size, or a digest mismatch.
+    Raises ``DataError`` for a missing split or shard, a wrong size, a digest mismatch or an unknown dtype.
     """
     meta = read_meta(shard_dir)
+    dtype = shard_dtype(meta, str(shard_dir / META))
+    width = np.dtype(dtype).itemsize
     if split not in meta.get("splits", {}):
         raise DataError(f"token shards in {str(shard_dir)!r} have no {split!r} split")
     maps = []
@@ -84,14 +113,14 @@ def open_split(shard_dir: Path, split: str, verify: bool = True) -> list[np.memm
         path = shard_dir / e["file"]
         if not path.exists():
             raise DataError(f"token shard {str(path)!r} is missing")
-        if path.stat().st_size != 2 * e["tokens"]:
+        if path.stat().st_size != width * e["tokens"]:
             raise DataError(
-                f"token shard {str(path)!r} is corrupt: {path.stat().st_size} bytes, expected {2 * e['tokens']}"
+                f"token shard {str(path)!r} is corrupt: {path.stat().st_size} bytes, expected {width * e['tokens']}"
             )
         if verify and _sha256(path) != e["sha256"]:
             raise DataError(f"token shard {str(path)!r} is corrupt: sha256 mismatch")
         if e["tokens"]:
-            maps.append(np.memmap(path, dtype=TOKEN_DTYPE, mode="r"))
+            maps.append(np.memmap(path, dtype=dtype, mode="r"))
     if not maps:
         raise DataError(f"the {split!r} split in {str(shard_dir)!r} holds no tokens")
     return maps

@@ -51,7 +51,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from lowprec.backends import fp8_backend, optim_impl
+from lowprec.backends import check_recipe, fp8_backend, optim_impl, short_str
 from lowprec.errors import ConfigError
 from lowprec.estimate.activations import RECOMPUTE_MODES, ActivationEstimate, predict_saved_activations
 from lowprec.estimate.hardware import Hardware
@@ -433,9 +433,11 @@ def estimate(
     """Everything for one recipe on rank 0 of the layout. ``seq`` defaults to ``args.max_seq_len``;
     ``compiled_loss``: the loss is ``torch.compile``d (``lowprec.estimate.activations``).
 
-    Raises ``ValueError`` for a bad layout, size or efficiency; a hardware that cannot run the recipe (FP8 on A100)
-    leaves ``throughput=None`` with a note instead of raising.
+    Raises ``ValueError`` for a bad layout, size or efficiency, ``RecipeError`` for a recipe the backend registry
+    refuses (``lowprec.backends.check_recipe``, as training would); a hardware that cannot run the recipe (FP8 on
+    A100) leaves ``throughput=None`` with a note instead of raising.
     """
+    check_recipe(recipe)
     check_layout(args, dp_shard, tp)
     if not 0.0 < efficiency <= 1.0:
         raise ConfigError(f"efficiency={efficiency} must be in (0, 1]")
@@ -453,7 +455,7 @@ def estimate(
     totals = {m: state.total + fsdp + acts.recompute[m] + acts.loss_transient for m in RECOMPUTE_MODES}
     return Estimate(
         recipe.name,
-        recipe.short_str(),
+        short_str(recipe),
         batch,
         seq,
         dp_shard,

@@ -77,5 +77,13 @@ class LinearFP8Config:
             promotion=spec.promotion,
         )
 
+    @property
+    def runs_blockwise_gemm(self) -> bool:
+        """True when some GEMM runs a blockwise kernel (``lowprec.kernels.blockwise``): an operand cast in 1x128
+        tiles or 128x128 blocks, the ``scaled_mm`` backend, and no emulated limited-precision accumulator (which
+        computes the GEMM itself, on every device)."""
+        blockwise = any(self.role(r).granularity in ("tile1x128", "block128x128") for r in ROLES)
+        return blockwise and self.gemm_backend == "scaled_mm" and self.accum_mantissa_bits is None
+
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)

@@ -3,10 +3,11 @@
 - ``scaled_mm``: scaled FP8 matmuls (``lowprec.kernels.scaled_mm``: torch's public
   ``torch.nn.functional.scaled_mm`` where it exists, ``torch._scaled_mm`` otherwise). Tensorwise and rowwise
   operands run as one call (a tensorwise scale is broadcast to a per-row one when the other operand is
-  rowwise). Tile (1x128) and block (128x128) operands run as one native ``BlockWise1x128``/``BlockWise128x128``
-  call where the device has that kernel (sm90, CUDA 12.9+), and elsewhere as a loop over 128-wide K chunks of
-  rowwise calls whose FP32 partial results are summed in FP32: both are DeepSeek-V3's promotion to FP32 every
-  N_C = 128 elements (arXiv 2412.19437 section 3.3.2); CPU ``_scaled_mm`` rejects blockwise scales
+  rowwise). Tile (1x128) and block (128x128) operands run as one ``BlockWise1x128``/``BlockWise128x128`` call
+  on the blockwise kernel chosen for the device (``lowprec.kernels.blockwise``: torch's cuBLASLt kernel on
+  sm90 with CUDA 12.9+, else torchao's Triton GEMM), and on a CPU (``emulated``) as a loop over 128-wide K
+  chunks of rowwise calls whose FP32 partial results are summed in FP32: all are DeepSeek-V3's promotion to
+  FP32 every N_C = 128 elements (arXiv 2412.19437 section 3.3.2); CPU ``_scaled_mm`` rejects blockwise scales
   (docs/architecture.md, "Platform facts"). ``kernel`` says whether each call runs on the device's kernel
   (``native``) or as exact FP32 arithmetic (``emulated``, for CPUs whose FP8 kernel is slow; same numerics up
   to FP32 accumulation order).
@@ -27,12 +28,8 @@ from __future__ import annotations
 import torch
 
 from lowprec.float8.accumulator import WGMMA_K, AccumulatorModel, limited_accumulation, round_mantissa
-from lowprec.kernels.scaled_mm import (
-    SCALED_MM_KERNELS,
-    ScaledMMCall,
-    blockwise_scale_operand,
-    native_blockwise_supported,
-)
+from lowprec.kernels.blockwise import BLOCKWISE_GEMMS, BLOCKWISE_RUNNERS, blockwise_scale_layout, select_blockwise_gemm
+from lowprec.kernels.scaled_mm import SCALED_MM_KERNELS, ScaledMMCall
 from lowprec.numerics.formats import fp8_to_float32
 from lowprec.numerics.scaling import BLOCK, QTensor, expand_scale
 
@@ -74,22 +71,30 @@ def _call(a: torch.Tensor, bt: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
 _NATIVE_BLOCKWISE_PAIRS = {
     ("tile1x128", "block128x128"): ("BlockWise1x128", "BlockWise128x128"),
     ("tile1x128", "tile1x128"): ("BlockWise1x128", "BlockWise1x128"),
+    # torch's kernel only (torchao has no 128x128 x 1x128 GEMM): grad_output_granularity=block128x128's weight
+    # gradient.
+    ("block128x128", "tile1x128"): ("BlockWise128x128", "BlockWise1x128"),
 }
 
 
-def _native_blockwise_call(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> ScaledMMCall | None:
-    """One native blockwise call for ``a @ bt.T``, or ``None`` when the pair or the shapes do not fit the kernel
-    (K and the block operand's rows multiples of 128, every dim a multiple of 16)."""
+def _native_blockwise_call(a: QTensor, bt: QTensor, out_dtype: torch.dtype, kernel: str) -> ScaledMMCall | None:
+    """One blockwise call for ``a @ bt.T`` on ``kernel`` (``lowprec.kernels.blockwise``), or ``None`` when the
+    pair or the shapes do not fit the kernel (K and a block operand's rows multiples of 128, every dim a
+    multiple of 16). 128x128 x 128x128 (``grad_output_granularity=block128x128``'s input gradient) has no kernel."""
     recipes = _NATIVE_BLOCKWISE_PAIRS.get((a.granularity, bt.granularity))
     (m, k), n = a.shape, bt.shape[0]
-    if recipes is None or k % BLOCK or m % 16 or n % 16 or (bt.granularity == "block128x128" and n % BLOCK):
+    if recipes is None or k % BLOCK or m % 16 or n % 16:
+        return None
+    if (bt.granularity == "block128x128" and n % BLOCK) or (a.granularity == "block128x128" and m % BLOCK):
+        return None
+    if a.granularity == "block128x128" and kernel != "torch_scaled_mm_blockwise":
         return None
     return ScaledMMCall(
         a.data.contiguous(),
         bt.data.contiguous().t(),
-        blockwise_scale_operand(a.scale, a.granularity, m, k, "a"),
+        blockwise_scale_layout(a.scale, a.granularity, m, k, "a", kernel),
         recipes[0],
-        blockwise_scale_operand(bt.scale, bt.granularity, n, k, "b"),
+        blockwise_scale_layout(bt.scale, bt.granularity, n, k, "b", kernel),
         recipes[1],
         out_dtype,
     )
@@ -100,16 +105,20 @@ def scaled_mm_calls(
     bt: QTensor,
     out_dtype: torch.dtype,
     promotion_interval: int | None = None,
-    native_blockwise: bool = False,
+    blockwise_gemm: str = "emulated",
 ) -> list[ScaledMMCall]:
     """The scaled matmul calls that compute ``a @ bt.T`` (the ``scaled_mm`` backend, module doc): one call, or
     one FP32-output call per K chunk whose results are summed in FP32 and rounded to ``out_dtype`` once.
-    ``native_blockwise``: use one ``BlockWise*`` call for tile/block operands where the shapes allow it. These
-    are exactly the arguments the kernels receive (a CPU test checks them against CUDA's contract)."""
-    return _calls(a, bt, out_dtype, _chunk_bounds(a.shape[1], a, bt, promotion_interval), native_blockwise)
+    ``blockwise_gemm`` (``lowprec.kernels.blockwise.BLOCKWISE_GEMMS``): a blockwise kernel makes tile/block
+    operands one ``BlockWise*`` call in that kernel's layouts where the shapes allow it; ``emulated`` makes them
+    128-wide K chunks. These are exactly the arguments the kernels receive (a CPU test checks them against
+    CUDA's contract)."""
+    return _calls(a, bt, out_dtype, _chunk_bounds(a.shape[1], a, bt, promotion_interval), blockwise_gemm)
 
 
-def _calls(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, native_blockwise: bool) -> list[ScaledMMCall]:
+def _calls(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, blockwise_gemm: str) -> list[ScaledMMCall]:
+    if blockwise_gemm not in BLOCKWISE_GEMMS:
+        raise ValueError(f"unknown blockwise GEMM kernel {blockwise_gemm!r}; known: {BLOCKWISE_GEMMS}")
     k, n = a.shape[1], bt.shape[0]
     if len(chunks) == 1 and a.granularity == bt.granularity == "tensorwise":
         return [_call(a.data, bt.data, a.scale, bt.scale, "TensorWise", out_dtype)]
@@ -119,8 +128,8 @@ def _calls(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, native_block
                 a.data, bt.data, _per_row_scale(a, 0, k), _per_row_scale(bt, 0, k).reshape(1, n), "RowWise", out_dtype
             )
         ]
-    if native_blockwise:
-        call = _native_blockwise_call(a, bt, out_dtype)
+    if blockwise_gemm != "emulated":
+        call = _native_blockwise_call(a, bt, out_dtype, blockwise_gemm)
         if call is not None:
             return [call]
     return [
@@ -147,16 +156,19 @@ def fp8_gemm(
     promotion: bool = True,
     accum_rounding: str = "nearest",
     accum_group: int | None = None,
+    blockwise_gemm: str | None = None,
 ) -> torch.Tensor:
     """``a @ bt.T`` -> (M, N) in ``out_dtype``. ``kernel`` (``native`` | ``emulated``) runs the ``scaled_mm``
     backend's calls on the device's kernel or as exact FP32 arithmetic (``lowprec.kernels``). ``promotion=False``
     (only with ``accum_mantissa_bits``) keeps all of K in the limited-precision accumulator, tile/block scales
     applied to each WGMMA step's products: Hopper without DeepSeek-V3's promotion. ``accum_rounding`` and
     ``accum_group``: the limited accumulator's rounding and alignment group (``lowprec.float8.accumulator
-    .AccumulatorModel``; only with ``accum_mantissa_bits``). Raises ``ValueError`` for an unknown backend or
-    kernel, mismatched K, a promotion interval the scaling cannot honour, ``promotion=False`` without
-    ``accum_mantissa_bits``, a bad accumulator model, or an alignment group that does not divide 128 with
-    tile/block scales and no promotion."""
+    .AccumulatorModel``; only with ``accum_mantissa_bits``). ``blockwise_gemm``: the kernel of tile/block GEMMs
+    (``lowprec.kernels.blockwise``; a built model passes the one its build chose); ``None`` chooses it for the
+    operands' device with ``select_blockwise_gemm`` (``BlockwiseKernelError`` on a GPU without one). Raises
+    ``ValueError`` for an unknown backend, kernel or blockwise kernel, mismatched K, a promotion interval the
+    scaling cannot honour, ``promotion=False`` without ``accum_mantissa_bits``, a bad accumulator model, or an
+    alignment group that does not divide 128 with tile/block scales and no promotion."""
     (_, k), (_, k2) = a.shape, bt.shape
     if k != k2:
         raise ValueError(f"contraction dims differ: a is {a.shape}, bt is {bt.shape}")
@@ -175,21 +187,26 @@ def fp8_gemm(
         return _limited_accumulation(a, bt, chunks, model).to(out_dtype)
     if (accum_rounding, accum_group) != ("nearest", None):
         raise ValueError("accum_rounding and accum_group need accum_mantissa_bits (they model its accumulator)")
-    return _GEMMS[backend](a, bt, out_dtype, chunks, kernel)
+    if backend == "emulated":
+        return _emulated_gemm(a, bt, out_dtype)
+    if blockwise_gemm is None and {a.granularity, bt.granularity} & {"tile1x128", "block128x128"}:
+        blockwise_gemm = select_blockwise_gemm(a.data.device)
+    return _scaled_mm_gemm(a, bt, out_dtype, chunks, kernel, blockwise_gemm or "emulated")
 
 
-def _emulated_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, kernel) -> torch.Tensor:
+def _emulated_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
     # The reference: dequantize exactly, one FP32 matmul (FP32 accumulation over all of K).
     return (a.dequantize() @ bt.dequantize().t()).to(out_dtype)
 
 
-def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, kernel) -> torch.Tensor:
+def _scaled_mm_gemm(a: QTensor, bt: QTensor, out_dtype: torch.dtype, chunks, kernel, blockwise_gemm) -> torch.Tensor:
     run = SCALED_MM_KERNELS[kernel]
     if kernel == "emulated" and len(chunks) > 1:
         return _emulated_chunked(a, bt, out_dtype)
-    native_blockwise = kernel == "native" and native_blockwise_supported(a.data.device)
-    calls = _calls(a, bt, out_dtype, chunks, native_blockwise)
+    calls = _calls(a, bt, out_dtype, chunks, blockwise_gemm if kernel == "native" else "emulated")
     if len(calls) == 1:
+        if calls[0].recipe_a.startswith("BlockWise"):
+            return BLOCKWISE_RUNNERS[blockwise_gemm](calls[0])
         return run(calls[0])
     out = torch.zeros(a.shape[0], bt.shape[0], dtype=torch.float32, device=a.data.device)
     for call in calls:
@@ -218,10 +235,6 @@ def _emulated_chunked(a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.
     products, and the summation order), the size of an accumulation reorder. One pass over the operands instead
     of one (M, N) accumulator per chunk: on a 2-core AVX2 CPU the per-chunk form cost 2.7x an FP32 step."""
     return (_decoded(a) @ _decoded(bt).t()).to(out_dtype)
-
-
-#: ``recipe.fp8.gemm_backend`` -> the GEMM that runs it.
-_GEMMS = {"scaled_mm": _scaled_mm_gemm, "emulated": _emulated_gemm}
 
 
 def _limited_accumulation(a: QTensor, bt: QTensor, chunks, model: AccumulatorModel) -> torch.Tensor:

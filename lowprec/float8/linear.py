@@ -67,6 +67,9 @@ class Float8Linear(nn.Linear):
         #: ``native`` | ``emulated``: how the scaled matmuls run (``lowprec.kernels``; set at build from the
         #: run's ``cpu_kernels``; never changes the numerics beyond FP32 accumulation order).
         self.fp8_kernel = "native"
+        #: The kernel of tile/block GEMMs (``lowprec.kernels.blockwise.BLOCKWISE_GEMMS``; set at build from the
+        #: run's ``KernelPolicy.blockwise``; ``None``: chosen for the operands' device at the first call).
+        self.blockwise_gemm: str | None = None
         #: None: the GEMMs run in FP8. ``native`` | ``emulated``: switched to high precision by the FP8 fallback,
         #: with that kernel for the high-precision GEMM (the run's ``cpu_kernels`` BF16 choice).
         self.fallback_kernel: str | None = None
@@ -132,6 +135,7 @@ class Float8Linear(nn.Linear):
             cfg.accum_mantissa_bits,
             self.fp8_kernel,
             cfg.promotion,
+            blockwise_gemm=self.blockwise_gemm,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ A top-level run setting, not a recipe field: it must not change the numerics (``
 time they take on this CPU. Two kinds are decided separately: ``bf16`` (BF16/FP16 GEMMs under autocast or
 low-precision weights, and attention) and ``fp8`` (scaled FP8 matmuls). ``auto`` takes the faster of native and
 emulated per kind, from a short probe (``lowprec.kernels.probe``) cached per CPU model and torch version. A GPU
-run never emulates.
+run never emulates. Blockwise (1x128/128x128) FP8 GEMMs have their own kernel choice (``blockwise``:
+``lowprec.kernels.blockwise``), made only for runs that have such GEMMs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowprec.errors import ConfigError
+from lowprec.kernels.blockwise import select_blockwise_gemm
 from lowprec.kernels.cpu import cpu_model, has_bf16_instructions, isa_flags
 from lowprec.kernels.scaled_mm import SCALED_MM_OP
 
@@ -27,7 +29,8 @@ class KernelPolicy:
     """The kernels a run uses. ``requested``: the ``cpu_kernels`` setting; ``bf16`` / ``fp8``: ``native`` or
     ``emulated`` per kind; ``probe``: the ``auto`` probe's figures (ms per call, see ``lowprec.kernels.probe``),
     empty when no probe decided; ``warning``: a line to print and record (e.g. native BF16 on a CPU without BF16
-    instructions), or empty."""
+    instructions), or empty; ``blockwise``: the kernel of blockwise FP8 GEMMs
+    (``lowprec.kernels.blockwise.BLOCKWISE_GEMMS``; ``emulated`` on a CPU and where the run has none)."""
 
     requested: str = "native"
     bf16: str = "native"
@@ -37,10 +40,11 @@ class KernelPolicy:
     isa: tuple[str, ...] = ()
     probe: dict = field(default_factory=dict)
     warning: str = ""
+    blockwise: str = "emulated"
 
     def summary(self) -> dict:
         """What the effective recipe records: the kernel per kind and the op that runs scaled matmuls."""
-        return {"bf16": self.bf16, "fp8": self.fp8, "scaled_mm_op": SCALED_MM_OP}
+        return {"bf16": self.bf16, "fp8": self.fp8, "scaled_mm_op": SCALED_MM_OP, "fp8_blockwise_gemm": self.blockwise}
 
     def tags(self) -> dict[str, str]:
         """MLflow run tags: the setting, what it resolved to, the CPU and the flags that decided it."""
@@ -49,6 +53,7 @@ class KernelPolicy:
             "cpu_kernels_bf16": self.bf16,
             "cpu_kernels_fp8": self.fp8,
             "scaled_mm_op": SCALED_MM_OP,
+            "fp8_blockwise_gemm": self.blockwise,
         }
         if self.device_type == "cpu":
             out |= {"cpu_model": self.cpu_model, "cpu_isa": " ".join(self.isa) or "none"}
@@ -65,16 +70,19 @@ def check_cpu_kernels(value: str) -> None:
         raise ConfigError(f"cpu_kernels={value!r} is not one of {', '.join(CPU_KERNELS)}")
 
 
-def resolve_kernels(requested: str, device: torch.device) -> KernelPolicy:
+def resolve_kernels(requested: str, device: torch.device, blockwise: bool = False) -> KernelPolicy:
     """The ``KernelPolicy`` for ``cpu_kernels=requested`` on ``device``.
 
     CUDA: native for every kind, whatever was asked (a GPU never emulates). CPU: ``native`` / ``emulated`` as
     asked (``native`` BF16 on a CPU without BF16 instructions is allowed, with a ``warning``); ``auto`` runs the
-    probe (at most a few seconds, once per CPU model and torch version). Raises ``ConfigError`` for an unknown
-    value."""
+    probe (at most a few seconds, once per CPU model and torch version). ``blockwise``: the run has blockwise
+    FP8 GEMMs, so choose their kernel (``select_blockwise_gemm``: probed once per GPU; ``emulated`` on a CPU).
+    Raises ``ConfigError`` for an unknown value and ``lowprec.kernels.blockwise.BlockwiseKernelError`` (a
+    ``RecipeError``) for blockwise GEMMs on a GPU that has no blockwise kernel."""
     check_cpu_kernels(requested)
     if device.type != "cpu":
-        return KernelPolicy(requested, "native", "native", device.type)
+        kernel = select_blockwise_gemm(device) if blockwise else "emulated"
+        return KernelPolicy(requested, "native", "native", device.type, blockwise=kernel)
     base = dict(requested=requested, device_type="cpu", cpu_model=cpu_model(), isa=isa_flags())
     if requested == "auto":
         from lowprec.kernels.probe import probe_kernels

@@ -19,8 +19,8 @@ row-major and ``mat_b`` (K, N) column-major, both FP8, K and N multiples of 16; 
 - ``BlockWise1x128`` x ``BlockWise1x128`` (the weight-gradient GEMM): ``scale_a`` (M, K/128) stride (1, M),
   ``scale_b`` (N, K/128) stride (1, N).
 
-The native blockwise kernel exists on sm90 with CUDA 12.9+ (``native_blockwise_supported``); elsewhere lowprec
-runs blockwise operands as rowwise calls over 128-wide K chunks summed in FP32 (``lowprec.float8.gemm``).
+The native blockwise kernel exists on sm90 with CUDA 12.9+ (``native_blockwise_supported``); which blockwise kernel
+a run uses (torch's, torchao's Triton GEMM, or 128-wide K chunks on a CPU) is ``lowprec.kernels.blockwise``'s choice.
 
 ``emulated_scaled_mm`` is the same computation as FP32 arithmetic, for CPUs whose FP8 kernel is missing or slow
 (on a 2-core AMX Xeon CPU ``_scaled_mm`` fell to oneDNN's reference matmul, ~700x FP32): FP8 values and their
@@ -34,7 +34,6 @@ rounding before the output rounding).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,20 @@ SCALED_MM_OP = (
     else "torch._scaled_mm"
 )
 RECIPES = ("TensorWise", "RowWise", "BlockWise1x128", "BlockWise128x128")
+#: Whether this torch has the aten op under ``F.scaled_mm`` (added in torch 2.10, pytorch/pytorch#164141); the
+#: blockwise calls use it even where ``F.ScalingType`` is not exposed under that name.
+HAS_SCALED_MM_V2 = hasattr(torch.ops.aten, "_scaled_mm_v2")
+#: ``ScalingType`` values the aten op takes (``torch.nn.functional.ScalingType`` on torch 2.13; torchao's
+#: blockwise kernels fall back to the same ids, 4 and 5, where the enum is not exposed).
+_RECIPE_IDS = {"TensorWise": 0, "RowWise": 1, "BlockWise1x16": 2, "BlockWise1x32": 3, "BlockWise1x128": 4}
+_RECIPE_IDS["BlockWise128x128"] = 5
+
+
+def _recipe_id(name: str) -> int:
+    enum = getattr(getattr(F, "ScalingType", None), name, None)
+    return int(enum.value) if enum is not None else _RECIPE_IDS[name]
+
+
 BLOCK = 128
 
 
@@ -79,16 +92,16 @@ def native_scaled_mm(call: ScaledMMCall) -> torch.Tensor:
         return torch._scaled_mm(
             call.mat_a, call.mat_b, scale_a=call.scale_a, scale_b=call.scale_b, out_dtype=call.out_dtype
         )
-    if SCALED_MM_OP != "torch.nn.functional.scaled_mm":
+    if not HAS_SCALED_MM_V2:
         raise ValueError(f"torch._scaled_mm has no {call.recipe_a} x {call.recipe_b} scaling; it needs torch>=2.10")
     return torch.ops.aten._scaled_mm_v2.default(
         call.mat_a,
         call.mat_b,
         [call.scale_a],
-        [getattr(F.ScalingType, call.recipe_a).value],
+        [_recipe_id(call.recipe_a)],
         [],
         [call.scale_b],
-        [getattr(F.ScalingType, call.recipe_b).value],
+        [_recipe_id(call.recipe_b)],
         [],
         None,
         call.out_dtype,
@@ -112,32 +125,15 @@ SCALED_MM_KERNELS = {"native": native_scaled_mm, "emulated": emulated_scaled_mm}
 
 @functools.cache
 def native_blockwise_supported(device: torch.device) -> bool:
-    """True where one ``BlockWise1x128``/``BlockWise128x128`` call runs natively: the public op, a CUDA device of
-    compute capability 9.0 (H100/H200) and a CUDA 12.9+ build of torch."""
-    if SCALED_MM_OP != "torch.nn.functional.scaled_mm" or device.type != "cuda" or not torch.version.cuda:
+    """True where torch's own ``BlockWise1x128``/``BlockWise128x128`` kernel can exist: the aten op, a CUDA
+    device of compute capability 9.x (H100/H200; ``_check_deepseek_support`` in torch's ``ScaledBlas.cpp``) and a
+    CUDA 12.9+ build of torch. A precondition only: ``lowprec.kernels.blockwise`` runs the kernel to choose it."""
+    if not HAS_SCALED_MM_V2 or device.type != "cuda" or not torch.version.cuda:
         return False
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
-    return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
+    return torch.cuda.get_device_capability(device)[0] == 9 and (major, minor) >= (12, 9)
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (R, C) with strides (1, R) (a no-op when it already has them)."""
     return t.t().contiguous().t()
-
-
-def blockwise_scale_operand(scale: torch.Tensor, granularity: str, rows: int, k: int, role: str) -> torch.Tensor:
-    """The decoding scale of one blockwise operand in the native kernel's layout (module doc).
-
-    ``scale``: lowprec's compact *encoding* scale of an operand stored (rows, K): ``tile1x128`` (rows, K/128),
-    ``block128x128`` (rows/128, K/128). ``role``: ``a`` (the first operand) or ``b`` (the second, whose
-    128x128 scale is padded to ``L4 = round_up(K/128, 4)`` rows). Returns a float32 tensor."""
-    dec = scale.float().reciprocal()
-    if granularity == "tile1x128":
-        return column_major(dec)  # (rows, K/128), stride (1, rows)
-    if granularity == "block128x128" and role == "b":
-        l4 = 4 * math.ceil((k // BLOCK) / 4)
-        kb = dec.t()  # (K/128, rows/128)
-        padded = torch.ones(l4, kb.shape[1], dtype=kb.dtype, device=kb.device)
-        padded[: kb.shape[0]] = kb
-        return column_major(padded)
-    raise ValueError(f"no native layout for a {granularity} scale as operand {role!r}")

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from lowprec.backends import fp8_backend
+from lowprec.backends import check_recipe, fp8_backend
+from lowprec.build_optim import OptimHParams, build_optimizer
+from lowprec.build_parallel import ParallelPlan, check_layout, mixed_precision_policy, parallelize
 from lowprec.convert import convert_fp8, convert_kernels, fp8_candidate_fqns
 from lowprec.errors import ConfigError
 from lowprec.float8 import Float8Linear
@@ -29,10 +31,8 @@ from lowprec.kernels import KernelPolicy, resolve_kernels
 from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.measure.telemetry import FP8Telemetry
 from lowprec.model import ModelArgs, Transformer, build_model
-from lowprec.optim.builder import OptimHParams, build_optimizer
 from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
 from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
-from lowprec.parallel.apply import ParallelPlan, check_layout, mixed_precision_policy, parallelize
 from lowprec.parallel.comm_metrics import StepCommMetrics
 from lowprec.parallel.dims import ParallelDims, dp_coordinate
 from lowprec.parallel.runtime import DistContext
@@ -62,7 +62,7 @@ class Built:
     after_step: list[Callable[[int, Built], dict]] = field(default_factory=list)
     #: Batch slicing, metric averaging and clipping for this process's place in the layout.
     dist: DistContext = field(default_factory=DistContext)
-    #: ``lowprec.parallel.apply.ParallelPlan`` when the model is sharded, else ``None``.
+    #: ``lowprec.build_parallel.ParallelPlan`` when the model is sharded, else ``None``.
     parallel: ParallelPlan | None = None
     #: ``lowprec.parallel.comm_metrics.StepCommMetrics`` when sharded (meters sampled steps), else ``None``.
     comm_metrics: StepCommMetrics | None = None
@@ -119,8 +119,11 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
 
 
 def check_runtime(recipe: Recipe, device: torch.device) -> None:
-    """Refuse, before anything is built, a recipe this machine cannot run as asked (no silent fallback):
-    the FP8 backend's own check (``Float8Backend.check_runtime``). Raises ``RecipeError``."""
+    """Refuse, before anything is built, a recipe that cannot run as asked (no silent fallback): the backend
+    registry's checks of the recipe (``lowprec.backends.check_recipe``; a ``Recipe`` is a pure value and has not
+    met them before), then whether this machine can run it (``Float8Backend.check_runtime``). Preflight and
+    ``build`` call it first. Raises ``RecipeError``."""
+    check_recipe(recipe)
     fp8_backend(recipe.fp8.backend).check_runtime(recipe.fp8, device)
 
 
@@ -259,7 +262,7 @@ def build(
     check_compile(recipe, train, device)
     dims = parallel or ParallelDims()
     check_moe_layout(args, dims, train)
-    kernels = resolve_kernels(cpu_kernels, device)
+    kernels = resolve_kernels(cpu_kernels, device, fp8_backend(recipe.fp8.backend).needs_blockwise_gemm(recipe.fp8))
     if dist.is_available() and dist.is_initialized():
         # One decision for every rank (rank 0's probe): ranks that timed the kernels differently must not run
         # different kernels on the shards of one model.

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lowprec.backends import fp8_backend, fp8_backends, optim_impl
+from lowprec.build_optim import moment_kind
 from lowprec.kernels import EmulatedLinear, emulated_sdpa
 from lowprec.model.moe import RouterGate
-from lowprec.optim.builder import moment_kind
 from lowprec.parallel.comm_metrics import observed_comm_dtypes
 from lowprec.train.ac import is_checkpointed
 from lowprec.train.build import Built
@@ -49,12 +49,14 @@ def _fp8_modules(model: nn.Module) -> dict[str, int]:
 
 def _observed_kernels(model: nn.Module) -> dict[str, str]:
     """Which kernels the built model runs: ``bf16`` from its high-precision linears and attention slots
-    (``emulated``, ``native`` or ``mixed``), ``fp8`` from its FP8 linears (absent when there are none)."""
+    (``emulated``, ``native`` or ``mixed``), ``fp8`` from its FP8 linears (absent when there are none),
+    ``fp8_blockwise_gemm`` from those with blockwise GEMMs (``lowprec.kernels.blockwise``; absent without)."""
     backends = {b.module_class: b for b in fp8_backends().values() if b.module_class}
-    hp, fp8 = set(), set()
+    hp, fp8, blockwise = set(), set(), set()
     for m in model.modules():
         if _qualname(m) in backends:
             fp8.add(backends[_qualname(m)].kernel_of(m))
+            blockwise.add(backends[_qualname(m)].blockwise_gemm_of(m))
         elif isinstance(m, nn.Linear):
             hp.add("emulated" if isinstance(m, EmulatedLinear) else "native")
         if hasattr(m, "sdpa"):
@@ -62,6 +64,9 @@ def _observed_kernels(model: nn.Module) -> dict[str, str]:
     out = {"bf16": hp.pop() if len(hp) == 1 else "mixed"}
     if fp8:
         out["fp8"] = fp8.pop() if len(fp8) == 1 else "mixed"
+    blockwise.discard(None)
+    if blockwise:
+        out["fp8_blockwise_gemm"] = blockwise.pop() if len(blockwise) == 1 else "mixed"
     return out
 
 
@@ -235,7 +240,15 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
         else "params_are_master"
         if r.param_dtype == torch.float32
         else "none",
-        "kernels": {"bf16": built.kernels.bf16, **({"fp8": built.kernels.fp8} if fp8 else {})},
+        "kernels": {
+            "bf16": built.kernels.bf16,
+            **({"fp8": built.kernels.fp8} if fp8 else {}),
+            **(
+                {"fp8_blockwise_gemm": built.kernels.blockwise}
+                if fp8 and fp8_backend(r.fp8.backend).needs_blockwise_gemm(r.fp8)
+                else {}
+            ),
+        },
         "blocks": {
             "n": len(built.model.layers),
             "checkpointed": 0 if built.ac == "none" else len(built.model.layers),

@@ -32,9 +32,9 @@ from experiments.plan.config import (
     register_configs,
     train_from_cfg,
 )
+from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec
 from lowprec.model import MODEL_CONFIGS, ModelArgs
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec
 from recipes import CATALOG

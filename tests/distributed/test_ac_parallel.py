@@ -20,9 +20,9 @@ class _Sink:
 
 
 def _ac_rank(rank: int, ws: int, jobs: list[tuple[str, dict, str]]) -> list[dict]:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

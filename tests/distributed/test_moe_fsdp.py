@@ -15,9 +15,9 @@ STEPS_FP8 = 20
 
 
 def _train(recipe_name: str, dims: dict | None, steps: int, comm: dict | None = None) -> dict:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

@@ -27,9 +27,9 @@ def _train(
     resume_from=None,
     telemetry_every: int = 0,
 ) -> dict:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
@@ -217,9 +217,9 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
 
 
 def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Tensor:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import _loss

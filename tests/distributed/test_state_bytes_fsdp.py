@@ -16,13 +16,13 @@ NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
 
 
 def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]:
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.estimate.activations import predict_saved_activations
     from lowprec.estimate.estimator import predict_state_bytes
     from lowprec.measure.accounting import measure_state_bytes
     from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import _loss, train_step

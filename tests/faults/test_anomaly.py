@@ -231,9 +231,9 @@ def _fsdp_run(rank: int, ws: int, extra: dict, checkpoint_dir: str) -> dict:
     import os
 
     from experiments.runner.faults import fp8_overflow_hook, nan_hook
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

@@ -27,8 +27,8 @@ from stop_handlers import restored_stop_handlers
 import experiments.plan.preflight
 import experiments.runner.scheduler
 from experiments.cli import compose, main
-from experiments.runner.resume import config_difference
 from experiments.plan.plan import config_yaml
+from experiments.runner.resume import config_difference
 from experiments.tracking.runs import load_runs
 from experiments.tracking.tracker import Tracker
 from lowprec.train.stop import clear_stop

@@ -90,9 +90,10 @@ def test_cuda_blockwise_native_and_chunked_paths_match_reference(gran_b, shape):
     x, w = _operand(m, k, 0), _operand(n, k, 1)
     a, bt = quantize_operand(x, E4M3, "tile1x128"), quantize_operand(w, E4M3, gran_b)
     ref = fp8_gemm(a, bt, torch.float32, backend="emulated")
-    paths = [False] + ([True] if native_blockwise_supported(torch.device("cuda")) else [])
-    for native in paths:
-        calls = scaled_mm_calls(_to(a, "cuda"), _to(bt, "cuda"), torch.float32, 128, native_blockwise=native)
+    paths = ["emulated"] + (["torch_scaled_mm_blockwise"] if native_blockwise_supported(torch.device("cuda")) else [])
+    for kernel in paths:
+        native = kernel != "emulated"
+        calls = scaled_mm_calls(_to(a, "cuda"), _to(bt, "cuda"), torch.float32, 128, kernel)
         assert len(calls) == (1 if native else k // 128), (native, len(calls))
         out = sum(native_scaled_mm(c).float() for c in calls)
         db = sqnr_db(ref, out.cpu())

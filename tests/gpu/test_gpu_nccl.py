@@ -44,9 +44,9 @@ def _train(recipe_name: str, device: str, dims: dict, steps: int, model: str, **
     and what ran (dynamo graphs, forward calls of every block's ``feed_forward``)."""
     from torch._dynamo.utils import counters
 
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.parallel import ParallelDims
     from lowprec.train.build import build
     from lowprec.train.loop import run_training

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.measure.saved_tensors import measure_saved_bytes
 from lowprec.model import model_args
 from lowprec.numerics.scaling import DelayedScaler
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.ac import apply_ac, is_checkpointed
 from lowprec.train.build import build, build_model_meta
 from lowprec.train.loop import run_training

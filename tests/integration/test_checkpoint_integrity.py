@@ -18,9 +18,9 @@ from mlflow.tracking import MlflowClient
 
 import lowprec.train.checkpoint as checkpoint_module
 from experiments.cli import main
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.checkpoint_files import (
     CheckpointDamagedError,

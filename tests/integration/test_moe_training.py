@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
 from lowprec.backends import fp8_backend
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import CommSpec
 from lowprec.train.build import build
 from lowprec.train.loop import run_training

@@ -10,9 +10,9 @@ is tested in tests/distributed/test_parallel_training.py (same layout bit for bi
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import CommSpec, Recipe
 from lowprec.train.build import build
 from lowprec.train.loop import run_training

@@ -7,9 +7,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import compose, main, train_main
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec

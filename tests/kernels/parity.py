@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.numerics.reorder import reversed_reductions
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step

@@ -14,9 +14,9 @@ import pytest
 import torch
 from parity import max_gap, train_losses
 
+from lowprec.build_optim import OptimHParams
 from lowprec.errors import RecipeError
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build, check_compile
 from lowprec.train.spec import TrainSpec
 from recipes import CATALOG

@@ -40,9 +40,9 @@ def _recorded_gemms(recipe: str) -> list[tuple]:
     seen = []
     real = linear_mod.fp8_gemm
 
-    def recording(a, bt, out_dtype, backend, promotion_interval, accum_bits, kernel, promotion=True):
+    def recording(a, bt, out_dtype, backend, promotion_interval, accum_bits, kernel, promotion=True, **kw):
         seen.append((a, bt, out_dtype, promotion_interval))
-        return real(a, bt, out_dtype, backend, promotion_interval, accum_bits, kernel, promotion)
+        return real(a, bt, out_dtype, backend, promotion_interval, accum_bits, kernel, promotion, **kw)
 
     linear_mod.fp8_gemm = recording
     try:
@@ -77,8 +77,9 @@ def _replay_on_fake_cuda(call) -> torch.Size:
 @pytest.mark.parametrize("recipe", LOWPREC_FP8)
 def test_cuda_calls_meet_the_contract(recipe, native_blockwise):
     blockwise = CATALOG[recipe].fp8.scaling == "blockwise"
+    kernel = "torch_scaled_mm_blockwise" if native_blockwise else "emulated"
     for a, bt, out_dtype, interval in _recorded_gemms(recipe):
-        calls = scaled_mm_calls(a, bt, out_dtype, interval, native_blockwise)
+        calls = scaled_mm_calls(a, bt, out_dtype, interval, kernel)
         if blockwise and native_blockwise and a.granularity == "tile1x128":  # CUDA has no 128x128 x 128x128 kernel
             assert len(calls) == 1 and calls[0].recipe_a == "BlockWise1x128", "the native kernel was not used"
         for call in calls:
@@ -95,7 +96,7 @@ def test_the_check_catches_a_row_major_second_operand():
 
 def test_the_check_catches_a_row_major_blockwise_scale():
     a, bt, out_dtype, interval = _recorded_gemms("fp8_blockwise")[0]
-    call = scaled_mm_calls(a, bt, out_dtype, interval, native_blockwise=True)[0]
+    call = scaled_mm_calls(a, bt, out_dtype, interval, "torch_scaled_mm_blockwise")[0]
     call.scale_a = call.scale_a.contiguous()  # (M, K/128) row-major instead of stride (1, M)
     with pytest.raises(RuntimeError, match="blockwise scaling"):
         _replay_on_fake_cuda(call)

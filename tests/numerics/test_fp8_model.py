@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.convert import fp8_candidate_fqns
 from lowprec.data import TokenBatches
 from lowprec.float8 import Float8Linear
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import Float8Spec
 from lowprec.train.build import build, build_model_meta
 from lowprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

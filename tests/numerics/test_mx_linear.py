@@ -108,9 +108,9 @@ def test_each_ablation_variant_is_nvfp4_with_one_override(variant, field, value)
 
 
 def test_precision_switch_at_a_fraction_of_the_run(token_data):
+    from lowprec.build_optim import OptimHParams
     from lowprec.data import TokenBatches
     from lowprec.model import model_args
-    from lowprec.optim.builder import OptimHParams
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec

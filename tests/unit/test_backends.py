@@ -7,12 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.backends import Float8Backend, fp8_backends, optim_impls, register_fp8_backend, registry
+from lowprec.backends import (
+    Float8Backend,
+    check_fp8,
+    check_recipe,
+    fp8_backends,
+    optim_impls,
+    register_fp8_backend,
+    registry,
+    short_str,
+)
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate import predict_state_bytes
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
-from lowprec.recipe import ComputeSpec, Float8Spec, Recipe, RecipeError
+from lowprec.recipe import ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError
 from lowprec.train.build import build
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
@@ -62,7 +71,7 @@ def dummy_backend():
 
 def test_a_backend_defined_in_a_test_trains_and_is_inspected(dummy_backend, token_data):
     recipe = Recipe(name="dummy8", compute=ComputeSpec(autocast_dtype="bf16"), fp8=Float8Spec(backend="dummy"))
-    assert recipe.fp8.enabled and "fp8=dummy:tensorwise" in recipe.short_str()
+    assert recipe.fp8.enabled and "fp8=dummy:tensorwise" in short_str(recipe)
     spec = TrainSpec(
         steps=2,
         batch_size=2,
@@ -88,10 +97,11 @@ def test_a_backend_defined_in_a_test_trains_and_is_inspected(dummy_backend, toke
 
 
 def test_a_backend_validates_its_own_fields(dummy_backend):
+    # a Float8Spec is a pure value: the backend's checks run where it is built (convert_fp8, build, preflight)
     with pytest.raises(RecipeError, match=r"recipe.fp8.scaling='rowwise' is not one of \['tensorwise'\]"):
-        Float8Spec(backend="dummy", scaling="rowwise")
+        check_fp8(Float8Spec(backend="dummy", scaling="rowwise"))
     with pytest.raises(RecipeError, match="recipe.fp8.backend='nope' is not one of"):
-        Float8Spec(backend="nope")
+        check_fp8(Float8Spec(backend="nope"))
 
 
 def test_builtin_registries():
@@ -102,4 +112,4 @@ def test_builtin_registries():
         match=r"recipe.optim.state='int8' conflicts with recipe.optim.impl='torch'.*"
         r"use impl in \['bitsandbytes', 'torchao'\]",
     ):
-        Recipe(name="x", optim=__import__("lowprec.recipe", fromlist=["OptimSpec"]).OptimSpec(state="int8"))
+        check_recipe(Recipe(name="x", optim=OptimSpec(state="int8")))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.planning.estimate import estimate_main
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.estimate.estimator import (
@@ -22,7 +23,6 @@ from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import CommSpec, OptimSpec
 from lowprec.train.build import build
 from lowprec.train.loop import train_step

@@ -17,14 +17,16 @@ PACKAGES = ("lowprec", "recipes", "experiments")
 #: Bottom to top. Within a layer, modules may import each other (without a cycle).
 LAYERS: list[tuple[str, ...]] = [
     ("lowprec.errors",),
+    # The recipe: a pure value (the standard library, torch dtypes, lowprec.errors; test_lowprec_cycles.py).
+    ("lowprec.recipe",),
     ("lowprec.numerics", "lowprec.kernels", "lowprec.model", "lowprec.data", "lowprec.storage"),
     # Mechanisms that know nothing of recipes: FP8 linear, optimizer components, measurement, collectives.
     ("lowprec.float8", "lowprec.optim", "lowprec.measure", "lowprec.parallel"),
-    # One object per FP8 backend / optimizer implementation, built on the mechanisms above.
+    # One object per FP8 backend / optimizer implementation, built on the mechanisms above; the recipe checks
+    # that need one (lowprec.backends.check).
     ("lowprec.backends",),
-    ("lowprec.recipe",),
     # Turning a recipe into mechanism, and predicting it.
-    ("lowprec.convert", "lowprec.optim.builder", "lowprec.parallel.apply", "lowprec.estimate"),
+    ("lowprec.convert", "lowprec.build_optim", "lowprec.build_parallel", "lowprec.estimate"),
     ("lowprec.train",),
     ("lowprec",),
     ("recipes",),

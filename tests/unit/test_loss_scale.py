@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.optim.loss_scale import DynamicLossScaler
 from lowprec.train.build import build
 from lowprec.train.checkpoint import load_checkpoint, save_checkpoint

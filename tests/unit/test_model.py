@@ -82,7 +82,7 @@ def test_seed_i_of_every_recipe_starts_from_the_same_weights():
     """The paired design: seed i of each recipe shares the initial weights (as stored: bf16_pure holds their BF16
     rounding; FP8 recipes swap modules but keep the FQNs and the weights). Under FSDP2/TP,
     ``build.materialize_sharded`` initialises a full replica the same way (tests/distributed: equal fp32 losses)."""
-    from lowprec.optim.builder import OptimHParams
+    from lowprec.build_optim import OptimHParams
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
     from recipes import CATALOG

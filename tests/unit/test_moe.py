@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate.inventory import param_counts
 from lowprec.model import MOE_CONFIGS, MoE, MoEArgs, build_model, model_args
 from lowprec.model.moe import Router, sequence_balance_loss
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.moe_balance import ExpertBalance, load_metrics
 from lowprec.train.spec import TrainSpec

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from lowprec.build_optim import moment_kind
 from lowprec.measure.accounting import measure_state_bytes
-from lowprec.optim.builder import moment_kind
 from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
 from lowprec.optim.lowbit_adamw import KahanAdamW, LowBitAdamW
 from lowprec.optim.master import MasterWeightOptimizer

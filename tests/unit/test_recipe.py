@@ -1,8 +1,16 @@
 import dataclasses
 
 import pytest
+import torch
 
-from lowprec.recipe import Recipe, RecipeError
+from lowprec.backends import check_recipe, short_str
+from lowprec.build_optim import OptimHParams
+from lowprec.convert import convert_fp8
+from lowprec.estimate import estimate
+from lowprec.model import model_args
+from lowprec.recipe import Float8Spec, Recipe, RecipeError
+from lowprec.train.build import build, build_model_meta, check_runtime
+from lowprec.train.spec import TrainSpec
 from recipes import CATALOG, get_recipe
 
 
@@ -17,8 +25,8 @@ def test_catalog_recipes_are_frozen_hashed_and_distinct():
 
 
 def test_short_str_states_every_group():
-    assert get_recipe("fp8_tensorwise").short_str() == "w=fp32 ac=bf16 fp8=torchao:tensorwise opt=param"
-    assert get_recipe("bf16_adamw8bit").short_str() == "w=fp32 ac=bf16 fp8=off opt=int8:bitsandbytes"
+    assert short_str(get_recipe("fp8_tensorwise")) == "w=fp32 ac=bf16 fp8=torchao:tensorwise opt=param"
+    assert short_str(get_recipe("bf16_adamw8bit")) == "w=fp32 ac=bf16 fp8=off opt=int8:bitsandbytes"
 
 
 def test_hash_ignores_name_but_not_numerics():
@@ -56,7 +64,7 @@ def test_invalid_recipes_name_the_conflicting_fields(patch, words):
     for k, v in patch.items():
         d[k] = {**d[k], **v} if isinstance(v, dict) and k in d else v
     with pytest.raises(RecipeError) as e:
-        Recipe.from_dict(d)
+        check_recipe(Recipe.from_dict(d))  # its own checks at construction, the backend registry's where it is built
     for w in words:
         assert w in str(e.value)
 
@@ -71,3 +79,39 @@ def test_fp8_filter_matches_fqn_suffixes():
     assert spec.keeps_high_precision("output")
     assert not spec.keeps_high_precision("layers.0.feed_forward.w1")
     assert not spec.keeps_high_precision("layers.0.attention.output_gate")  # a suffix match, not a substring
+
+
+def test_every_catalog_recipe_passes_the_backend_checks():
+    # a Recipe is a pure value, so constructing one no longer asks the backend registry: each catalog entry must
+    # pass its checks (recipes.catalog runs them on import)
+    refused = {}
+    for name, r in CATALOG.items():
+        try:
+            check_recipe(r)
+        except RecipeError as e:
+            refused[name] = str(e)
+    assert not refused
+
+
+#: A recipe its own fields allow and its backend refuses (torchao has no blockwise scaling).
+_BAD = dict(name="bad", fp8=Float8Spec(backend="torchao", scaling="blockwise"))
+_BAD_MESSAGE = r"recipe.fp8.scaling='blockwise' is not one of \['tensorwise', 'rowwise', 'rowwise_with_gw_hp'\]"
+
+
+def test_the_backend_checks_run_where_a_recipe_is_built_or_planned():
+    bad = Recipe(**_BAD)  # constructs: the value alone cannot know torchao's scalings
+    with pytest.raises(RecipeError, match=_BAD_MESSAGE):
+        check_runtime(bad, torch.device("cpu"))  # preflight's and build's first check
+    with pytest.raises(RecipeError, match=_BAD_MESSAGE):
+        build(
+            bad,
+            model_args("debug"),
+            TrainSpec(steps=2, warmup_steps=1, timing_warmup_steps=1, progress=False),
+            OptimHParams(),
+            0,
+            torch.device("cpu"),
+        )
+    with pytest.raises(RecipeError, match=_BAD_MESSAGE):
+        convert_fp8(build_model_meta(model_args("debug")), bad.fp8)
+    with pytest.raises(RecipeError, match=_BAD_MESSAGE):
+        estimate(model_args("debug"), bad)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.effective import (
     EffectiveRecipeError,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.validator import Validator

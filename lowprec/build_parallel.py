@@ -5,6 +5,9 @@ before sharding), TP, then
 FSDP2 ``fully_shard`` per block and root with the recipe's ``MixedPrecisionPolicy``, then communication
 hooks (FP8 reduce-scatter, the uint8 all-gather that lets torchao's float8 all-gather run on gloo).
 Everything here works on the meta device; parameters are materialised afterwards.
+
+Build layer (beside ``lowprec.convert`` and ``lowprec.build_optim``): it reads the recipe and asks the backend
+registry; the mechanisms it applies (``lowprec.parallel``) know nothing of recipes.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The implementation named by ``optim.impl`` builds the optimizer (``lowprec.backe
 lowprec's ``LowBitAdamW``, bitsandbytes, torchao); ``weights.master_dtype=fp32`` wraps it in
 ``lowprec.optim.master.MasterWeightOptimizer``. ``moment_kind`` reads back how each moment is stored.
 
-This module sits above ``lowprec.recipe`` (it reads the recipe), so the package ``lowprec.optim`` does not
-import it: ``from lowprec.optim.builder import build_optimizer``.
+Build layer (beside ``lowprec.convert`` and ``lowprec.build_parallel``): it reads the recipe and asks the backend
+registry, so it lives above both, not in ``lowprec.optim``, whose components know nothing of recipes.
 """
 
 from __future__ import annotations
