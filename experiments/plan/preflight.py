@@ -199,17 +199,23 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     and ``RecipeError`` listing the catalog for an unknown name. (The ``studies`` are checked by the command line,
     ``experiments.cli.plan_of``: the studies' registry sits above this wing.)
     """
+    return _ablation(cfg)[0]
+
+
+def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
+    """``ablation_recipes``'s checks, once: ``(recipes, seeds, spending plan, workers, control)``."""
     names = list(cfg.recipes)
     if not names:
         raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
     if len(set(names)) != len(names):
         raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
-    ablation_seeds(cfg)
-    ablation_workers(cfg)
-    recipes = [get_recipe(n) for n in names]
-    ablation_control(cfg, names)
+    seeds, spending = ablation_seeds(cfg)
+    workers = ablation_workers(cfg)
+    if recipes is None:
+        recipes = [get_recipe(n) for n in names]
+    control = ablation_control(cfg, names)
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
-    return recipes
+    return recipes, seeds, spending, workers, control
 
 
 def ablation_control(cfg: DictConfig, names: list[str]) -> str:
@@ -252,9 +258,12 @@ def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
 
 
 def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
-    ablation = "recipes" in cfg
-    if recipes is None:
-        recipes = ablation_recipes(cfg) if ablation else [recipe_from_cfg(cfg.recipe)]
+    ablation = None
+    if "recipes" in cfg:  # lowprec ablate
+        ablation = _ablation(cfg, recipes)
+        recipes = ablation[0]
+    elif recipes is None:
+        recipes = [recipe_from_cfg(cfg.recipe)]
     args = model_from_cfg(cfg.model)
     spec = train_from_cfg(cfg)
     hp = optim_from_cfg(cfg)
@@ -303,26 +312,22 @@ def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
             trainer = read_trainer_state(newest)
             saved = (trainer.get("health") or {}).get("data")
             resumed_position(saved, int(trainer["step"]), spec.skip_batches, repr(str(newest)))
-    return _plan(cfg, recipes, args, spec, hp, dims)
+    return _plan(cfg, recipes, args, spec, hp, dims, ablation)
 
 
-def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, saved: bool = False) -> Plan:
-    """The ``Plan`` of a checked ``cfg``: the typed nodes and the ablation's own fields (``saved``: of a config read
-    back from a run, whose seeds, workers and control are taken as they are)."""
-    ablation = "recipes" in cfg
+def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation=None) -> Plan:
+    """The ``Plan`` of a checked ``cfg``: the typed nodes and the ablation's own fields (``ablation``: what
+    ``_ablation`` returned; None for ``train``, or for a saved ablation config, whose control is taken as it is)."""
     seeds, spending, workers, control, study, margin = [int(cfg.seed)], None, 1, None, {}, None
-    if ablation:
-        if saved:
-            control = cfg.get("control")
-        else:
-            seeds, spending = ablation_seeds(cfg)
-            workers = ablation_workers(cfg)
-            control = ablation_control(cfg, [r.name for r in recipes])
+    if ablation is not None:
+        _, seeds, spending, workers, control = ablation
+    if "recipes" in cfg:
+        control = control or cfg.get("control")
         study = cfg.get("study")
         study = OmegaConf.to_container(study, resolve=True) if study else {}
         margin = float(cfg.report.margin) if "report" in cfg else None
     return Plan(
-        command="ablate" if ablation else "train",
+        command="ablate" if "recipes" in cfg else "train",
         recipes=tuple(recipes),
         seed=int(cfg.seed),
         seeds=tuple(seeds),
@@ -358,4 +363,4 @@ def saved_plan(text: str) -> Plan:
     converts."""
     cfg = OmegaConf.create(text)
     args, spec, hp, dims = model_from_cfg(cfg.model), train_from_cfg(cfg), optim_from_cfg(cfg), parallel_from_cfg(cfg)
-    return _plan(cfg, [], args, spec, hp, dims, saved=True)
+    return _plan(cfg, [], args, spec, hp, dims)
