@@ -250,7 +250,7 @@ BAD_ESTIMATE = [
     (["model=llama3_8b", "recipe=bf16", "--fast"], "unknown flag '--fast'"),
     (["model=llama3_8b", "recipe=bf16", "model.dim=abc"], "model.dim: Value 'abc'"),
     (["model=llama3_8b", "recipe=bf16", "model.foo=1"], "Could not override 'model.foo'"),
-    (["model=llama3_8b", "recipe=bf16", "train.compile=maybe"], "train.compile: Value 'maybe' is not a valid bool"),
+    (["model=llama3_8b", "recipe=bf16", "train.compile=maybe"], "train.compile='maybe' must be true, false or auto"),
     (["model=llama3_8b", "recipe=bf16", "async_tp=true"], "async_tp=true needs parallel.tp > 1"),
     (["model=llama3_8b", "recipe=bf16", "recipe.fp9.x=1"], "Could not override 'recipe.fp9.x'"),
     (["model=llama3_8b", "recipe=all", "recipe.fp8.margin=1"], "overrides need a single recipe, not recipe=all"),

@@ -77,6 +77,7 @@ EVERY_SUBCOMMAND = {
     "selfcheck": ("lowprec selfcheck ", "--quick"),
     "ui": ("lowprec ui ", "--port"),
     "sync": ("lowprec sync runs ", "tracking.uri="),
+    "data": ("lowprec data prepare ", "source="),
 }
 
 
