@@ -23,6 +23,8 @@ from lowprec.errors import UserError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from experiments.plan.plan import Plan
+
 # Every other import is in the function that needs it: torch, MLflow and the catalog cost ~10 s together, which
 # `lowprec --help`, `--version` and shell completion must not pay (tests/unit/test_cli_startup.py).
 
@@ -112,57 +114,47 @@ def _check_ascii(override: str) -> None:
     raise ConfigError(f"{name}={value}: a value with non-ASCII characters must be quoted, {name}='{value}'")
 
 
-def train_main(cfg: DictConfig, echo=print):
-    """One run of ``cfg.recipe`` (validated first), tracked in MLflow; returns its ``RunOutcome``."""
-    from experiments.plan.config import recipe_from_cfg
+def plan_of(cfg: DictConfig) -> Plan:
+    """The command's ``Plan``, built once: ``experiments.plan.preflight.preflight`` and, for an ablation, its
+    ``studies`` (their registry sits above the plan wing). Raises what they raise (``UserError`` subclasses)."""
     from experiments.plan.preflight import preflight
-    from experiments.plan.startup import prepare_data, start_parallel, warn_repeated_data
-    from experiments.runner.orphans import close_orphans
-    from experiments.runner.run import run_one
-    from experiments.tracking.tracker import make_tracker
-    from lowprec.backends import short_str
-    from lowprec.data import check_vocab_fits
-    from lowprec.parallel.runtime import is_rank0
 
-    recipe = recipe_from_cfg(cfg.recipe)
-    args = preflight(cfg, [recipe]).args  # every check that needs no data, before any MLflow run
-    dims = start_parallel(cfg)
-    data = prepare_data(cfg)
-    check_vocab_fits(data, args.vocab_size)
-    tracker = make_tracker(cfg)
-    if is_rank0():
-        warn_repeated_data(cfg, data, "train")
-    if not is_rank0():
-        echo = lambda *a, **k: None  # noqa: E731
-    for run_id in close_orphans(tracker, echo):
-        echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
-    echo(
-        f"train {recipe.name} ({short_str(recipe)}) on model={cfg.model.name}, {cfg.train.steps} steps, seed "
-        f"{cfg.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")
-    )
-    o = run_one(cfg, recipe, int(cfg.seed), data, tracker)
-    if o.status == "FINISHED":
-        s = o.summary
-        echo(
-            f"FINISHED run {o.run_id}: val_loss {s['final_val_loss']:.4f}, {s['mean_tokens_per_s']:.0f} tokens/s, "
-            f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}"
-        )
-    else:
-        echo(f"FAILED run {o.run_id}: {o.reason}")
-        if o.traceback:  # not a user error: a bug, whose traceback is also the run's failure_traceback.txt artifact
-            print(o.traceback, file=sys.stderr)
-    return o
+    plan = preflight(cfg)
+    if plan.command == "ablate":
+        from experiments.studies import check_studies
+
+        check_studies(list(plan.studies), plan.study)
+    return plan
 
 
-def _recipes_of(config_name: str, cfg: DictConfig) -> list:
-    """The recipes a ``train`` or ``ablate`` command will run (validated; ``RecipeError`` otherwise)."""
-    if config_name == "train":
-        from experiments.plan.config import recipe_from_cfg
+def tracking_of(overrides: Sequence[str]):
+    """The ``tracking`` node (``TrackingConfig``) of the ``ablate`` config composed with ``overrides``, for the
+    commands that only reach the store (``sync``, ``ui``); a bad override is a ``ConfigError`` with ``one_line``'s
+    text."""
+    from experiments.plan.config import tracking_from_cfg
+    from lowprec.errors import ConfigError
 
-        return [recipe_from_cfg(cfg.recipe)]
-    from experiments.runner.ablate import ablation_recipes
+    try:
+        cfg = compose("ablate", overrides)
+    except _user_errors() as e:
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(one_line(e)) from None
+    return tracking_from_cfg(cfg)
 
-    return ablation_recipes(cfg)
+
+def train_main(cfg: DictConfig, echo=print):
+    """One run of ``cfg.recipe`` (validated first: ``plan_of``), tracked in MLflow; returns its ``RunOutcome``."""
+    from experiments.runner.train import train
+
+    return train(plan_of(cfg), echo)
+
+
+def ablate_main(cfg: DictConfig, echo=print):
+    """The ablation ``cfg`` describes (validated first: ``plan_of``); returns its ``AblationOutcome``."""
+    from experiments.runner.ablate import ablate
+
+    return ablate(plan_of(cfg), echo)
 
 
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
@@ -179,24 +171,22 @@ def _hydra_main(config_name: str, task, argv: list[str]) -> int:
 
 
 def _run_composed(config_name: str, argv: list[str], task) -> int:
-    from experiments.plan.config import parallel_from_cfg
+    """Compose, build the ``Plan`` once and run ``task(plan)``; under a parallel layout outside torchrun, re-run
+    this command on its ranks instead (each rank builds its own plan)."""
     from experiments.plan.launch import spawn_torchrun, under_torchrun
-    from experiments.plan.preflight import preflight
     from lowprec.train.stop import StopSignal, install_stop_handlers
 
     try:
-        cfg = compose(config_name, argv)
-        dims = parallel_from_cfg(cfg)
-        if dims.enabled and not under_torchrun() and not cfg.get("dry_run"):  # a dry run plans in one process
-            # Validate what can be validated in one process, then re-run this command on dims.world_size ranks.
-
-            preflight(cfg, _recipes_of(config_name, cfg))
+        plan = plan_of(compose(config_name, argv))
+        dims = plan.parallel
+        if dims.enabled and not under_torchrun() and not plan.dry_run:  # a dry run plans in one process
+            # Validated in one process (plan_of), then this command re-runs on dims.world_size ranks.
             print(
                 f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True
             )
             return spawn_torchrun(dims.world_size, [config_name, *argv])
         install_stop_handlers()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, record KILLED
-        result = task(cfg)
+        result = task(plan)
     except _user_errors() as e:
         print(f"lowprec {config_name}: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -361,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "sync":
         from experiments.tracking.sync import sync_main
 
-        return sync_main(rest, compose)
+        return sync_main(rest, tracking_of)
     if cmd == "data":
         from experiments.plan.data_prepare import data_main
 
@@ -370,17 +360,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from experiments.tracking.ui import ui_main
 
         try:
-            return ui_main(rest, compose)
+            return ui_main(rest, tracking_of)
         except _user_errors() as e:  # a bad override of the store's config
             print(f"lowprec ui: error: {one_line(e)}", file=sys.stderr)
             return 2
     if cmd in ("train", "ablate"):
         if cmd == "train":
-            task = train_main
+            from experiments.runner.train import train as task
         else:
             from experiments.runner.ablate import ablate as task
         if any(a.startswith("-") for a in rest):  # -m, --cfg, --help ...: Hydra's own command line
-            return _hydra_main(cmd, lambda cfg: (task(cfg), None)[1], rest)
+            return _hydra_main(cmd, lambda cfg: (task(plan_of(cfg)), None)[1], rest)
         return _run_composed(cmd, rest, task)
     print(f"lowprec: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -35,7 +35,7 @@ from recipes import CATALOG
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConfig:
     """Group ``tracking``. ``tracking/sqlite``: MLflow with an embedded sqlite store under the runs folder;
     any tracking URI works via ``tracking.uri=...``."""
@@ -44,7 +44,7 @@ class TrackingConfig:
     experiment: str = "lowprec"
 
 
-@dataclass
+@dataclass(frozen=True)
 class PathsConfig:
     """Where runs (MLflow store, checkpoints, multirun output), reports and the token cache live."""
 
@@ -53,7 +53,7 @@ class PathsConfig:
     cache: str = f"${{oc.env:LOWPREC_CACHE,'{DataSpec.cache_dir}'}}"  # DataSpec's default unless $LOWPREC_CACHE
 
 
-@dataclass
+@dataclass(frozen=True)
 class FaultsConfig:
     """Fault injection, for testing failure handling (experiments/runner/faults.py): applies to the run of
     ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
@@ -159,7 +159,7 @@ class AblateConfig(RunConfig):
     ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
     inconclusive, up to ``max_seeds`` (experiments/stats/auto_seeds.py). ``workers``: runs trained at once, each in
     its own process, or ``auto``: 2 on a CPU (sharing its cores), one per GPU on CUDA (each worker pinned to its own
-    GPU(s), ``floor(gpus / GPUs per run)`` at a time; experiments/runner/placement.py). ``dry_run``: print the plan
+    GPU(s), ``floor(gpus / GPUs per run)`` at a time; experiments/plan/placement.py). ``dry_run``: print the plan
     (runs, placement, tokens, corpus epochs, predicted wall time) and train nothing; ``gpus``: the node's GPUs to
     use or plan for; ``hardware``: the part the dry run predicts for (experiments/runner/dry_run.py)."""
 
@@ -169,7 +169,7 @@ class AblateConfig(RunConfig):
     #: an int >= 1, or ``auto`` (experiments/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
     seeds: Any = 1
     max_seeds: int = 8
-    workers: Any = 1  # an int >= 1 or auto (experiments/runner/placement.py)
+    workers: Any = 1  # an int >= 1 or auto (experiments/plan/placement.py)
     #: the experiment's own reports beside report.md (experiments/studies: registered names)
     studies: list[str] = field(default_factory=list)
     #: each study's own settings under its name (``study.deepseek_v3.capture_batches=4``; the study documents them)
@@ -369,6 +369,22 @@ def data_from_cfg(cfg: DictConfig) -> DataSpec:
     return DataSpec(**typed(DataSpec, cfg.data, "data"))
 
 
+def faults_from_cfg(cfg: DictConfig) -> FaultsConfig:
+    """``FaultsConfig`` from the ``faults`` node (no fault when absent)."""
+    node = cfg.get("faults")
+    return FaultsConfig(**typed(FaultsConfig, node, "faults")) if node is not None else FaultsConfig()
+
+
+def tracking_from_cfg(cfg: DictConfig) -> TrackingConfig:
+    """``TrackingConfig`` from the ``tracking`` node, its ``${paths.runs}`` resolved."""
+    return TrackingConfig(**typed(TrackingConfig, cfg.tracking, "tracking"))
+
+
+def paths_from_cfg(cfg: DictConfig) -> PathsConfig:
+    """``PathsConfig`` from the ``paths`` node, ``${oc.env:LOWPREC_CACHE,...}`` resolved."""
+    return PathsConfig(**typed(PathsConfig, cfg.paths, "paths"))
+
+
 def leaves(d: dict, prefix: str = "") -> dict[str, object]:
     """``{"a.b.c": value}`` for every leaf of the nested dict ``d`` (an empty dict is a leaf), in ``d``'s order."""
     out: dict[str, object] = {}
@@ -380,13 +396,12 @@ def leaves(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def flat_params(cfg: DictConfig, recipe: Recipe) -> dict[str, str]:
-    """Flattened ``key -> value`` of the run's settings, for MLflow params (empty groups left out)."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
+def flat_params(cfg: DictConfig | dict, recipe: Recipe) -> dict[str, str]:
+    """Flattened ``key -> value`` of the run's settings (a composed config, or its resolved plain form), for MLflow
+    params (empty groups left out). ``train.compile``/``ac`` as written; ``Plan.params`` puts the resolved ``auto``
+    values in."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     for key in ("recipe", "recipes", "hydra"):
         plain.pop(key, None)
     both = leaves(plain) | leaves(recipe.to_dict(), "recipe.")
-    if "train" in plain and ("auto" in (plain["train"].get("compile"), plain["train"].get("ac"))):
-        r = train_resolved(cfg, recipe)  # the values the run trains with, not the request (tagged train_auto)
-        both |= {"train.compile": r.compile, "train.ac": r.ac}
     return {k: str(v) for k, v in both.items() if v != {}}

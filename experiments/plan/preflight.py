@@ -3,34 +3,45 @@
 A bad input (a value of the wrong type or range, a recipe that cannot run on this machine or layout,
 an FP8 selection that selects nothing, a sequence longer than the model allows, a checkpoint of another
 recipe) ends here in one ``UserError`` line, so no MLflow run is ever created for it.
+
+Preflight is the construction of the ``Plan`` (experiments/plan/plan.py): ``preflight(cfg)`` converts every node to
+its typed value and checks it, once, and what it returns is all the runner reads.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.plan.config import (
     data_from_cfg,
+    faults_from_cfg,
     model_from_cfg,
+    model_node,
     optim_from_cfg,
     parallel_from_cfg,
+    paths_from_cfg,
+    recipe_from_cfg,
     spike_rule_from_cfg,
+    tracking_from_cfg,
     train_from_cfg,
+    train_resolved,
 )
-from lowprec.build_optim import OptimHParams
+from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
+from experiments.plan.plan import Plan, config_yaml, with_group
+from experiments.stats import SpendingPlan, check_margin
+from experiments.stats.auto_seeds import plan_for
+from experiments.stats.verdict import LEVEL
 from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
-from lowprec.model import ModelArgs
-from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train import fault_points
 from lowprec.train.build import (
@@ -46,19 +57,8 @@ from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
-from lowprec.train.spec import TrainSpec
 from lowprec.train.stop import STOP_SIGNALS
-
-
-@dataclass(frozen=True)
-class Checked:
-    """The validated run settings shared by every recipe of the command."""
-
-    args: ModelArgs
-    train: TrainSpec
-    optim: OptimHParams
-    dims: ParallelDims
-
+from recipes import get_recipe
 
 #: The ablation id ``lowprec ablate`` prints: ``abl-<date>-<time>-<4 hex digits>``.
 ABLATION_ID = re.compile(r"abl-\d{8}-\d{6}-[0-9a-f]{4}")
@@ -161,13 +161,147 @@ def check_writable_dirs(cfg: DictConfig) -> None:
             raise ConfigError(f"paths.{key}={folder} cannot hold lowprec's {key} ({reason}): name a writable folder")
 
 
-def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
-    """Validate ``cfg`` and each of ``recipes`` against this machine, the model and the layout.
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
+    """The seeds every recipe trains first and, for ``seeds=auto``, the alpha-spending plan of the later ones.
+
+    ``seeds=N``: ``seed .. seed+N-1``, no plan. ``seeds=auto``: ``seed .. seed+2`` and the plan up to
+    ``max_seeds``. Raises ``ConfigError`` for ``seeds`` < 1, not an int or ``auto``, or ``max_seeds`` < 3 with auto.
+    """
+    raw = cfg.seeds
+    if raw == "auto":
+        plan = plan_for(int(cfg.max_seeds), LEVEL)  # the report's level: its verdicts replay these looks
+        return [int(cfg.seed) + i for i in range(plan.start)], plan
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"seeds={raw} must be an integer >= 1 or auto")
+    if raw < 1:
+        raise ConfigError(f"seeds={raw} must be >= 1")
+    return [int(cfg.seed) + i for i in range(raw)], None
+
+
+#: How to make the corpus ``data.source=tokens`` reads (said by every refusal that lacks it).
+PREPARE_HINT = "prepare one with `lowprec data prepare source=... out=DIR`, then data.path=DIR"
+
+
+def check_corpus_path(source: str, path: str | None) -> None:
+    """``data.source=tokens`` needs ``data.path``: ``ConfigError`` naming ``lowprec data prepare`` otherwise."""
+    if source == "tokens" and (path is None or str(path) in ("", "???")):
+        raise ConfigError(f"data.source=tokens needs data.path (a folder of token shards): {PREPARE_HINT}")
+
+
+def ablation_placement(cfg: DictConfig) -> Placement:
+    """Where the runs train (``experiments.plan.placement.plan_placement``): ``cfg.workers`` on this device and
+    layout; on CUDA over ``cfg.gpus`` GPUs (null: the visible ones). ``device=cuda:N`` is that one GPU. A dry run
+    with ``gpus=`` plans that node without querying this machine's devices.
+    Raises ``ConfigError`` (one line) for ``gpus=0``, a layout larger than the node, or ``workers`` above the bound."""
+    gpus = cfg.get("gpus")
+    if gpus is not None and (isinstance(gpus, bool) or int(gpus) < 1):
+        raise ConfigError(f"gpus={gpus}: name at least one GPU, or leave gpus unset (device=cpu trains on the CPU)")
+    if cfg.get("dry_run") and gpus is not None:  # planning a node from another machine: no device query
+        kind, device = ("cpu" if str(cfg.device) == "cpu" else "cuda"), None
+    else:
+        device = resolve_device(cfg.device)
+        kind = device.type
+    if kind != "cuda":
+        visible = 0
+    elif device is None:
+        visible = int(gpus)
+    else:
+        seen = 1 if device.index is not None else visible_gpus()
+        if gpus is not None and int(gpus) > seen:
+            raise ConfigError(f"gpus={gpus} but this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES); lower gpus=")
+        visible = seen if gpus is None else int(gpus)
+    k = parallel_from_cfg(cfg).world_size
+    return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=False)
+
+
+def ablation_workers(cfg: DictConfig) -> int:
+    """Runs trained at once (``ablation_placement``)."""
+    return ablation_placement(cfg).workers
+
+
+def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
+    """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
+
+    Raises ``ConfigError`` for an empty list, a repeated name, bad ``seeds``/``max_seeds`` (``ablation_seeds``),
+    ``workers`` < 1, a ``control`` that is not one of the recipes or a ``report.margin`` that is not a number > 0,
+    and ``RecipeError`` listing the catalog for an unknown name. (The ``studies`` are checked by the command line,
+    ``experiments.cli.plan_of``: the studies' registry sits above this wing.)
+    """
+    return _ablation(cfg)[0]
+
+
+def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
+    """``ablation_recipes``'s checks, once: ``(recipes, seeds, spending plan, placement, control)``."""
+    names = list(cfg.recipes)
+    if not names:
+        raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"recipes={names} names a recipe twice; seeds=N repeats each recipe")
+    seeds, spending = ablation_seeds(cfg)
+    placement = ablation_placement(cfg)
+    if recipes is None:
+        recipes = [get_recipe(n) for n in names]
+    control = ablation_control(cfg, names)
+    check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
+    return recipes, seeds, spending, placement, control
+
+
+def ablation_control(cfg: DictConfig, names: list[str]) -> str:
+    """The control recipe: ``cfg.control``, which must be one of ``names``; when null, ``bf16`` (the usual
+    mixed-precision baseline) if listed, else the first recipe. Raises ``ConfigError`` for a control not listed:
+    comparing against a recipe that never ran would leave every verdict without a reference."""
+    if cfg.control is None:
+        return "bf16" if "bf16" in names else names[0]
+    if cfg.control not in names:
+        raise ConfigError(
+            f"control={cfg.control} is not among recipes={names}; add it to recipes or set control to one of them"
+        )
+    return cfg.control
+
+
+def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
+    """Validate ``cfg`` and each of its recipes against this machine, the model and the layout, and return the
+    command's ``Plan``. ``recipes``: the ones to check instead of the config's (``recipe`` of ``lowprec train``,
+    ``recipes`` of ``lowprec ablate``). An ablation with ``models=[...]`` is checked for every model before the
+    first trains; its plan carries one plan per model (``Plan.group``).
 
     Raises a ``UserError`` subclass (``ConfigError``, ``RecipeError``, ``ParallelError``,
     ``CheckpointError``, ``AblationResumeError`` for an ablation's ``resume=`` that is no ablation id) with one line
     naming the field and the fix.
     """
+    models = list(cfg.get("models") or []) if "recipes" in cfg else []
+    if not models:
+        return _preflight_one(cfg, recipes)
+    if cfg.get("resume"):
+        raise ConfigError(f"resume={cfg.resume} with models={models}: resume each model's ablation by its own id")
+    nodes = {m: model_node(m) for m in models}  # ConfigError for an unknown name
+    group = []
+    for m in models:
+        one = copy.deepcopy(cfg)
+        with open_dict(one):
+            one.model = OmegaConf.create(nodes[m])
+            one.models = []
+        group.append(_preflight_one(one, recipes))  # every model's recipes checked before the first trains
+    return with_group(group[0], group)
+
+
+def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
+    ablation = None
+    if "recipes" in cfg:  # lowprec ablate
+        if not cfg.get("dry_run"):  # a dry run plans without the corpus and says how many tokens it needs
+            check_corpus_path(str(cfg.data.source), cfg.data.get("path"))
+        ablation = _ablation(cfg, recipes)
+        recipes = ablation[0]
+    elif recipes is None:
+        recipes = [recipe_from_cfg(cfg.recipe)]
     args = model_from_cfg(cfg.model)
     spec = train_from_cfg(cfg)
     hp = optim_from_cfg(cfg)
@@ -189,10 +323,13 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
         dims.check(batch_size=spec.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
     check_moe_layout(args, dims, spec)
     meta = build_model_meta(args)
+    trains = []
     for r in recipes:
         check_runtime(r, device)
         check_fp8_fallback(r, spec)
-        check_compile(r, train_from_cfg(cfg, r), device)  # train.compile=auto: eager where it cannot compile
+        own = train_from_cfg(cfg, r)  # train.compile=auto: eager where this recipe cannot compile
+        check_compile(r, own, device)
+        trains.append((r.name, own, train_resolved(cfg, r).tags()))
         require_fp8_selection(meta, r.fp8)
         check_fp8_shapes(r, meta, spec)
         check_layout(r, dims)
@@ -217,4 +354,61 @@ def preflight(cfg: DictConfig, recipes: list[Recipe]) -> Checked:
             trainer = read_trainer_state(newest)
             saved = (trainer.get("health") or {}).get("data")
             resumed_position(saved, int(trainer["step"]), spec.skip_batches, repr(str(newest)))
-    return Checked(args, spec, hp, dims)
+    return _plan(cfg, recipes, args, spec, hp, dims, ablation, tuple(trains))
+
+
+def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation=None, trains=()) -> Plan:
+    """The ``Plan`` of a checked ``cfg``: the typed nodes and the ablation's own fields (``ablation``: what
+    ``_ablation`` returned; None for ``train``, or for a saved ablation config, whose control is taken as it is:
+    one worker, on the CPU). ``trains``: per recipe, its resolved ``TrainSpec`` and tags (``Plan.trains``)."""
+    seeds, spending, control, study, margin = [int(cfg.seed)], None, None, {}, None
+    placement = Placement("cpu", 0, 1, (Slot(0),))
+    if ablation is not None:
+        _, seeds, spending, placement, control = ablation
+    if "recipes" in cfg:
+        control = control or cfg.get("control")
+        study = cfg.get("study")
+        study = OmegaConf.to_container(study, resolve=True) if study else {}
+        margin = float(cfg.report.margin) if "report" in cfg else None
+    return Plan(
+        command="ablate" if "recipes" in cfg else "train",
+        recipes=tuple(recipes),
+        seed=int(cfg.seed),
+        seeds=tuple(seeds),
+        spending=spending,
+        control=control,
+        model_name=str(cfg.model.name),
+        model=args,
+        train=spec,
+        optim=hp,
+        parallel=dims,
+        data=data_from_cfg(cfg),
+        stability=spike_rule_from_cfg(cfg),
+        tracking=tracking_from_cfg(cfg),
+        paths=paths_from_cfg(cfg),
+        faults=faults_from_cfg(cfg),
+        device=str(cfg.device),
+        cpu_kernels=str(cfg.cpu_kernels),
+        placement=placement,
+        resume=str(cfg.resume) if cfg.get("resume") else None,
+        name=str(cfg.get("name") or ""),
+        studies=tuple(cfg.get("studies") or ()),
+        study=study,
+        margin=margin,
+        settings=OmegaConf.to_container(cfg, resolve=True),
+        config_yaml=config_yaml(cfg),
+        trains=trains,
+        dry_run=bool(cfg.get("dry_run", False)),
+        gpus=None if cfg.get("gpus") is None else int(cfg.gpus),
+        hardware=str(cfg.hardware) if cfg.get("hardware") else None,
+    )
+
+
+def saved_plan(text: str) -> Plan:
+    """A run's ``config.yaml`` artifact (``Plan.yaml``) as a ``Plan``, typed but not checked against this machine
+    (a report may be rebuilt anywhere): its ``recipes`` are left empty (each run's recipe is its tags), its
+    ``seeds`` is its ``seed`` alone and its ``workers`` 1. Raises ``ConfigError`` for a node that no longer
+    converts."""
+    cfg = OmegaConf.create(text)
+    args, spec, hp, dims = model_from_cfg(cfg.model), train_from_cfg(cfg), optim_from_cfg(cfg), parallel_from_cfg(cfg)
+    return _plan(cfg, [], args, spec, hp, dims)

@@ -291,7 +291,7 @@ def _run_links(tracker: Tracker, runs: list[RunData]) -> dict[str, str]:
 def contention(parent_tags: dict) -> int:
     """How many runs of the ablation trained at a time (its parent's ``workers`` tag; 1 when absent or not a
     number): above 1, every measured tokens/s of the report was measured under the other runs' load."""
-    try:  # ``runs_per_device``: 1 when each worker had its own GPU(s) (experiments.runner.placement)
+    try:  # ``runs_per_device``: 1 when each worker had its own GPU(s) (experiments.plan.placement)
         return max(1, int(parent_tags.get("runs_per_device", parent_tags.get("workers", "1"))))
     except ValueError:
         return 1

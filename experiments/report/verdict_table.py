@@ -39,11 +39,9 @@ from experiments.report import markdown
 from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
 from experiments.stats.auto_seeds import AutoSeeds
 from experiments.stats.stability import LESS_STABLE
-from experiments.stats.verdict import POWER, rule_text
+from experiments.stats.verdict import LEVEL, POWER, rule_text
 from experiments.tracking.tracker import MetricBuffer, Tracker
 
-#: Two-sided confidence level of every interval (one-sided tests at alpha = (1 - LEVEL) / 2).
-LEVEL = 0.95
 #: A run's validation points after this share of the optimizer steps make its "last quarter".
 LATE_FROM = 0.75
 NO_DATA = "no-data"

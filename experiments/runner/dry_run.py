@@ -1,6 +1,6 @@
 """``lowprec ablate ... dry_run=true [gpus=8] [hardware=h100]``: the plan of an ablation, without training.
 
-Runs (recipes x seeds), where each worker trains (``experiments.runner.placement``), steps and tokens per run, the
+Runs (recipes x seeds), where each worker trains (``experiments.plan.placement``), steps and tokens per run, the
 corpus and how many epochs a run sees of it, and the predicted wall time from the cost model
 (``lowprec.estimate.cost_model.step_cost``, what ``lowprec estimate`` prints) on the named or detected part. The
 prediction counts training steps only (no validation, compile time or start-up) and schedules the runs in their
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from experiments.plan.auto_train import resolve_compile_ac
-from experiments.runner.placement import Placement
+from experiments.plan.placement import Placement
+from experiments.plan.preflight import PREPARE_HINT
 from lowprec.backends.registry import fp8_backend
 from lowprec.errors import ConfigError, UserError
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -24,14 +25,6 @@ from lowprec.model.moe import MoEArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec
-
-PREPARE_HINT = "prepare one with `lowprec data prepare source=... out=DIR`, then data.path=DIR"
-
-
-def check_corpus_path(source: str, path: str | None) -> None:
-    """``data.source=tokens`` needs ``data.path``: ``ConfigError`` naming ``lowprec data prepare`` otherwise."""
-    if source == "tokens" and (path is None or str(path) in ("", "???")):
-        raise ConfigError(f"data.source=tokens needs data.path (a folder of token shards): {PREPARE_HINT}")
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,13 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig, OmegaConf
 
-from experiments.plan.config import leaves
+from experiments.plan.config import TrackingConfig, leaves
+from experiments.plan.plan import Plan, settings_from_yaml
 from experiments.plan.preflight import AblationResumeError, check_ablation_id
 from experiments.runner.continued_runs import Continuation, continue_from
-from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome, config_yaml
+from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome
 from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
-from lowprec.recipe import Recipe
 
 #: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, fault injection
 #: (``faults.*``: the fault that interrupted it is left out of the resume command), the progress bar, and
@@ -51,10 +50,11 @@ from lowprec.recipe import Recipe
 MAY_DIFFER = ("resume", "faults", "train.progress", "workers", "gpus", "hardware", "dry_run")
 
 
-def lock_ablation(cfg: DictConfig, ablation_id: str) -> FileLock:
-    """Hold ``<paths.runs>/locks/<ablation_id>.lock`` (an OS file lock: released when the process dies, kill -9
-    included). Raises ``AblationResumeError`` when another process holds it: that ablation is still running."""
-    path = Path(cfg.paths.runs) / "locks" / f"{ablation_id}.lock"
+def lock_ablation(runs: str, ablation_id: str) -> FileLock:
+    """Hold ``<runs>/locks/<ablation_id>.lock`` (``runs``: ``paths.runs``; an OS file lock: released when the
+    process dies, kill -9 included). Raises ``AblationResumeError`` when another process holds it: that ablation
+    is still running."""
+    path = Path(runs) / "locks" / f"{ablation_id}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
     try:
@@ -100,10 +100,10 @@ def config_difference(original: dict, now: dict) -> str | None:
     return None
 
 
-def _read_only_client(cfg: DictConfig, ablation_id: str) -> tuple[MlflowClient, str, str]:
-    """A client on the store ``cfg.tracking`` names and the experiment's id, without creating either (a missing
+def _read_only_client(tracking: TrackingConfig, ablation_id: str) -> tuple[MlflowClient, str, str]:
+    """A client on the store ``tracking`` names and the experiment's id, without creating either (a missing
     sqlite file or experiment means there is no such ablation)."""
-    uri = str(cfg.tracking.uri)
+    uri = str(tracking.uri)
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not Path(uri[len(prefix) :]).exists():
         raise AblationResumeError(
@@ -111,10 +111,10 @@ def _read_only_client(cfg: DictConfig, ablation_id: str) -> tuple[MlflowClient, 
         )
     check_reachable(uri)
     client = MlflowClient(resolve_uri(uri))
-    exp = client.get_experiment_by_name(str(cfg.tracking.experiment))
+    exp = client.get_experiment_by_name(str(tracking.experiment))
     if exp is None:
         raise AblationResumeError(
-            f"resume={ablation_id}: no ablation {ablation_id} in {uri} (no experiment {cfg.tracking.experiment!r})"
+            f"resume={ablation_id}: no ablation {ablation_id} in {uri} (no experiment {tracking.experiment!r})"
         )
     return client, exp.experiment_id, uri
 
@@ -167,8 +167,8 @@ def _rank(run) -> tuple[int, int]:
     return (2 if s == "FINISHED" else 1 if s == "FAILED" and kind in RESULT_FAILURES else 0, run.info.start_time or 0)
 
 
-def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
-    """Find the ablation ``cfg.resume`` names, check that this command is the same ablation and decide what happens
+def plan_resume(plan: Plan) -> ResumePlan:
+    """Find the ablation ``plan.resume`` names, check that this command is the same ablation and decide what happens
     to each of its runs (module docstring). Reads MLflow and the checkpoint manifests; writes nothing to MLflow.
     Holds the ablation's lock from here on (``ResumePlan.lock``).
 
@@ -176,8 +176,9 @@ def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
     an ablation still running, a configuration key that differs (the first one, named), or a recipe whose hash
     differs from its runs'.
     """
-    ablation_id = check_ablation_id(cfg.resume)
-    client, experiment_id, uri = _read_only_client(cfg, ablation_id)
+    ablation_id = check_ablation_id(plan.resume)
+    recipes = plan.recipes
+    client, experiment_id, uri = _read_only_client(plan.tracking, ablation_id)
     found = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{ABLATION_TAG}` = '{ablation_id}' and tags.`lowprec.kind` = 'ablation'",
@@ -185,12 +186,12 @@ def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
     if not found:
         raise AblationResumeError(f"resume={ablation_id}: no ablation {ablation_id} in {uri}")
     parent = found[0]
-    lock = lock_ablation(cfg, ablation_id)
+    lock = lock_ablation(plan.paths.runs, ablation_id)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             saved = client.download_artifacts(parent.info.run_id, CONFIG_ARTIFACT, tmp)
-            original = OmegaConf.to_container(OmegaConf.load(saved))
-        now = OmegaConf.to_container(OmegaConf.create(config_yaml(cfg)))  # the same YAML round trip
+            original = settings_from_yaml(Path(saved).read_text())
+        now = settings_from_yaml(plan.yaml())  # the same YAML round trip
         diff = config_difference(original, now)
         if diff:
             raise AblationResumeError(f"resume={ablation_id}: {diff}")
@@ -209,7 +210,7 @@ def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
                 )
             by_key[(name, int(tags.get("seed", -1)))] = run  # the best-ranked child of a key comes last
         ptags = parent.data.tags
-        plan = ResumePlan(
+        out = ResumePlan(
             ablation_id,
             parent.info.run_id,
             parent.info.status,
@@ -217,12 +218,12 @@ def plan_resume(cfg: DictConfig, recipes: list[Recipe]) -> ResumePlan:
             float(ptags.get("wall_s", 0.0)),
         )
         for key, run in by_key.items():
-            _classify(client, plan, key, run, int(cfg.train.steps))
+            _classify(client, out, key, run, plan.train.steps)
     except BaseException:
         lock.release()
         raise
-    plan.lock = lock
-    return plan
+    out.lock = lock
+    return out
 
 
 def _classify(client, plan: ResumePlan, key: tuple[str, int], run, steps: int) -> None:

@@ -9,17 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
-from experiments.plan.config import (
-    flat_params,
-    model_from_cfg,
-    optim_from_cfg,
-    parallel_from_cfg,
-    spike_rule_from_cfg,
-    train_from_cfg,
-    train_resolved,
-)
+from experiments.plan.plan import Plan
 from experiments.plan.startup import corpus_tags
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
 from experiments.runner.faults import fault_hooks
@@ -105,14 +96,6 @@ def run_name(recipe: str, seed: int) -> str:
     return f"{recipe}/seed{seed}"
 
 
-def config_yaml(cfg: DictConfig, seed: int | None = None) -> str:
-    """``cfg`` resolved, as YAML, with the ``seed`` this run trained with (an ablation's runs differ only there)."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if seed is not None:
-        cfg.seed = seed
-    return OmegaConf.to_yaml(cfg)
-
-
 def record_effective(tracker: Tracker, run_id: str, eff: dict) -> None:
     """The effective recipe as the run's tags (``effective_recipe``, searchable) and as ``effective_recipe.json``."""
     tracker.set_tags(run_id, _effective_tags(eff))
@@ -189,7 +172,7 @@ def failure_kind(e: BaseException) -> str:
 
 
 def run_one(
-    cfg: DictConfig,
+    plan: Plan,
     recipe: Recipe,
     seed: int,
     data: TokenData,
@@ -198,7 +181,7 @@ def run_one(
     ablation_id: str | None = None,
     continuation: Continuation | None = None,
 ) -> RunOutcome:
-    """Train ``recipe`` with ``seed`` on ``data`` under ``cfg`` and record it as an MLflow run.
+    """Train ``recipe`` with ``seed`` on ``data`` under ``plan`` and record it as an MLflow run.
 
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
     marks the run FAILED with ``failure_reason`` and ``failure_kind`` (``RESULT_FAILURES``) and returns; metrics
@@ -208,13 +191,13 @@ def run_one(
     ``continuation`` (an ablation's resume): instead of a new run, reopen ``continuation.run_id`` and continue it
     from ``continuation.checkpoint`` (from step 0 when None), in the same checkpoint folder; its params and
     ``config.yaml`` stay those of the first session, its stability metrics start from the series it logged before
-    the checkpoint. Without it, ``cfg.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
+    the checkpoint. Without it, ``plan.resume`` (``lowprec train`` only; an ablation's ``resume`` is its id) is the
     checkpoint to start from, and the run it belongs to is tagged and, if its process died, closed
     (``experiments.runner.continued_runs.supersede``).
     """
-    device = resolve_device(cfg.device)
-    model_name = cfg.model.name
-    dims = parallel_from_cfg(cfg)
+    device = resolve_device(plan.device)
+    model_name = plan.model_name
+    dims = plan.parallel
     tags = {
         "recipe": recipe.name,
         "recipe_short": short_str(recipe),
@@ -224,7 +207,7 @@ def run_one(
         "seed": str(seed),
         "corpus_fingerprint": data.fingerprint,
         "corpus": data.description,
-        **corpus_tags(cfg, data),
+        **corpus_tags(plan.train, data),
         "parallel": dims.short(),
         "world_size": str(dims.world_size),
         **provenance_tags(device),
@@ -234,10 +217,10 @@ def run_one(
         tags[ABLATION_TAG] = ablation_id
     if continuation is None:
         run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
-        tracker.log_params(run_id, flat_params(cfg, recipe) | {"seed": str(seed)})
+        tracker.log_params(run_id, plan.params(recipe) | {"seed": str(seed)})
         tracker.log_corpus(run_id, data)
-        tracker.log_text(run_id, config_yaml(cfg, seed), CONFIG_ARTIFACT)
-        resume = None if ablation_id else cfg.get("resume")
+        tracker.log_text(run_id, plan.yaml(seed), CONFIG_ARTIFACT)
+        resume = None if ablation_id else plan.resume
         if resume and is_rank0():
             supersede(tracker, resume, run_id)
     else:
@@ -245,7 +228,7 @@ def run_one(
         if is_rank0():
             reopen_run(tracker, continuation)
         resume = continuation.checkpoint
-    rule = spike_rule_from_cfg(cfg)
+    rule = plan.stability
     tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
     buffer = MetricBuffer(tracker, run_id)
     sink = StabilityRecorder(buffer, rule)  # the loop flushes it after every checkpoint
@@ -257,17 +240,17 @@ def run_one(
 
     release_memory()
     try:
-        args = model_from_cfg(cfg.model)
+        args = plan.model
         check_vocab_fits(data, args.vocab_size)
-        spec = train_from_cfg(cfg, recipe)
-        tracker.set_tags(run_id, train_resolved(cfg, recipe).tags())  # train.compile/ac=auto: resolved, fallback
-        built = build(recipe, args, spec, optim_from_cfg(cfg), seed, device, dims, cfg.cpu_kernels)
+        spec = plan.train_for(recipe)
+        tracker.set_tags(run_id, plan.train_tags(recipe))  # train.compile/ac=auto: resolved, fallback
+        built = build(recipe, args, spec, plan.optim, seed, device, dims, plan.cpu_kernels)
         tracker.set_tags(run_id, built.kernels.tags())
         if built.parallel is not None:
             tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
         batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
         ckpt_dir = (
-            Path(cfg.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
+            Path(plan.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
             if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
             else None
         )
@@ -280,7 +263,7 @@ def run_one(
             batches,
             spec,
             sink,
-            before_step=fault_hooks(cfg.faults, recipe.name),
+            before_step=fault_hooks(plan.faults, recipe.name),
             on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,

@@ -9,7 +9,7 @@ call, recorded exactly as a sequential run is. Throughput figures of concurrent
 runs are measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
-On CUDA each worker is a slot of ``experiments.runner.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
+On CUDA each worker is a slot of ``experiments.plan.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
 naming its own GPU(s) only (``start_slot_pool``: set in the environment it is spawned with, before anything in it
 can initialise CUDA), so runs on distinct GPUs never share one, and each run is tagged with its ``gpus``.
 
@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from multiprocessing import get_context, resource_tracker
 from multiprocessing.connection import wait as wait_sentinels
 
-from omegaconf import DictConfig, OmegaConf
-
+from experiments.plan.placement import Placement, Slot, physical_ids
+from experiments.plan.plan import Plan
+from experiments.plan.preflight import cores
 from experiments.runner.continued_runs import Continuation
-from experiments.runner.placement import Placement, Slot, physical_ids
 from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
 from lowprec.recipe import Recipe
@@ -63,22 +63,6 @@ Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
 Continuations = dict[tuple[str, int], Continuation]
 """(recipe name, seed) -> the interrupted run to continue in place (an ablation's resume)."""
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def visible_gpus() -> int:
-    """CUDA devices this process sees (``torch.cuda.device_count()``: honours ``CUDA_VISIBLE_DEVICES``); 0 without
-    CUDA. Queried in the ablation process only: its workers are pinned before they touch CUDA."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def slot_env(slot: Slot) -> dict[str, str]:
@@ -163,7 +147,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _init_worker(threads: int, cfg: dict, parent: int, env: dict[str, str] | None = None) -> None:
+def _init_worker(threads: int, plan: Plan, parent: int, env: dict[str, str] | None = None) -> None:
     # The slot's environment was already this process's from its start (``start_slot_pool``); set again here so that
     # a worker started any other way is still pinned before its first CUDA call.
     os.environ.update(env or {})
@@ -182,8 +166,8 @@ def _init_worker(threads: int, cfg: dict, parent: int, env: dict[str, str] | Non
     torch.set_num_threads(threads)
     _state.update(parent=parent, busy=False)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="lowprec-watch-parent").start()
-    conf = OmegaConf.create(cfg)
-    _state.update(cfg=conf, data=prepare_data(conf), tracker=make_tracker(conf))
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    _state.update(plan=plan, data=prepare_data(plan.data, plan.train.progress), tracker=tracker)
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:
@@ -207,7 +191,7 @@ def _run_in_worker(
     s["busy"] = True
     try:
         o = run_one(
-            s["cfg"],
+            s["plan"],
             recipe,
             seed,
             s["data"],
@@ -231,7 +215,7 @@ def _run_in_worker(
 
 
 def run_jobs(
-    cfg: DictConfig,
+    plan: Plan,
     jobs: Sequence[Job],
     data: TokenData,
     tracker,
@@ -259,7 +243,7 @@ def run_jobs(
                 raise _ablation_stop(out, len(jobs) - len(out))
             try:
                 o = run_one(
-                    cfg,
+                    plan,
                     recipe,
                     seed,
                     data,
@@ -280,7 +264,6 @@ def run_jobs(
     slots = list(workers.slots) if isinstance(workers, Placement) else [Slot(i) for i in range(workers)]
     slots = slots[: len(jobs)]
     threads = max(1, cores() // len(slots))
-    plain = OmegaConf.to_container(cfg, resolve=True)
     queue = list(enumerate(jobs))  # (index in jobs, job) not yet handed to a worker
     pools: dict[int, tuple[ProcessPoolExecutor, list, threading.Thread | None]] = {}
     dead: set[int] = set()  # slots whose worker died: not used again (a failed GPU stays failed)
@@ -302,7 +285,7 @@ def run_jobs(
     with _stop_signals_blocked():  # each worker starts with the stop signals blocked
         for slot in slots:
             env = slot_env(slot)
-            pool = start_slot_pool(slot, _init_worker, (threads, plain, os.getpid(), env))
+            pool = start_slot_pool(slot, _init_worker, (threads, plan, os.getpid(), env))
             pools[slot.index] = (pool, *pool_internals(pool))
     for slot in slots:
         feed(slot.index)

@@ -73,22 +73,22 @@ def accumulation_sqnr(seed: int) -> tuple[float, float, float]:
     over all of K in one chunk; the same operands promoted to FP32 every N_C = 128; the recipe's own 1x128 x
     128x128 operands (which lowprec always promotes every 128: a scale changes there).
     """
-    cfg = blockwise_config()
+    fp8 = blockwise_config()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ACC_M, ACC_K, generator=g)
     w = torch.randn(ACC_N, ACC_K, generator=g)
-    bits = cfg.accum_mantissa_bits
+    bits = fp8.accum_mantissa_bits
 
     def sqnr(a: QTensor, b: QTensor, promotion_interval: int | None) -> float:
         ref = exact_dequantize(a) @ exact_dequantize(b).t()
         out = fp8_gemm(a, b, torch.float32, promotion_interval=promotion_interval, accum_mantissa_bits=bits)
         return sqnr_db(ref, out)
 
-    qa = quantize_operand(x, cfg.input.fmt, "rowwise", power_of_2=cfg.power_of_2)
-    qb = quantize_operand(w, cfg.weight.fmt, "rowwise", power_of_2=cfg.power_of_2)
-    ta = quantize_operand(x, cfg.input.fmt, cfg.input.granularity, power_of_2=cfg.power_of_2)
-    tb = quantize_operand(w, cfg.weight.fmt, cfg.weight.granularity, power_of_2=cfg.power_of_2)
-    return sqnr(qa, qb, None), sqnr(qa, qb, cfg.promotion_interval), sqnr(ta, tb, cfg.promotion_interval)
+    qa = quantize_operand(x, fp8.input.fmt, "rowwise", power_of_2=fp8.power_of_2)
+    qb = quantize_operand(w, fp8.weight.fmt, "rowwise", power_of_2=fp8.power_of_2)
+    ta = quantize_operand(x, fp8.input.fmt, fp8.input.granularity, power_of_2=fp8.power_of_2)
+    tb = quantize_operand(w, fp8.weight.fmt, fp8.weight.granularity, power_of_2=fp8.power_of_2)
+    return sqnr(qa, qb, None), sqnr(qa, qb, fp8.promotion_interval), sqnr(ta, tb, fp8.promotion_interval)
 
 
 @known_answer(

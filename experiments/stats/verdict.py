@@ -56,6 +56,9 @@ LABELS = (SUPERIOR, NON_INFERIOR, NON_INFERIOR + WORSE, INCONCLUSIVE, INCONCLUSI
 CORRECTIONS = ("holm", "none")
 #: Power of the minimum detectable difference and of the seeds-needed calculation.
 POWER = 0.8
+#: Two-sided confidence level of every interval of the report (one-sided tests at alpha = (1 - LEVEL) / 2); here,
+#: not in the report, because ``seeds=auto``'s spending plan (built at preflight) must use the same level.
+LEVEL = 0.95
 
 
 def check_margin(margin: float) -> float:

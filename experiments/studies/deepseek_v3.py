@@ -31,9 +31,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
-from experiments.plan.config import model_from_cfg  # noqa: E402
+from experiments.plan.plan import Plan  # noqa: E402
+from experiments.plan.preflight import saved_plan  # noqa: E402
 from experiments.plan.startup import prepare_data  # noqa: E402
 from experiments.report import plots, verdict_table  # noqa: E402
 from experiments.report.verdict_table import LEVEL  # noqa: E402
@@ -82,9 +82,10 @@ class Settings:
         return s
 
 
-def _config(tracker, run_id: str):
+def _plan(tracker, run_id: str) -> Plan:
+    """The plan run ``run_id`` trained under, from its ``config.yaml`` artifact."""
     with tempfile.TemporaryDirectory() as d:
-        return OmegaConf.load(tracker.client.download_artifacts(run_id, "config.yaml", d))
+        return saved_plan(Path(tracker.client.download_artifacts(run_id, "config.yaml", d)).read_text())
 
 
 def _siblings(ctx: StudyContext) -> list[tuple[str, object]]:
@@ -114,19 +115,19 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
     steps = sorted(folder.glob("step_*"), key=lambda p: int(p.name.split("_")[1])) if folder.name else []
     if not steps:
         return [], f"`{ctx.control}` seed {run.seed} left no checkpoint (the experiment sets train.checkpoint_every)"
-    cfg = _config(ctx.tracker, run.run_id)
+    plan = _plan(ctx.tracker, run.run_id)
     torch.manual_seed(0)
-    model = build_model(model_from_cfg(cfg.model))  # the Llama or the DeepSeekMoE model
+    model = build_model(plan.model)  # the Llama or the DeepSeekMoE model
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=SafeFileSystemReader(steps[-1]))  # a checkpoint is data, never code
     model.load_state_dict(state["model"])
-    data = prepare_data(cfg)
-    seq = int(cfg.train.seq_len)
+    data = prepare_data(plan.data, plan.train.progress)
+    seq = plan.train.seq_len
     batches = TokenBatches(data.train, data.val, seq, settings.capture_sequences, run.seed)
     tokens, targets = batches.train_batch(0)
     caps = dn.capture_linears(model, tokens, targets)
     where = (
-        f"`{ctx.control}` seed {run.seed}, checkpoint `{steps[-1].name}` (model `{cfg.model.name}`), one forward "
+        f"`{ctx.control}` seed {run.seed}, checkpoint `{steps[-1].name}` (model `{plan.model_name}`), one forward "
         f"and backward in FP32 on {tokens.numel()} training tokens ({settings.capture_sequences} x {seq})"
     )
     return caps, where
@@ -395,9 +396,7 @@ COMPONENT_CLAIMS = {
 def deepseek_v3_study(ctx: StudyContext) -> Path:
     """Write ``<ctx.out>/deepseek_v3.md`` and its figures (module doc); returns the markdown path. A
     ``deepseek_v3.json`` beside it holds the headline numbers. Raises ``ConfigError`` for unknown settings."""
-    cfg = _config(ctx.tracker, ctx.parent.info.run_id)
-    study = cfg.get("study")
-    settings = Settings.from_dict((OmegaConf.to_container(study) if study else {}).get("deepseek_v3") or {})
+    settings = Settings.from_dict(_plan(ctx.tracker, ctx.parent.info.run_id).study.get("deepseek_v3") or {})
     caps, where = _capture(ctx, settings)
     acc_lines, acc_head = _accumulation_section(caps, where, settings, ctx.out)
     lines = [

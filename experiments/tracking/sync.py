@@ -13,9 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
-from omegaconf.errors import OmegaConfBaseException
 
 from experiments.tracking.spool import ReplayInterrupted, SpoolError, is_transient, read_header, replay, short_reason
 from experiments.tracking.tracker import TrackingError, check_reachable, quiet_disk_full_logs, resolve_uri
@@ -47,9 +45,10 @@ def _warn(msg: str) -> None:
 _OVERRIDE = re.compile(r"^[+~]{0,2}[\w.]+=")
 
 
-def sync_main(argv: list[str], compose) -> int:
-    """Run ``lowprec sync PATH [key=value ...]``; ``compose`` builds the ``ablate`` config from the overrides; the
-    writes go to its ``tracking.uri``. Returns 0 when everything spooled under the path has been replayed (or there
+def sync_main(argv: list[str], tracking_of) -> int:
+    """Run ``lowprec sync PATH [key=value ...]``; ``tracking_of(overrides)`` is the ``tracking`` node
+    (``TrackingConfig``) of the ``ablate`` config with the overrides, a bad one a ``UserError``; the writes go to its
+    ``uri``. Returns 0 when everything spooled under the path has been replayed (or there
     was nothing), 2 with one line for a missing path, a file that is not a spool or is malformed, a spool that names
     another store than the configured one (without ``tracking.uri=`` on the command line), a bad override, or a
     server that still fails."""
@@ -60,12 +59,12 @@ def sync_main(argv: list[str], compose) -> int:
         return 2
     try:
         files = spool_files(Path(paths[0]))
-        cfg = compose("ablate", overrides)
+        tracking = tracking_of(overrides)
         named = any(a.lstrip("+~").startswith("tracking.uri=") for a in overrides)
         if not files:
             print(f"sync: nothing spooled under {paths[0]}")
             return 0
-        target = resolve_uri(cfg.tracking.uri)
+        target = resolve_uri(tracking.uri)
         for f in files:
             written_for = read_header(f)["uri"]
             if not named and written_for != target:
@@ -95,7 +94,7 @@ def sync_main(argv: list[str], compose) -> int:
                 ) from None
             end = f", ended {r.end}" if r.end else ", no end status in the spool (its process did not end the run)"
             print(f"sync: run {r.run_id}: replayed {r.writes} write(s) ({r.metrics} metric values){end} to {target}")
-    except (UserError, HydraException, OmegaConfBaseException) as e:
+    except UserError as e:
         line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
         print(f"lowprec sync: error: {line}", file=sys.stderr)
         return 2

@@ -291,9 +291,10 @@ class NullTracker:
         return []
 
 
-def make_tracker(cfg) -> Tracker | NullTracker:
-    """``Tracker`` on rank 0 (or one process), ``NullTracker`` on the other ranks."""
-    return Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.paths.runs) if is_rank0() else NullTracker()
+def make_tracker(uri: str, experiment: str, runs: str) -> Tracker | NullTracker:
+    """``Tracker`` on the store ``uri`` (``tracking.uri``), experiment ``experiment``, spooling under ``runs``
+    (``paths.runs``), on rank 0 (or one process); ``NullTracker`` on the other ranks."""
+    return Tracker(uri, experiment, runs) if is_rank0() else NullTracker()
 
 
 class MetricBuffer:

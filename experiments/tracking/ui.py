@@ -178,9 +178,10 @@ def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt  # a supervisor's SIGTERM stops the UI the way Ctrl-C does
 
 
-def ui_main(argv: list[str], compose) -> int:
-    """Run ``lowprec ui``; ``compose`` builds the ``ablate`` config from the ``key=value`` overrides (for the
-    store's URI). Returns 0 after Ctrl-C, 2 with one line on bad input (a port in use, a server URI)."""
+def ui_main(argv: list[str], tracking_of) -> int:
+    """Run ``lowprec ui``; ``tracking_of(overrides)`` is the ``tracking`` node (``TrackingConfig``) of the ``ablate``
+    config with the ``key=value`` overrides (the store's URI), a bad one a ``UserError``. Returns 0 after Ctrl-C,
+    2 with one line on bad input (a port in use, a server URI)."""
     p = _OneLineParser(prog="lowprec ui", usage=USAGE)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=5000)
@@ -192,8 +193,8 @@ def ui_main(argv: list[str], compose) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        cfg = compose("ablate", overrides)
-        uri = resolve_uri(cfg.tracking.uri)
+        tracking = tracking_of(overrides)
+        uri = resolve_uri(tracking.uri)
         if is_server(uri):
             raise UserError(f"tracking.uri={uri} is already a server: open it in a browser")
         check_host(args.host)
@@ -203,7 +204,7 @@ def ui_main(argv: list[str], compose) -> int:
                 "--auth: set MLFLOW_AUTH_ADMIN_PASSWORD (the admin's password MLflow creates on first start)"
             )
         check_port_free(args.host, args.port)
-        found = ablations_in(uri, cfg.tracking.experiment)
+        found = ablations_in(uri, tracking.experiment)
     except UserError as e:
         print(f"lowprec ui: error: {e}", file=sys.stderr)
         return 2
@@ -212,7 +213,7 @@ def ui_main(argv: list[str], compose) -> int:
     url = f"http://{args.host}:{args.port}"
     if ":" in args.host:
         url = f"http://[{args.host}]:{args.port}"
-    print(f"store: {uri} (experiment {cfg.tracking.experiment}); {len(found)} ablation(s)")
+    print(f"store: {uri} (experiment {tracking.experiment}); {len(found)} ablation(s)")
     for abl, status, desc in found:
         print(f"  {abl}  {status:<8} {desc}")
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}

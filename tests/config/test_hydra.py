@@ -6,7 +6,7 @@ import pytest
 
 from experiments.cli import compose, main
 from experiments.plan.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
-from experiments.runner.ablate import ablation_control
+from experiments.plan.preflight import ablation_control
 from lowprec.recipe import RecipeError
 from recipes import CATALOG
 

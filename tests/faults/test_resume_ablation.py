@@ -24,11 +24,11 @@ from filelock import FileLock
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 
-import experiments.runner.ablate
+import experiments.plan.preflight
 import experiments.runner.scheduler
 from experiments.cli import compose, main
+from experiments.plan.plan import config_yaml
 from experiments.runner.resume import config_difference
-from experiments.runner.run import config_yaml
 from experiments.tracking.runs import load_runs
 from experiments.tracking.tracker import Tracker
 from lowprec.train.stop import clear_stop
@@ -55,6 +55,7 @@ def own_handlers(monkeypatch):
     """The commands install their stop handlers in this (pytest) process: put pytest's back afterwards. Workers get
     one intra-op thread, as this process has, on any machine (2 workers on "2 cores"): the same numbers."""
     monkeypatch.setattr(experiments.runner.scheduler, "cores", lambda: 2)
+    monkeypatch.setattr(experiments.plan.preflight, "cores", lambda: 2)
     with restored_stop_handlers():
         yield
 
@@ -95,6 +96,7 @@ def baseline(tmp_path_factory):
     root = tmp_path_factory.mktemp("baseline")
     mp = pytest.MonkeyPatch()
     mp.setattr(experiments.runner.scheduler, "cores", lambda: 2)
+    mp.setattr(experiments.plan.preflight, "cores", lambda: 2)
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
@@ -274,12 +276,12 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
     # a recipe whose definition changed since the ablation ran (here: another amax history length)
     changed = CATALOG["fp8_delayed"].with_fields("fp8", amax_history_len=8)
     monkeypatch.setattr(
-        experiments.runner.ablate, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
+        experiments.plan.preflight, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
     )
     assert f"recipe fp8_delayed hashes to {changed.hash()} here but ran as {CATALOG['fp8_delayed'].hash()}" in one_line(
         [f"resume={ablation_id}"]
     )
-    monkeypatch.setattr(experiments.runner.ablate, "get_recipe", get_recipe)
+    monkeypatch.setattr(experiments.plan.preflight, "get_recipe", get_recipe)
     # an ablation still running holds its lock (another process here: an OS file lock taken by this one)
     with FileLock(str(root / "runs" / "locks" / f"{ablation_id}.lock")):
         assert "the ablation is still running in another process" in one_line([f"resume={ablation_id}"])

@@ -75,6 +75,7 @@ def test_prepare_then_train_two_steps_on_the_shards(kind, run_dirs, tmp_path, ca
 
 
 def test_a_run_that_repeats_data_warns_unless_allowed(tmp_path, capsys):
+    from experiments.plan.config import data_from_cfg, train_from_cfg
     from experiments.plan.startup import warn_repeated_data
     from lowprec.data import DataSpec, prepare
     from lowprec.data.shards import write_shards
@@ -82,16 +83,21 @@ def test_a_run_that_repeats_data_warns_unless_allowed(tmp_path, capsys):
     ids = np.arange(1000) % 500
     write_shards(tmp_path / "tok", {"train": ids, "val": ids[:200]}, vocab_size=512, shard_tokens=10_000, extra={})
     data = prepare(DataSpec(source="tokens", path=str(tmp_path / "tok")))
+
+    def warn(overrides):
+        cfg = compose("train", overrides)
+        warn_repeated_data(data_from_cfg(cfg), train_from_cfg(cfg), data, "ablate")
+
     base = ["data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.batch_size=2", "train.seq_len=64"]
-    warn_repeated_data(compose("train", [*base, "train.steps=16"]), data, "ablate")
+    warn([*base, "train.steps=16"])
     err = capsys.readouterr().err
     assert err == (
         "lowprec ablate: warning: the run reads 2,048 training tokens, 2.05 epochs of the corpus's 1,000: it repeats "
         "data (prepare a larger corpus with `lowprec data prepare`, or set data.allow_epochs=true to train on it "
         "anyway)\n"
     )
-    warn_repeated_data(compose("train", [*base, "train.steps=16", "data.allow_epochs=true"]), data, "ablate")
-    warn_repeated_data(compose("train", [*base, "train.steps=7"]), data, "ablate")  # 896 tokens: under one epoch
+    warn([*base, "train.steps=16", "data.allow_epochs=true"])
+    warn([*base, "train.steps=7"])  # 896 tokens: under one epoch
     assert capsys.readouterr().err == ""
 
 

@@ -3,8 +3,8 @@ recipe that ``train.compile=auto`` ran eager is said not comparable. A fabricate
 
 from fabricated_ablation import fabricate_ablation
 
+from experiments.plan.placement import plan_placement
 from experiments.report.build import build_report
-from experiments.runner.placement import plan_placement
 from experiments.tracking.tracker import PARENT_TAG, Tracker
 
 ABL = "abl-node"

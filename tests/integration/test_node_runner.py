@@ -7,10 +7,10 @@ from concurrent.futures import wait
 
 from mlflow.tracking import MlflowClient
 
-import experiments.runner.ablate as ablate_mod
+import experiments.plan.preflight as preflight_mod
 from experiments.cli import main
+from experiments.plan.placement import plan_placement
 from experiments.runner import scheduler
-from experiments.runner.placement import plan_placement
 
 QUICK = [
     "model=debug",
@@ -53,7 +53,7 @@ def _parent_and_kids(tmp_path, out):
 
 def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys, monkeypatch):
     # a node of 2 GPUs, faked: each worker pinned to one (CUDA_VISIBLE_DEVICES), the runs on the CPU
-    monkeypatch.setattr(ablate_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
+    monkeypatch.setattr(preflight_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
     # bf16 dies at its first step, while at least fp8_rowwise is still queued (4 runs, 2 workers)
     args = ["ablate", "recipes=[fp32,bf16,bf16_pure,fp8_rowwise]", "control=fp32", "seeds=1", "workers=auto"]
     args += ["faults.recipe=bf16", "faults.exit_at_step=1"]

@@ -25,7 +25,6 @@ from experiments.cli import compose, main, planning_query
 from experiments.plan.preflight import preflight
 from experiments.planning.recommend import format_table, recommend
 from experiments.planning.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
-from experiments.runner.ablate import ablation_recipes
 from lowprec.backends import fp8_backends
 from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.estimate.runnable import hardware_blocker
@@ -164,8 +163,8 @@ def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
     for where in ("experiments.plan.preflight", "experiments.runner.ablate"):
         monkeypatch.setattr(f"{where}.resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    checked = preflight(cfg, ablation_recipes(cfg))
-    assert checked.dims.world_size == a.gpus and checked.train.batch_size == a.dp_shard * a.batch
+    checked = preflight(cfg)
+    assert checked.parallel.world_size == a.gpus and checked.train.batch_size == a.dp_shard * a.batch
     assert a.gpu_hours > 0 and f"about {a.gpu_hours:,.0f} GPU-hours" in r.paragraph
 
 

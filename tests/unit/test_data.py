@@ -162,17 +162,12 @@ def test_cold_build_shows_each_phase_and_a_warm_cache_nothing(tmp_path, capfd):
 
 
 def test_prepare_data_follows_train_progress(tmp_path, capfd):
-    from omegaconf import OmegaConf
-
     from experiments.plan.startup import prepare_data
 
     root = _text_corpus(tmp_path)
     for progress in (False, True):
         data = dict(source="text", path=str(root), pattern="*.txt", vocab_size=300, val_fraction=0.2)
-        cfg = OmegaConf.create(
-            {"data": {**data, "cache_dir": str(tmp_path / str(progress))}, "train": {"progress": progress}}
-        )
-        prepare_data(cfg)
+        prepare_data(DataSpec(**data, cache_dir=str(tmp_path / str(progress))), progress)
         err = capfd.readouterr().err
         assert all(f"lowprec data {phase}" in err for phase in PHASES) if progress else err == "", err
 

@@ -1,11 +1,11 @@
-"""One run per GPU: the slots of ``experiments.runner.placement`` (pure) and ``train.compile/ac=auto``."""
+"""One run per GPU: the slots of ``experiments.plan.placement`` (pure) and ``train.compile/ac=auto``."""
 
 import json
 
 import pytest
 
 from experiments.plan.auto_train import resolve_compile_ac
-from experiments.runner.placement import physical_ids, plan_placement
+from experiments.plan.placement import physical_ids, plan_placement
 from lowprec.errors import ConfigError
 
 

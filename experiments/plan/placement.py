@@ -7,7 +7,8 @@ with ``CUDA_VISIBLE_DEVICES`` naming only its GPUs (``experiments.runner.schedul
 device(s) measures its own throughput (the report compares throughput only between such runs).
 
 On a CPU the slots share the cores (``workers``: 2 runs at a time measured 1.15x one run on the 2-core EPYC,
-``experiments.runner.scheduler``); they carry no GPU. Pure: no torch, no environment read here.
+``experiments.runner.scheduler``); they carry no GPU. Pure (no torch, no environment read), but for
+``visible_gpus``, the one device query, which ``experiments.plan.preflight`` makes to build the ``Plan``'s placement.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ class Placement:
                 "workers": {str(s.index): list(s.gpus) for s in self.slots},
             }
         )
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (``torch.cuda.device_count()``: honours ``CUDA_VISIBLE_DEVICES``); 0 without
+    CUDA. Queried in the ablation process only: its workers are pinned before they touch CUDA."""
+    import torch  # here only: the rest of this module is pure
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def physical_ids(gpus: tuple[int, ...], parent_visible: str | None) -> str:
