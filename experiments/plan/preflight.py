@@ -33,6 +33,7 @@ from experiments.plan.config import (
     train_from_cfg,
     train_resolved,
 )
+from experiments.plan.launch import under_torchrun
 from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
 from experiments.plan.plan import Plan, config_yaml, with_group
 from experiments.stats import SpendingPlan, check_margin
@@ -209,6 +210,13 @@ def ablation_placement(cfg: DictConfig) -> Placement:
     else:
         device = resolve_device(cfg.device)
         kind = device.type
+    k = parallel_from_cfg(cfg).world_size
+    if k > 1 and under_torchrun() and not cfg.get("dry_run"):
+        # Each rank of a torchrun launch (one node or several) trains every run of the ablation on its own local
+        # device, one run at a time: the GPUs are torchrun's (--nproc_per_node), not this process's to place.
+        if cfg.workers not in ("auto", 1):
+            raise ConfigError(f"workers={cfg.workers}: a parallel layout trains one run at a time; use workers=auto")
+        return Placement(kind, 0, k, (Slot(0),))
     if kind != "cuda":
         visible = 0
     elif device is None:
@@ -218,7 +226,6 @@ def ablation_placement(cfg: DictConfig) -> Placement:
         if gpus is not None and int(gpus) > seen:
             raise ConfigError(f"gpus={gpus} but this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES); lower gpus=")
         visible = seen if gpus is None else int(gpus)
-    k = parallel_from_cfg(cfg).world_size
     return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=False)
 
 

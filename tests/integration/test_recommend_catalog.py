@@ -163,6 +163,9 @@ def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
     for where in ("experiments.plan.preflight", "experiments.runner.ablate"):
         monkeypatch.setattr(f"{where}.resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    # as one rank of the printed torchrun line (the ranks are torchrun's, across the nodes)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(a.gpus))
     checked = preflight(cfg)
     assert checked.parallel.world_size == a.gpus and checked.train.batch_size == a.dp_shard * a.batch
     assert a.gpu_hours > 0 and f"about {a.gpu_hours:,.0f} GPU-hours" in r.paragraph

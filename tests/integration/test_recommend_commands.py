@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 
-from experiments.cli import _recipes_of, compose, main, planning_query
+from experiments.cli import compose, main, planning_query
 from experiments.plan.estimate_config import register_planning_configs
 from experiments.plan.preflight import preflight
 from lowprec.train.spec import TrainSpec
@@ -65,21 +65,20 @@ def test_the_printed_train_and_ablate_lines_pass_preflight(case, capsys, tmp_pat
 
     args = _subcommand_args(train, "train")
     cfg = compose("train", [*args, *SMALL])
-    checked = preflight(cfg, _recipes_of("train", cfg))
+    checked = preflight(cfg)  # the Plan
     assert cfg.recipe.name == d["top"] and checked.train.steps == 2
-    assert (checked.dims.dp_shard, checked.dims.tp) == (top["dp_shard"], top["tp"])
+    assert (checked.parallel.dp_shard, checked.parallel.tp) == (top["dp_shard"], top["tp"])
     assert checked.train.batch_size == top["dp_shard"] * top["batch_per_rank"] and checked.train.ac == top["ac"]
     assert checked.train.seq_len == d["query"]["seq"] and checked.train.compile is d["query"]["compile"]
     if case == "one host":
         assert cfg.optim.lr == 1e-4
     else:
-        assert (checked.train.batch_size, checked.train.ac, checked.dims.tp) == (64, "full", 1)
+        assert (checked.train.batch_size, checked.train.ac, checked.parallel.tp) == (64, "full", 1)
 
     cfg = compose("ablate", [*_subcommand_args(ablate, "ablate"), *SMALL])
-    recipes = _recipes_of("ablate", cfg)
-    checked = preflight(cfg, recipes)
-    assert [r.name for r in recipes] == ["bf16", d["top"]] and cfg.report.margin == 0.0025
-    assert (checked.dims.dp_shard, checked.dims.tp) == (top["dp_shard"], top["tp"])
+    checked = preflight(cfg)
+    assert [r.name for r in checked.recipes] == ["bf16", d["top"]] and cfg.report.margin == 0.0025
+    assert (checked.parallel.dp_shard, checked.parallel.tp) == (top["dp_shard"], top["tp"])
 
 
 def test_estimate_and_recommend_default_to_trains_settings():

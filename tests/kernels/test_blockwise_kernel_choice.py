@@ -205,7 +205,7 @@ def test_a_run_records_its_blockwise_gemm_kernel(run_dirs, tmp_path):
     blockwise, rowwise = (r.data.tags for r in runs)
     assert blockwise["effective_matches"] == "true" and blockwise["fp8_blockwise_gemm"] == "emulated"
     kernels = json.loads(blockwise["effective_recipe"])["kernels"]
-    assert kernels == {"bf16": "native", "fp8": "native", "fp8_blockwise_gemm": "emulated"}
+    assert kernels == {"bf16": "native", "fp8": "native", "fp8_blockwise_gemm": "emulated", "fp8_casts": "eager"}
     assert "fp8_blockwise_gemm" not in json.loads(rowwise["effective_recipe"])["kernels"]
 
 

@@ -19,8 +19,8 @@ import dataclasses
 import pytest
 import torch
 
+from lowprec.build_optim import OptimHParams
 from lowprec.model import model_args
-from lowprec.optim.builder import OptimHParams
 from lowprec.recipe import CommSpec
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
