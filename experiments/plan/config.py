@@ -98,6 +98,9 @@ class TrainNode(TrainSpec):
 
     compile: Any = "auto"
     ac: str = "auto"
+    #: ``auto``: ``min(3, train.steps - 1)`` steps left out of the throughput means (a short run, e.g. the
+    #: ``train.steps=2`` check of a printed command line, keeps one timed step); an int is taken as given.
+    timing_warmup_steps: Any = "auto"
 
     def __post_init__(self) -> None:  # checked as a TrainSpec after ``auto`` is resolved (train_from_cfg)
         pass
@@ -340,7 +343,18 @@ def train_from_cfg(cfg: DictConfig, recipe: Recipe | None = None) -> TrainSpec:
     """``TrainSpec`` of ``cfg.train`` with ``auto`` resolved (``train_resolved``; per recipe when given)."""
     d = typed(TrainNode, cfg.train, "train")
     r = train_resolved(cfg, recipe)
-    return TrainSpec(**{**d, "compile": r.compile, "ac": r.ac})
+    return TrainSpec(**{**d, "compile": r.compile, "ac": r.ac, "timing_warmup_steps": timing_warmup(d)})
+
+
+def timing_warmup(train: dict) -> int:
+    """``train.timing_warmup_steps`` resolved: ``auto`` -> ``min(3, steps - 1)`` (at least 0), an int as given.
+    Raises ``ConfigError`` for another value (``TrainSpec`` checks the int's range)."""
+    value = train["timing_warmup_steps"]
+    if value == "auto":
+        return max(0, min(3, int(train["steps"]) - 1))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"train.timing_warmup_steps={value!r} must be an integer >= 0 or auto")
+    return value
 
 
 def optim_from_cfg(cfg: DictConfig) -> OptimHParams:

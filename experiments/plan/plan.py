@@ -127,6 +127,8 @@ class Plan:
         if "train.compile" in out and self._train_entry(recipe) is not None:
             spec = self.train_for(recipe)  # the values the run trains with, not an ``auto`` request (tagged)
             out |= {"train.compile": str(spec.compile), "train.ac": str(spec.ac)}
+        if "train.timing_warmup_steps" in out:  # ``auto`` resolved, as the run measures with it
+            out["train.timing_warmup_steps"] = str(self.train_for(recipe).timing_warmup_steps)
         return out
 
 

@@ -17,7 +17,7 @@ from lowprec.train.spec import TrainSpec
 
 #: appended to each printed line: the acceptance's ``train.steps=2 model=debug``, and the timing warmup below 2 steps
 #: (``TrainSpec`` refuses ``train.timing_warmup_steps=3`` >= ``train.steps``, for every ``lowprec train`` line)
-SMALL = ["train.steps=2", "train.timing_warmup_steps=1", "model=debug"]
+SMALL = ["train.steps=2", "model=debug"]  # the acceptance of issue 30: these two overrides, nothing else
 
 
 def _printed(capsys, argv: list[str]) -> dict:
