@@ -282,9 +282,11 @@ def test_composed_config_is_the_registered_defaults_plus_the_yaml(config_name, e
 def test_defaults_come_from_the_dataclasses():
     cfg = compose("train", [])
     assert optim_from_cfg(cfg) == OptimHParams() and OptimHParams().lr == 3e-3  # the LR the runs have always used
-    # the train node's defaults, with train.compile/ac=auto resolved for this CPU (experiments.plan.auto_train)
+    # the train node's defaults, with train.compile/ac=auto resolved for this CPU (experiments.plan.auto_train) and
+    # train.timing_warmup_steps=auto to min(3, steps - 1)
     node = dataclasses.asdict(_default_of(TrainConfig).train)
-    assert train_from_cfg(cfg) == TrainSpec(**{**node, "compile": False, "ac": "none"})
+    want = {**node, "compile": False, "ac": "none", "timing_warmup_steps": min(3, node["steps"] - 1)}
+    assert train_from_cfg(cfg) == TrainSpec(**want) and TrainSpec().timing_warmup_steps == 3
     raw = OmegaConf.to_container(cfg, resolve=False)
     assert (
         raw["paths"]["cache"] == "${oc.env:LOWPREC_CACHE,'~/.cache/lowprec'}"
