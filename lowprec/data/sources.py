@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ class Document:
     splits: tuple[str, ...]
 
 
-class Source:
+class Source(ABC):
     """A document stream: ``name`` (what the run's ``corpus`` tag shows), ``fingerprint`` (sha256 hex of what is
     read: names and sizes of local files, the dataset's name, revision, split and column for the hub) and
     ``documents(skip)``, the documents after the first ``skip`` (a resumed preparation skips what it has);
@@ -41,8 +42,9 @@ class Source:
     fingerprint: str
     n_bytes: int | None = None
 
+    @abstractmethod
     def documents(self, skip: int = 0) -> Iterator[Document]:
-        raise NotImplementedError
+        """The documents after the first ``skip``, in the source's fixed order."""
 
 
 class TextSource(Source):
