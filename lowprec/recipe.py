@@ -50,7 +50,12 @@ _HASH_OMITS_AT_DEFAULT: dict[str, Any] = {
     "grad_output_granularity": None,
     "e5m6_inputs": [],
     "swiglu_cache": "none",
+    "accum_rounding": "nearest",
+    "accum_group": None,
 }
+#: How the emulated accumulator drops bits (``lowprec.float8.accumulator.ROUNDINGS``; a pure value cannot import it,
+#: tests/unit/test_recipe_accumulator.py holds the two equal).
+ACCUM_ROUNDINGS = ("nearest", "truncate", "floor")
 
 
 def refuse_inert(spec: Any, group: str, names: tuple[str, ...], because: str) -> None:
@@ -158,6 +163,12 @@ class Float8Spec:
     DeepGEMM ``per_token_cast_to_fp8``), which flushes tiles whose amax is below about 1e-10 to zero.
     ``promotion``: False accumulates all of K in the emulated limited-precision accumulator (the tile/block
     scales applied per WGMMA step), i.e. Hopper without DeepSeek-V3's promotion; needs ``accum_mantissa_bits``.
+    ``accum_rounding`` (``nearest`` | ``truncate`` | ``floor``) and ``accum_group`` (null, or the number of products
+    aligned with the running sum to the largest exponent before they are cut and added): the rest of the emulated
+    accumulator's model (``lowprec.float8.accumulator.AccumulatorModel``; only with ``accum_mantissa_bits``). The
+    defaults are lowprec's original model (round to nearest after every 32-element WGMMA step); the Hopper fit
+    (``HOPPER_ACCUMULATOR``: 13 bits, ``truncate``, group 32) is the catalog's ``deepseek_v3_no_promotion_hopper``.
+    Without promotion under blockwise scaling the group must divide 128 (a group never straddles two scale tiles).
     ``grad_output_granularity``: overrides the scaling preset's granularity of the activation gradients
     (``block128x128``: DeepSeek-V3 appendix B.2's diverging variant; blockwise scaling only).
     ``e5m6_inputs``: FQN patterns (``keep_hp_fqns`` rule) of FP8 linears whose input is saved for backward in
@@ -192,6 +203,8 @@ class Float8Spec:
     gemm_backend: str = "scaled_mm"
     promotion_interval: int | None = None
     accum_mantissa_bits: int | None = None
+    accum_rounding: str = "nearest"
+    accum_group: int | None = None
     cache_fp8_activations: bool = False
     amax_floor: float = 1e-12
     promotion: bool = True
@@ -238,6 +251,7 @@ class Float8Spec:
             )
         if self.accum_mantissa_bits is not None and not 0 < self.accum_mantissa_bits < 23:
             raise RecipeError(f"recipe.fp8.accum_mantissa_bits={self.accum_mantissa_bits} must be in 1..22")
+        self._check_accumulator()
         if not all(0 < s < float("inf") for s in self.static_scales):
             raise RecipeError(
                 f"recipe.fp8.static_scales={list(self.static_scales)} must be finite and > 0 (fp8 = hp * scale)"
@@ -281,6 +295,21 @@ class Float8Spec:
             raise RecipeError(
                 f"recipe.fp8.strategy={self.strategy!r} conflicts with recipe.fp8.scaling={self.scaling!r}: "
                 "delayed and static scaling keep one scale per tensor; use scaling=tensorwise"
+            )
+
+    def _check_accumulator(self) -> None:
+        """The accumulator model's fields (class doc): a known rounding, a group >= 1 that divides 128 where it
+        meets tile/block scales without promotion, and both only with ``accum_mantissa_bits``."""
+        _check_choice("fp8", "accum_rounding", self.accum_rounding, ACCUM_ROUNDINGS)
+        if self.accum_group is not None and self.accum_group < 1:
+            raise RecipeError(f"recipe.fp8.accum_group={self.accum_group} must be >= 1 products (or null)")
+        if self.accum_mantissa_bits is None:
+            refuse_inert(self, "fp8", ("accum_rounding", "accum_group"), "accum_mantissa_bits=null (FP32 accumulation)")
+        group = self.accum_group
+        if not self.promotion and self.scaling == "blockwise" and group is not None and 128 % group:
+            raise RecipeError(
+                f"recipe.fp8.accum_group={group} conflicts with recipe.fp8.promotion=false and "
+                f"recipe.fp8.scaling={self.scaling!r}: a group must divide the 128-element scale tiles"
             )
 
     @property

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from lowprec.backends import check_recipe
+from lowprec.float8.accumulator import HOPPER_ACCUMULATOR
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
 
 
@@ -223,6 +224,24 @@ def deepseek_v3_no_promotion() -> Recipe:
     )
 
 
+def deepseek_v3_no_promotion_hopper() -> Recipe:
+    # The same ablation on the accumulator fitted to a Hopper measurement (lowprec.float8.accumulator, whose
+    # HOPPER_ACCUMULATOR is the one place its parameters live); deepseek_v3_no_promotion keeps the paper's prose.
+    acc = HOPPER_ACCUMULATOR
+    return replace(
+        deepseek_v3(),
+        name="deepseek_v3_no_promotion_hopper",
+        description=f"deepseek_v3 without promotion on the accumulator fitted to Hopper: {acc.describe()}.",
+        fp8=replace(
+            deepseek_v3().fp8,
+            accum_mantissa_bits=acc.bits,
+            accum_rounding=acc.rounding,
+            accum_group=acc.group,
+            promotion=False,
+        ),
+    )
+
+
 def deepseek_v3_tensorwise() -> Recipe:
     return replace(
         deepseek_v3(),
@@ -410,6 +429,7 @@ _BUILDERS: list[Callable[[], Recipe]] = [
     fp16_noscale,
     deepseek_v3,
     deepseek_v3_no_promotion,
+    deepseek_v3_no_promotion_hopper,
     deepseek_v3_tensorwise,
     deepseek_v3_fp32_moments,
     deepseek_v3_no_fp8_cache,

@@ -17,6 +17,8 @@ _LOWPREC_ONLY = {
     "gemm_backend": "scaled_mm",
     "promotion_interval": None,
     "accum_mantissa_bits": None,
+    "accum_rounding": "nearest",
+    "accum_group": None,
     "cache_fp8_activations": False,
     "power_of_2_scales": False,
     "amax_floor": 1e-12,

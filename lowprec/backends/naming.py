@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 def fp8_short(spec: Float8Spec) -> str:
     """The FP8 part of ``short_str``: ``off``, or ``backend:scaling`` and each setting that differs from the
-    usual, e.g. ``lowprec:blockwise/e4m3/floor0.0001+fp8cache``. Raises ``RecipeError`` for an unregistered
+    usual, e.g. ``lowprec:blockwise/e4m3/floor0.0001+fp8cache`` or, with an emulated accumulator,
+    ``lowprec:blockwise/e4m3/acc13-truncate-g32-nopromo`` (bits, rounding and group when not the defaults,
+    ``-nopromo`` without promotion). Raises ``RecipeError`` for an unregistered
     backend."""
     if not spec.enabled:
         return "off"
@@ -27,7 +29,10 @@ def fp8_short(spec: Float8Spec) -> str:
     if fp8_backend(spec.backend).format_in_name and spec.scaling not in ("mxfp4", "nvfp4"):  # E2M1 only
         s += f"/{spec.fp8_format}"
     if spec.accum_mantissa_bits is not None:
-        s += f"/acc{spec.accum_mantissa_bits}" + ("" if spec.promotion else "-nopromo")
+        s += f"/acc{spec.accum_mantissa_bits}"
+        s += "" if spec.accum_rounding == "nearest" else f"-{spec.accum_rounding}"
+        s += "" if spec.accum_group is None else f"-g{spec.accum_group}"
+        s += "" if spec.promotion else "-nopromo"
     if spec.grad_output_granularity is not None:
         s += f"/dy:{spec.grad_output_granularity}"
     if spec.amax_floor != 1e-12:

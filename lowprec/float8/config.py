@@ -47,6 +47,9 @@ class LinearFP8Config:
     gemm_backend: str = "scaled_mm"
     promotion_interval: int | None = None
     accum_mantissa_bits: int | None = None
+    #: the emulated accumulator's rounding and alignment group (``lowprec.float8.accumulator.AccumulatorModel``)
+    accum_rounding: str = "nearest"
+    accum_group: int | None = None
     cache_fp8_activations: bool = False
     amax_floor: float = 1e-12
     promotion: bool = True
@@ -72,6 +75,8 @@ class LinearFP8Config:
             gemm_backend=spec.gemm_backend,
             promotion_interval=spec.promotion_interval,
             accum_mantissa_bits=spec.accum_mantissa_bits,
+            accum_rounding=spec.accum_rounding,
+            accum_group=spec.accum_group,
             cache_fp8_activations=spec.cache_fp8_activations,
             amax_floor=spec.amax_floor,
             promotion=spec.promotion,

@@ -142,6 +142,8 @@ class Float8Linear(nn.Linear):
             cfg.accum_mantissa_bits,
             self.fp8_kernel,
             cfg.promotion,
+            accum_rounding=cfg.accum_rounding,
+            accum_group=cfg.accum_group,
             blockwise_gemm=self.blockwise_gemm,
         )
 
