@@ -40,3 +40,12 @@ def test_accumulation_errors_default_to_the_hopper_accumulator():
     assert dn.accumulation_errors(a, b, [256], [None], "g") == dn.accumulation_errors(a, b, [256], [None], "g", model)
     other = dn.accumulation_errors(a, b, [256], [None], "g", AccumulatorModel(6, "floor", 8))
     assert other[0].rel_err > 10 * dn.accumulation_errors(a, b, [256], [None], "g")[0].rel_err
+
+
+def test_headline_row_names_the_accumulator_the_section_ran(tmp_path):
+    """The headline's accumulation row once said "14-bit accumulator" (the paper's H800) whatever the section ran;
+    it names the emulated accumulator measured (``HOPPER_ACCUMULATOR``, 13 bits since the H200 fit)."""
+    _, head = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    (row,) = [r for r in study._headline_table({"accumulation": head, "models": {}}, 0.0025) if "K = 4096" in r]
+    assert f"measured: {HOPPER_ACCUMULATOR.describe()}" in row and "14-bit accumulator" not in row
+    assert f"{100 * head['k4096_no_promotion_max_rel_err']:.3f}%" in row
