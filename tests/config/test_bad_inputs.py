@@ -69,6 +69,11 @@ BAD = [
     (["train", "recipe=deepseek_v3", "recipe.fp8.e5m6_inputs=[output]"], "match no FP8 linear"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.promotion=false"], "needs recipe.fp8.accum_mantissa_bits"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.amax_floor=0"], "recipe.fp8.amax_floor=0"),
+    # issue 32: the emulated accumulator's model; it needs the accumulator
+    (["train", "recipe=deepseek_v3", "recipe.fp8.accum_rounding=truncate"], "accum_rounding='truncate' has no effect"),
+    (["train", "recipe=deepseek_v3_no_promotion", "recipe.fp8.accum_rounding=up"], "accum_rounding='up' is not one"),
+    (["train", "recipe=deepseek_v3_no_promotion_hopper", "recipe.fp8.accum_group=48"], "accum_group=48 conflicts"),
+    (["train", "recipe=deepseek_v3_no_promotion", "recipe.fp8.accum_group=many"], "recipe.fp8.accum_group: Value"),
     (["train", "recipe=fp8_current", "recipe.fp8.grad_output_granularity=block128x128"], "scaling='tensorwise'"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.swiglu_cache=fp16"], "recipe.fp8.swiglu_cache='fp16'"),
     (["train", "train.ac=sometimes"], "train.ac='sometimes' is not one of none, selective, full"),
