@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.plan.launcher import LAUNCHER_OPTIONS, LauncherConfig
 from experiments.stats.stability import SpikeRule
 from lowprec.backends import check_recipe
 from lowprec.build_optim import OptimHParams
@@ -188,6 +189,9 @@ class AblateConfig(RunConfig):
     gpus: int | None = None
     #: the part the dry run predicts for (``lowprec estimate``'s names; null: the detected GPU, else h100_sxm)
     hardware: str | None = None
+    #: group: launcher/<name> (local | slurm | submitit_local): where the runs are launched
+    #: (experiments/plan/launcher.py; slurm: one SLURM job per run through submitit)
+    launcher: LauncherConfig = MISSING
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
@@ -204,6 +208,7 @@ DATA_CACHE_DIR = "${paths.cache}"
 
 #: The group options registered from dataclasses: group -> option -> dataclass instance. ``optim/adamw``: the
 #: AdamW hyper-parameters (the state precision is the recipe's ``optim`` group, not this one).
+#: ``launcher/<name>``: where an ablation's runs are launched (experiments/plan/launcher.py).
 #: ``parallel/single``: one process; ``parallel.dp_shard=N`` (FSDP2), ``parallel.tp=N`` (tensor parallel with
 #: sequence parallel) and ``parallel.dp_replicate=N`` (HSDP replicas) make ``lowprec train/ablate`` run under
 #: torchrun with dp_replicate x dp_shard x tp ranks on this machine (README: multi-node).
@@ -212,6 +217,7 @@ GROUPS: dict[str, dict[str, Any]] = {
     "optim": {"adamw": OptimHParams()},
     "parallel": {"single": ParallelDims()},
     "tracking": {"sqlite": TrackingConfig()},
+    "launcher": LAUNCHER_OPTIONS,
 }
 
 #: Root schemas, first in the defaults list of conf/train.yaml and conf/ablate.yaml.
