@@ -1,0 +1,88 @@
+"""``launcher=...`` refused in one line before any MLflow run (issue 31 items 3 and 8): SLURM without ``sbatch``
+on PATH or without the ``submitit`` package, an unknown launcher, a value out of range, a parallel layout (one job
+per run with torchrun inside is not built); and the typed ``LauncherSpec`` the ``Plan`` carries. Real Hydra
+composition through the command line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from experiments.cli import compose, main
+from experiments.plan.launcher import LauncherSpec, check_launcher
+from experiments.plan.preflight import preflight
+from lowprec.errors import ConfigError
+
+ABLATE = ["ablate", "model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu"]
+
+
+def _one_line(args: list[str], run_dirs, capsys) -> str:
+    assert main([*ABLATE, *run_dirs, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lowprec ablate: error: "), err
+    return err
+
+
+@pytest.fixture
+def no_sbatch(monkeypatch, tmp_path):
+    """A PATH with no ``sbatch`` on it (this machine has none either; said, so the test cannot pass by luck)."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def test_slurm_without_sbatch_is_one_line_and_creates_no_mlflow_run(no_sbatch, run_dirs, tmp_path, capsys):
+    err = _one_line(["launcher=slurm", "launcher.partition=gpu", "launcher.time=30"], run_dirs, capsys)
+    assert "launcher=slurm: sbatch is not on PATH" in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+def test_slurm_without_submitit_is_one_line(monkeypatch, run_dirs, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "submitit", None)  # importlib.util.find_spec: not installed
+    err = _one_line(["launcher=slurm"], run_dirs, capsys)
+    assert "launcher=slurm needs the submitit package" in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["launcher=pbs"], "Could not find 'launcher/pbs'; known: local, slurm, submitit_local"),  # Hydra's
+        (["launcher.name=pbs"], "launcher.name=pbs is not one of local, slurm, submitit_local"),
+        (["launcher=submitit_local", "launcher.time=0"], "launcher.time=0 must be >= 1"),
+        (["launcher=submitit_local", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0 must be > 0"),
+        (["launcher=submitit_local", "launcher.time=soon"], "launcher.time"),
+        (
+            ["launcher=submitit_local", "parallel.dp_shard=2", "train.batch_size=2"],
+            "launcher=submitit_local with a parallel layout of 2 ranks: one job per run with torchrun inside",
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_bad_launcher_is_one_line_and_creates_no_mlflow_run(args, needle, run_dirs, tmp_path, capsys):
+    err = _one_line(args, run_dirs, capsys)
+    assert needle in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+def test_slurm_checks_with_sbatch_found():
+    found = lambda name: f"/usr/bin/{name}"  # noqa: E731
+    check_launcher(LauncherSpec(name="slurm", partition="gpu", gpus_per_node=8), 1, which=found)
+    with pytest.raises(ConfigError, match="layout needs 16 GPUs per run but launcher.gpus_per_node=8"):
+        check_launcher(LauncherSpec(name="slurm", gpus_per_node=8), 16, which=found)
+    check_launcher(LauncherSpec(name="local"), 16, which=lambda name: None)  # today's behaviour: nothing asked
+
+
+def test_the_plan_carries_the_launcher_typed(run_dirs):
+    plan = preflight(
+        compose(
+            "ablate",
+            [*ABLATE[1:], *run_dirs, "launcher=submitit_local", "launcher.time=30", "launcher.setup=[echo hi]"],
+        )
+    )
+    assert plan.launcher == LauncherSpec(name="submitit_local", time=30, setup=("echo hi",))
+    assert plan.launcher.submitit and plan.launcher.job_id_tag == "submitit_job_id"
+    assert preflight(compose("ablate", [*ABLATE[1:], *run_dirs])).launcher == LauncherSpec()  # local by default
+    assert preflight(compose("train", ["model=debug", "recipe=fp32", *run_dirs])).launcher == LauncherSpec()
