@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,36 @@ def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path)
     assert again.data.tags["submitit_job_id"] != job  # by a new job
     assert kids["fp32"].info.end_time == kept.info.end_time  # kept as it was: not resubmitted
     assert parent.info.status == "FINISHED" and parent.data.tags["n_failed"] == "0"
+
+
+def test_sigterm_to_the_ablation_stops_its_jobs_with_checkpoints(tmp_path, capsys):
+    db = tmp_path / "runs" / "mlflow.db"
+    over = threading.Event()
+
+    def sigterm_once_both_jobs_train() -> None:  # from outside, as a scheduler or a user would
+        while not over.wait(0.2):
+            try:
+                client = MlflowClient(f"sqlite:///{db}")
+                exp = client.get_experiment_by_name("lowprec")
+                if exp and len(client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")) >= 3:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the parent and both jobs' runs are running
+                    return
+            except Exception:  # the store is being created
+                pass
+
+    t = threading.Thread(target=sigterm_once_both_jobs_train, daemon=True)
+    t.start()
+    try:
+        rc = main(["ablate", *RUN, "train.steps=300", "launcher=submitit_local", "workers=2", *_dirs(tmp_path)])
+    finally:
+        over.set()
+        t.join()
+    assert rc == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("resume it: lowprec ablate ") and "launcher=submitit_local" in line, line
+    parent, kids = _runs(tmp_path, line.rsplit("resume=", 1)[1])
+    assert parent.info.status == "KILLED"
+    for kid in kids.values():  # each job's run stopped after a step, with the checkpoint resume= continues from
+        assert kid.info.status == "KILLED", kid.data.tags.get("failure_reason")
+        assert kid.data.tags["stopped_by"] == "SIGTERM" and kid.data.tags["resume_checkpoint"]
+        assert int(kid.data.tags["stopped_after_step"]) < 299
