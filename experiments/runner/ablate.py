@@ -304,7 +304,7 @@ def dry_run_text(plan: Plan) -> str:
             source = f"detected: {name}"
         except (RuntimeError, LookupError):
             hw, source = get_hardware("h100_sxm"), "no GPU here: h100_sxm assumed, name it with hardware="
-    return plan_text(
+    text = plan_text(
         plan.model_name,
         plan.model,
         plan.recipes,
@@ -318,3 +318,19 @@ def dry_run_text(plan: Plan) -> str:
         plan.spending.max_seeds if plan.spending is not None else None,
         (asked.get("compile", False), asked.get("ac", "none")),
     )
+    return text + launcher_line(plan)
+
+
+def launcher_line(plan: Plan) -> str:
+    """The dry run's line for a submitit launcher (one job per run, what each job asks for); "" for ``local``."""
+    from experiments.runner.submitit_jobs import job_gpus
+
+    spec = plan.launcher
+    if not spec.submitit:
+        return ""
+    n = len(plan.recipes) * len(plan.seeds)
+    asks = [f"{job_gpus(plan)} GPU(s)", f"{spec.time} min"]
+    asks += [f"{k} {v}" for k, v in (("partition", spec.partition), ("cpus", spec.cpus_per_task)) if v is not None]
+    asks += [f"{spec.mem_gb:g} GB"] if spec.mem_gb is not None else []
+    at_once = spec.max_running or (n if spec.name == "slurm" else plan.workers)
+    return f"\nlauncher={spec.name}: {n} job(s), one per run, {min(at_once, n)} at a time; each asks {', '.join(asks)}"

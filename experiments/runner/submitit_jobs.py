@@ -121,8 +121,10 @@ def job_folder(plan: Plan, ablation_id: str) -> Path:
 
 
 def job_gpus(plan: Plan) -> int:
-    """GPUs each job asks for: none for ``device=cpu``, else the run's layout (one per rank)."""
-    return 0 if plan.device == "cpu" else plan.parallel.world_size
+    """GPUs each job asks for: none for ``device=cpu`` (or a local job on a machine without CUDA), else the run's
+    layout (one per rank; ``device=auto`` on SLURM asks for them, the login node need not have any)."""
+    local_cpu = plan.launcher.name == "submitit_local" and plan.placement.device_type != "cuda"
+    return 0 if plan.device == "cpu" or local_cpu else plan.parallel.world_size
 
 
 def make_executor(plan: Plan, folder: Path):

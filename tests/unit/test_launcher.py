@@ -86,3 +86,11 @@ def test_the_plan_carries_the_launcher_typed(run_dirs):
     assert plan.launcher.submitit and plan.launcher.job_id_tag == "submitit_job_id"
     assert preflight(compose("ablate", [*ABLATE[1:], *run_dirs])).launcher == LauncherSpec()  # local by default
     assert preflight(compose("train", ["model=debug", "recipe=fp32", *run_dirs])).launcher == LauncherSpec()
+
+
+def test_a_dry_run_says_the_jobs(run_dirs, tmp_path, capsys):
+    args = ["launcher=submitit_local", "workers=2", "seeds=2", "launcher.time=30", "dry_run=true"]
+    assert main([*ABLATE[:2], "recipes=[fp32,bf16]", *ABLATE[3:], *run_dirs, *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "launcher=submitit_local: 4 job(s), one per run, 2 at a time; each asks 0 GPU(s), 30 min", out
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
