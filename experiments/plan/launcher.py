@@ -6,10 +6,10 @@ through ``submitit`` (SLURM, or submitit's local executor: the same submission p
 (``experiments.runner.submitit_jobs``) and waits for them; ``launcher=submitit_local`` does the same with
 submitit's ``LocalExecutor`` (each job a process of this machine), which is what the tests run.
 
-The Hydra group ``launcher`` holds one option per name, each a ``LauncherConfig`` node; ``launcher_from_cfg``
-turns the composed node into the frozen ``LauncherSpec`` the ``Plan`` carries, and ``check_launcher`` refuses, in
-one line before any MLflow run, what cannot be submitted from here (no ``submitit``, no ``sbatch`` on PATH, a
-parallel layout, a value out of range).
+The Hydra group ``launcher`` holds one option per name, each a ``LauncherConfig`` node;
+``experiments.plan.config.launcher_from_cfg`` turns the composed node into the frozen ``LauncherSpec`` the ``Plan``
+carries, and ``check_launcher`` refuses, in one line before any MLflow run, what cannot be submitted from here (no
+``submitit``, no ``sbatch`` on PATH, a parallel layout, a value out of range).
 """
 
 from __future__ import annotations
@@ -83,19 +83,6 @@ class LauncherSpec:
 
 #: One option per launcher name in the Hydra group ``launcher`` (experiments/plan/config.py registers them).
 LAUNCHER_OPTIONS = {name: LauncherConfig(name=name) for name in LAUNCHERS}
-
-
-def launcher_from_cfg(cfg) -> LauncherSpec:
-    """The ``LauncherSpec`` of ``cfg.launcher`` (``local`` when the config has none: ``lowprec train``, or an
-    ablation saved before issue 31). Raises ``ConfigError`` naming ``launcher.<field>`` for a wrong type or an
-    unknown key."""
-    from experiments.plan.config import typed
-
-    node = cfg.get("launcher") if hasattr(cfg, "get") else None
-    if node is None:
-        return LauncherSpec()
-    d = typed(LauncherConfig, node, "launcher")
-    return LauncherSpec(**{**d, "setup": tuple(str(s) for s in d["setup"])})
 
 
 def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> None:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from experiments.plan.config import (
     data_from_cfg,
     faults_from_cfg,
+    launcher_from_cfg,
     model_from_cfg,
     model_node,
     optim_from_cfg,
@@ -34,7 +35,7 @@ from experiments.plan.config import (
     train_resolved,
 )
 from experiments.plan.launch import under_torchrun
-from experiments.plan.launcher import check_launcher, launcher_from_cfg
+from experiments.plan.launcher import check_launcher
 from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
 from experiments.plan.plan import Plan, config_yaml, with_group
 from experiments.stats import SpendingPlan, check_margin
