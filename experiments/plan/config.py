@@ -257,9 +257,9 @@ def register_configs() -> None:
     ``model/<size>`` from MODEL_CONFIGS (Llama sizes and the ``moe_*`` DeepSeekMoE ones) and ``recipe/<name>`` from
     the catalog (the catalog stays the single source of truth; Hydra sees every field, so
     ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2`` override it and multirun can sweep it); ``data/*``,
-    ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``launcher/*`` from ``ABLATE_GROUPS``; ``train_schema`` and
-    ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``, ``paths``, ``faults`` and the top-level keys)
-    from ``SCHEMAS``.
+    ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``launcher/*`` from
+    ``ABLATE_GROUPS``; ``train_schema`` and ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``,
+    ``paths``, ``faults`` and the top-level keys) from ``SCHEMAS``.
     """
     global _registered
     if _registered:
