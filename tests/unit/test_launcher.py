@@ -5,12 +5,14 @@ composition through the command line."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from experiments.cli import compose, main
 from experiments.plan.launcher import LauncherSpec, check_launcher
+from experiments.plan.placement import Slot
 from experiments.plan.preflight import preflight
 from lowprec.errors import ConfigError
 
@@ -94,3 +96,57 @@ def test_a_dry_run_says_the_jobs(run_dirs, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "launcher=submitit_local: 4 job(s), one per run, 2 at a time; each asks 0 GPU(s), 30 min", out
     assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+@pytest.fixture
+def fake_slurm(monkeypatch, tmp_path):
+    """``sbatch``, ``srun``, ``sacct`` and ``scancel`` of a cluster that exists only on PATH: sbatch keeps the
+    script it is given and answers job 4242; sacct says the job ran out of memory. (No cluster here: what is checked
+    is what lowprec asks submitit for and what it does with SLURM's answer.)"""
+    bin_ = tmp_path / "fakebin"
+    bin_.mkdir()
+    scripts = {
+        "sbatch": f'cp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"',
+        "srun": "exit 0",
+        "sacct": 'printf "JobID|State|NodeList\\n4242|OUT_OF_MEMORY|node7\\n"',
+        "scancel": "exit 0",
+    }
+    for name, body in scripts.items():
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    return tmp_path / "submitted.sh"
+
+
+def test_slurm_jobs_ask_what_the_launcher_says_and_a_job_without_result_fails_its_run(
+    fake_slurm, run_dirs, tmp_path, monkeypatch
+):
+    import submitit.core.core
+
+    from experiments.runner import submitit_jobs
+    from experiments.tracking.tracker import make_tracker
+
+    over = ["launcher=slurm", "launcher.partition=gpu", "launcher.time=30", "launcher.account=proj"]
+    over += ["launcher.mem_gb=64", "launcher.cpus_per_task=4", "launcher.setup=['source venv/bin/activate']"]
+    plan = preflight(compose("ablate", [*ABLATE[1:4], *run_dirs, *over]))
+    ex = submitit_jobs.make_executor(plan, tmp_path / "jobs")
+    job = submitit_jobs._submit(ex, plan, Slot(0), (plan.recipes[0], 0), "p", "abl-20261126-000000-abcd", None, None)
+    assert job.job_id == "4242"
+    script = fake_slurm.read_text()
+    for line in ["--partition=gpu", "--time=30", "--account=proj", "--mem=64GB", "--cpus-per-task=4"]:
+        assert f"#SBATCH {line}\n" in script, line
+    assert "#SBATCH --gpus-per-node=1\n" in script  # device=auto: the run's one GPU
+    assert "#SBATCH --signal=USR2@90\n" in script and "source venv/bin/activate\n" in script
+    assert "#SBATCH --job-name=lowprec-abl-20261126-000000-abcd-fp32-s0\n" in script
+
+    # the job ended without a result: its run, left RUNNING, is ended FAILED with SLURM's state
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    parent = tracker.start_run("ablation", {})
+    child = tracker.start_run("fp32/seed0", {"recipe": "fp32", "seed": "0"}, parent)
+    monkeypatch.setattr(submitit.core.core.Job, "_results_timeout_s", 0)  # no result pickle will come
+    o = submitit_jobs.outcome_of(plan, job, "fp32", 0, tracker, parent)
+    assert (o.run_id, o.status) == (child, "FAILED")
+    assert o.reason.startswith("SLURM job 4242 ended OUT_OF_MEMORY without a result; log: "), o.reason
+    run = tracker.client.get_run(child)
+    assert run.info.status == "FAILED" and run.data.tags["failure_reason"] == o.reason
+    assert run.data.tags["failure_kind"] == "crash" and run.data.tags["job_state"] == "OUT_OF_MEMORY"
