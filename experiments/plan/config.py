@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.plan.launcher import LAUNCHER_OPTIONS, LauncherConfig, LauncherSpec
 from experiments.stats.stability import SpikeRule
 from lowprec.backends import check_recipe
 from lowprec.build_optim import OptimHParams
@@ -188,6 +189,9 @@ class AblateConfig(RunConfig):
     gpus: int | None = None
     #: the part the dry run predicts for (``lowprec estimate``'s names; null: the detected GPU, else h100_sxm)
     hardware: str | None = None
+    #: group: launcher/<name> (local | slurm | submitit_local): where the runs are launched
+    #: (experiments/plan/launcher.py; slurm: one SLURM job per run through submitit)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
@@ -213,6 +217,8 @@ GROUPS: dict[str, dict[str, Any]] = {
     "parallel": {"single": ParallelDims()},
     "tracking": {"sqlite": TrackingConfig()},
 }
+#: Groups of ``lowprec ablate`` alone (conf/ablate.yaml picks the option): ``launcher/<name>``.
+ABLATE_GROUPS: dict[str, dict[str, Any]] = {"launcher": LAUNCHER_OPTIONS}
 
 #: Root schemas, first in the defaults list of conf/train.yaml and conf/ablate.yaml.
 SCHEMAS = {"train_schema": TrainConfig, "ablate_schema": AblateConfig}
@@ -251,9 +257,9 @@ def register_configs() -> None:
     ``model/<size>`` from MODEL_CONFIGS (Llama sizes and the ``moe_*`` DeepSeekMoE ones) and ``recipe/<name>`` from
     the catalog (the catalog stays the single source of truth; Hydra sees every field, so
     ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2`` override it and multirun can sweep it); ``data/*``,
-    ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``train_schema`` and
-    ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``, ``paths``, ``faults`` and the top-level keys)
-    from ``SCHEMAS``.
+    ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``launcher/*`` from
+    ``ABLATE_GROUPS``; ``train_schema`` and ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``,
+    ``paths``, ``faults`` and the top-level keys) from ``SCHEMAS``.
     """
     global _registered
     if _registered:
@@ -263,7 +269,7 @@ def register_configs() -> None:
         cs.store(group="model", name=name, node=model_node(name))
     for name, recipe in CATALOG.items():
         cs.store(group="recipe", name=name, node=recipe.to_dict())
-    for group, options in GROUPS.items():
+    for group, options in {**GROUPS, **ABLATE_GROUPS}.items():
         for name, obj in options.items():
             cs.store(group=group, name=name, node=_writable(obj))
     for name, cls in SCHEMAS.items():
@@ -392,6 +398,17 @@ def faults_from_cfg(cfg: DictConfig) -> FaultsConfig:
 def tracking_from_cfg(cfg: DictConfig) -> TrackingConfig:
     """``TrackingConfig`` from the ``tracking`` node, its ``${paths.runs}`` resolved."""
     return TrackingConfig(**typed(TrackingConfig, cfg.tracking, "tracking"))
+
+
+def launcher_from_cfg(cfg: DictConfig) -> LauncherSpec:
+    """The ``LauncherSpec`` of ``cfg.launcher`` (``local`` when the config has none: ``lowprec train``, or an
+    ablation saved before issue 31). Raises ``ConfigError`` naming ``launcher.<field>`` for a wrong type or an
+    unknown key."""
+    node = cfg.get("launcher")
+    if node is None:
+        return LauncherSpec()
+    d = typed(LauncherConfig, node, "launcher")
+    return LauncherSpec(**{**d, "setup": tuple(str(s) for s in d["setup"])})
 
 
 def paths_from_cfg(cfg: DictConfig) -> PathsConfig:

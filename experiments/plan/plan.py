@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.plan.config import FaultsConfig, PathsConfig, TrackingConfig, flat_params
+from experiments.plan.launcher import LauncherSpec
 from experiments.plan.placement import Placement
 from experiments.stats import SpendingPlan
 from experiments.stats.stability import SpikeRule
@@ -27,10 +28,6 @@ from lowprec.model import ModelArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec
-
-#: ``Plan.launcher`` values: how the runs are placed. ``local``: this machine (torchrun started by ``lowprec``
-#: itself for a parallel layout); issue 31 adds the others (SLURM).
-LAUNCHERS = ("local",)
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,9 @@ class Plan:
     ``TrainSpec`` with ``train.compile``/``ac=auto`` resolved for that recipe and the tags saying so
     (``train_for``, ``train_tags``); ``train`` is the recipe-less resolution. ``dry_run``: print the plan, train
     nothing; ``gpus``: the node's GPUs to use or plan for (None: the visible ones); ``hardware``: the part a dry run
-    predicts for (None: detected). ``resume``: a checkpoint folder (``train``) or an ablation id (``ablate``).
+    predicts for (None: detected). ``launcher``: where the runs are launched (``LauncherSpec``: ``local``, or one
+    submitit job per run on SLURM or on this machine; experiments/plan/launcher.py). ``resume``: a checkpoint
+    folder (``train``) or an ablation id (``ablate``).
     ``name``, ``studies``, ``study``, ``margin``: the ablation's experiment name, studies and their settings, and the
     report's margin.
     ``group``: with ``models=[...]``, one ``Plan`` per model, in order (this one is the first); empty otherwise.
@@ -83,7 +82,7 @@ class Plan:
     settings: dict[str, Any] = field(repr=False)
     #: the composed config as YAML (``config.yaml`` of the parent run; each child's differs in ``seed`` only)
     config_yaml: str = field(repr=False)
-    launcher: str = "local"
+    launcher: LauncherSpec = LauncherSpec()
     group: tuple[Plan, ...] = ()
     trains: tuple[tuple[str, TrainSpec, dict[str, str]], ...] = ()
     dry_run: bool = False

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from experiments.plan.config import (
     data_from_cfg,
     faults_from_cfg,
+    launcher_from_cfg,
     model_from_cfg,
     model_node,
     optim_from_cfg,
@@ -34,6 +35,7 @@ from experiments.plan.config import (
     train_resolved,
 )
 from experiments.plan.launch import under_torchrun
+from experiments.plan.launcher import check_launcher
 from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
 from experiments.plan.plan import Plan, config_yaml, with_group
 from experiments.stats import SpendingPlan, check_margin
@@ -303,6 +305,8 @@ def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
 def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
     ablation = None
     if "recipes" in cfg:  # lowprec ablate
+        # first: a launcher that cannot submit from here is said before the device and data are looked at
+        check_launcher(launcher_from_cfg(cfg), parallel_from_cfg(cfg).world_size)
         if not cfg.get("dry_run"):  # a dry run plans without the corpus and says how many tokens it needs
             check_corpus_path(str(cfg.data.source), cfg.data.get("path"))
         ablation = _ablation(cfg, recipes)
@@ -408,6 +412,7 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
         dry_run=bool(cfg.get("dry_run", False)),
         gpus=None if cfg.get("gpus") is None else int(cfg.gpus),
         hardware=str(cfg.hardware) if cfg.get("hardware") else None,
+        launcher=launcher_from_cfg(cfg),
     )
 
 

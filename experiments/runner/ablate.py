@@ -19,6 +19,7 @@ from experiments.runner.orphans import close_orphans, owner_tags
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome
 from experiments.runner.scheduler import run_jobs
+from experiments.runner.submitit_jobs import run_submitit
 from experiments.stats.auto_seeds import replay_results
 from experiments.stats.verdict import LEVEL
 from experiments.studies import GROUP_TAG, report_studies
@@ -122,7 +123,8 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
         echo(
             f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={plan.model_name}, "
             f"{plan.train.steps} steps each; layout {dims.short()}"
-            + (f"; {plan.placement.describe()}" if workers > 1 else "")
+            + (f"; {plan.placement.describe()}" if workers > 1 and not plan.launcher.submitit else "")
+            + (f"; launcher={plan.launcher.name}: one job per run" if plan.launcher.submitit else "")
             + f"; data: {data.description}"
         )
 
@@ -144,7 +146,10 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
                     echo(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
             todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
             cont = resume.continued if resume is not None else None
-            ran = iter(run_jobs(plan, todo, data, tracker, parent, ablation_id, plan.placement, show, cont))
+            if plan.launcher.submitit:  # one submitit job per run (SLURM, or this machine's local executor)
+                ran = iter(run_submitit(plan, todo, tracker, parent, ablation_id, show, cont))
+            else:
+                ran = iter(run_jobs(plan, todo, data, tracker, parent, ablation_id, plan.placement, show, cont))
             out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
 
         by_name = dict(zip(names, recipes, strict=True))
@@ -229,11 +234,11 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
             "experiment": plan.name,
             "recipes": dumps([r.name for r in recipes]),
             **seeds_tags,
-            "workers": str(plan.workers),
+            "launcher": plan.launcher.name,
             # which GPU(s) each worker had (each run's own ``gpus`` tag names them); runs alone on their device(s)
             # measure their own throughput, which the report compares (``experiments.report.build.contention``)
             "placement": plan.placement.to_json(),
-            "runs_per_device": "1" if plan.placement.alone_on_device else str(plan.workers),
+            **_concurrency_tags(plan),
             "control": plan.control,
             "studies": dumps(list(plan.studies)),
             GROUP_TAG: group,
@@ -251,6 +256,17 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
     tracker.log_corpus(parent, data)
     tracker.log_text(parent, plan.yaml(), CONFIG_ARTIFACT)
     return parent
+
+
+def _concurrency_tags(plan: Plan) -> dict[str, str]:
+    """The parent's ``workers`` (runs at a time) and ``runs_per_device`` (1: each run alone on its device(s)). On
+    SLURM every run is its own job on its own allocation: as many at a time as the cluster starts, each alone."""
+    launcher = plan.launcher
+    if launcher.name == "slurm":
+        return {"workers": str(launcher.max_running or len(plan.recipes) * len(plan.seeds)), "runs_per_device": "1"}
+    workers = launcher.max_running if launcher.submitit and launcher.max_running else plan.workers
+    alone = plan.placement.alone_on_device and workers <= plan.workers
+    return {"workers": str(workers), "runs_per_device": "1" if alone else str(workers)}
 
 
 def auto_state(runs: list[RunOutcome], control: str, names: list[str], seed0: int, plan, margin: float):
@@ -288,7 +304,7 @@ def dry_run_text(plan: Plan) -> str:
             source = f"detected: {name}"
         except (RuntimeError, LookupError):
             hw, source = get_hardware("h100_sxm"), "no GPU here: h100_sxm assumed, name it with hardware="
-    return plan_text(
+    text = plan_text(
         plan.model_name,
         plan.model,
         plan.recipes,
@@ -302,3 +318,19 @@ def dry_run_text(plan: Plan) -> str:
         plan.spending.max_seeds if plan.spending is not None else None,
         (asked.get("compile", False), asked.get("ac", "none")),
     )
+    return text + launcher_line(plan)
+
+
+def launcher_line(plan: Plan) -> str:
+    """The dry run's line for a submitit launcher (one job per run, what each job asks for); "" for ``local``."""
+    from experiments.runner.submitit_jobs import job_gpus
+
+    spec = plan.launcher
+    if not spec.submitit:
+        return ""
+    n = len(plan.recipes) * len(plan.seeds)
+    asks = [f"{job_gpus(plan)} GPU(s)", f"{spec.time} min"]
+    asks += [f"{k} {v}" for k, v in (("partition", spec.partition), ("cpus", spec.cpus_per_task)) if v is not None]
+    asks += [f"{spec.mem_gb:g} GB"] if spec.mem_gb is not None else []
+    at_once = spec.max_running or (n if spec.name == "slurm" else plan.workers)
+    return f"\nlauncher={spec.name}: {n} job(s), one per run, {min(at_once, n)} at a time; each asks {', '.join(asks)}"

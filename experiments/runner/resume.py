@@ -46,8 +46,9 @@ from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, chec
 #: (``faults.*``: the fault that interrupted it is left out of the resume command), the progress bar, and
 #: ``workers`` (how many runs train at once; on a CPU it also sets each run's intra-op threads, which may change
 #: the last bits of the numerics: resume with the same ``workers`` for bit-identical continuations), and ``gpus``,
-#: ``hardware``, ``dry_run`` (where the runs are placed and what a plan predicts, never what a run trains).
-MAY_DIFFER = ("resume", "faults", "train.progress", "workers", "gpus", "hardware", "dry_run")
+#: ``hardware``, ``dry_run``, ``launcher`` (where the runs are placed or launched and what a plan predicts, never what
+#: a run trains: an ablation started here may be resumed on SLURM and the other way round).
+MAY_DIFFER = ("resume", "faults", "train.progress", "workers", "gpus", "hardware", "dry_run", "launcher")
 
 
 def lock_ablation(runs: str, ablation_id: str) -> FileLock:

@@ -180,8 +180,10 @@ def run_one(
     parent_id: str | None = None,
     ablation_id: str | None = None,
     continuation: Continuation | None = None,
+    extra_tags: dict[str, str] | None = None,
 ) -> RunOutcome:
     """Train ``recipe`` with ``seed`` on ``data`` under ``plan`` and record it as an MLflow run.
+    ``extra_tags``: more tags for the run, set as it starts or reopens (the submitit job that trains it).
 
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
     marks the run FAILED with ``failure_reason`` and ``failure_kind`` (``RESULT_FAILURES``) and returns; metrics
@@ -228,6 +230,8 @@ def run_one(
         if is_rank0():
             reopen_run(tracker, continuation)
         resume = continuation.checkpoint
+    if extra_tags:
+        tracker.set_tags(run_id, extra_tags)
     rule = plan.stability
     tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
     buffer = MetricBuffer(tracker, run_id)

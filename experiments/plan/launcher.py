@@ -1,0 +1,121 @@
+"""Where an ablation's runs are launched (``launcher=...``, issue 31 item 3): this machine, or one job per run
+through ``submitit`` (SLURM, or submitit's local executor: the same submission path on this machine).
+
+``launcher=local`` (the default) is the ablation as it always ran: in this process or in worker processes
+(``experiments.runner.scheduler``). ``launcher=slurm`` submits each run as its own SLURM job with ``submitit``
+(``experiments.runner.submitit_jobs``) and waits for them; ``launcher=submitit_local`` does the same with
+submitit's ``LocalExecutor`` (each job a process of this machine), which is what the tests run.
+
+The Hydra group ``launcher`` holds one option per name, each a ``LauncherConfig`` node;
+``experiments.plan.config.launcher_from_cfg`` turns the composed node into the frozen ``LauncherSpec`` the ``Plan``
+carries, and ``check_launcher`` refuses, in one line before any MLflow run, what cannot be submitted from here (no
+``submitit``, no ``sbatch`` on PATH, a parallel layout, a value out of range).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass, field
+
+from lowprec.errors import ConfigError
+
+#: ``launcher.name`` values. ``local``: this machine, as before issue 31; ``slurm``: one SLURM job per run
+#: (submitit's ``SlurmExecutor``); ``submitit_local``: one process per run through submitit's ``LocalExecutor``.
+LAUNCHERS = ("local", "slurm", "submitit_local")
+
+
+@dataclass
+class LauncherConfig:
+    """Group ``launcher`` (conf: ``launcher=local|slurm|submitit_local``). ``name``: the option. For the submitit
+    launchers: ``partition`` (SLURM partition; null: the cluster's default), ``gpus_per_node`` (GPUs of one node
+    of the partition; null: not checked; a run's layout must fit one node), ``time`` (each job's time limit,
+    minutes; SLURM sends SIGUSR2 90 s before it, the run stops after its step with a checkpoint and is recorded
+    KILLED, so ``resume=`` continues it), ``cpus_per_task``, ``mem_gb``, ``account``, ``qos``, ``constraint``
+    (sbatch's own options; null: not passed), ``setup`` (shell lines each job runs first, e.g.
+    ``source .venv/bin/activate``), ``folder`` (submitit's job folder: pickles and logs; null:
+    ``<paths.runs>/submitit/<ablation id>``), ``max_running`` (jobs in flight at once; null: every run at once on
+    SLURM, ``workers`` with ``submitit_local``), ``poll_s`` (how often the ablation looks at its jobs, seconds)."""
+
+    name: str = "local"
+    partition: str | None = None
+    gpus_per_node: int | None = None
+    time: int = 60
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: list[str] = field(default_factory=list)
+    folder: str | None = None
+    max_running: int | None = None
+    poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class LauncherSpec:
+    """``LauncherConfig`` checked and frozen, as the ``Plan`` carries it (``setup`` a tuple)."""
+
+    name: str = "local"
+    partition: str | None = None
+    gpus_per_node: int | None = None
+    time: int = 60
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: tuple[str, ...] = ()
+    folder: str | None = None
+    max_running: int | None = None
+    poll_s: float = 1.0
+
+    @property
+    def submitit(self) -> bool:
+        """True when runs are submitted as submitit jobs (``slurm``, ``submitit_local``)."""
+        return self.name != "local"
+
+    @property
+    def job_id_tag(self) -> str:
+        """The run tag naming the job that trained it: ``slurm_job_id`` on SLURM, ``submitit_job_id`` otherwise."""
+        return "slurm_job_id" if self.name == "slurm" else "submitit_job_id"
+
+
+#: One option per launcher name in the Hydra group ``launcher`` (experiments/plan/config.py registers them).
+LAUNCHER_OPTIONS = {name: LauncherConfig(name=name) for name in LAUNCHERS}
+
+
+def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> None:
+    """Refuse (``ConfigError``, one line) a launcher that cannot submit from here, before any MLflow run:
+    an unknown ``name``; ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
+    PATH is searched); a submitit launcher with a parallel layout (``world_size`` > 1: one job with torchrun inside
+    is not built yet); ``time``, ``cpus_per_task``, ``mem_gb``, ``gpus_per_node``, ``max_running`` or ``poll_s``
+    out of range; a layout that needs more GPUs than ``gpus_per_node``."""
+    if spec.name not in LAUNCHERS:
+        raise ConfigError(f"launcher.name={spec.name} is not one of {', '.join(LAUNCHERS)}")
+    if not spec.submitit:
+        return
+    if importlib.util.find_spec("submitit") is None:
+        raise ConfigError(f"launcher={spec.name} needs the submitit package: pip install submitit")
+    if spec.name == "slurm" and which("sbatch") is None:
+        raise ConfigError(
+            "launcher=slurm: sbatch is not on PATH; run lowprec ablate on a SLURM login node "
+            "(launcher=submitit_local runs the same submission path on this machine)"
+        )
+    for key in ("time", "cpus_per_task", "gpus_per_node", "max_running"):
+        value = getattr(spec, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"launcher.{key}={value} must be >= 1")
+    for key in ("mem_gb", "poll_s"):
+        value = getattr(spec, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"launcher.{key}={value} must be > 0")
+    if spec.gpus_per_node is not None and world_size > spec.gpus_per_node:
+        raise ConfigError(
+            f"the parallel layout needs {world_size} GPUs per run but launcher.gpus_per_node={spec.gpus_per_node}"
+        )
+    if world_size > 1:
+        raise ConfigError(
+            f"launcher={spec.name} with a parallel layout of {world_size} ranks: one job per run with torchrun "
+            "inside is not built yet; use launcher=local (torchrun on this node) or a one-process layout"
+        )

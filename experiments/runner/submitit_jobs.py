@@ -1,0 +1,310 @@
+"""An ablation's runs as submitit jobs (``launcher=slurm`` or ``launcher=submitit_local``; issue 31 item 3).
+
+Each (recipe, seed) is one job: ``run_job`` (module level, so submitit pickles it by reference) receives the
+``Plan`` as it is, prepares the data from the cache, makes its own MLflow client on the ablation's store and calls
+``experiments.runner.run.run_one`` under the ablation's parent run, exactly as a worker process does
+(``experiments.runner.scheduler``). The job's id is a tag of its run (``slurm_job_id`` on SLURM,
+``submitit_job_id`` with the local executor) from the moment the run starts or reopens.
+
+The ablation process (``run_submitit``) submits the jobs (all at once on SLURM, where the cluster queues them;
+``workers`` at a time with submitit's ``LocalExecutor``, which starts each job at once), polls them every
+``launcher.poll_s`` and collects each one's ``RunOutcome`` (submitit's result pickle). A job that ends without a
+result (SLURM cancelled it, its time ran out, its node failed, it ran out of memory; locally: its process was
+killed) leaves its run RUNNING: the ablation finds that run by parent, recipe and seed and ends it KILLED
+(``CANCELLED``, ``TIMEOUT``, ``PREEMPTED``, a local interrupt: a stop from outside) or FAILED with
+``failure_kind=crash`` (anything else), the reason naming the job and SLURM's state (``sacct``'s, as submitit reads
+it). Either way ``resume=<ablation id>`` continues it from its newest checkpoint; the other runs go on and the
+report is written.
+
+Signals. In the job, SIGTERM/SIGINT/SIGUSR1 stop the run after its step with a checkpoint (``lowprec.train.stop``),
+as on this machine, and so does SIGUSR2: submitit asks SLURM for it 90 s before the time limit (``--signal``), and
+submitit's own handler would raise in the middle of a step. A stop signal to the ablation process stops every job:
+locally SIGTERM to the job's controller, which forwards it to the job's process (sent again every few seconds, for
+a job still importing when the first came); on SLURM ``scancel`` (SIGTERM to the job's step, SIGKILL after the
+cluster's ``KillWait``; a job still pending never starts). The ablation then waits for the jobs, records what they
+return and raises ``StopSignal`` like the local path, so ``resume=`` continues the runs stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from experiments.plan.placement import Slot, physical_ids
+from experiments.plan.plan import Plan
+from experiments.plan.preflight import cores
+from experiments.runner.continued_runs import Continuation
+from experiments.runner.run import RunOutcome, run_one
+from experiments.runner.scheduler import _ablation_stop
+from experiments.tracking.tracker import PARENT_TAG
+from lowprec.recipe import Recipe
+from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop, request_stop
+
+Job = tuple[Recipe, int]
+"""(recipe, seed) of one run."""
+
+#: SLURM job states (``sacct``) of a job ended from outside: its run is recorded KILLED (resume continues it);
+#: ``INTERRUPTED`` is submitit's local executor's (its controller ended by a signal). Any other state without a
+#: result (``OUT_OF_MEMORY``, ``NODE_FAIL``, ``FAILED``, a local process killed) is FAILED, ``failure_kind=crash``.
+KILLED_STATES = ("CANCELLED", "TIMEOUT", "PREEMPTED", "DEADLINE", "INTERRUPTED")
+
+#: Seconds between two SIGTERMs to a local job while the ablation stops (one that arrives while the job still
+#: imports meets submitit's own handler, which ignores it).
+RESEND_S = 2.0
+
+
+# --- in the job -----------------------------------------------------------------------------------------------
+
+
+def _stop_on(signum, frame) -> None:
+    request_stop(signum)
+
+
+def run_job(
+    plan: Plan,
+    recipe: Recipe,
+    seed: int,
+    parent_id: str,
+    ablation_id: str,
+    continuation: Continuation | None = None,
+    threads: int | None = None,
+) -> RunOutcome:
+    """One run of an ablation, in a submitit job: ``run_one`` of ``recipe`` and ``seed`` under ``parent_id``,
+    continuing ``continuation`` when given; ``threads``: torch's intra-op threads (None: torch's default, the CPUs
+    SLURM gave the job). Returns the ``RunOutcome`` (KILLED for a run stopped by a signal, with its reason; a run
+    never started when the stop came first has no run id)."""
+    install_stop_handlers()
+    signal.signal(signal.SIGUSR2, _stop_on)  # SLURM's time-limit warning: stop after the step, with a checkpoint
+    import submitit
+    import torch
+
+    from experiments.plan.startup import prepare_data
+    from experiments.tracking.tracker import make_tracker
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = plan.launcher
+    tags = {"launcher": spec.name, spec.job_id_tag: str(submitit.JobEnvironment().job_id)}
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        tags["gpus"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    data = prepare_data(plan.data, plan.train.progress)
+    if local_stop():
+        return RunOutcome("", recipe.name, seed, "KILLED", reason=f"not started: stopped by signal {local_stop()}")
+    try:
+        return run_one(
+            plan,
+            recipe,
+            seed,
+            data,
+            tracker,
+            parent_id=parent_id,
+            ablation_id=ablation_id,
+            continuation=continuation,
+            extra_tags=tags,
+        )
+    except StopSignal as stop:  # recorded KILLED by run_one; a result, so the ablation sees it
+        return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+
+
+# --- in the ablation process ----------------------------------------------------------------------------------
+
+
+def job_folder(plan: Plan, ablation_id: str) -> Path:
+    """submitit's folder for the ablation's jobs (pickles, logs): ``launcher.folder`` or
+    ``<paths.runs>/submitit/<ablation id>``; each job writes in its own ``<job id>`` subfolder."""
+    spec = plan.launcher
+    return Path(spec.folder) if spec.folder else Path(plan.paths.runs) / "submitit" / ablation_id
+
+
+def job_gpus(plan: Plan) -> int:
+    """GPUs each job asks for: none for ``device=cpu`` (or a local job on a machine without CUDA), else the run's
+    layout (one per rank; ``device=auto`` on SLURM asks for them, the login node need not have any)."""
+    local_cpu = plan.launcher.name == "submitit_local" and plan.placement.device_type != "cuda"
+    return 0 if plan.device == "cpu" or local_cpu else plan.parallel.world_size
+
+
+def make_executor(plan: Plan, folder: Path):
+    """The submitit executor of ``plan.launcher``: SLURM (``AutoExecutor(cluster="slurm")`` with the launcher's
+    sbatch options) or ``LocalExecutor``. Each job: one node, one task, ``launcher.time`` minutes."""
+    import submitit
+
+    spec = plan.launcher
+    if spec.name == "slurm":
+        ex = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
+        opts = {
+            "slurm_partition": spec.partition,
+            "cpus_per_task": spec.cpus_per_task,
+            "mem_gb": spec.mem_gb,
+            "slurm_account": spec.account,
+            "slurm_qos": spec.qos,
+            "slurm_constraint": spec.constraint,
+            "slurm_setup": list(spec.setup) or None,
+        }
+        ex.update_parameters(
+            timeout_min=spec.time,
+            nodes=1,
+            tasks_per_node=1,
+            gpus_per_node=job_gpus(plan),
+            **{k: v for k, v in opts.items() if v is not None},
+        )
+        return ex
+    ex = submitit.LocalExecutor(folder=folder / "%j")
+    ex.update_parameters(timeout_min=spec.time, **({"setup": list(spec.setup)} if spec.setup else {}))
+    return ex
+
+
+def _slots(plan: Plan, cap: int) -> list[Slot]:
+    """The slots local jobs run in (a GPU slot's GPUs become the job's ``CUDA_VISIBLE_DEVICES``); on SLURM, ``cap``
+    slots without GPUs (the cluster places the jobs)."""
+    if plan.launcher.name == "submitit_local" and plan.placement.device_type == "cuda":
+        return list(plan.placement.slots)[:cap]
+    return [Slot(i) for i in range(cap)]
+
+
+def _submit(executor, plan: Plan, slot: Slot, job: Job, parent_id, ablation_id, cont, threads):
+    recipe, seed = job
+    if plan.launcher.name == "submitit_local":
+        ids = physical_ids(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if slot.gpus else ""
+        gpus = [int(g) for g in ids.split(",")] if ids else []
+        executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
+    else:
+        executor.update_parameters(name=f"lowprec-{ablation_id}-{recipe.name}-s{seed}")
+    return executor.submit(run_job, plan, recipe, seed, parent_id, ablation_id, cont, threads)
+
+
+def _stop_job(plan: Plan, job) -> None:
+    """Ask ``job`` to stop: locally SIGTERM to its controller (which forwards it to the job's process), on SLURM
+    ``scancel`` (SIGTERM, then SIGKILL after the cluster's KillWait; a pending job never starts)."""
+    if plan.launcher.name == "submitit_local":
+        try:
+            os.kill(int(job.job_id), signal.SIGTERM)  # a local job's id is its controller's pid
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+    else:
+        job.cancel(check=False)
+
+
+def _close_run(tracker, parent_id: str, recipe: str, seed: int, status: str, reason: str, tags: dict) -> str:
+    """End ``status`` with ``reason`` the run of ``recipe`` and ``seed`` under ``parent_id`` that its job left
+    RUNNING; returns its id ("" when the job never started one)."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=(
+            f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.recipe = '{recipe}' and tags.seed = '{seed}' "
+            "and attributes.status = 'RUNNING'"
+        ),
+    )
+    for r in runs:
+        tracker.set_tags(r.info.run_id, tags | ({"failure_kind": "crash"} if status == "FAILED" else {}))
+        tracker.end_run(r.info.run_id, status, reason)
+    return runs[0].info.run_id if runs else ""
+
+
+def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str) -> RunOutcome:
+    """The ``RunOutcome`` of a finished ``job``: what it returned; when it returned nothing (killed, cancelled,
+    timed out, out of memory, its node failed) its run, if it started one, is ended KILLED or FAILED
+    (``KILLED_STATES``) with the job's state as the reason, instead of being left RUNNING."""
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    name = plan.launcher.name
+    if job.paths.result_pickle.exists() or name == "slurm":  # on SLURM the pickle may lag on a network filesystem
+        try:
+            result = job.result()
+        except FailedJobError as e:  # run_job itself raised (run_one records a run's own failures)
+            last = [line for line in str(e).splitlines() if line.strip()]
+            reason = f"{name} job {job.job_id} raised: {last[-1] if last else 'no message'}"
+            run_id = _close_run(tracker, parent_id, recipe, seed, "FAILED", reason, {"job_state": "FAILED"})
+            return RunOutcome(run_id, recipe, seed, "FAILED", reason=reason)
+        except UncompletedJobError:
+            pass
+        else:
+            if isinstance(result, RunOutcome):
+                return result
+    state = str(job.state)
+    status = "KILLED" if state.upper().startswith(KILLED_STATES) else "FAILED"
+    if name == "slurm":
+        reason = f"SLURM job {job.job_id} ended {state} without a result"
+    elif status == "KILLED":
+        reason = f"submitit_local job {job.job_id} was interrupted ({state}) before it returned a result"
+    else:
+        reason = f"submitit_local job {job.job_id}: its process ended without a result (killed by a signal?)"
+    reason += f"; log: {job.paths.stderr}"
+    run_id = _close_run(tracker, parent_id, recipe, seed, status, reason, {"job_state": state})
+    return RunOutcome(run_id, recipe, seed, status, reason=reason)
+
+
+def run_submitit(
+    plan: Plan,
+    jobs: Sequence[Job],
+    tracker,
+    parent_id: str,
+    ablation_id: str,
+    on_done: Callable[[RunOutcome], None] = lambda o: None,
+    continuations: dict[tuple[str, int], Continuation] | None = None,
+) -> list[RunOutcome]:
+    """Train every (recipe, seed) of ``jobs`` as one submitit job each (``plan.launcher``), under the parent run
+    ``parent_id``; ``on_done`` sees each outcome as it lands; a job in ``continuations`` continues that interrupted
+    run in place. Returns the outcomes in the order of ``jobs``.
+
+    At most ``launcher.max_running`` jobs are in flight (default: all of them on SLURM, ``workers`` locally). A job
+    that cannot be submitted (sbatch refused it) is a FAILED run not started; the others go on. A stop signal to
+    this process stops every job in flight (module docstring), submits no other, and raises ``StopSignal`` once the
+    jobs have ended; ``KeyboardInterrupt`` cancels them and propagates."""
+    spec = plan.launcher
+    cont = continuations or {}
+    if local_stop():
+        raise _ablation_stop([], len(jobs))
+    executor = make_executor(plan, job_folder(plan, ablation_id))
+    local = spec.name == "submitit_local"
+    cap = max(1, min(len(jobs), spec.max_running or (plan.workers if local else len(jobs))))
+    free = _slots(plan, cap)
+    threads = max(1, cores() // len(free)) if local else None
+    queue = list(enumerate(jobs))
+    flight: dict[int, tuple[object, Slot]] = {}
+    results: dict[int, RunOutcome] = {}
+    last_stop = None
+
+    def done(i: int, o: RunOutcome) -> None:
+        results[i] = o
+        on_done(o)
+
+    try:
+        while queue or flight:
+            if local_stop():
+                queue.clear()  # not started
+                now = time.monotonic()
+                if last_stop is None or (local and now - last_stop > RESEND_S):
+                    for job, _ in flight.values():
+                        _stop_job(plan, job)
+                    last_stop = now
+            while queue and free and not local_stop():
+                i, (recipe, seed) = queue.pop(0)
+                slot = free.pop(0)
+                c = cont.get((recipe.name, seed))
+                try:
+                    job = _submit(executor, plan, slot, (recipe, seed), parent_id, ablation_id, c, threads)
+                except Exception as e:  # sbatch refused it (a bad partition, account, limit): this run only
+                    free.append(slot)
+                    why = f"not submitted: {type(e).__name__}: {e}"
+                    done(i, RunOutcome("", recipe.name, seed, "FAILED", reason=why))
+                    continue
+                flight[i] = (job, slot)
+            for i in [i for i, (job, _) in flight.items() if job.done()]:
+                job, slot = flight.pop(i)
+                free.append(slot)
+                recipe, seed = jobs[i]
+                done(i, outcome_of(plan, job, recipe.name, seed, tracker, parent_id))
+            if queue or flight:
+                time.sleep(spec.poll_s)
+    except KeyboardInterrupt:
+        for job, _ in flight.values():
+            job.cancel(check=False)
+        raise
+    if local_stop():
+        started = [o for o in results.values() if o.run_id]
+        raise _ablation_stop(started, len(jobs) - len(started))
+    return [results[i] for i in range(len(jobs))]

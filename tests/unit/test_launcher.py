@@ -1,0 +1,152 @@
+"""``launcher=...`` refused in one line before any MLflow run (issue 31 items 3 and 8): SLURM without ``sbatch``
+on PATH or without the ``submitit`` package, an unknown launcher, a value out of range, a parallel layout (one job
+per run with torchrun inside is not built); and the typed ``LauncherSpec`` the ``Plan`` carries. Real Hydra
+composition through the command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from experiments.cli import compose, main
+from experiments.plan.launcher import LauncherSpec, check_launcher
+from experiments.plan.placement import Slot
+from experiments.plan.preflight import preflight
+from lowprec.errors import ConfigError
+
+ABLATE = ["ablate", "model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu"]
+
+
+def _one_line(args: list[str], run_dirs, capsys) -> str:
+    assert main([*ABLATE, *run_dirs, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lowprec ablate: error: "), err
+    return err
+
+
+@pytest.fixture
+def no_sbatch(monkeypatch, tmp_path):
+    """A PATH with no ``sbatch`` on it (this machine has none either; said, so the test cannot pass by luck)."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def test_slurm_without_sbatch_is_one_line_and_creates_no_mlflow_run(no_sbatch, run_dirs, tmp_path, capsys):
+    err = _one_line(["launcher=slurm", "launcher.partition=gpu", "launcher.time=30"], run_dirs, capsys)
+    assert "launcher=slurm: sbatch is not on PATH" in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+def test_slurm_without_submitit_is_one_line(monkeypatch, run_dirs, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "submitit", None)  # importlib.util.find_spec: not installed
+    err = _one_line(["launcher=slurm"], run_dirs, capsys)
+    assert "launcher=slurm needs the submitit package" in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["launcher=pbs"], "Could not find 'launcher/pbs'; known: local, slurm, submitit_local"),  # Hydra's
+        (["launcher.name=pbs"], "launcher.name=pbs is not one of local, slurm, submitit_local"),
+        (["launcher=submitit_local", "launcher.time=0"], "launcher.time=0 must be >= 1"),
+        (["launcher=submitit_local", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0 must be > 0"),
+        (["launcher=submitit_local", "launcher.time=soon"], "launcher.time"),
+        (
+            ["launcher=submitit_local", "parallel.dp_shard=2", "train.batch_size=2"],
+            "launcher=submitit_local with a parallel layout of 2 ranks: one job per run with torchrun inside",
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_bad_launcher_is_one_line_and_creates_no_mlflow_run(args, needle, run_dirs, tmp_path, capsys):
+    err = _one_line(args, run_dirs, capsys)
+    assert needle in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+def test_slurm_checks_with_sbatch_found():
+    found = lambda name: f"/usr/bin/{name}"  # noqa: E731
+    check_launcher(LauncherSpec(name="slurm", partition="gpu", gpus_per_node=8), 1, which=found)
+    with pytest.raises(ConfigError, match="layout needs 16 GPUs per run but launcher.gpus_per_node=8"):
+        check_launcher(LauncherSpec(name="slurm", gpus_per_node=8), 16, which=found)
+    check_launcher(LauncherSpec(name="local"), 16, which=lambda name: None)  # today's behaviour: nothing asked
+
+
+def test_the_plan_carries_the_launcher_typed(run_dirs):
+    plan = preflight(
+        compose(
+            "ablate",
+            [*ABLATE[1:], *run_dirs, "launcher=submitit_local", "launcher.time=30", "launcher.setup=[echo hi]"],
+        )
+    )
+    assert plan.launcher == LauncherSpec(name="submitit_local", time=30, setup=("echo hi",))
+    assert plan.launcher.submitit and plan.launcher.job_id_tag == "submitit_job_id"
+    assert preflight(compose("ablate", [*ABLATE[1:], *run_dirs])).launcher == LauncherSpec()  # local by default
+    assert preflight(compose("train", ["model=debug", "recipe=fp32", *run_dirs])).launcher == LauncherSpec()
+
+
+def test_a_dry_run_says_the_jobs(run_dirs, tmp_path, capsys):
+    args = ["launcher=submitit_local", "workers=2", "seeds=2", "launcher.time=30", "dry_run=true"]
+    assert main([*ABLATE[:2], "recipes=[fp32,bf16]", *ABLATE[3:], *run_dirs, *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "launcher=submitit_local: 4 job(s), one per run, 2 at a time; each asks 0 GPU(s), 30 min", out
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+@pytest.fixture
+def fake_slurm(monkeypatch, tmp_path):
+    """``sbatch``, ``srun``, ``sacct`` and ``scancel`` of a cluster that exists only on PATH: sbatch keeps the
+    script it is given and answers job 4242; sacct says the job ran out of memory. (No cluster here: what is checked
+    is what lowprec asks submitit for and what it does with SLURM's answer.)"""
+    bin_ = tmp_path / "fakebin"
+    bin_.mkdir()
+    scripts = {
+        "sbatch": f'cp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"',
+        "srun": "exit 0",
+        "sacct": 'printf "JobID|State|NodeList\\n4242|OUT_OF_MEMORY|node7\\n"',
+        "scancel": "exit 0",
+    }
+    for name, body in scripts.items():
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    return tmp_path / "submitted.sh"
+
+
+def test_slurm_jobs_ask_what_the_launcher_says_and_a_job_without_result_fails_its_run(
+    fake_slurm, run_dirs, tmp_path, monkeypatch
+):
+    import submitit.core.core
+
+    from experiments.runner import submitit_jobs
+    from experiments.tracking.tracker import make_tracker
+
+    over = ["launcher=slurm", "launcher.partition=gpu", "launcher.time=30", "launcher.account=proj"]
+    over += ["launcher.mem_gb=64", "launcher.cpus_per_task=4", "launcher.setup=['source venv/bin/activate']"]
+    plan = preflight(compose("ablate", [*ABLATE[1:4], *run_dirs, *over]))
+    ex = submitit_jobs.make_executor(plan, tmp_path / "jobs")
+    job = submitit_jobs._submit(ex, plan, Slot(0), (plan.recipes[0], 0), "p", "abl-20261126-000000-abcd", None, None)
+    assert job.job_id == "4242"
+    script = fake_slurm.read_text()
+    for line in ["--partition=gpu", "--time=30", "--account=proj", "--mem=64GB", "--cpus-per-task=4"]:
+        assert f"#SBATCH {line}\n" in script, line
+    assert "#SBATCH --gpus-per-node=1\n" in script  # device=auto: the run's one GPU
+    assert "#SBATCH --signal=USR2@90\n" in script and "source venv/bin/activate\n" in script
+    assert "#SBATCH --job-name=lowprec-abl-20261126-000000-abcd-fp32-s0\n" in script
+
+    # the job ended without a result: its run, left RUNNING, is ended FAILED with SLURM's state
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    parent = tracker.start_run("ablation", {})
+    child = tracker.start_run("fp32/seed0", {"recipe": "fp32", "seed": "0"}, parent)
+    monkeypatch.setattr(submitit.core.core.Job, "_results_timeout_s", 0)  # no result pickle will come
+    o = submitit_jobs.outcome_of(plan, job, "fp32", 0, tracker, parent)
+    assert (o.run_id, o.status) == (child, "FAILED")
+    assert o.reason.startswith("SLURM job 4242 ended OUT_OF_MEMORY without a result; log: "), o.reason
+    run = tracker.client.get_run(child)
+    assert run.info.status == "FAILED" and run.data.tags["failure_reason"] == o.reason
+    assert run.data.tags["failure_kind"] == "crash" and run.data.tags["job_state"] == "OUT_OF_MEMORY"
