@@ -8,9 +8,11 @@ a ``non-inferior`` verdict at the report's margin needs there for a recipe whose
 
 At the final point it also tries the estimators of the final loss that need no new runs: the mean of each run's
 last k validation points (``study.noise.last_k``), and, when the runs logged it (``train.eval_ema``), the
-validation loss of an EMA of the weights. The other ways to lower the noise change the runs and are separate
-invocations whose ``noise.json`` the docs compare (docs/noise.md): more validation tokens (``train.val_batches``),
-a lower peak learning rate with a longer warm-up (``optim.lr``, ``train.warmup_steps``).
+validation loss of an EMA of the weights. Any other recipe of the ablation (e.g. ``bf16``) gets a final-point row
+of its own paired sd against the control: a real numerics change beside the negative control's floor. The other
+ways to lower the noise change the runs and are separate invocations whose ``noise.json`` the docs compare
+(docs/noise.md): more validation tokens (``train.val_batches``), a lower peak learning rate with a longer warm-up
+(``optim.lr``, ``train.warmup_steps``).
 
 Settings (``study.noise``): ``negative`` (the negative-control recipe, default ``fp32_reordered``), ``last_k``
 (default ``[1, 2, 4]``). Writes ``noise.md``, ``noise.json`` and ``noise.csv`` beside the report and prints the
@@ -161,6 +163,12 @@ def noise_study(ctx: StudyContext) -> Path:
     ema = _ema_point(ctx, neg, tps, margin, alpha)
     if ema is not None:
         final["ema"] = ema
+    for other in ctx.order:
+        # a recipe that really changes the numerics (e.g. bf16), paired with the control the same way: its paired
+        # sd at the final point, beside the negative control's floor
+        oc = _curves(ctx, other)
+        if other not in (ctx.control, neg) and any(oc.values()) and curve:
+            final[f"{other} vs {ctx.control}"] = last_k_point(ctl, oc, 1, tps, margin, alpha)
     rule = (
         f"seeds needed: a recipe whose true gap is 0, with the negative control's paired sd, gets `non-inferior` at "
         f"margin {margin:.2%} with power {POWER} (one-sided paired t-test at alpha={alpha:.3g}, statsmodels "
