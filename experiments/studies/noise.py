@@ -163,11 +163,13 @@ def noise_study(ctx: StudyContext) -> Path:
     ema = _ema_point(ctx, neg, tps, margin, alpha)
     if ema is not None:
         final["ema"] = ema
+    others = {}
     for other in ctx.order:
         # a recipe that really changes the numerics (e.g. bf16), paired with the control the same way: its paired
-        # sd at the final point, beside the negative control's floor
+        # sd along the run and at the final point, beside the negative control's floor
         oc = _curves(ctx, other)
         if other not in (ctx.control, neg) and any(oc.values()) and curve:
+            others[other] = noise_curve(ctl, oc, tps, margin, alpha)
             final[f"{other} vs {ctx.control}"] = last_k_point(ctl, oc, 1, tps, margin, alpha)
     rule = (
         f"seeds needed: a recipe whose true gap is 0, with the negative control's paired sd, gets `non-inferior` at "
@@ -188,6 +190,16 @@ def noise_study(ctx: StudyContext) -> Path:
         "",
         *_table([_row(p, f"step {p.step + 1}") for p in curve]),
         "",
+        *(
+            line
+            for other, pts in others.items()
+            for line in (
+                f"## `{other}` against `{ctx.control}` along the run (a real numerics change)",
+                "",
+                *_table([_row(p, f"step {p.step + 1}") for p in pts]),
+                "",
+            )
+        ),
         "## Estimators of the final loss (same runs)",
         "",
         *_table([_row(p, k.replace("_", " ")) for k, p in final.items()]),
@@ -207,6 +219,7 @@ def noise_study(ctx: StudyContext) -> Path:
                 "power": POWER,
                 "setup": setup,
                 "curve": [p.as_dict() for p in curve],
+                "others": {o: [p.as_dict() for p in pts] for o, pts in others.items()},
                 "final": {k: p.as_dict() for k, p in final.items()},
             },
             indent=2,
@@ -221,6 +234,9 @@ def noise_study(ctx: StudyContext) -> Path:
             w.writerow({"point": k, **p.as_dict()})
     print(f"noise floor ({ctx.control} vs {neg}, margin {margin:.2%}): seeds needed against tokens")
     print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in curve])))
+    for other, pts in others.items():
+        print(f"{other} vs {ctx.control} along the run:")
+        print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in pts])))
     print("final-loss estimators (same runs):")
     print("\n".join(_table([_row(p, k.replace("_", " ")) for k, p in final.items()])))
     print(f"noise study: {path}")
