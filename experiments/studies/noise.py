@@ -170,7 +170,8 @@ def noise_study(ctx: StudyContext) -> Path:
         oc = _curves(ctx, other)
         if other not in (ctx.control, neg) and any(oc.values()) and curve:
             others[other] = noise_curve(ctl, oc, tps, margin, alpha)
-            final[f"{other} vs {ctx.control}"] = last_k_point(ctl, oc, 1, tps, margin, alpha)
+            for k in settings.last_k:
+                final[f"{other} vs {ctx.control} last {k}"] = last_k_point(ctl, oc, int(k), tps, margin, alpha)
     rule = (
         f"seeds needed: a recipe whose true gap is 0, with the negative control's paired sd, gets `non-inferior` at "
         f"margin {margin:.2%} with power {POWER} (one-sided paired t-test at alpha={alpha:.3g}, statsmodels "
