@@ -1,6 +1,6 @@
 """``lowprec ablate experiment=noise_quick`` (issue 31 item 6, shortened): the fp32 control and its negative control
-trained with the same seeds, and the printed curve of seeds-needed against tokens recomputed here from the MLflow
-metrics of the runs (not from the study's own numbers)."""
+(and bf16) trained with the same seeds, and the printed curves of seeds-needed against tokens recomputed here from
+the MLflow metrics of the runs (not from the study's own numbers)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,16 @@ def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, 
     steps = sorted(hist[("fp32", 0)])
     assert steps == [1, 3, 5, 7]  # validation after every 2nd step: the whole curve
 
-    rows = [line for line in out.splitlines() if line.startswith("| step ")]
-    assert len(rows) == len(steps)
+    lines = out.splitlines()
+    rows = [line for line in lines if line.startswith("| step ")]
+    assert len(rows) == 2 * len(steps)  # the negative control's curve, then bf16's against the control
+    assert lines.index("bf16 vs fp32 along the run:") < lines.index(rows[len(steps)])
     tokens_per_step = 4 * 64
-    for line, s in zip(rows, steps, strict=True):
+    for i, line in enumerate(rows):
+        s, arm = steps[i % len(steps)], ("fp32_reordered", "bf16")[i // len(steps)]
         cells = [c.strip() for c in line.strip("|").split("|")]
         c = np.array([hist[("fp32", seed)][s] for seed in seeds])
-        g = np.array([hist[("fp32_reordered", seed)][s] for seed in seeds])
+        g = np.array([hist[(arm, seed)][s] for seed in seeds])
         d = (g - c) / c
         assert cells[0] == f"step {s + 1}" and cells[1] == f"{(s + 1) * tokens_per_step:,}" and cells[2] == "3"
         assert cells[4] == f"{c.std(ddof=1):.4f}"
@@ -58,6 +61,7 @@ def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, 
 
     data = json.loads((tmp_path / "reports" / abl / "noise.json").read_text())
     assert [p["tokens"] for p in data["curve"]] == [(s + 1) * tokens_per_step for s in steps]
-    assert set(data["final"]) == {"last_1", "last_2"}
+    assert set(data["final"]) == {"last_1", "last_2", "bf16 vs fp32 last 1", "bf16 vs fp32 last 2"}
+    assert math.isclose(data["final"]["bf16 vs fp32 last 1"]["paired_sd"], data["others"]["bf16"][-1]["paired_sd"])
     assert math.isclose(data["final"]["last_1"]["paired_sd"], data["curve"][-1]["paired_sd"])
     assert "## Along the run" in (tmp_path / "reports" / abl / "noise.md").read_text()
