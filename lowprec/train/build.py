@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -83,15 +83,16 @@ class Built:
     #: in the training step (it counts the matmuls it reversed: ``lowprec.train.effective``); ``None``: natural.
     reduction_order: ReversedReductionOrder | None = None
 
-    def step_context(self, step: int) -> AbstractContextManager:
+    @contextlib.contextmanager
+    def step_context(self, step: int) -> Iterator[None]:
         """Context around forward, backward and clipping of one optimizer step: the communication meter on
         sampled steps when sharded, the reversed FP32 reduction order when the recipe asks for it."""
-        stack = contextlib.ExitStack()
-        if self.comm_metrics is not None:
-            stack.enter_context(self.comm_metrics.context(step))
-        if self.reduction_order is not None:
-            stack.enter_context(self.reduction_order)
-        return stack
+        with contextlib.ExitStack() as stack:
+            if self.comm_metrics is not None:
+                stack.enter_context(self.comm_metrics.context(step))
+            if self.reduction_order is not None:
+                stack.enter_context(self.reduction_order)
+            yield
 
 
 def _apply_fused_casts(model: nn.Module, train: TrainSpec, device: torch.device, kernels: KernelPolicy) -> KernelPolicy:
