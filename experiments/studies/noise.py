@@ -7,12 +7,11 @@ a ``non-inferior`` verdict at the report's margin needs there for a recipe whose
 (``experiments.stats.noise``): one set of runs gives the whole curve of seeds-needed against tokens.
 
 At the final point it also tries the estimators of the final loss that need no new runs: the mean of each run's
-last k validation points (``study.noise.last_k``), and, when the runs logged it (``train.eval_ema``), the
-validation loss of an EMA of the weights. Any other recipe of the ablation (e.g. ``bf16``) gets a final-point row
-of its own paired sd against the control: a real numerics change beside the negative control's floor. The other
-ways to lower the noise change the runs and are separate invocations whose ``noise.json`` the docs compare
-(docs/noise.md): more validation tokens (``train.val_batches``), a lower peak learning rate with a longer warm-up
-(``optim.lr``, ``train.warmup_steps``).
+last k validation points (``study.noise.last_k``). Any other recipe of the ablation (e.g. ``bf16``) gets its own
+paired-sd curve against the control and final-point rows: a real numerics change beside the negative control's
+floor. The other ways to lower the noise change the runs and are separate invocations whose ``noise.json`` the
+docs compare (docs/noise.md): more validation tokens (``train.val_batches``), a lower peak learning rate with a
+longer warm-up (``optim.lr``, ``train.warmup_steps``).
 
 Settings (``study.noise``): ``negative`` (the negative-control recipe, default ``fp32_reordered``), ``last_k``
 (default ``[1, 2, 4]``). Writes ``noise.md``, ``noise.json`` and ``noise.csv`` beside the report and prints the
@@ -31,13 +30,10 @@ from pathlib import Path
 from experiments.plan.plan import Plan
 from experiments.plan.preflight import saved_plan
 from experiments.report.verdict_table import LEVEL
-from experiments.stats.noise import NoisePoint, last_k_point, noise_curve, noise_point
+from experiments.stats.noise import NoisePoint, last_k_point, noise_curve
 from experiments.stats.verdict import POWER
 from experiments.studies.registry import StudyContext, register
 from lowprec.errors import ConfigError
-
-#: The metric a run logs with ``train.eval_ema`` (validation loss of the EMA of the weights after the last step).
-EMA_METRIC = "val_loss_ema"
 
 
 @dataclass(frozen=True)
@@ -114,18 +110,6 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _ema_point(ctx: StudyContext, negative: str, tps: int, margin: float, alpha: float) -> NoisePoint | None:
-    ema = {(r.recipe, r.seed): r.metrics.get(EMA_METRIC) for r in ctx.runs if r.comparable}
-    seeds = sorted(
-        s for (rec, s), v in ema.items() if rec == ctx.control and v is not None and ema.get((negative, s)) is not None
-    )
-    if not seeds:
-        return None
-    steps = max(s for r in ctx.runs for s, _ in r.curves.get("val_loss", [])) if ctx.runs else 0
-    ctl, neg = [ema[(ctx.control, s)] for s in seeds], [ema[(negative, s)] for s in seeds]
-    return noise_point(steps, (steps + 1) * tps, ctl, neg, margin, alpha)
-
-
 def _setup(plan: Plan) -> dict:
     t = plan.train
     return {
@@ -137,7 +121,6 @@ def _setup(plan: Plan) -> dict:
         "val_tokens": t.val_batches * t.batch_size * t.seq_len,
         "lr": plan.optim.lr,
         "warmup_steps": t.warmup_steps,
-        "eval_ema": getattr(t, "eval_ema", 0.0),
         "device": plan.device,
     }
 
@@ -160,9 +143,6 @@ def noise_study(ctx: StudyContext) -> Path:
     ctl, negc = _curves(ctx, ctx.control), _curves(ctx, neg)
     curve = noise_curve(ctl, negc, tps, margin, alpha)
     final = {f"last_{k}": last_k_point(ctl, negc, int(k), tps, margin, alpha) for k in settings.last_k} if curve else {}
-    ema = _ema_point(ctx, neg, tps, margin, alpha)
-    if ema is not None:
-        final["ema"] = ema
     others = {}
     for other in ctx.order:
         # a recipe that really changes the numerics (e.g. bf16), paired with the control the same way: its paired
