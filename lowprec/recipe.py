@@ -43,6 +43,8 @@ BLOCK_FIELDS = ("mx_scale_mode", "rht_size", "weight_scaling_2d", "grad_rounding
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: Fields of other groups added after recipes were first hashed: group -> {field: default} (``Recipe.hash``).
+_HASH_OMITS_AT_DEFAULT_BY_GROUP: dict[str, dict[str, Any]] = {"compute": {"reduction_order": "natural"}}
 #: Float8Spec fields added after recipes were first hashed, with their defaults (``Recipe.hash``).
 _HASH_OMITS_AT_DEFAULT: dict[str, Any] = {
     "amax_floor": 1e-12,
@@ -111,21 +113,27 @@ class WeightSpec:
 
 @dataclass(frozen=True)
 class ComputeSpec:
-    """Compute dtype of the non-FP8 ops and loss scaling.
+    """Compute dtype of the non-FP8 ops, loss scaling and the FP32 matmuls' summation order.
 
     ``autocast_dtype``: ``none``, ``bf16`` or ``fp16``. ``loss_scaling``: ``none`` or ``dynamic``
     (GradScaler semantics: ``init_scale``, doubled after ``growth_interval`` clean steps, halved and the
     step skipped on inf/NaN gradients); dynamic scaling needs FP16 compute.
+    ``reduction_order``: ``natural`` or ``reversed``: every FP32 matmul of a training step (forward, backward,
+    clipping; not the optimizer step nor validation) sums its contraction in reverse order
+    (``lowprec.numerics.reorder.ReversedReductionOrder``): the same mathematics with another FP32 rounding sequence,
+    the negative control of the noise study (``experiment=noise``). Eager only (a dispatch mode is not traced).
     """
 
     autocast_dtype: str = "none"
     loss_scaling: str = "none"
     init_scale: float = 65536.0
     growth_interval: int = 2000
+    reduction_order: str = "natural"
 
     def __post_init__(self) -> None:
         _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16", "fp16"))
         _check_choice("compute", "loss_scaling", self.loss_scaling, ("none", "dynamic"))
+        _check_choice("compute", "reduction_order", self.reduction_order, ("natural", "reversed"))
         if not (0 < self.init_scale < float("inf")) or self.growth_interval < 1:
             raise RecipeError(
                 f"recipe.compute.init_scale={self.init_scale} must be finite and > 0 and "
@@ -439,6 +447,10 @@ class Recipe:
             # fields added later hash only when set, so recipes (and checkpoints) from before keep their hash
             if d["fp8"][name] == default:
                 del d["fp8"][name]
+        for group, omits in _HASH_OMITS_AT_DEFAULT_BY_GROUP.items():
+            for name, default in omits.items():
+                if d[group][name] == default:
+                    del d[group][name]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_fields(self, group: str, **fields: Any) -> Recipe:

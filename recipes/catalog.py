@@ -14,6 +14,16 @@ def fp32() -> Recipe:
     return Recipe(name="fp32", description="FP32 weights, compute and AdamW states: the numerical reference.")
 
 
+def fp32_reordered() -> Recipe:
+    return replace(
+        fp32(),
+        name="fp32_reordered",
+        description="fp32 with every FP32 matmul of the training step summing its contraction in reverse order: the "
+        "same mathematics, another rounding sequence; the noise study's negative control (experiment=noise).",
+        compute=ComputeSpec(reduction_order="reversed"),
+    )
+
+
 def bf16() -> Recipe:
     return replace(
         fp32(),
@@ -409,6 +419,7 @@ def te_nvfp4() -> Recipe:
 
 _BUILDERS: list[Callable[[], Recipe]] = [
     fp32,
+    fp32_reordered,
     bf16,
     bf16_pure,
     fp8_tensorwise,

@@ -329,9 +329,8 @@ def train_resolved(cfg: DictConfig, recipe: Recipe | None = None):
     ``cfg.device`` for ``cfg.model``; with ``recipe``, a recipe that cannot compile there falls back to eager
     (``Resolved.fallback``). Raises ``ConfigError`` for a bad ``train.compile`` value or device."""
     from experiments.plan.auto_train import resolve_compile_ac
-    from lowprec.backends.registry import fp8_backend
     from lowprec.model.moe import MoEArgs
-    from lowprec.train.build import resolve_device
+    from lowprec.train.build import compile_blocker, resolve_device
 
     node = cfg.train
     want_c, want_ac = node.get("compile", False), node.get("ac", "none")
@@ -341,7 +340,7 @@ def train_resolved(cfg: DictConfig, recipe: Recipe | None = None):
     moe = isinstance(model_from_cfg(cfg.model), MoEArgs)
     blocker = None
     if recipe is not None:
-        blocker = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, int(node.telemetry_every), device)
+        blocker = compile_blocker(recipe, int(node.telemetry_every), device)
     return resolve_compile_ac(want_c, want_ac, device, moe, blocker)
 
 

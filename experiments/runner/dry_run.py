@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from experiments.plan.auto_train import resolve_compile_ac
 from experiments.plan.placement import Placement
 from experiments.plan.preflight import PREPARE_HINT
-from lowprec.backends.registry import fp8_backend
 from lowprec.errors import ConfigError, UserError
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.hardware import Hardware
@@ -24,6 +23,7 @@ from lowprec.model import ModelArgs
 from lowprec.model.moe import MoEArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
+from lowprec.train.build import compile_blocker
 from lowprec.train.spec import TrainSpec
 
 
@@ -51,7 +51,7 @@ def _step_s(model: ModelArgs, recipe: Recipe, hw: Hardware, dims: ParallelDims, 
     """Predicted seconds per step of ``recipe`` and the compile/ac it resolves to (``asked``: the requested
     ``(compile, ac)``), or a reason string instead of the seconds."""
     moe = isinstance(model, MoEArgs)
-    blocker = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, spec.telemetry_every, device)
+    blocker = compile_blocker(recipe, spec.telemetry_every, device)
     r = resolve_compile_ac(*asked, device, moe, blocker)
     why = hardware_blocker(recipe, hw)
     if why is not None:

@@ -10,7 +10,7 @@ Register one with ``@register("name")`` (``experiments.studies.registry``) in a 
 ``check_studies`` refuses unknown names before any training.
 """
 
-from experiments.studies import deepseek_v3, nvfp4  # each registers its study
+from experiments.studies import deepseek_v3, noise, nvfp4  # each registers its study
 from experiments.studies.registry import (
     GROUP_TAG,
     SETTINGS_CHECKS,
@@ -29,6 +29,7 @@ __all__ = [
     "StudyContext",
     "check_studies",
     "deepseek_v3",
+    "noise",
     "nvfp4",
     "register",
     "report_studies",

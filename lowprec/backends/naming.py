@@ -69,6 +69,7 @@ def short_str(recipe: Recipe) -> str:
         + (f"/{w.update_rounding}" if w.update_rounding != "nearest" else "")
     )
     autocast = c.autocast_dtype + ("+dls" if c.loss_scaling == "dynamic" else "")
+    autocast += "+reversed" if c.reduction_order == "reversed" else ""
     opt = (
         "param"
         if (recipe.optim.state, recipe.optim.impl) == ("param", "torch")

@@ -22,11 +22,17 @@ _MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}
 class ReversedReductionOrder(TorchDispatchMode):
     """Every FP32 matmul of the run (``F.linear``, ``@``, torchao's emulated ``torch.mm``, the emulated kernels'
     matmuls, forward and backward, seen below autograd) sums its contraction in reverse order: the same
-    mathematics, another FP32 rounding sequence. The yardstick for "same numerics up to accumulation order"."""
+    mathematics, another FP32 rounding sequence. The yardstick for "same numerics up to accumulation order".
+    ``reversed``: how many matmuls it has reversed (the effective-recipe check reads it: the mode did act)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reversed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _MATMULS and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in args[:2]):
+            self.reversed += 1
             a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
             args = list(args)
             args[_MATMULS[func]], args[_MATMULS[func] + 1] = a.flip(-1), b.flip(-2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ from lowprec.kernels import KernelPolicy, resolve_kernels
 from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.measure.telemetry import FP8Telemetry
 from lowprec.model import ModelArgs, Transformer, build_model
+from lowprec.numerics.reorder import ReversedReductionOrder
 from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
 from lowprec.optim.state_telemetry import OptimStateTelemetry, default_sample
 from lowprec.parallel.comm_metrics import StepCommMetrics
@@ -78,10 +79,20 @@ class Built:
     #: The model's auxiliary loss of its last training forward, added to the objective (0-dim FP32), or
     #: ``None``: the MoE sequence-wise balance loss (``MoETransformer.aux_loss``); always ``None`` for Llama.
     aux_loss: Callable[[], torch.Tensor | None] = lambda: None
+    #: ``recipe.compute.reduction_order=reversed``: the dispatch mode that reverses every FP32 matmul's contraction
+    #: in the training step (it counts the matmuls it reversed: ``lowprec.train.effective``); ``None``: natural.
+    reduction_order: ReversedReductionOrder | None = None
 
-    def step_context(self, step: int) -> AbstractContextManager:
-        """Context around one optimizer step (the communication meter on sampled steps when sharded)."""
-        return self.comm_metrics.context(step) if self.comm_metrics is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def step_context(self, step: int) -> Iterator[None]:
+        """Context around forward, backward and clipping of one optimizer step: the communication meter on
+        sampled steps when sharded, the reversed FP32 reduction order when the recipe asks for it."""
+        with contextlib.ExitStack() as stack:
+            if self.comm_metrics is not None:
+                stack.enter_context(self.comm_metrics.context(step))
+            if self.reduction_order is not None:
+                stack.enter_context(self.reduction_order)
+            yield
 
 
 def _apply_fused_casts(model: nn.Module, train: TrainSpec, device: torch.device, kernels: KernelPolicy) -> KernelPolicy:
@@ -151,14 +162,21 @@ def check_fp8_shapes(recipe: Recipe, model: nn.Module, train: TrainSpec) -> None
     fp8_backend(recipe.fp8.backend).check_shapes(recipe.fp8, shapes, train.batch_size * train.seq_len)
 
 
+def compile_blocker(recipe: Recipe, telemetry_every: int, device_type: str = "cpu") -> str | None:
+    """Why ``recipe`` cannot be compiled on ``device_type`` (``None`` when it can): the reversed FP32 reduction order
+    (a Python dispatch mode, which dynamo does not trace), else ``Float8Backend.compile_blocker``."""
+    if recipe.compute.reduction_order == "reversed":
+        return "recipe.compute.reduction_order='reversed' is a dispatch mode that torch.compile does not trace"
+    return fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, telemetry_every, device_type)
+
+
 def check_compile(recipe: Recipe, train: TrainSpec, device: torch.device | None = None) -> None:
     """With ``train.compile``, refuse before training a recipe whose blocks cannot be compiled whole on ``device``
-    (default CPU; no silent fallback to eager): ``Float8Backend.compile_blocker``. Raises ``RecipeError`` naming
-    the part."""
+    (default CPU; no silent fallback to eager): ``compile_blocker``. Raises ``RecipeError`` naming the part."""
     if not train.compile:
         return
     dev = "cpu" if device is None else device.type
-    reason = fp8_backend(recipe.fp8.backend).compile_blocker(recipe.fp8, train.telemetry_every, dev)
+    reason = compile_blocker(recipe, train.telemetry_every, dev)
     if reason:
         raise RecipeError(f"train.compile=true cannot compile recipe {recipe.name!r}: {reason}")
 
@@ -357,6 +375,7 @@ def build(
         compiled=train.compile,
         loss_fn=compile_loss(cross_entropy_fp32) if train.compile else cross_entropy_fp32,
         aux_loss=getattr(model, "aux_loss", lambda: None),
+        reduction_order=ReversedReductionOrder() if recipe.compute.reduction_order == "reversed" else None,
     )
 
 

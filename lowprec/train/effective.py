@@ -140,6 +140,8 @@ def inspect_effective(built: Built, linear_output_dtypes: dict[str, str]) -> dic
         "blocks": _observed_blocks(built.model),
         **({"comm": _observed_comm(built)} if built.parallel is not None else {}),
         **({"router_dtype": dict(router_out), "moe_idle_expert_linears": len(idle)} if routers else {}),
+        # the mode's own count: it reversed matmuls in the step just taken (absent for the natural order)
+        **({"reduction_order": "reversed"} if built.reduction_order and built.reduction_order.reversed else {}),
     }
 
 
@@ -261,6 +263,7 @@ def expected_effective(built: Built, idle_linears: int = 0) -> dict:
         },
         **({"comm": _expected_comm(built)} if built.parallel is not None else {}),
         **({"router_dtype": {"float32": len(routers)}} if (routers := _router_fqns(built.model)) else {}),
+        **({"reduction_order": "reversed"} if r.compute.reduction_order == "reversed" else {}),
     }
 
 

@@ -1,0 +1,73 @@
+"""The noise study's statistics (``experiments.stats.noise``): seeds needed for a zero-gap recipe against the
+noncentral t power computed here from scipy alone, and the per-point spreads against numpy on hand-made curves."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from experiments.stats.noise import last_k_mean, last_k_point, noise_curve, seeds_for_zero_gap
+
+ALPHA, MARGIN, POWER = 0.025, 0.0025, 0.8
+
+
+def _power(n: int, es: float) -> float:
+    """Power of the one-sided one-sample t-test at ALPHA with n observations and standardized effect ``es``:
+    P(T > t_{1-alpha, n-1}) with T noncentral t (df n-1, noncentrality es * sqrt(n)) (scipy, not statsmodels)."""
+    crit = stats.t.ppf(1 - ALPHA, n - 1)
+    return float(stats.nct.sf(crit, n - 1, es * math.sqrt(n)))
+
+
+@pytest.mark.parametrize("sd", [0.0005, 0.001, 0.0025, 0.004, 0.01])
+def test_seeds_for_zero_gap_is_the_smallest_n_with_power(sd):
+    n = seeds_for_zero_gap(sd, MARGIN, ALPHA, POWER)
+    es = MARGIN / sd
+    assert _power(n, es) >= POWER
+    assert n == 2 or _power(n - 1, es) < POWER  # the smallest such n
+    # and the large-sample closed form ((z_a + z_b) sd / margin)^2 is a lower bound within a few seeds
+    z = stats.norm.ppf(1 - ALPHA) + stats.norm.ppf(POWER)
+    assert (z / es) ** 2 <= n <= (z / es) ** 2 + 3
+
+
+def test_seeds_for_zero_gap_known_value_and_edges():
+    # sd equal to the margin (effect size 1): 10 seeds at alpha 0.025 one-sided, power 0.8 (noncentral t)
+    assert seeds_for_zero_gap(MARGIN, MARGIN, ALPHA) == 10
+    assert seeds_for_zero_gap(0.0, MARGIN, ALPHA) == 2  # identical pairs: any two seeds decide
+    assert seeds_for_zero_gap(math.nan, MARGIN, ALPHA) is None
+
+
+def _curves(values: dict[int, list[float]], steps=(1, 3, 5)):
+    return {seed: list(zip(steps, v, strict=True)) for seed, v in values.items()}
+
+
+def test_noise_curve_spreads_are_the_per_seed_ones():
+    ctl = {0: [5.0, 4.0, 3.5], 1: [5.2, 4.1, 3.6], 2: [4.9, 3.9, 3.3]}
+    neg = {0: [5.0, 4.02, 3.49], 1: [5.2, 4.09, 3.62], 2: [4.9, 3.9, 3.31]}
+    neg[3] = [1.0, 1.0, 1.0]  # a seed the control lacks: unpaired, left out
+    curve = noise_curve(_curves(ctl), _curves(neg), tokens_per_step=100, margin=MARGIN, alpha=ALPHA)
+    assert [p.step for p in curve] == [1, 3, 5] and [p.tokens for p in curve] == [200, 400, 600]
+    for i, p in enumerate(curve):
+        c = np.array([ctl[s][i] for s in (0, 1, 2)])
+        g = np.array([neg[s][i] for s in (0, 1, 2)])
+        d = (g - c) / c
+        assert p.n == 3
+        assert p.control_sd == pytest.approx(c.std(ddof=1)) and p.control_cv == pytest.approx(c.std(ddof=1) / c.mean())
+        assert p.paired_sd == pytest.approx(d.std(ddof=1), abs=1e-15)
+        assert p.seeds_needed == seeds_for_zero_gap(d.std(ddof=1), MARGIN, ALPHA)
+        assert p.seeds_needed_unpaired == seeds_for_zero_gap(math.sqrt(2) * p.control_cv, MARGIN, ALPHA)
+    assert curve[0].paired_sd == 0 and curve[0].seeds_needed == 2  # step 1: every pair equal
+
+
+def test_last_k_point_averages_each_runs_last_points():
+    ctl = {0: [5.0, 4.0, 3.5], 1: [5.2, 4.1, 3.6]}
+    neg = {0: [5.0, 4.2, 3.4], 1: [5.2, 4.0, 3.7]}
+    assert last_k_mean(_curves(ctl)[0], 2) == pytest.approx(3.75)
+    assert last_k_mean(_curves(ctl)[0], 9) == pytest.approx(12.5 / 3)  # fewer points than k: all of them
+    p = last_k_point(_curves(ctl), _curves(neg), 2, 100, MARGIN, ALPHA)
+    c, g = np.array([3.75, 3.85]), np.array([3.8, 3.85])
+    assert p.step == 5 and p.paired_sd == pytest.approx(((g - c) / c).std(ddof=1))
+    with pytest.raises(ValueError):
+        last_k_mean([], 1)
