@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.plan.config import FaultsConfig, PathsConfig, TrackingConfig, flat_params
 from experiments.plan.launcher import LauncherSpec
 from experiments.plan.placement import Placement
-from experiments.stats import SpendingPlan
 from experiments.stats.stability import SpikeRule
 from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec
@@ -28,6 +27,9 @@ from lowprec.model import ModelArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.spec import TrainSpec
+
+if TYPE_CHECKING:  # the run path never needs scipy/statsmodels (experiments/stats/__init__.py)
+    from experiments.stats.sequential import SpendingPlan
 
 
 @dataclass(frozen=True)

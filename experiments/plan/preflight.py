@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -38,9 +39,6 @@ from experiments.plan.launch import under_torchrun
 from experiments.plan.launcher import check_launcher
 from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
 from experiments.plan.plan import Plan, config_yaml, with_group
-from experiments.stats import SpendingPlan, check_margin
-from experiments.stats.auto_seeds import plan_for
-from experiments.stats.verdict import LEVEL
 from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
@@ -62,6 +60,9 @@ from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.stop import STOP_SIGNALS
 from recipes import get_recipe
+
+if TYPE_CHECKING:  # the run path imports this module; scipy/statsmodels only where used
+    from experiments.stats.sequential import SpendingPlan
 
 #: The ablation id ``lowprec ablate`` prints: ``abl-<date>-<time>-<4 hex digits>``.
 ABLATION_ID = re.compile(r"abl-\d{8}-\d{6}-[0-9a-f]{4}")
@@ -180,6 +181,9 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
     """
     raw = cfg.seeds
     if raw == "auto":
+        from experiments.stats.auto_seeds import plan_for  # here: the run path imports this module, not scipy
+        from experiments.stats.verdict import LEVEL
+
         plan = plan_for(int(cfg.max_seeds), LEVEL)  # the report's level: its verdicts replay these looks
         return [int(cfg.seed) + i for i in range(plan.start)], plan
     if isinstance(raw, bool) or not isinstance(raw, int):
@@ -259,6 +263,8 @@ def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
     if recipes is None:
         recipes = [get_recipe(n) for n in names]
     control = ablation_control(cfg, names)
+    from experiments.stats.verdict import check_margin  # here: the run path imports this module, not scipy
+
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
     return recipes, seeds, spending, placement, control
 

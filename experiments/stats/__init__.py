@@ -11,35 +11,45 @@
 The runner feeds these from MLflow and the report only formats their output.
 """
 
-from experiments.stats.curves import (
-    TRAIN_SMOOTH_WINDOW,
-    SeedCurves,
-    relative_loss_error,
-    seed_band,
-    t_band,
-    trailing_mean,
-)
-from experiments.stats.paired import PairedEffect, paired_effect, relative_differences
-from experiments.stats.sequential import SeedDecision, SpendingPlan
-from experiments.stats.stability import (
-    SpikeRule,
-    StabilityMetrics,
-    StabilityVerdict,
-    scan_spikes,
-    stability_metrics,
-    stability_verdict,
-)
-from experiments.stats.verdict import (
-    LABELS,
-    VERDICTS,
-    Verdict,
-    check_margin,
-    ci_verdict,
-    consort_label,
-    minimum_detectable_difference,
-    seeds_needed,
-    verdicts,
-)
+import importlib
+
+#: public name -> the submodule defining it. Loaded on first use (PEP 562): the run path (a worker, a torchrun rank,
+#: ``lowprec train``) needs only ``stability``, and importing scipy.stats and statsmodels costs it ~0.9 s per process.
+_WHERE = {
+    "TRAIN_SMOOTH_WINDOW": "curves",
+    "SeedCurves": "curves",
+    "relative_loss_error": "curves",
+    "seed_band": "curves",
+    "t_band": "curves",
+    "trailing_mean": "curves",
+    "PairedEffect": "paired",
+    "paired_effect": "paired",
+    "relative_differences": "paired",
+    "SeedDecision": "sequential",
+    "SpendingPlan": "sequential",
+    "SpikeRule": "stability",
+    "StabilityMetrics": "stability",
+    "StabilityVerdict": "stability",
+    "scan_spikes": "stability",
+    "stability_metrics": "stability",
+    "stability_verdict": "stability",
+    "LABELS": "verdict",
+    "VERDICTS": "verdict",
+    "Verdict": "verdict",
+    "check_margin": "verdict",
+    "ci_verdict": "verdict",
+    "consort_label": "verdict",
+    "minimum_detectable_difference": "verdict",
+    "seeds_needed": "verdict",
+    "verdicts": "verdict",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'experiments.stats' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"experiments.stats.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "LABELS",

@@ -192,9 +192,6 @@ def _cuda_choice(index: int) -> tuple[str | None, tuple[str, ...]]:
     return None, tuple(reasons)
 
 
-# Under torch.compile the choice is a constant of the graph: dynamo calls this function instead of tracing it
-# (it would otherwise trace through functools.cache into the probe's GEMMs and break the graph).
-@torch._dynamo.assume_constant_result
 def select_blockwise_gemm(device: torch.device) -> str:
     """The blockwise GEMM kernel for ``device``: ``emulated`` on a CPU; on CUDA the first of
     ``torch_scaled_mm_blockwise``, ``torchao_triton_blockwise`` whose probe passes (probed once per device, a few
@@ -213,3 +210,12 @@ def select_blockwise_gemm(device: torch.device) -> str:
             "Hopper GPU, or torchao with triton; lowprec does not emulate them on a GPU"
         )
     return kernel
+
+
+# Under torch.compile the choice is a constant of the graph: dynamo calls this function instead of tracing it (it
+# would otherwise trace through functools.cache into the probe's GEMMs and break the graph). This is what
+# ``torch._dynamo.assume_constant_result`` does (torch/_dynamo/decorators.py sets this attribute and nothing else),
+# without importing torch._dynamo, which costs about 1 s at the start of every process that imports lowprec (each
+# ablation worker, torchrun rank and CLI call). tests/kernels/test_blockwise_kernel_choice.py fails if torch's
+# decorator marks anything else; tests/unit/test_quiet.py checks that importing lowprec leaves torch._dynamo unloaded.
+select_blockwise_gemm._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -182,6 +182,7 @@ def _tables(report: Path) -> list[list[list[str]]]:
     return out
 
 
+@pytest.mark.slow  # ~50 s; the suite keeps the one-worker form above and test_signals' two-worker stop
 def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(baseline, tmp_path, capsys):
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", RECIPES, *AUTO, "workers=2", *RUN, *_dirs(tmp_path)]

@@ -129,6 +129,7 @@ def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path)
     assert parent.info.status == "FINISHED" and parent.data.tags["n_failed"] == "0"
 
 
+@pytest.mark.slow  # ~25 s; the job's own stop handling is the local runner's (test_signals.py)
 def test_sigterm_to_the_ablation_stops_its_jobs_with_checkpoints(tmp_path, capsys):
     db = tmp_path / "runs" / "mlflow.db"
     over = threading.Event()

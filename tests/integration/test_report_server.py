@@ -103,11 +103,19 @@ def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, 
     assert time.monotonic() - t0 < 30  # not MLflow's minutes of retries
 
 
+@pytest.fixture(scope="module")
+def one_store(tmp_path_factory) -> str:
+    """A store holding one ablation, fabricated once for every bad id (each fabrication costs ~8 s)."""
+    where = tmp_path_factory.mktemp("store")
+    db = f"sqlite:///{where / 'mlflow.db'}"
+    fabricate_ablation(Tracker(db, "lowprec", where), "abl-ok", main_runs())
+    return db
+
+
 @pytest.mark.parametrize("bad", ["../../escaped", "abl-x/../../y", "/tmp/abs", "x'y", "abl-a' or tags.x like '%", "é"])
-def test_report_refuses_an_id_that_is_not_an_ablation_id_before_using_it(tmp_path, capsys, bad):
-    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_report_refuses_an_id_that_is_not_an_ablation_id_before_using_it(one_store, tmp_path, capsys, bad):
+    db = one_store
     reports = tmp_path / "deep" / "reports"
-    fabricate_ablation(Tracker(db, "lowprec", tmp_path), "abl-ok", main_runs())
     capsys.readouterr()
     assert main(["report", bad, f"tracking.uri={db}", f"paths.reports={reports}"]) == 2
     err = capsys.readouterr().err.strip()

@@ -225,3 +225,19 @@ def test_the_choice_is_a_constant_under_torch_compile(monkeypatch):
     torch._dynamo.reset()
     out = torch.compile(gemm_kernel, fullgraph=True, backend="eager")(torch.ones(3))
     assert torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_the_kernel_choice_is_marked_as_dynamo_marks_a_constant_result():
+    """``select_blockwise_gemm`` sets by hand what ``torch._dynamo.assume_constant_result`` sets (so that importing
+    lowprec does not import dynamo); on CUDA a traced FP8 step would otherwise trace into the probe and break the
+    graph. Fails if torch changes what the decorator marks."""
+    import torch._dynamo
+
+    from lowprec.kernels.blockwise import select_blockwise_gemm
+
+    def plain():
+        return None
+
+    before = dict(vars(plain))
+    marked = {k: v for k, v in vars(torch._dynamo.assume_constant_result(plain)).items() if k not in before}
+    assert marked and all(getattr(select_blockwise_gemm, k, None) == v for k, v in marked.items()), marked

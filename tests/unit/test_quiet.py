@@ -24,9 +24,13 @@ def test_importing_lowprec_prints_nothing_and_defers_torchao_and_bitsandbytes():
     """torchao and bitsandbytes cost ~2 s of start-up in every process (each rank, each CLI call) and are
     imported only when a recipe's backend needs them; imported after lowprec, as such a run does, they print
     nothing either (one subprocess for both checks: each costs a cold import of torch)."""
+    # The same for what a run's process never needs: torch._dynamo (~1 s; imported by torch.compile when a run
+    # compiles) and scipy.stats/statsmodels (~0.9 s; the report's statistics), checked on an ablation worker's imports.
     code = (
-        "import sys, lowprec.train.build, lowprec.train.loop, recipes, experiments.tracking.tracker, experiments.cli; "
-        "print(sorted(m for m in ('torchao', 'bitsandbytes') if m in sys.modules)); "
+        "import sys, lowprec.train.build, lowprec.train.loop, recipes, experiments.tracking.tracker, experiments.cli, "
+        "experiments.runner.scheduler, experiments.plan.preflight; "
+        "print(sorted(m for m in ('torchao', 'bitsandbytes', 'torch._dynamo', 'scipy.stats', 'statsmodels') "
+        "if m in sys.modules)); "
         "import torchao.float8, torchao.optim, bitsandbytes"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
