@@ -74,9 +74,9 @@ def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys,
 def test_node_dry_run_prints_the_plan_and_trains_nothing(run_dirs, tmp_path, capsys):
     assert main(["ablate", "experiment=node", "dry_run=true", "gpus=8", *run_dirs]) == 0
     out = capsys.readouterr().out
-    assert "15 runs on model=llama3_1b" in out and "worker 7 -> GPU 7" in out
+    assert "80 runs on model=llama3_1b" in out and "worker 7 -> GPU 7" in out  # 5 recipes x 16 seeds
     assert "lowprec data prepare" in out  # no corpus yet: what to prepare, and how many tokens a run needs
-    assert re.search(r"predicted wall time: \d+\.\d min for 15 runs, 8 at a time", out)
+    assert re.search(r"predicted wall time: \d+\.\d min for 80 runs, 8 at a time", out)
     assert "compile=True, ac=selective (auto)" in out
     assert not (tmp_path / "runs" / "mlflow.db").exists()
 
