@@ -3,9 +3,9 @@
 
 The job (``experiments.runner.submitit_jobs.run_job``) writes its arguments to ``ranks_args.pkl`` in its own job
 folder and starts ``torchrun --standalone --nproc_per_node=k -m experiments.runner.job_ranks <job folder>``
-(``experiments.plan.launch.spawn_torchrun``, the launch ``lowprec train/ablate`` use on one node). Each rank joins
-the process group, prepares the data (rank 0 first) and calls ``run_one`` as the ranks of a local parallel
-ablation do: rank 0 alone talks to MLflow (``make_tracker``), so the run's metrics are logged once. Rank 0 then
+(``run_ranks``: the command line ``lowprec train/ablate`` launch on one node, with the job's own signal handling).
+Each rank joins the process group, prepares the data (rank 0 first) and calls ``run_one`` as the ranks of a local
+parallel ablation do: rank 0 alone talks to MLflow (``make_tracker``), so the run's metrics are logged once. Rank 0 then
 writes the ``RunOutcome`` as JSON (``outcome.json``, plain data) in the job folder, which the job reads back and
 returns to the ablation process as its result.
 
@@ -21,16 +21,19 @@ import json
 import os
 import pickle
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 from experiments.runner.run import RunOutcome
-from lowprec.train.stop import StopSignal, install_stop_handlers, request_stop
+from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
 
 #: The job's arguments for its ranks, in the job folder.
 ARGS = "ranks_args.pkl"
 #: Rank 0's ``RunOutcome``, as JSON, in the job folder.
 OUTCOME = "outcome.json"
+#: The stop signal the job received, in the job folder: a rank that was still starting then reads it.
+STOP = "stop_signal"
 
 
 def write_args(folder: Path, **kwargs) -> None:
@@ -54,6 +57,59 @@ def read_outcome(path: Path) -> RunOutcome | None:
     return RunOutcome(**json.loads(path.read_text()))
 
 
+#: Signals the job passes on to its ranks: the stop signals and SLURM's time-limit warning (SIGUSR2).
+RANK_SIGNALS = (*STOP_SIGNALS, signal.SIGUSR2)
+
+
+def _ignore_rank_signals() -> None:  # in torchrun's process, before exec: the ignored dispositions survive exec
+    for s in RANK_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def run_ranks(k: int, folder: Path) -> int:
+    """``torchrun --standalone --nproc_per_node=k -m experiments.runner.job_ranks <folder>`` in the foreground
+    (``experiments.plan.launch``'s command line and environment); returns torchrun's exit code.
+
+    Signals: torchrun itself ignores ``RANK_SIGNALS`` (it would end its ranks 30 s after a SIGTERM, before a long
+    checkpoint, and a second SIGTERM, which SLURM sends to every process of the job's step while this process
+    passes its own on, interrupts that shutdown); this process passes each one it receives to the ranks (torchrun's
+    children, ``psutil``), whose handlers stop the run after its step with a checkpoint (``lowprec.train.stop``),
+    and torchrun exits when they do."""
+    import psutil
+
+    from experiments.plan.launch import torchrun_command, torchrun_env
+
+    (folder / STOP).unlink(missing_ok=True)  # a requeued job's earlier stop is not this one's
+    env = torchrun_env()
+    env["PET_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"  # torchrun's --signals_to_handle: not the ranks' signals
+    proc = subprocess.Popen(
+        torchrun_command(k, [str(folder)], module="experiments.runner.job_ranks"),
+        env=env,
+        preexec_fn=_ignore_rank_signals,
+    )
+
+    def to_ranks(signum, frame) -> None:
+        request_stop(signum)
+        # first the file: a rank still starting (its handlers not installed, the signal ignored) reads it after
+        (folder / STOP).write_text(str(local_stop()))
+        try:
+            ranks = psutil.Process(proc.pid).children()
+        except psutil.NoSuchProcess:  # torchrun has ended
+            return
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+    previous = {s: signal.signal(s, to_ranks) for s in RANK_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _stop_on(signum, frame) -> None:
     request_stop(signum)
 
@@ -61,8 +117,8 @@ def _stop_on(signum, frame) -> None:
 def main(argv: list[str]) -> int:
     """A rank's work (module docstring); ``argv``: the job folder. Returns 0 (a run's own failure is in its
     outcome, FAILED; only a crash of this process leaves no ``outcome.json``)."""
-    install_stop_handlers()  # SIGTERM (torchrun forwards the job's): stop after the step, with a checkpoint
-    signal.signal(signal.SIGUSR2, _stop_on)  # SLURM's time-limit warning, should it reach the ranks themselves
+    install_stop_handlers()  # the job's stop signals (run_ranks): stop after the step, with a checkpoint
+    signal.signal(signal.SIGUSR2, _stop_on)  # SLURM's time-limit warning
     import torch
     import torch.distributed as dist
 
@@ -72,6 +128,8 @@ def main(argv: list[str]) -> int:
     from lowprec.parallel.runtime import is_rank0
 
     folder = Path(argv[0])
+    if (folder / STOP).exists():  # the job was asked to stop before these handlers were in place
+        request_stop(int((folder / STOP).read_text()))
     a = pickle.loads((folder / ARGS).read_bytes())
     plan, recipe, seed = a["plan"], a["recipe"], a["seed"]
     if a["threads"]:

@@ -116,10 +116,9 @@ def run_job(
 def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, threads, tags, env) -> RunOutcome:
     """``run_job`` of a parallel layout: ``torchrun`` with the layout's k ranks on this node, each running
     ``experiments.runner.job_ranks`` (``run_one`` on every rank, rank 0 logging), and rank 0's outcome read back.
-    A stop signal goes on to torchrun once (SLURM's SIGUSR2 as SIGTERM), which forwards it to the ranks. Raises
+    A stop signal (or SLURM's SIGUSR2) goes on to the ranks (``job_ranks.run_ranks``). Raises
     ``RuntimeError`` naming torchrun's exit code when the ranks left no outcome (the ablation records the run
     FAILED, ``failure_kind=crash``)."""
-    from experiments.plan.launch import spawn_torchrun
     from experiments.runner import job_ranks
 
     folder = Path(env.paths.folder)
@@ -138,7 +137,7 @@ def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, thre
     if local_stop():
         return RunOutcome("", recipe.name, seed, "KILLED", reason=f"not started: stopped by signal {local_stop()}")
     k = plan.parallel.world_size
-    rc = spawn_torchrun(k, [str(folder)], module="experiments.runner.job_ranks", extra=(signal.SIGUSR2,), once=True)
+    rc = job_ranks.run_ranks(k, folder)
     outcome = job_ranks.read_outcome(folder / job_ranks.OUTCOME)
     if outcome is None:
         raise RuntimeError(f"torchrun with {k} ranks exited {rc} without an outcome (see the job's log)")
