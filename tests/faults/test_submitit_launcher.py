@@ -193,3 +193,41 @@ def test_a_parallel_layout_trains_under_torchrun_inside_its_job(tmp_path):
     ]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, single, strict=True)) < 1e-5, (losses, single)
     assert run.data.metrics["final_val_loss"] == pytest.approx(ref["fp32"].data.metrics["final_val_loss"], rel=1e-5)
+
+
+def test_sigterm_stops_a_parallel_job_on_every_rank_with_a_checkpoint(tmp_path, capsys):
+    """SIGTERM to the ablation: its job passes it to both ranks (not through torchrun, which ignores it), which
+    stop after the same step and write the sharded checkpoint; the run is KILLED with it."""
+    db = tmp_path / "runs" / "mlflow.db"
+    over = threading.Event()
+
+    def sigterm_once_the_run_trains() -> None:
+        while not over.wait(0.2):
+            try:
+                client = MlflowClient(f"sqlite:///{db}")
+                exp = client.get_experiment_by_name("lowprec")
+                running = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") if exp else []
+                if any(client.get_metric_history(r.info.run_id, "loss") for r in running):
+                    os.kill(os.getpid(), signal.SIGTERM)  # the job's ranks are past their first step
+                    return
+            except Exception:  # the store is being created
+                pass
+
+    one = [a for a in RUN if not a.startswith("recipes=")] + ["recipes=[fp32]", "train.telemetry_every=1"]
+    t = threading.Thread(target=sigterm_once_the_run_trains, daemon=True)
+    t.start()
+    try:
+        rc = main(
+            ["ablate", *one, "train.steps=300", "parallel.dp_shard=2", "launcher=submitit_local", *_dirs(tmp_path)]
+        )
+    finally:
+        over.set()
+        t.join()
+    assert rc == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    parent, kids = _runs(tmp_path, line.rsplit("resume=", 1)[1])
+    assert parent.info.status == "KILLED"
+    run = kids["fp32"]
+    assert run.info.status == "KILLED", run.data.tags.get("failure_reason")
+    assert run.data.tags["stopped_by"] == "SIGTERM" and int(run.data.tags["stopped_after_step"]) < 299
+    assert Path(run.data.tags["resume_checkpoint"]).is_dir()
