@@ -3,7 +3,9 @@
 Each (recipe, seed) is one job: ``run_job`` (module level, so submitit pickles it by reference) receives the
 ``Plan`` as it is, prepares the data from the cache, makes its own MLflow client on the ablation's store and calls
 ``experiments.runner.run.run_one`` under the ablation's parent run, exactly as a worker process does
-(``experiments.runner.scheduler``). The job's id is a tag of its run (``slurm_job_id`` on SLURM,
+(``experiments.runner.scheduler``). With a parallel layout (k > 1 ranks) the job starts torchrun with the k ranks
+on its node instead, each calling ``run_one`` (rank 0 logging), and returns rank 0's outcome
+(``experiments.runner.job_ranks``). The job's id is a tag of its run (``slurm_job_id`` on SLURM,
 ``submitit_job_id`` with the local executor) from the moment the run starts or reopens.
 
 The ablation process (``run_submitit``) submits the jobs (all at once on SLURM, where the cluster queues them;

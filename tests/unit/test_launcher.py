@@ -169,3 +169,12 @@ def test_a_dry_run_says_the_torchrun_inside_each_job(run_dirs, capsys):
         "launcher=submitit_local: 3 job(s), one per run, 1 at a time; each asks 0 GPU(s), 60 min; "
         "each runs torchrun with 2 ranks (fsdp2)"
     ), out
+
+
+def test_local_jobs_of_a_parallel_layout_share_the_gpus_of_a_node(run_dirs):
+    """On CUDA (a dry run's ``gpus=4``, no device queried) submitit's local jobs of 2 ranks each run 2 at a time;
+    ``launcher=local`` runs a parallel layout under one torchrun, one run at a time."""
+    args = [*ABLATE[1:4], *run_dirs, "gpus=4", "dry_run=true", "parallel.dp_shard=2", "train.batch_size=2"]
+    jobs = preflight(compose("ablate", [*args, "launcher=submitit_local"]))
+    assert jobs.workers == 2 and [s.gpus for s in jobs.placement.slots] == [(0, 1), (2, 3)]
+    assert preflight(compose("ablate", args)).workers == 1
