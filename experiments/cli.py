@@ -179,7 +179,8 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
     try:
         plan = plan_of(compose(config_name, argv))
         dims = plan.parallel
-        if dims.enabled and not under_torchrun() and not plan.dry_run:  # a dry run plans in one process
+        # a dry run plans in one process; a submitit launcher submits from one, each job starts its own torchrun
+        if dims.enabled and not under_torchrun() and not plan.dry_run and not plan.launcher.submitit:
             # Validated in one process (plan_of), then this command re-runs on dims.world_size ranks.
             print(
                 f"lowprec {config_name}: launching torchrun with {dims.world_size} ranks ({dims.short()})", flush=True

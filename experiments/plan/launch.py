@@ -17,8 +17,8 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The single-machine torchrun command line that runs ``python -m experiments <argv>`` on ``nproc`` ranks."""
+def torchrun_command(nproc: int, argv: list[str], module: str = "experiments") -> list[str]:
+    """The single-machine torchrun command line that runs ``python -m <module> <argv>`` on ``nproc`` ranks."""
     return [
         sys.executable,
         "-m",
@@ -26,9 +26,18 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "experiments",
+        module,
         *argv,
     ]
+
+
+def torchrun_env() -> dict[str, str]:
+    """This process's environment for torchrun and its ranks."""
+    env = dict(os.environ)
+    # Ranks must not share inductor's on-disk cache (torchao's compiled optimizer step crashed when they did).
+    env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+    return env
 
 
 def spawn_torchrun(nproc: int, argv: list[str]) -> int:
@@ -36,11 +45,7 @@ def spawn_torchrun(nproc: int, argv: list[str]) -> int:
 
     ``OMP_NUM_THREADS`` is left to torchrun (1 per rank unless set); CPU ranks share the machine's cores.
     """
-    env = dict(os.environ)
-    # Ranks must not share inductor's on-disk cache (torchao's compiled optimizer step crashed when they did).
-    env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-    env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-    proc = subprocess.Popen(torchrun_command(nproc, argv), env=env)
+    proc = subprocess.Popen(torchrun_command(nproc, argv), env=torchrun_env())
     # A signal to this process goes on to torchrun, which forwards it to every rank (lowprec.train.stop); without
     # this, a SIGTERM would end this process alone and leave torchrun and the ranks running.
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in STOP_SIGNALS}

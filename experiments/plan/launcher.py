@@ -9,7 +9,8 @@ submitit's ``LocalExecutor`` (each job a process of this machine), which is what
 The Hydra group ``launcher`` holds one option per name, each a ``LauncherConfig`` node;
 ``experiments.plan.config.launcher_from_cfg`` turns the composed node into the frozen ``LauncherSpec`` the ``Plan``
 carries, and ``check_launcher`` refuses, in one line before any MLflow run, what cannot be submitted from here (no
-``submitit``, no ``sbatch`` on PATH, a parallel layout, a value out of range).
+``submitit``, no ``sbatch`` on PATH, a layout larger than a node, a value out of range). A parallel layout runs
+under torchrun inside each job (``experiments.runner.job_ranks``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib.util
 import shutil
 from dataclasses import dataclass, field
 
+from experiments.plan.launch import under_torchrun
 from lowprec.errors import ConfigError
 
 #: ``launcher.name`` values. ``local``: this machine, as before issue 31; ``slurm``: one SLURM job per run
@@ -88,9 +90,10 @@ LAUNCHER_OPTIONS = {name: LauncherConfig(name=name) for name in LAUNCHERS}
 def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> None:
     """Refuse (``ConfigError``, one line) a launcher that cannot submit from here, before any MLflow run:
     an unknown ``name``; ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
-    PATH is searched); a submitit launcher with a parallel layout (``world_size`` > 1: one job with torchrun inside
-    is not built yet); ``time``, ``cpus_per_task``, ``mem_gb``, ``gpus_per_node``, ``max_running`` or ``poll_s``
-    out of range; a layout that needs more GPUs than ``gpus_per_node``."""
+    PATH is searched); a submitit launcher under torchrun (the ablation process submits; each job of a parallel
+    layout, ``world_size`` > 1, starts torchrun with its ranks itself); ``time``, ``cpus_per_task``, ``mem_gb``,
+    ``gpus_per_node``, ``max_running`` or ``poll_s`` out of range; a layout that needs more GPUs than
+    ``gpus_per_node`` (one run per node at most: a job's torchrun is ``--standalone``)."""
     if spec.name not in LAUNCHERS:
         raise ConfigError(f"launcher.name={spec.name} is not one of {', '.join(LAUNCHERS)}")
     if not spec.submitit:
@@ -114,8 +117,8 @@ def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> N
         raise ConfigError(
             f"the parallel layout needs {world_size} GPUs per run but launcher.gpus_per_node={spec.gpus_per_node}"
         )
-    if world_size > 1:
+    if under_torchrun():  # every rank would submit every run
         raise ConfigError(
-            f"launcher={spec.name} with a parallel layout of {world_size} ranks: one job per run with torchrun "
-            "inside is not built yet; use launcher=local (torchrun on this node) or a one-process layout"
+            f"launcher={spec.name} submits from one process: run lowprec ablate without torchrun "
+            "(each job starts torchrun itself for a parallel layout)"
         )

@@ -232,7 +232,9 @@ def ablation_placement(cfg: DictConfig) -> Placement:
         if gpus is not None and int(gpus) > seen:
             raise ConfigError(f"gpus={gpus} but this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES); lower gpus=")
         visible = seen if gpus is None else int(gpus)
-    return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=False)
+    # a local parallel ablation runs under one torchrun (one slot); submitit's local jobs each start their own
+    many = launcher_from_cfg(cfg).name == "submitit_local"
+    return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=many)
 
 
 def ablation_workers(cfg: DictConfig) -> int:

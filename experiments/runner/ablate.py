@@ -88,7 +88,8 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
     if plan.dry_run:  # the plan, printed: no data prepared unless it is already there, no MLflow run
         echo(dry_run_text(plan))
         return AblationOutcome("", "")
-    dims = start_parallel(plan.parallel, plan.device)
+    # a submitit launcher's ablation is one process; each job runs its run's ranks (experiments.runner.job_ranks)
+    dims = plan.parallel if plan.launcher.submitit else start_parallel(plan.parallel, plan.device)
     with ExitStack() as held:  # the ablation's lock, held until it ends: no resume of it meanwhile
         resume = _resume_plan(plan) if plan.resume else None  # reads MLflow, writes nothing
         if resume is not None and resume.lock is not None:
@@ -322,7 +323,8 @@ def dry_run_text(plan: Plan) -> str:
 
 
 def launcher_line(plan: Plan) -> str:
-    """The dry run's line for a submitit launcher (one job per run, what each job asks for); "" for ``local``."""
+    """The dry run's line for a submitit launcher (one job per run, what each job asks for, the torchrun inside a
+    job of a parallel layout); "" for ``local``."""
     from experiments.runner.submitit_jobs import job_gpus
 
     spec = plan.launcher
@@ -333,4 +335,7 @@ def launcher_line(plan: Plan) -> str:
     asks += [f"{k} {v}" for k, v in (("partition", spec.partition), ("cpus", spec.cpus_per_task)) if v is not None]
     asks += [f"{spec.mem_gb:g} GB"] if spec.mem_gb is not None else []
     at_once = spec.max_running or (n if spec.name == "slurm" else plan.workers)
-    return f"\nlauncher={spec.name}: {n} job(s), one per run, {min(at_once, n)} at a time; each asks {', '.join(asks)}"
+    k = plan.parallel.world_size
+    inside = f"; each runs torchrun with {k} ranks ({plan.parallel.short()})" if k > 1 else ""
+    line = f"launcher={spec.name}: {n} job(s), one per run, {min(at_once, n)} at a time; each asks {', '.join(asks)}"
+    return "\n" + line + inside

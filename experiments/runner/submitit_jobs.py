@@ -3,7 +3,9 @@
 Each (recipe, seed) is one job: ``run_job`` (module level, so submitit pickles it by reference) receives the
 ``Plan`` as it is, prepares the data from the cache, makes its own MLflow client on the ablation's store and calls
 ``experiments.runner.run.run_one`` under the ablation's parent run, exactly as a worker process does
-(``experiments.runner.scheduler``). The job's id is a tag of its run (``slurm_job_id`` on SLURM,
+(``experiments.runner.scheduler``). With a parallel layout (k > 1 ranks) the job starts torchrun with the k ranks
+on its node instead, each calling ``run_one`` (rank 0 logging), and returns rank 0's outcome
+(``experiments.runner.job_ranks``). The job's id is a tag of its run (``slurm_job_id`` on SLURM,
 ``submitit_job_id`` with the local executor) from the moment the run starts or reopens.
 
 The ablation process (``run_submitit``) submits the jobs (all at once on SLURM, where the cluster queues them;
@@ -84,12 +86,15 @@ def run_job(
     from experiments.plan.startup import prepare_data
     from experiments.tracking.tracker import make_tracker
 
-    if threads:
-        torch.set_num_threads(threads)
     spec = plan.launcher
-    tags = {"launcher": spec.name, spec.job_id_tag: str(submitit.JobEnvironment().job_id)}
+    env = submitit.JobEnvironment()
+    tags = {"launcher": spec.name, spec.job_id_tag: str(env.job_id)}
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         tags["gpus"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    if plan.parallel.world_size > 1:
+        return _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, threads, tags, env)
+    if threads:
+        torch.set_num_threads(threads)
     tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
     data = prepare_data(plan.data, plan.train.progress)
     if local_stop():
@@ -108,6 +113,37 @@ def run_job(
         )
     except StopSignal as stop:  # recorded KILLED by run_one; a result, so the ablation sees it
         return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+
+
+def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, threads, tags, env) -> RunOutcome:
+    """``run_job`` of a parallel layout: ``torchrun`` with the layout's k ranks on this node, each running
+    ``experiments.runner.job_ranks`` (``run_one`` on every rank, rank 0 logging), and rank 0's outcome read back.
+    A stop signal (or SLURM's SIGUSR2) goes on to the ranks (``job_ranks.run_ranks``). Raises
+    ``RuntimeError`` naming torchrun's exit code when the ranks left no outcome (the ablation records the run
+    FAILED, ``failure_kind=crash``)."""
+    from experiments.runner import job_ranks
+
+    folder = Path(env.paths.folder)
+    (folder / job_ranks.OUTCOME).unlink(missing_ok=True)  # a requeued job's earlier outcome is not this one's
+    job_ranks.write_args(
+        folder,
+        plan=plan,
+        recipe=recipe,
+        seed=seed,
+        parent_id=parent_id,
+        ablation_id=ablation_id,
+        continuation=continuation,
+        tags=tags,
+        threads=threads,
+    )
+    if local_stop():
+        return RunOutcome("", recipe.name, seed, "KILLED", reason=f"not started: stopped by signal {local_stop()}")
+    k = plan.parallel.world_size
+    rc = job_ranks.run_ranks(k, folder)
+    outcome = job_ranks.read_outcome(folder / job_ranks.OUTCOME)
+    if outcome is None:
+        raise RuntimeError(f"torchrun with {k} ranks exited {rc} without an outcome (see the job's log)")
+    return outcome
 
 
 # --- in the ablation process ----------------------------------------------------------------------------------

@@ -161,3 +161,74 @@ def test_sigterm_to_the_ablation_stops_its_jobs_with_checkpoints(tmp_path, capsy
         assert kid.info.status == "KILLED", kid.data.tags.get("failure_reason")
         assert kid.data.tags["stopped_by"] == "SIGTERM" and kid.data.tags["resume_checkpoint"]
         assert int(kid.data.tags["stopped_after_step"]) < 299
+
+
+def test_a_parallel_layout_trains_under_torchrun_inside_its_job(tmp_path):
+    """``parallel.dp_shard=2``: the job starts torchrun with 2 ranks (gloo) and rank 0 alone logs the run, whose
+    losses are those of one process (the FSDP2 tests' 1e-5 relative)."""
+    one = [a for a in RUN if not a.startswith("recipes=")] + ["recipes=[fp32]"]
+    rc, out = _ablate([*one, "workers=1", *_dirs(tmp_path / "one")])
+    assert rc == 0, out
+    _, ref = _runs(tmp_path / "one", _id(out))
+    rc, out = _ablate([*one, "parallel.dp_shard=2", "launcher=submitit_local", *_dirs(tmp_path / "jobs")])
+    assert rc == 0, out
+    assert "launching torchrun" not in out  # the ablation process submits; the job starts the ranks
+    ablation_id = _id(out)
+    parent, kids = _runs(tmp_path / "jobs", ablation_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["world_size"] == "2"
+    run = kids["fp32"]
+    assert run.info.status == "FINISHED", run.data.tags.get("failure_reason")
+    assert run.data.tags["parallel"] == "fsdp2" and run.data.tags["world_size"] == "2"
+    assert run.data.metrics["comm_reduce_scatter_bytes"] > 0  # two ranks exchanged gradients
+    job = run.data.tags["submitit_job_id"]
+    folder = tmp_path / "jobs" / "runs" / "submitit" / ablation_id / job
+    assert (folder / "outcome.json").exists() and list(folder.glob("*_result.pkl"))  # rank 0's outcome, returned
+    client = MlflowClient(f"sqlite:///{tmp_path / 'jobs' / 'runs' / 'mlflow.db'}")
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 6  # one rank logged: each step once
+    single = [
+        m.value
+        for m in MlflowClient(f"sqlite:///{tmp_path / 'one' / 'runs' / 'mlflow.db'}").get_metric_history(
+            ref["fp32"].info.run_id, "loss"
+        )
+    ]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, single, strict=True)) < 1e-5, (losses, single)
+    assert run.data.metrics["final_val_loss"] == pytest.approx(ref["fp32"].data.metrics["final_val_loss"], rel=1e-5)
+
+
+def test_sigterm_stops_a_parallel_job_on_every_rank_with_a_checkpoint(tmp_path, capsys):
+    """SIGTERM to the ablation: its job passes it to both ranks (not through torchrun, which ignores it), which
+    stop after the same step and write the sharded checkpoint; the run is KILLED with it."""
+    db = tmp_path / "runs" / "mlflow.db"
+    over = threading.Event()
+
+    def sigterm_once_the_run_trains() -> None:
+        while not over.wait(0.2):
+            try:
+                client = MlflowClient(f"sqlite:///{db}")
+                exp = client.get_experiment_by_name("lowprec")
+                running = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") if exp else []
+                if any(client.get_metric_history(r.info.run_id, "loss") for r in running):
+                    os.kill(os.getpid(), signal.SIGTERM)  # the job's ranks are past their first step
+                    return
+            except Exception:  # the store is being created
+                pass
+
+    one = [a for a in RUN if not a.startswith("recipes=")] + ["recipes=[fp32]", "train.telemetry_every=1"]
+    t = threading.Thread(target=sigterm_once_the_run_trains, daemon=True)
+    t.start()
+    try:
+        rc = main(
+            ["ablate", *one, "train.steps=300", "parallel.dp_shard=2", "launcher=submitit_local", *_dirs(tmp_path)]
+        )
+    finally:
+        over.set()
+        t.join()
+    assert rc == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    parent, kids = _runs(tmp_path, line.rsplit("resume=", 1)[1])
+    assert parent.info.status == "KILLED"
+    run = kids["fp32"]
+    assert run.info.status == "KILLED", run.data.tags.get("failure_reason")
+    assert run.data.tags["stopped_by"] == "SIGTERM" and int(run.data.tags["stopped_after_step"]) < 299
+    assert Path(run.data.tags["resume_checkpoint"]).is_dir()

@@ -1,7 +1,7 @@
 """``launcher=...`` refused in one line before any MLflow run (issue 31 items 3 and 8): SLURM without ``sbatch``
-on PATH or without the ``submitit`` package, an unknown launcher, a value out of range, a parallel layout (one job
-per run with torchrun inside is not built); and the typed ``LauncherSpec`` the ``Plan`` carries. Real Hydra
-composition through the command line."""
+on PATH or without the ``submitit`` package, an unknown launcher, a value out of range, a parallel layout larger
+than ``launcher.gpus_per_node`` (each job runs its run's ranks with torchrun on one node), a submitit launcher under
+torchrun; and the typed ``LauncherSpec`` the ``Plan`` carries. Real Hydra composition through the command line."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_slurm_without_submitit_is_one_line(monkeypatch, run_dirs, tmp_path, cap
         (["launcher=submitit_local", "launcher.time=0"], "launcher.time=0 must be >= 1"),
         (["launcher=submitit_local", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0 must be > 0"),
         (["launcher=submitit_local", "launcher.time=soon"], "launcher.time"),
-        (
-            ["launcher=submitit_local", "parallel.dp_shard=2", "train.batch_size=2"],
-            "launcher=submitit_local with a parallel layout of 2 ranks: one job per run with torchrun inside",
+        (  # a job's torchrun is --standalone: one run on one node at most
+            ["launcher=submitit_local", "launcher.gpus_per_node=1", "parallel.dp_shard=2", "train.batch_size=2"],
+            "the parallel layout needs 2 GPUs per run but launcher.gpus_per_node=1",
         ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else "",
@@ -74,7 +74,16 @@ def test_slurm_checks_with_sbatch_found():
     check_launcher(LauncherSpec(name="slurm", partition="gpu", gpus_per_node=8), 1, which=found)
     with pytest.raises(ConfigError, match="layout needs 16 GPUs per run but launcher.gpus_per_node=8"):
         check_launcher(LauncherSpec(name="slurm", gpus_per_node=8), 16, which=found)
+    check_launcher(LauncherSpec(name="slurm", gpus_per_node=8), 8, which=found)  # 8 ranks: torchrun in the job
     check_launcher(LauncherSpec(name="local"), 16, which=lambda name: None)  # today's behaviour: nothing asked
+
+
+def test_a_submitit_launcher_under_torchrun_is_refused(monkeypatch):
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets them: every rank would submit every run
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="launcher=submitit_local submits from one process"):
+        check_launcher(LauncherSpec(name="submitit_local"), 2)
+    check_launcher(LauncherSpec(name="local"), 2)
 
 
 def test_the_plan_carries_the_launcher_typed(run_dirs):
@@ -150,3 +159,22 @@ def test_slurm_jobs_ask_what_the_launcher_says_and_a_job_without_result_fails_it
     run = tracker.client.get_run(child)
     assert run.info.status == "FAILED" and run.data.tags["failure_reason"] == o.reason
     assert run.data.tags["failure_kind"] == "crash" and run.data.tags["job_state"] == "OUT_OF_MEMORY"
+
+
+def test_a_dry_run_says_the_torchrun_inside_each_job(run_dirs, capsys):
+    args = ["launcher=submitit_local", "parallel.dp_shard=2", "train.batch_size=2", "dry_run=true"]
+    assert main([*ABLATE, *run_dirs, *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == (
+        "launcher=submitit_local: 3 job(s), one per run, 1 at a time; each asks 0 GPU(s), 60 min; "
+        "each runs torchrun with 2 ranks (fsdp2)"
+    ), out
+
+
+def test_local_jobs_of_a_parallel_layout_share_the_gpus_of_a_node(run_dirs):
+    """On CUDA (a dry run's ``gpus=4``, no device queried) submitit's local jobs of 2 ranks each run 2 at a time;
+    ``launcher=local`` runs a parallel layout under one torchrun, one run at a time."""
+    args = [*ABLATE[1:4], *run_dirs, "gpus=4", "dry_run=true", "parallel.dp_shard=2", "train.batch_size=2"]
+    jobs = preflight(compose("ablate", [*args, "launcher=submitit_local"]))
+    assert jobs.workers == 2 and [s.gpus for s in jobs.placement.slots] == [(0, 1), (2, 3)]
+    assert preflight(compose("ablate", args)).workers == 1

@@ -1,0 +1,162 @@
+"""One run of an ablation on the ranks of a parallel layout, inside one submitit job (``launcher=slurm`` or
+``submitit_local`` with k = dp_replicate x dp_shard x tp > 1; issue 31 item 3).
+
+The job (``experiments.runner.submitit_jobs.run_job``) writes its arguments to ``ranks_args.pkl`` in its own job
+folder and starts ``torchrun --standalone --nproc_per_node=k -m experiments.runner.job_ranks <job folder>``
+(``run_ranks``: the command line ``lowprec train/ablate`` launch on one node, with the job's own signal handling).
+Each rank joins the process group, prepares the data (rank 0 first) and calls ``run_one`` as the ranks of a local
+parallel ablation do: rank 0 alone talks to MLflow (``make_tracker``), so the run's metrics are logged once. Rank 0 then
+writes the ``RunOutcome`` as JSON (``outcome.json``, plain data) in the job folder, which the job reads back and
+returns to the ablation process as its result.
+
+The arguments file is a pickle the same job wrote a moment before in its own folder (the ``Plan`` is a frozen
+dataclass tree with no JSON form); it is read only from the folder named on the command line, as submitit reads its
+own ``*_submitted.pkl`` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments.runner.run import RunOutcome
+from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
+
+#: The job's arguments for its ranks, in the job folder.
+ARGS = "ranks_args.pkl"
+#: Rank 0's ``RunOutcome``, as JSON, in the job folder.
+OUTCOME = "outcome.json"
+#: The stop signal the job received, in the job folder: a rank that was still starting then reads it.
+STOP = "stop_signal"
+
+
+def write_args(folder: Path, **kwargs) -> None:
+    """Write ``kwargs`` (``plan``, ``recipe``, ``seed``, ``parent_id``, ``ablation_id``, ``continuation``,
+    ``tags``, ``threads``) for the ranks to ``folder / ARGS``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ARGS).write_bytes(pickle.dumps(kwargs))
+
+
+def write_outcome(path: Path, outcome: RunOutcome) -> None:
+    """``outcome`` as JSON at ``path`` (written to a temporary name, then renamed: never read half written)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(outcome)))
+    os.replace(tmp, path)
+
+
+def read_outcome(path: Path) -> RunOutcome | None:
+    """The ``RunOutcome`` rank 0 wrote at ``path``; None when there is none (the ranks died before the end)."""
+    if not path.exists():
+        return None
+    return RunOutcome(**json.loads(path.read_text()))
+
+
+#: Signals the job passes on to its ranks: the stop signals and SLURM's time-limit warning (SIGUSR2).
+RANK_SIGNALS = (*STOP_SIGNALS, signal.SIGUSR2)
+
+
+def _ignore_rank_signals() -> None:  # in torchrun's process, before exec: the ignored dispositions survive exec
+    for s in RANK_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def run_ranks(k: int, folder: Path) -> int:
+    """``torchrun --standalone --nproc_per_node=k -m experiments.runner.job_ranks <folder>`` in the foreground
+    (``experiments.plan.launch``'s command line and environment); returns torchrun's exit code.
+
+    Signals: torchrun itself ignores ``RANK_SIGNALS`` (it would end its ranks 30 s after a SIGTERM, before a long
+    checkpoint, and a second SIGTERM, which SLURM sends to every process of the job's step while this process
+    passes its own on, interrupts that shutdown); this process passes each one it receives to the ranks (torchrun's
+    children, ``psutil``), whose handlers stop the run after its step with a checkpoint (``lowprec.train.stop``),
+    and torchrun exits when they do."""
+    import psutil
+
+    from experiments.plan.launch import torchrun_command, torchrun_env
+
+    (folder / STOP).unlink(missing_ok=True)  # a requeued job's earlier stop is not this one's
+    env = torchrun_env()
+    env["PET_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"  # torchrun's --signals_to_handle: not the ranks' signals
+    proc = subprocess.Popen(
+        torchrun_command(k, [str(folder)], module="experiments.runner.job_ranks"),
+        env=env,
+        preexec_fn=_ignore_rank_signals,
+    )
+
+    def to_ranks(signum, frame) -> None:
+        request_stop(signum)
+        # first the file: a rank still starting (its handlers not installed, the signal ignored) reads it after
+        (folder / STOP).write_text(str(local_stop()))
+        try:
+            ranks = psutil.Process(proc.pid).children()
+        except psutil.NoSuchProcess:  # torchrun has ended
+            return
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+    previous = {s: signal.signal(s, to_ranks) for s in RANK_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _stop_on(signum, frame) -> None:
+    request_stop(signum)
+
+
+def main(argv: list[str]) -> int:
+    """A rank's work (module docstring); ``argv``: the job folder. Returns 0 (a run's own failure is in its
+    outcome, FAILED; only a crash of this process leaves no ``outcome.json``)."""
+    install_stop_handlers()  # the job's stop signals (run_ranks): stop after the step, with a checkpoint
+    signal.signal(signal.SIGUSR2, _stop_on)  # SLURM's time-limit warning
+    import torch
+    import torch.distributed as dist
+
+    from experiments.plan.startup import prepare_data, start_parallel
+    from experiments.runner.run import run_one
+    from experiments.tracking.tracker import make_tracker
+    from lowprec.parallel.runtime import is_rank0
+
+    folder = Path(argv[0])
+    if (folder / STOP).exists():  # the job was asked to stop before these handlers were in place
+        request_stop(int((folder / STOP).read_text()))
+    a = pickle.loads((folder / ARGS).read_bytes())
+    plan, recipe, seed = a["plan"], a["recipe"], a["seed"]
+    if a["threads"]:
+        torch.set_num_threads(max(1, a["threads"] // plan.parallel.world_size))
+    start_parallel(plan.parallel, plan.device)
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)  # rank 0: MLflow
+    data = prepare_data(plan.data, plan.train.progress)
+    try:
+        outcome = run_one(
+            plan,
+            recipe,
+            seed,
+            data,
+            tracker,
+            parent_id=a["parent_id"],
+            ablation_id=a["ablation_id"],
+            continuation=a["continuation"],
+            extra_tags=a["tags"],
+        )
+    except StopSignal as stop:  # recorded KILLED by run_one (rank 0); a result, so the ablation sees it
+        outcome = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+    if is_rank0():
+        write_outcome(folder / OUTCOME, outcome)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
