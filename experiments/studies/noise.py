@@ -125,6 +125,7 @@ def _setup(plan: Plan) -> dict:
         "lr": plan.optim.lr,
         "warmup_steps": t.warmup_steps,
         "device": plan.device,
+        "eval_ema": t.eval_ema,
     }
 
 
