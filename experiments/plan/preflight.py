@@ -340,6 +340,11 @@ def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
         )
     if dims.enabled:
         dims.check(batch_size=spec.batch_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
+    if spec.eval_ema is not None and dims.enabled:
+        raise ConfigError(
+            "train.eval_ema is not implemented for a parallel layout (its average would live on the "
+            "local shards): use parallel=single, or leave train.eval_ema unset"
+        )
     check_moe_layout(args, dims, spec)
     meta = build_model_meta(args)
     trains = []

@@ -9,9 +9,12 @@ a ``non-inferior`` verdict at the report's margin needs there for a recipe whose
 At the final point it also tries the estimators of the final loss that need no new runs: the mean of each run's
 last k validation points (``study.noise.last_k``). Any other recipe of the ablation (e.g. ``bf16``) gets its own
 paired-sd curve against the control and final-point rows: a real numerics change beside the negative control's
-floor. The other ways to lower the noise change the runs and are separate invocations whose ``noise.json`` the
-docs compare (docs/noise.md): more validation tokens (``train.val_batches``), a lower peak learning rate with a
-longer warm-up (``optim.lr``, ``train.warmup_steps``).
+floor. When the runs logged ``val_loss_ema`` (``train.eval_ema``: an EMA of the weights, evaluated beside them at every
+validation point, the training unchanged bit for bit) the same runs also give the EMA estimator: the negative
+control's paired-sd curve of the EMA's validation loss, and final-point rows ``ema`` (and ``<recipe> vs <control>
+ema``) beside the plain ones. The other ways to lower the noise change the runs and are separate invocations whose
+``noise.json`` the docs compare (docs/noise.md): more validation tokens (``train.val_batches``), a lower peak
+learning rate with a longer warm-up (``optim.lr``, ``train.warmup_steps``).
 
 Settings (``study.noise``): ``negative`` (the negative-control recipe, default ``fp32_reordered``), ``last_k``
 (default ``[1, 2, 4]``). Writes ``noise.md``, ``noise.json`` and ``noise.csv`` beside the report and prints the
@@ -122,6 +125,7 @@ def _setup(plan: Plan) -> dict:
         "lr": plan.optim.lr,
         "warmup_steps": t.warmup_steps,
         "device": plan.device,
+        "eval_ema": t.eval_ema,
     }
 
 
@@ -152,6 +156,15 @@ def noise_study(ctx: StudyContext) -> Path:
             others[other] = noise_curve(ctl, oc, tps, margin, alpha)
             for k in settings.last_k:
                 final[f"{other} vs {ctx.control} last {k}"] = last_k_point(ctl, oc, int(k), tps, margin, alpha)
+    # the EMA of the weights, when the runs kept one (train.eval_ema): the same runs, another estimator
+    ctl_e, neg_e = _curves(ctx, ctx.control, "val_loss_ema"), _curves(ctx, neg, "val_loss_ema")
+    ema_curve = noise_curve(ctl_e, neg_e, tps, margin, alpha) if any(ctl_e.values()) and any(neg_e.values()) else []
+    if ema_curve:
+        final["ema"] = last_k_point(ctl_e, neg_e, 1, tps, margin, alpha)
+        for other in others:
+            oe = _curves(ctx, other, "val_loss_ema")
+            if any(oe.values()):
+                final[f"{other} vs {ctx.control} ema"] = last_k_point(ctl_e, oe, 1, tps, margin, alpha)
     rule = (
         f"seeds needed: a recipe whose true gap is 0, with the negative control's paired sd, gets `non-inferior` at "
         f"margin {margin:.2%} with power {POWER} (one-sided paired t-test at alpha={alpha:.3g}, statsmodels "
@@ -181,6 +194,16 @@ def noise_study(ctx: StudyContext) -> Path:
                 "",
             )
         ),
+        *(
+            [
+                f"## EMA of the weights (train.eval_ema), `{neg}` against `{ctx.control}` along the run",
+                "",
+                *_table([_row(p, f"step {p.step + 1}") for p in ema_curve]),
+                "",
+            ]
+            if ema_curve
+            else []
+        ),
         "## Estimators of the final loss (same runs)",
         "",
         *_table([_row(p, k.replace("_", " ")) for k, p in final.items()]),
@@ -201,6 +224,7 @@ def noise_study(ctx: StudyContext) -> Path:
                 "setup": setup,
                 "curve": [p.as_dict() for p in curve],
                 "others": {o: [p.as_dict() for p in pts] for o, pts in others.items()},
+                "ema_curve": [p.as_dict() for p in ema_curve],
                 "final": {k: p.as_dict() for k, p in final.items()},
             },
             indent=2,
@@ -218,6 +242,9 @@ def noise_study(ctx: StudyContext) -> Path:
     for other, pts in others.items():
         print(f"{other} vs {ctx.control} along the run:")
         print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in pts])))
+    if ema_curve:
+        print(f"EMA of the weights, {neg} vs {ctx.control} along the run:")
+        print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in ema_curve])))
     print("final-loss estimators (same runs):")
     print("\n".join(_table([_row(p, k.replace("_", " ")) for k, p in final.items()])))
     print(f"noise study: {path}")

@@ -15,6 +15,8 @@ from experiments.tracking.tracker import PARENT_TAG, Tracker
 
 #: Metrics whose whole history each run carries (``RunData.curves``).
 CURVES = ("loss", "val_loss", "grad_norm")
+#: Curves only some runs log (``val_loss_ema``: ``train.eval_ema``), read only from the runs that did.
+OPTIONAL_CURVES = ("val_loss_ema",)
 #: (role or GEMM, stat) drawn as heatmaps over layers x steps.
 TELEMETRY_PANELS = [
     ["output", "sqnr_db"],
@@ -94,7 +96,7 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             train_auto=tags.get("train_auto", ""),
             compile_fallback=tags.get("compile_fallback", ""),
         )
-        for key in CURVES:
+        for key in (*CURVES, *(k for k in OPTIONAL_CURVES if k in r.data.metrics)):
             rd.curves[key] = metric_series(tracker.client.get_metric_history(r.info.run_id, key))
         left_out = telemetry_warmup(tags)
         for key in r.data.metrics:

@@ -45,6 +45,7 @@ def save_checkpoint(
     loss_scaler=None,
     recipe=None,
     health: dict | None = None,
+    ema: dict | None = None,
 ) -> None:
     """Write everything the next step needs to the folder ``path``, all or nothing: into a staging folder, then
     committed by rename with its sha256 manifest (``lowprec.train.checkpoint_files``); a save killed midway
@@ -54,7 +55,7 @@ def save_checkpoint(
     ``recipe``: the run's ``Recipe``; its name and hash are stored so a resume under another recipe is
     noticed (``check_resume_recipe``). ``health``: the health monitor's state (``HealthMonitor.state_dict``: spike
     histories, skipped batches, rollback count, FP8 streaks and switched layers), stored as ``trainer_state.pt``'s
-    ``health``.
+    ``health``. ``ema``: the weight EMA's state (``WeightEma.state_dict``, ``train.eval_ema``), stored as its ``ema``.
 
     Raises ``DiskError`` (one line: the errno, the folder, its disk and the bytes free) when the disk is full or
     read-only, ``RuntimeError`` for any other failure; either way the staging folder is removed and the checkpoints
@@ -84,6 +85,7 @@ def save_checkpoint(
             "recipe_name": recipe.name if recipe is not None else None,
             "recipe_hash": recipe.hash() if recipe is not None else None,
             "health": health,
+            "ema": ema,
         }
         try:
             reached("save.trainer_state")

@@ -14,6 +14,7 @@ from lowprec.train.build import Built
 from lowprec.train.checkpoint import check_resume_recipe, load_checkpoint, read_trainer_state, save_checkpoint
 from lowprec.train.checkpoint_files import prune, resolve_resume
 from lowprec.train.data_position import resumed_position
+from lowprec.train.ema import WeightEma
 from lowprec.train.health import HealthMonitor
 from lowprec.train.spec import TrainSpec
 
@@ -36,10 +37,18 @@ class Checkpointer:
     """Writes ``<directory>/step_<N>`` after every N-th step, N = ``spec.checkpoint_every`` (never when
     ``directory`` is None or N is 0), keeping the ``spec.keep_checkpoints`` newest (0: all), resumes a run from
     such a folder (``lowprec.train.checkpoint``), and reloads the newest one for a rollback. ``health``: the run's
-    monitor, whose state every checkpoint carries and every load restores."""
+    monitor, whose state every checkpoint carries and every load restores; ``ema``: the run's ``WeightEma``
+    (``train.eval_ema``), likewise."""
 
-    def __init__(self, built: Built, spec: TrainSpec, directory: str | Path | None, health: HealthMonitor):
-        self.built, self.spec, self.health = built, spec, health
+    def __init__(
+        self,
+        built: Built,
+        spec: TrainSpec,
+        directory: str | Path | None,
+        health: HealthMonitor,
+        ema: WeightEma | None = None,
+    ):
+        self.built, self.spec, self.health, self.ema = built, spec, health, ema
         self.directory = Path(directory) if directory is not None else None
         #: The newest complete checkpoint of this run's trajectory (written, or resumed from): a rollback's target.
         self.newest: Path | None = None
@@ -52,7 +61,8 @@ class Checkpointer:
 
         Raises ``CheckpointError`` when no complete checkpoint is found, when it was written under another recipe
         and ``spec.resume_recipe_change`` is off, when it does not load, when its step leaves no step to run, or when
-        ``spec.skip_batches`` names a batch before the checkpoint's data position.
+        ``spec.skip_batches`` names a batch before the checkpoint's data position, or when the run keeps a weight
+        EMA and the checkpoint holds none (or another decay).
         """
         if path is None:
             return ResumePoint()
@@ -69,9 +79,14 @@ class Checkpointer:
             self.health.load_state_dict(state)
         saved = state["data"] if state is not None else None
         self.health.data = resumed_position(saved, step, self.spec.skip_batches, repr(str(path)))
+        self._load_ema(path)
         self.health.checkpoint_written(step)
         self.newest = path
         return ResumePoint(step, change, path, note)
+
+    def _load_ema(self, path: Path) -> None:
+        if self.ema is not None:  # a checkpoint without one is refused: the average would restart mid-run
+            self.ema.load_state_dict(read_trainer_state(path).get("ema"), repr(str(path)))
 
     def due(self, step: int) -> bool:
         every = self.spec.checkpoint_every
@@ -82,7 +97,15 @@ class Checkpointer:
         path = self.directory / f"step_{step + 1}"
         try:
             save_checkpoint(
-                path, b.model, b.optimizer, step + 1, b.scheduler, b.loss_scaler, b.recipe, self.health.state_dict()
+                path,
+                b.model,
+                b.optimizer,
+                step + 1,
+                b.scheduler,
+                b.loss_scaler,
+                b.recipe,
+                self.health.state_dict(),
+                self.ema.state_dict() if self.ema is not None else None,
             )
         except DiskError as e:  # the line the user reads says where the run can resume once space is back
             if self.newest is None:
@@ -127,6 +150,7 @@ class Checkpointer:
         b = self.built
         step = load_checkpoint(path, b.model, b.optimizer, b.scheduler, b.loss_scaler)
         self.health.rolled_back(read_trainer_state(path).get("health"))
+        self._load_ema(path)
         self.health.checkpoint_written(step)
         self.newest = path
         return ResumePoint(step, {}, path, note)

@@ -17,6 +17,7 @@ from lowprec.data import TokenBatches
 from lowprec.measure.spikes import SpikeRule
 from lowprec.train.build import Built
 from lowprec.train.checkpointer import Checkpointer, ResumePoint
+from lowprec.train.ema import WeightEma
 from lowprec.train.health import AnomalyEvent, HealthMonitor
 from lowprec.train.inspector import Effective, EffectiveInspector
 from lowprec.train.meter import RunMeter
@@ -93,11 +94,12 @@ def run_training(
     that no buffer sees. After the first step whose update ran, ``EffectiveInspector`` hands the effective
     recipe to ``on_effective``, then checks it (``EffectiveRecipeError``, also when no step ran an update).
     Metrics per step: ``loss``, ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``tokens``, the
-    ``built.after_step`` hooks' metrics, ``val_loss`` when ``Validator`` ran, ``anomaly/*`` counters at an anomaly's
-    step. ``Checkpointer`` writes ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step;
+    ``built.after_step`` hooks' metrics, ``val_loss`` (and ``val_loss_ema`` under ``spec.eval_ema``:
+    ``lowprec.train.ema``, updated after every kept step) when ``Validator`` ran, ``anomaly/*`` counters at an
+    anomaly's step. ``Checkpointer`` writes ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step;
     ``on_resume`` receives the ``ResumePoint`` of a resumed run before its first step. After a step during which a
     stop signal arrived (``lowprec.train.stop``) it writes the checkpoint the spec asks for and raises
-    ``StopSignal``. Summary: ``final_loss``, ``final_val_loss`` and ``RunMeter.summary``.
+    ``StopSignal``. Summary: ``final_loss``, ``final_val_loss`` (and ``final_val_loss_ema``) and ``RunMeter.summary``.
 
     Health (``lowprec.train.health``, ``spec.on_anomaly``, ``spike_rule``): every anomaly goes to ``on_anomaly``. A
     skipped step is logged (its loss and grad norm as measured) with no update behind it; a rolled-back step is not
@@ -107,7 +109,8 @@ def run_training(
     (``NonFiniteError``/``AnomalyError`` when the policy fails the run); every step before was logged.
     """
     health = HealthMonitor(built, spec, spike_rule, on_anomaly)
-    checkpointer = Checkpointer(built, spec, checkpoint_dir, health)
+    ema = WeightEma(built.model, built.optimizer, spec.eval_ema) if spec.eval_ema is not None else None
+    checkpointer = Checkpointer(built, spec, checkpoint_dir, health, ema)
     resumed = checkpointer.resume(resume_from)
     if resumed.loaded is not None:
         on_resume(resumed)  # which checkpoint was loaded, and why if it is not the one asked for
@@ -115,7 +118,7 @@ def run_training(
     inspector = EffectiveInspector(built, on_effective, {**resumed.recipe_change, **health.effective()})
     meter = RunMeter(built, spec, start)
     meter.start()
-    validator = Validator(built, data, spec)  # after meter.start(): its val batches are part of the run's memory
+    validator = Validator(built, data, spec, ema)  # after meter.start(): its val batches are part of the run's memory
     meter.probe_saved_bytes(data.train_batch(health.data.batch(start), 0))
     history: list[dict[str, float]] = []
     bar = tqdm(
@@ -151,6 +154,8 @@ def run_training(
         if not res.decision.apply:
             health.restore_buffers()  # a skipped step leaves no amax in the delayed-scaling histories
         inspector.after_step(res.applied)  # before the after_step hooks, while the step's gradients are untouched
+        if ema is not None:  # every kept step, applied or skipped: the average's clock is the optimizer step
+            ema.update()
         metrics = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": lr, **meter.after_step(step, res.applied)}
         for hook in built.after_step:
             metrics.update(hook(step, built))
@@ -180,6 +185,8 @@ def run_training(
     bar.close()
     inspector.finish(range(start, spec.steps))
     summary = {"final_loss": history[-1]["loss"], "final_val_loss": validator.last_loss, **meter.summary()}
+    if ema is not None:
+        summary["final_val_loss_ema"] = validator.last_loss_ema
     return RunResult(
         effective=inspector.effective,
         summary=summary,

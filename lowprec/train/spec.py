@@ -36,6 +36,9 @@ class TrainSpec:
     never trained on (``lowprec.train.data_position``; what a rollback does, by hand). ``fused_casts``: ``auto`` |
     ``on`` | ``off``, lowprec's FP8 casts as one compiled kernel each in an eager run
     (``lowprec.kernels.fused_casts.resolve_fused_casts``: ``auto`` is on for CUDA).
+
+    ``eval_ema``: ``None`` (off) or a decay in (0, 1): the run keeps an FP32 EMA of the trained weights and every
+    validation also evaluates it (``val_loss_ema``; ``lowprec.train.ema``), never changing the training trajectory.
     """
 
     steps: int = 200
@@ -64,6 +67,7 @@ class TrainSpec:
     fp8_fallback_samples: int = 3
     skip_batches: tuple[int, ...] = ()
     fused_casts: str = "auto"
+    eval_ema: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_batches", tuple(self.skip_batches))
@@ -74,6 +78,8 @@ class TrainSpec:
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
         self._check_health()
+        if self.eval_ema is not None:
+            check_decay(self.eval_ema)
         if not (self.grad_clip > 0):  # also refuses NaN
             raise ConfigError(
                 f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "
@@ -124,3 +130,10 @@ class TrainSpec:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
+
+
+def check_decay(decay: float) -> None:
+    """``train.eval_ema``'s range. Raises ``ConfigError`` unless ``0 < decay < 1`` (0 would be the weights themselves,
+    1 the first step's)."""
+    if not (0.0 < float(decay) < 1.0):  # also refuses NaN
+        raise ConfigError(f"train.eval_ema={decay} must be a decay in (0, 1), e.g. 0.99 (or null: off)")

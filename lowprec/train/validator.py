@@ -6,6 +6,7 @@ import warnings
 
 from lowprec.data import TokenBatches
 from lowprec.train.build import Built
+from lowprec.train.ema import WeightEma
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import evaluate
 
@@ -15,10 +16,11 @@ class Validator:
     ``spec.val_batches`` fixed batches loaded once here (``evaluate``: buffers are restored after each batch,
     so how often a run validates never changes its trajectory). ``spec.val_batches`` beyond what the validation
     split holds without overlapping windows is capped there with a warning (``val_batches_cap`` says so): more
-    batches would only repeat tokens, and cost time."""
+    batches would only repeat tokens, and cost time. ``ema``: the run's ``WeightEma`` (``train.eval_ema``), evaluated
+    on the same batches after the trained weights at each pass (``val_loss_ema``)."""
 
-    def __init__(self, built: Built, data: TokenBatches, spec: TrainSpec):
-        self.built, self.spec = built, spec
+    def __init__(self, built: Built, data: TokenBatches, spec: TrainSpec, ema: WeightEma | None = None):
+        self.built, self.spec, self.ema = built, spec, ema
         n = spec.val_batches
         limit = data.max_val_batches()
         #: ``None``, or the line saying that ``spec.val_batches`` was capped to the validation split.
@@ -33,14 +35,21 @@ class Validator:
         self.batches = data.val_batches(n)
         #: Validation loss (nats/token) of the latest pass; NaN before the first.
         self.last_loss = float("nan")
+        #: Validation loss of the weight EMA at the latest pass; NaN before the first or without ``ema``.
+        self.last_loss_ema = float("nan")
 
     def due(self, step: int) -> bool:
         every = self.spec.val_every
         return step == self.spec.steps - 1 or (every > 0 and (step + 1) % every == 0)
 
     def maybe_validate(self, step: int) -> dict[str, float]:
-        """``{"val_loss": loss}`` after a validation pass if one is due after ``step``, else ``{}``."""
+        """``{"val_loss": loss}`` (and ``val_loss_ema`` with an EMA) after a validation pass if one is due after
+        ``step``, else ``{}``."""
         if not self.due(step):
             return {}
         self.last_loss = evaluate(self.built, self.batches)
-        return {"val_loss": self.last_loss}
+        if self.ema is None:
+            return {"val_loss": self.last_loss}
+        with self.ema.swapped():
+            self.last_loss_ema = evaluate(self.built, self.batches)
+        return {"val_loss": self.last_loss, "val_loss_ema": self.last_loss_ema}

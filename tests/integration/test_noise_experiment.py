@@ -65,3 +65,35 @@ def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, 
     assert math.isclose(data["final"]["bf16 vs fp32 last 1"]["paired_sd"], data["others"]["bf16"][-1]["paired_sd"])
     assert math.isclose(data["final"]["last_1"]["paired_sd"], data["curve"][-1]["paired_sd"])
     assert "## Along the run" in (tmp_path / "reports" / abl / "noise.md").read_text()
+
+
+def test_noise_quick_with_eval_ema_reports_the_ema_estimator_from_the_runs(run_dirs, tmp_path, capsys):
+    """train.eval_ema: the same runs give the EMA estimator's paired sd and seeds needed beside the plain one,
+    recomputed here from the runs' ``val_loss_ema`` metrics in MLflow."""
+    assert main(["ablate", "experiment=noise_quick", "train.eval_ema=0.9", "seeds=2", *run_dirs]) == 0
+    out = capsys.readouterr().out
+    abl = re.search(r"ablation (abl-[\w-]+) done", out).group(1)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    runs = client.search_runs([exp], filter_string=f"tags.`lowprec.ablation_id` = '{abl}'")
+    ema, plain = {}, {}
+    for r in runs:
+        if "recipe" in r.data.tags:
+            key = (r.data.tags["recipe"], int(r.data.tags["seed"]))
+            ema[key] = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val_loss_ema")}
+            plain[key] = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val_loss")}
+            assert r.data.metrics["final_val_loss_ema"] == ema[key][7]
+    data = json.loads((tmp_path / "reports" / abl / "noise.json").read_text())
+    assert "ema" in data["final"] and "bf16 vs fp32 ema" in data["final"]
+    assert [p["step"] for p in data["ema_curve"]] == [1, 3, 5, 7]
+    for name, arm in (("ema", "fp32_reordered"), ("bf16 vs fp32 ema", "bf16")):
+        c = np.array([ema[("fp32", s)][7] for s in (0, 1)])
+        g = np.array([ema[(arm, s)][7] for s in (0, 1)])
+        d = (g - c) / c
+        assert math.isclose(data["final"][name]["paired_sd"], d.std(ddof=1), rel_tol=1e-9, abs_tol=1e-15)
+        assert data["final"][name]["seeds_needed"] == seeds_for_zero_gap(d.std(ddof=1), 0.0025, 0.025)
+        dp = np.array([plain[(arm, s)][7] / plain[("fp32", s)][7] - 1 for s in (0, 1)])
+        assert not np.array_equal(d, dp)  # the EMA is another estimator, not the plain value again
+    row = next(line for line in out.splitlines() if line.startswith("| bf16 vs fp32 ema "))
+    assert row.split("|")[7].strip() == f"{100 * data['final']['bf16 vs fp32 ema']['paired_sd']:.3g}%"
+    assert "## EMA of the weights" in (tmp_path / "reports" / abl / "noise.md").read_text()
