@@ -175,7 +175,10 @@ BAD = [
     (["train", "seed=99999999999999999999"], "seed=99999999999999999999 must be an integer in [0, 4294967295]"),
     (["ablate", "recipes=[fp32]", "seed=4294967295", "seeds=2"], "with 2 seeds runs past 4294967295"),
     (["train", "recipe=fp8_tensorwise", "model.dim=40"], "not multiples of 16 (torchao needs it)"),
-    (["train", "recipe=fp8_tensorwisé"], "unknown recipe 'fp8_tensorwisé' (recipe names are ASCII); known: fp32, fp32_reordered, bf16"),
+    (
+        ["train", "recipe=fp8_tensorwisé"],
+        "unknown recipe 'fp8_tensorwisé' (recipe names are ASCII); known: fp32, fp32_reordered, bf16",
+    ),
     (["ablate", "recipes=[bf16,fp8_rowwisé]"], "unknown recipe '[bf16,fp8_rowwisé]'"),
     (["train", "tracking.uri=foo://bar"], "tracking.uri=foo://bar: MLflow has no tracking store for 'foo'://"),
     (["train", "paths.runs=/dev/null"], "paths.runs=/dev/null cannot hold lowprec's runs"),
