@@ -155,6 +155,7 @@ def test_a_server_down_to_the_end_of_the_run_gets_everything_from_lowprec_sync(s
     assert again.info.end_time == run.info.end_time
 
 
+@pytest.mark.slow  # ~30 s: the spool/sync path of the two tests above, from two worker processes
 def test_an_ablations_workers_spool_and_sync_then_report_delivers_the_whole_ablation(server, reference, tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
@@ -14,6 +15,39 @@ from experiments.report.build import report_figures
 from experiments.studies import GROUP_TAG
 
 
+def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
+    # The suite's form (~50 s): one model and one component; the whole quick experiment (dense + MoE, ~2 min) is the
+    # long check below.
+    args = [
+        "ablate",
+        "experiment=deepseek_v3_quick",
+        "models=[debug]",
+        "recipes=[bf16,deepseek_v3,deepseek_v3_no_promotion]",
+    ]
+    assert main([*args, *run_dirs]) == 0
+    (abl,) = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)
+    out = tmp_path / "reports" / abl
+    text = (out / "deepseek_v3.md").read_text()
+    for heading in (
+        "## Headline: measured against the paper",
+        "## 1. Accumulation precision (paper 3.3.2)",
+        "## 2. Granularity under outliers (paper 3.3.2)",
+        "## 3. Training parity (paper 3.3, appendix B.1)",
+        "## 4. Component ablations (paper 3.3, appendix B.2)",
+        "### model `debug`",
+    ):
+        assert heading in text, heading
+    assert "maximum relative error of nearly 2%" in text and "captured layers." in text
+    assert "| `deepseek_v3_no_promotion` |" in text
+    assert all(f.exists() for f in report_figures(out / "deepseek_v3.md"))
+    head = json.loads((out / "deepseek_v3.json").read_text())
+    none = {int(k): e for k, e in head["accumulation"]["gaussian_rel_err_by_k"]["none"].items()}
+    assert none[max(none)] > 2.5 * none[min(none)]  # grows with K without promotion
+    parity = head["models"]["debug"]["parity"]
+    assert parity["n"] == 2 and set(head["models"]["debug"]["components"]) == {"deepseek_v3_no_promotion"}
+
+
+@pytest.mark.slow
 def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, capsys):
     assert main(["ablate", "experiment=deepseek_v3_quick", *run_dirs]) == 0
     first, abl = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)  # debug, then moe_debug

@@ -9,6 +9,7 @@ import math
 import re
 
 import numpy as np
+import pytest
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
@@ -67,6 +68,7 @@ def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, 
     assert "## Along the run" in (tmp_path / "reports" / abl / "noise.md").read_text()
 
 
+@pytest.mark.slow  # ~22 s, a second ablation; the EMA itself: tests/integration/test_eval_ema.py (~5 s)
 def test_noise_quick_with_eval_ema_reports_the_ema_estimator_from_the_runs(run_dirs, tmp_path, capsys):
     """train.eval_ema: the same runs give the EMA estimator's paired sd and seeds needed beside the plain one,
     recomputed here from the runs' ``val_loss_ema`` metrics in MLflow."""

@@ -38,7 +38,8 @@ def bf16_floor(token_data) -> float:
     return max_gap(base, train_losses(token_data, "bf16", YARDSTICK_KERNELS, reorder=True, steps=STEPS))
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "fp8_current", "fp8_tensorwise"])
+# torchao's compiled tensorwise (~30 s) is a long check; lowprec's own tensorwise (fp8_current) stays in the suite
+@pytest.mark.parametrize("recipe", ["fp32", "fp8_current", pytest.param("fp8_tensorwise", marks=pytest.mark.slow)])
 def test_compiled_blocks_train_like_eager(token_data, bf16_floor, recipe):
     eager = train_losses(token_data, recipe, "auto", steps=STEPS, telemetry_every=0)
     mine = train_losses(token_data, recipe, YARDSTICK_KERNELS, steps=STEPS, telemetry_every=0)
