@@ -10,13 +10,17 @@ writes the ``RunOutcome`` as JSON (``outcome.json``, plain data) in the job fold
 returns to the ablation process as its result.
 
 The arguments file is a pickle the same job wrote a moment before in its own folder (the ``Plan`` is a frozen
-dataclass tree with no JSON form); it is read only from the folder named on the command line, as submitit reads its
-own ``*_submitted.pkl`` there.
+dataclass tree with no JSON form); it is read only from the folder named on the command line, and through an
+allow-list (``load_args``: lowprec's, the lab's and the catalog's dataclasses and enums, torch dtypes, paths, sets),
+so a job folder on a shared filesystem that someone altered cannot make the ranks run code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib
+import io
 import json
 import os
 import pickle
@@ -41,6 +45,39 @@ def write_args(folder: Path, **kwargs) -> None:
     ``tags``, ``threads``) for the ranks to ``folder / ARGS``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ARGS).write_bytes(pickle.dumps(kwargs))
+
+
+#: Globals a job's arguments may name besides the project's own dataclasses and enums.
+_PLAIN = {("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
+_PROJECT = ("experiments.", "lowprec.", "recipes.")
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in _PLAIN:
+        return True
+    if module == "torch":  # dtypes pickle as globals of the torch module
+        import torch
+
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    if module.startswith(_PROJECT) or module == "recipes":
+        obj = getattr(importlib.import_module(module), name, None)
+        return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+    return False
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(
+                f"{ARGS} refers to {module}.{name}, which a job's arguments never hold: refusing to load it"
+            )
+        return super().find_class(module, name)
+
+
+def load_args(folder: Path) -> dict:
+    """The arguments ``write_args`` wrote to ``folder / ARGS``, unpickled through the allow-list above. Raises
+    ``pickle.UnpicklingError`` naming the global for anything else (a file altered to run code)."""
+    return _ArgsUnpickler(io.BytesIO((folder / ARGS).read_bytes())).load()
 
 
 def write_outcome(path: Path, outcome: RunOutcome) -> None:
@@ -130,7 +167,7 @@ def main(argv: list[str]) -> int:
     folder = Path(argv[0])
     if (folder / STOP).exists():  # the job was asked to stop before these handlers were in place
         request_stop(int((folder / STOP).read_text()))
-    a = pickle.loads((folder / ARGS).read_bytes())
+    a = load_args(folder)
     plan, recipe, seed = a["plan"], a["recipe"], a["seed"]
     if a["threads"]:
         torch.set_num_threads(max(1, a["threads"] // plan.parallel.world_size))

@@ -14,6 +14,14 @@ from experiments.cli import main
 from experiments.report.build import report_figures
 from experiments.studies import GROUP_TAG
 
+SECTIONS = (
+    "## Headline: measured against the paper",
+    "## 1. Accumulation precision (paper 3.3.2)",
+    "## 2. Granularity under outliers (paper 3.3.2)",
+    "## 3. Training parity (paper 3.3, appendix B.1)",
+    "## 4. Component ablations (paper 3.3, appendix B.2)",
+)
+
 
 def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
     # The suite's form (~50 s): one model and one component; the whole quick experiment (dense + MoE, ~2 min) is the
@@ -29,11 +37,7 @@ def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
     out = tmp_path / "reports" / abl
     text = (out / "deepseek_v3.md").read_text()
     for heading in (
-        "## Headline: measured against the paper",
-        "## 1. Accumulation precision (paper 3.3.2)",
-        "## 2. Granularity under outliers (paper 3.3.2)",
-        "## 3. Training parity (paper 3.3, appendix B.1)",
-        "## 4. Component ablations (paper 3.3, appendix B.2)",
+        *SECTIONS,
         "### model `debug`",
     ):
         assert heading in text, heading
@@ -54,11 +58,7 @@ def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, caps
     out = tmp_path / "reports" / abl
     text = (out / "deepseek_v3.md").read_text()
     for heading in (
-        "## Headline: measured against the paper",
-        "## 1. Accumulation precision (paper 3.3.2)",
-        "## 2. Granularity under outliers (paper 3.3.2)",
-        "## 3. Training parity (paper 3.3, appendix B.1)",
-        "## 4. Component ablations (paper 3.3, appendix B.2)",
+        *SECTIONS,
         "### model `debug`",
         "### model `moe_debug`",
     ):

@@ -178,3 +178,26 @@ def test_local_jobs_of_a_parallel_layout_share_the_gpus_of_a_node(run_dirs):
     jobs = preflight(compose("ablate", [*args, "launcher=submitit_local"]))
     assert jobs.workers == 2 and [s.gpus for s in jobs.placement.slots] == [(0, 1), (2, 3)]
     assert preflight(compose("ablate", args)).workers == 1
+
+
+def test_a_jobs_arguments_load_through_the_allow_list_and_an_altered_file_is_refused(run_dirs, tmp_path):
+    """The ranks of a parallel job read the arguments its job wrote (``job_ranks.write_args``) through an
+    allow-list: the real plan of a seeds=auto ablation loads back equal; a file altered to call ``os.system`` is
+    refused before anything runs."""
+    import pickle
+
+    from experiments.runner.job_ranks import ARGS, load_args, write_args
+
+    plan = preflight(compose("ablate", ["experiment=smoke", "seeds=auto", "max_seeds=4", *run_dirs]))
+    write_args(tmp_path / "job", plan=plan, recipe=plan.recipes[1], seed=3, parent_id="p", threads=2)
+    back = load_args(tmp_path / "job")
+    assert back["plan"] == plan and back["recipe"] == plan.recipes[1] and back["seed"] == 3
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    (tmp_path / "job" / ARGS).write_bytes(pickle.dumps({"plan": Evil()}))
+    with pytest.raises(pickle.UnpicklingError, match=r"refers to posix\.system"):
+        load_args(tmp_path / "job")
+    assert not (tmp_path / "ran").exists()
