@@ -32,9 +32,6 @@ def token_data():
 @pytest.fixture
 def run_dirs(tmp_path):
     """Hydra overrides that keep MLflow, reports and multirun output inside ``tmp_path``."""
-    return [
-        f"paths.runs={tmp_path / 'runs'}",
-        f"paths.reports={tmp_path / 'reports'}",
-        f"tracking.uri=sqlite:///{tmp_path / 'runs' / 'mlflow.db'}",
-        "train.progress=false",
-    ]
+    from store_dirs import dirs_under
+
+    return dirs_under(tmp_path)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from store_dirs import dirs_under
 
 from experiments.cli import main
 from experiments.stats.stability import count_events
@@ -32,15 +33,6 @@ AT = 4
 NAN = [f"faults.nan_at_step={AT}"]
 INTO = ["activation", "gradient", "weight"]
 ROLLBACK = ["train.on_anomaly=rollback", "train.checkpoint_every=3"]
-
-
-def _dirs(root) -> list[str]:
-    return [
-        f"paths.runs={root / 'runs'}",
-        f"paths.reports={root / 'reports'}",
-        f"tracking.uri=sqlite:///{root / 'runs' / 'mlflow.db'}",
-        "train.progress=false",
-    ]
 
 
 class Runs:
@@ -62,7 +54,7 @@ class Runs:
 
 
 def _train(root, *overrides) -> tuple[int, Runs]:
-    rc = main(["train", *RUN, *_dirs(root), *overrides])
+    rc = main(["train", *RUN, *dirs_under(root), *overrides])
     return rc, Runs(root)
 
 
@@ -160,7 +152,7 @@ def test_a_run_resumed_after_a_rollback_keeps_skipping_the_batch(tmp_path):
     ckpt = f"{rolled.data.tags['checkpoint_dir']}/step_6"
     health = read_trainer_state(ckpt)["health"]
     assert health["data"]["skipped"] == [AT] and health["rollbacks"] == 1 and health["counts"]["rollbacks"] == 1
-    assert main(["train", *RUN, *_dirs(tmp_path), f"resume={ckpt}"]) == 0
+    assert main(["train", *RUN, *dirs_under(tmp_path), f"resume={ckpt}"]) == 0
     _, resumed = runs.all()
     a, b = runs.series(rolled, "loss"), runs.series(resumed, "loss")
     assert sorted(b) == [6, 7] and all(b[s] == a[s] for s in b)  # without the data position: batch 6, not 7
@@ -170,11 +162,11 @@ def test_skip_batches_on_a_resume_must_lie_ahead_of_the_checkpoint(tmp_path, cap
     rc, runs = _train(tmp_path, "train.checkpoint_every=3", "train.steps=4")
     (run,) = runs.all()
     ckpt = f"{run.data.tags['checkpoint_dir']}/step_3"
-    assert main(["train", *RUN, *_dirs(tmp_path), f"resume={ckpt}", "train.skip_batches=[2,5]"]) == 2
+    assert main(["train", *RUN, *dirs_under(tmp_path), f"resume={ckpt}", "train.skip_batches=[2,5]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("lowprec train: error: train.skip_batches holds 2, a batch before checkpoint ")
     assert len(runs.all()) == 1  # refused before any MLflow run
-    assert main(["train", *RUN, *_dirs(tmp_path), f"resume={ckpt}", "train.skip_batches=[5]"]) == 0
+    assert main(["train", *RUN, *dirs_under(tmp_path), f"resume={ckpt}", "train.skip_batches=[5]"]) == 0
 
 
 FALLBACK = ["train.telemetry_every=1", "train.fp8_fallback=layer", "train.fp8_fallback_samples=2"]
@@ -203,7 +195,7 @@ def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_recor
     # The checkpoint carries the switch: a resumed run runs the layer in high precision and says so.
     ckpt = f"{run.data.tags['checkpoint_dir']}/step_6"
     assert WQ in read_trainer_state(ckpt)["health"]["fp8"]["switched"]
-    assert main(["train", *RUN, *_dirs(tmp_path), *FALLBACK, f"resume={ckpt}"]) == 0
+    assert main(["train", *RUN, *dirs_under(tmp_path), *FALLBACK, f"resume={ckpt}"]) == 0
     _, resumed = runs.all()
     a, b = runs.series(run, "loss"), runs.series(resumed, "loss")
     assert sorted(b) == [6, 7] and all(b[s] == a[s] for s in b)
@@ -211,7 +203,7 @@ def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_recor
 
 
 def test_the_report_lists_each_runs_anomalies_and_leaves_a_fallen_back_run_out(tmp_path):
-    args = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=1", *RUN[:-2], "train.steps=8", *_dirs(tmp_path)]
+    args = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=1", *RUN[:-2], "train.steps=8", *dirs_under(tmp_path)]
     args += [*FALLBACK, *OVERFLOW, "faults.recipe=fp8_delayed"]
     assert main(args) == 0
     runs = Runs(tmp_path)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
+from store_dirs import dirs_under
 
 import experiments.plan.preflight
 import experiments.runner.scheduler
@@ -27,15 +28,6 @@ from experiments.cli import main
 RUN = ["experiment=smoke", "recipes=[fp32,bf16]", "seeds=1", "train.steps=6", "train.val_every=3"]
 RUN += ["train.val_batches=1", "train.telemetry_every=3", "train.batch_size=2", "train.seq_len=64"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "launcher.poll_s=0.2"]
-
-
-def _dirs(root: Path) -> list[str]:
-    return [
-        f"paths.runs={root / 'runs'}",
-        f"paths.reports={root / 'reports'}",
-        f"tracking.uri=sqlite:///{root / 'runs' / 'mlflow.db'}",
-        "train.progress=false",
-    ]
 
 
 @pytest.fixture(autouse=True)
@@ -78,10 +70,10 @@ def _sections(report: Path) -> list[str]:
 
 
 def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
-    rc, out = _ablate([*RUN, "workers=1", *_dirs(tmp_path / "local")])
+    rc, out = _ablate([*RUN, "workers=1", *dirs_under(tmp_path / "local")])
     assert rc == 0, out
     local_id = _id(out)
-    rc, out = _ablate([*RUN, "launcher=submitit_local", "workers=2", *_dirs(tmp_path / "jobs")])
+    rc, out = _ablate([*RUN, "launcher=submitit_local", "workers=2", *dirs_under(tmp_path / "jobs")])
     assert rc == 0, out
     ablation_id = _id(out)
     assert "launcher=submitit_local: one job per run" in out
@@ -100,7 +92,7 @@ def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
 
 
 def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path):
-    args = [*RUN, "launcher=submitit_local", "workers=2", "train.checkpoint_every=2", *_dirs(tmp_path)]
+    args = [*RUN, "launcher=submitit_local", "workers=2", "train.checkpoint_every=2", *dirs_under(tmp_path)]
     # SIGKILL to bf16's job process before its step 5: no handler runs, the job returns nothing
     rc, out = _ablate([*args, "faults.recipe=bf16", "faults.kill_at_step=5"])
     assert rc == 0, out
@@ -148,7 +140,7 @@ def test_sigterm_to_the_ablation_stops_its_jobs_with_checkpoints(tmp_path, capsy
     t = threading.Thread(target=sigterm_once_both_jobs_train, daemon=True)
     t.start()
     try:
-        rc = main(["ablate", *RUN, "train.steps=300", "launcher=submitit_local", "workers=2", *_dirs(tmp_path)])
+        rc = main(["ablate", *RUN, "train.steps=300", "launcher=submitit_local", "workers=2", *dirs_under(tmp_path)])
     finally:
         over.set()
         t.join()
@@ -167,10 +159,10 @@ def test_a_parallel_layout_trains_under_torchrun_inside_its_job(tmp_path):
     """``parallel.dp_shard=2``: the job starts torchrun with 2 ranks (gloo) and rank 0 alone logs the run, whose
     losses are those of one process (the FSDP2 tests' 1e-5 relative)."""
     one = [a for a in RUN if not a.startswith("recipes=")] + ["recipes=[fp32]"]
-    rc, out = _ablate([*one, "workers=1", *_dirs(tmp_path / "one")])
+    rc, out = _ablate([*one, "workers=1", *dirs_under(tmp_path / "one")])
     assert rc == 0, out
     _, ref = _runs(tmp_path / "one", _id(out))
-    rc, out = _ablate([*one, "parallel.dp_shard=2", "launcher=submitit_local", *_dirs(tmp_path / "jobs")])
+    rc, out = _ablate([*one, "parallel.dp_shard=2", "launcher=submitit_local", *dirs_under(tmp_path / "jobs")])
     assert rc == 0, out
     assert "launching torchrun" not in out  # the ablation process submits; the job starts the ranks
     ablation_id = _id(out)
@@ -219,7 +211,7 @@ def test_sigterm_stops_a_parallel_job_on_every_rank_with_a_checkpoint(tmp_path, 
     t.start()
     try:
         rc = main(
-            ["ablate", *one, "train.steps=300", "parallel.dp_shard=2", "launcher=submitit_local", *_dirs(tmp_path)]
+            ["ablate", *one, "train.steps=300", "parallel.dp_shard=2", "launcher=submitit_local", *dirs_under(tmp_path)]
         )
     finally:
         over.set()
