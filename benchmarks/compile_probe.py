@@ -5,7 +5,8 @@
 Issue 32: on an H100/H200 with torch 2.11.0+cu130 the FP8 activation cache and blockwise scaling failed to trace
 ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer" inside the FP8 autograd Function,
 or a fake-tensor dtype mismatch at SDPA). This probe found the causes (a stride query in the backward, a global
-decode table; fixed 2026-11-26, see ``lowprec.backends.fp8_lowprec.compile_device_blocker``).
+decode table; fixed 2026-11-26; on a CPU, inductor's loop split of the expanded tile/block scales, fixed the
+same day: ``lowprec.numerics.scaling._blocked_views``).
 This probe records, for one torch build, two things the restructure of ``lowprec.float8.linear`` needs:
 
 1. per catalog recipe: a three-step ``train.compile`` run of ``lowprec.train.build`` (any refusal bypassed), OK or
@@ -33,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import lowprec.backends.fp8_lowprec as fp8_lowprec  # noqa: E402
 from lowprec.build_optim import OptimHParams  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from lowprec.numerics.formats import E4M3  # noqa: E402
@@ -206,7 +206,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
-    fp8_lowprec.compile_device_blocker = lambda *args: None  # probe what a refusal guards against
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     print(f"compile probe: torch {torch.__version__} on {where}")
     result = {"torch": torch.__version__, "device": where, "variants": {}, "recipes": {}}

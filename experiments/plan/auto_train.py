@@ -7,9 +7,9 @@ A DeepSeekMoE model stays eager (``lowprec.train.moe_balance`` refuses compile f
 CPU (and any other device): today's defaults, compile off and no AC: on the 2-core EPYC compile costs more in
 compile time than a short run saves, and the CPU measurements of the docs were taken eager.
 
-A recipe that cannot compile on the device (``Float8Backend.compile_blocker``: e.g. blockwise FP8 on a CPU, or FP8
-telemetry on) runs eager under ``auto`` with a warning recorded on its run; an explicit ``train.compile=true`` is
-still refused for it before training (``lowprec.train.build.check_compile``).
+A recipe that cannot compile on the device (``Float8Backend.compile_blocker``: e.g. Transformer Engine's linears,
+or lowprec's FP8 telemetry on) runs eager under ``auto`` with a warning recorded on its run; an explicit
+``train.compile=true`` is still refused for it before training (``lowprec.train.build.check_compile``).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class LowprecFloat8(Float8Backend):
                 f"lowprec FP8 telemetry (train.telemetry_every={telemetry_every}) computes data-dependent "
                 "statistics that cannot be traced; set train.telemetry_every=0 to compile"
             )
-        return compile_device_blocker(spec, device_type)
+        return None
 
     def kernel_of(self, module) -> str:
         return module.fp8_kernel
@@ -136,28 +136,3 @@ def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
 
 
 register_fp8_backend(LowprecFloat8())
-
-
-def compile_device_blocker(spec, device_type: str) -> str | None:
-    """Why ``train.compile`` cannot compile a lowprec FP8 linear of ``spec`` on ``device_type``, or ``None``.
-
-    CUDA: none. Blockwise scaling and the FP8 activation cache used to fail to trace on torch 2.11 (an H100,
-    2026-11-25): dynamo traced the FP8 linear after one whose backward queried a stride with autocast off, and a
-    module-level decode table leaked between autograd Functions as a free variable. Both are gone
-    (``lowprec.numerics.scaling._layout_queries_allowed``, ``formats.fp8_to_float32``); on an H200 with torch
-    2.11.0+cu130 ``deepseek_v3``, ``deepseek_v3_no_fp8_cache``, ``deepseek_v3_tensorwise`` and ``fp8_blockwise``
-    compile with selective AC and train (``benchmarks/compile_probe.py``, 2026-11-26).
-    CPU: blockwise scaling is refused: inductor's C++ backend (torch 2.13.0+cpu) fails on it. Rerun 2026-11-26 on an
-    AMD EPYC (``benchmarks/compile_probe.py``'s three compiled steps with selective AC): ``fp8_blockwise`` on
-    ``debug`` and ``deepseek_v3`` on ``debug`` and ``tiny`` compile and train (``deepseek_v3`` had failed in the
-    E5M6 rounding: ``torch.frexp``'s int32 exponent beside float64 made the vectorizer emit ``VectorizedN<int,4> -
-    VectorizedN<int,2>``, fixed in ``lowprec.numerics.e5m6.round_e5m6``), but ``fp8_blockwise`` on ``tiny``
-    (128-aligned tiles) still fails in inductor's CPU loop tiling: ``InductorError: AssertionError: ({y0: 256,
-    y1: 8, y2: 128}, {y0: 1024, y1: 2, y2: 128})`` (two kernels of one fused group with different loop ranges).
-    That inductor limitation is what the refusal waits on."""
-    if device_type != "cpu" or not spec.enabled or spec.scaling != "blockwise":
-        return None
-    return (
-        "inductor's CPU backend cannot compile lowprec's blockwise FP8 casts (a loop-tiling assertion on torch 2.13; "
-        "they compile on CUDA); use train.compile=false on a CPU"
-    )

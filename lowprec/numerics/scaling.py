@@ -160,14 +160,18 @@ def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
     its transpose, so it is read contiguously and the result is the transpose of a contiguous tensor, like ``x``.
     No closures: a function returned from here would be a free variable to ``torch.compile``'s tracer."""
     r, k = x.shape
-    if granularity not in ("tile1x128", "block128x128") or k % BLOCK or not _layout_queries_allowed():
+    if granularity not in ("tile1x128", "block128x128") or k % BLOCK:
         return None
     if granularity == "block128x128" and r % BLOCK:
         return None
-    if x.is_contiguous():
+    if not _layout_queries_allowed() or x.is_contiguous():
+        # Under torch.compile, reshape whatever the layout (inductor turns it into indexing): a block index
+        # j * 128 + l instead of the expanded scale's column // 128, whose loop split inductor's CPU backend
+        # could not compile for two differently shaped operands in one fused kernel (torch 2.13; see
+        # lowprec.backends.fp8_lowprec.compile_device_blocker's history).
         if granularity == "tile1x128":
-            return x.view(r, k // BLOCK, BLOCK), scale[:, :, None], False
-        return x.view(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], False
+            return x.reshape(r, k // BLOCK, BLOCK), scale[:, :, None], False
+        return x.reshape(r // BLOCK, BLOCK, k // BLOCK, BLOCK), scale[:, None, :, None], False
     if _is_transposed(x):
         xt, st = x.t(), scale.t()
         if granularity == "tile1x128":  # groups run down the columns of xt (K, R)
@@ -179,7 +183,7 @@ def _blocked_views(x: torch.Tensor, scale: torch.Tensor, granularity: str):
 def _unview(y: torch.Tensor, shape: tuple[int, int], transposed: bool) -> torch.Tensor:
     """A result of ``_blocked_views``' blocked shape back in the operand's (R, K) ``shape``."""
     r, k = shape
-    return y.view(k, r).t() if transposed else y.view(r, k)
+    return y.view(k, r).t() if transposed else y.reshape(r, k)
 
 
 class DelayedScaler(nn.Module):
