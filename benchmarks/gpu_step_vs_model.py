@@ -3,7 +3,7 @@ with torchao's FP8 training as peer rows in the same process and loop (issue 32)
 
     python benchmarks/gpu_step_vs_model.py [--model llama3_1b] [--layers N] [--batch 1] [--seq 8192] [--steps 12]
                                            [--eager] [--recipes bf16,fp8_tensorwise,fp8_current,fp8_rowwise]
-                                           [--out F.json] [--dry-run]
+                                           [--out F.json] [--profile] [--dry-run]
 
 Each recipe is built with ``lowprec.train.build`` (no MLflow, no Hydra: the core alone) on ``cuda`` with
 ``train.compile=true`` (``--eager``: false) and ``train.ac=selective``, telemetry off, and trained ``--steps``
@@ -23,6 +23,10 @@ its GEMMs on torch's ``F.scaled_mm`` or on its own Triton kernels) swapped into 
 of the linears lowprec's blockwise recipes convert. A peer whose package is missing is skipped with a printed
 reason; a row that fails to build or train prints its error and the others go on. Rows are written to ``--out``
 as they finish, so a run cut short by a time limit keeps what it measured.
+
+``--profile`` runs two more steps per row under ``torch.profiler`` and adds ``profile`` to the row
+(``benchmarks/step_profile.py``): wall vs device-busy time per step, top-level host ops, kernels, host-device
+synchronisations and the top kernels. It says whether a row is device-bound or waits on the host.
 
 ``--dry-run`` checks the arguments, the recipes and the model shapes without CUDA and exits. Exits with code 2
 and one line on stderr without CUDA or on a GPU the hardware table does not know.
@@ -129,8 +133,9 @@ def torchao_blockwise_swap(use_triton: bool | None):
         build_mod.convert_kernels = real
 
 
-def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool) -> dict:
-    """Median step seconds (steps after the fourth), tokens/s and peak allocated GiB of ``recipe``."""
+def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool, profile: bool = False) -> dict:
+    """Median step seconds (steps after the fourth), tokens/s and peak allocated GiB of ``recipe``; with
+    ``profile``, two more steps under ``torch.profiler`` summarised by ``step_profile.summarize`` (``profile``)."""
     torch.manual_seed(0)
     spec = TrainSpec(
         steps=steps,
@@ -158,6 +163,7 @@ def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool
         times.append(time.perf_counter() - t0)
         losses.append(float(r.loss))
     step = statistics.median(times[4:])
+    prof = _profiled_steps(b, args, batch, seq, steps, gen) if profile else None
     out = {
         "step_s": step,
         "tokens_per_s": batch * seq / step,
@@ -166,8 +172,28 @@ def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool
         "losses": losses,
         "blockwise_gemm": b.kernels.blockwise if b.kernels.blockwise != "emulated" else None,
     }
+    if prof is not None:
+        out["profile"] = prof
     del b, r
     return out
+
+
+def _profiled_steps(b, args, batch: int, seq: int, first: int, gen, n: int = 2) -> dict:
+    """``n`` more training steps under ``torch.profiler`` (CPU and CUDA activity), summarised per step."""
+    from step_profile import summarize
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(first, first + n):
+            ids = (
+                torch.randint(0, args.vocab_size, (batch, 1), generator=gen) + 7 * torch.arange(seq + 1)
+            ) % args.vocab_size
+            train_step(b, [(ids[:, :-1], ids[:, 1:])], 1.0, s)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return summarize(p.events(), n, wall)
 
 
 def _release() -> None:
@@ -187,6 +213,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="train.compile=false")
     ap.add_argument("--recipes", default="bf16,fp8_tensorwise,fp8_current,fp8_rowwise")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="two more steps per row under torch.profiler: device busy vs wall"
+    )
     ap.add_argument("--dry-run", action="store_true", help="check arguments, recipes and shapes; no CUDA")
     a = ap.parse_args(argv)
     if a.steps < 6:
@@ -233,7 +262,7 @@ def main(argv: list[str]) -> int:
         print(f"[{stamp()}] {rn} ...", flush=True)
         error = None
         try:
-            m = measure(recipe, swap, args, a.batch, a.seq, a.steps, compile_)
+            m = measure(recipe, swap, args, a.batch, a.seq, a.steps, compile_, a.profile)
         except Exception as e:  # noqa: BLE001 - one failing row must not cost the others
             error = f"{type(e).__name__}: {e}"
         _release()  # after the except clause: its traceback no longer holds the failed row's tensors
@@ -258,6 +287,14 @@ def main(argv: list[str]) -> int:
             f"{m['max_allocated_gib']:>11.1f}{mem_gib or 0:>11.1f}  {m['blockwise_gemm'] or '-'}",
             flush=True,
         )
+        if "profile" in m:
+            pr = m["profile"]
+            print(
+                f"{'':<26}profile: wall {pr['wall_ms']:.1f} ms, device busy {pr['device_busy_ms']:.1f} ms "
+                f"({pr['device_busy_fraction']:.2f}), {pr['host_ops']:.0f} host ops, {pr['kernels']:.0f} kernels, "
+                f"syncs {pr['syncs'] or 'none'}",
+                flush=True,
+            )
         _write(a.out, name, args, a, mode, rows)
     return 0
 

@@ -5,6 +5,8 @@
 #                                   the emulated reference; time vs a bf16 matmul at Llama-3-8B shapes
 #   (b) tests_gpu.log               tests/gpu/test_gpu_blockwise_kernels.py + test_gpu_fp8_gemm.py (pytest)
 #   (c) step_1b_eager.json/.log     llama3_1b, 1 x 8192, eager: bf16, fp8_current, fp8_blockwise, deepseek_v3
+#                                   (both tables with --profile: device busy vs wall per step, host ops, syncs,
+#                                   top kernels: is the gap the device's or the host's?)
 #       step_8b8_compile.json/.log  Llama-3-8B layer shapes, 8 layers, 1 x 8192, compile + selective AC: bf16 and
 #                                   lowprec's FP8 recipes with torchao's as peer rows (rows written as they finish;
 #                                   this step gets what is left of BUDGET_S=420 s: about 3 compiled rows; run with
@@ -50,15 +52,15 @@ log "(b) rc=$?"; tail -8 "$OUT/tests_gpu.log"
 
 STEPS=${STEPS:-8}
 log "(c1) llama3_1b eager"
-timeout -k 5 75 $PY benchmarks/gpu_step_vs_model.py --model llama3_1b --seq 8192 --steps "$STEPS" --eager \
+timeout -k 5 90 $PY benchmarks/gpu_step_vs_model.py --model llama3_1b --seq 8192 --steps "$STEPS" --eager --profile \
   --recipes bf16,fp8_current,fp8_blockwise,deepseek_v3 --out "$OUT/step_1b_eager.json" $DRYFLAG > "$OUT/step_1b_eager.log" 2>&1
-log "(c1) rc=$?"; grep -v -E "^W1|Warning|warn" "$OUT/step_1b_eager.log" | tail -8
+log "(c1) rc=$?"; grep -v -E "^W1|Warning|warn" "$OUT/step_1b_eager.log" | tail -12
 
 T=$(left); [ "$T" -lt 60 ] && T=60
 log "(c2) Llama-3-8B layer shapes, 8 layers, compile + selective AC (limit ${T}s)"
 timeout -k 5 "$T" $PY benchmarks/gpu_step_vs_model.py --model llama3_8b --layers 8 --seq 8192 --steps "$STEPS" \
   --recipes bf16,fp8_blockwise,deepseek_v3,fp8_rowwise,torchao_rowwise,fp8_current,fp8_tensorwise,torchao_blockwise,torchao_blockwise_triton \
-  --out "$OUT/step_8b8_compile.json" $DRYFLAG > "$OUT/step_8b8_compile.log" 2>&1
+  --profile --out "$OUT/step_8b8_compile.json" $DRYFLAG > "$OUT/step_8b8_compile.log" 2>&1
 log "(c2) rc=$? (124: cut by the time limit; the rows that finished are in step_8b8_compile.json)"
 grep -v -E "^W1|Warning|warn" "$OUT/step_8b8_compile.log" | tail -14
 log "gpu_check_32 done"
