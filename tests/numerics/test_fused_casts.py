@@ -75,3 +75,16 @@ def test_fused_casts_resolve_per_device_and_refuse_what_cannot_run():
     assert resolve_fused_casts("on", cpu, compiled_model=True).startswith("off: train.compile")
     with pytest.raises(ConfigError, match="train.fused_casts='fast' is not one of auto, on, off"):
         resolve_fused_casts("fast", cpu, compiled_model=False)
+
+
+def test_a_cast_past_dynamos_recompile_limit_raises_instead_of_running_eager(monkeypatch):
+    """No silent fallback: a key whose kernels would exceed dynamo's recompile limit raises (dynamo would otherwise
+    run the cast in eager from then on), and the process's own setting is left as it was."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    before = torch._dynamo.config.fail_on_recompile_limit_hit
+    fused_quantize_operand(torch.randn(16, 128), E4M3, "rowwise", amax_floor=3e-7)  # a key of its own
+    with pytest.raises(Exception, match="recompile"):
+        fused_quantize_operand(torch.randn(1, 128), E4M3, "rowwise", amax_floor=3e-7)  # size 1: a recompile
+    assert torch._dynamo.config.fail_on_recompile_limit_hit == before
