@@ -77,14 +77,15 @@ def test_fused_casts_resolve_per_device_and_refuse_what_cannot_run():
         resolve_fused_casts("fast", cpu, compiled_model=False)
 
 
-def test_a_cast_past_dynamos_recompile_limit_raises_instead_of_running_eager(monkeypatch):
+def test_a_cast_past_dynamos_recompile_limit_raises_instead_of_running_eager():
     """No silent fallback: a key whose kernels would exceed dynamo's recompile limit raises (dynamo would otherwise
-    run the cast in eager from then on), and the process's own setting is left as it was."""
+    run the cast in eager from then on), and the process's own setting is left as it was. (The limit is patched
+    with dynamo's own ``config.patch``: pytest's monkeypatch deleted the entry on undo.)"""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    before = torch._dynamo.config.fail_on_recompile_limit_hit
-    fused_quantize_operand(torch.randn(16, 128), E4M3, "rowwise", amax_floor=3e-7)  # a key of its own
-    with pytest.raises(Exception, match="recompile"):
-        fused_quantize_operand(torch.randn(1, 128), E4M3, "rowwise", amax_floor=3e-7)  # size 1: a recompile
-    assert torch._dynamo.config.fail_on_recompile_limit_hit == before
+    before = torch._dynamo.config.fail_on_recompile_limit_hit, torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):
+        fused_quantize_operand(torch.randn(16, 128), E4M3, "rowwise", amax_floor=3e-7)  # a key of its own
+        with pytest.raises(Exception, match="recompile"):
+            fused_quantize_operand(torch.randn(1, 128), E4M3, "rowwise", amax_floor=3e-7)  # size 1: a recompile
+    assert (torch._dynamo.config.fail_on_recompile_limit_hit, torch._dynamo.config.recompile_limit) == before
