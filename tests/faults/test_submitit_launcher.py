@@ -69,6 +69,8 @@ def _sections(report: Path) -> list[str]:
     return [re.sub(r" \(.*\)$", "", h) for h in re.findall(r"^#+ .*$", report.read_text(), re.M)[1:]]
 
 
+# a long check: the killed-job test below runs a submitit_local ablation to its report in the suite
+@pytest.mark.slow
 def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
     rc, out = _ablate([*RUN, "workers=1", *dirs_under(tmp_path / "local")])
     assert rc == 0, out

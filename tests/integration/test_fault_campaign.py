@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,8 @@ def _mount_refused() -> str | None:
     return mod.mount_refused()
 
 
+# a long check: each of its faults has its own suite test under tests/faults
+@pytest.mark.slow
 def test_the_short_fault_campaign_meets_its_targets(tmp_path):
     out = tmp_path / "cases.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--quick", "--kinds", "savekill", "disk"]
