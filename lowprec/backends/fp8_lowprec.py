@@ -136,3 +136,32 @@ def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
 
 
 register_fp8_backend(LowprecFloat8())
+
+
+#: Options only lowprec's own FP8 linear honours, with the values that mean "not asked for". Another backend given
+#: any other value refuses the recipe (``refuse_lowprec_only``) instead of training without it.
+LOWPREC_ONLY = {
+    "gemm_backend": "scaled_mm",
+    "promotion_interval": None,
+    "accum_mantissa_bits": None,
+    "accum_rounding": "nearest",
+    "accum_group": None,
+    "cache_fp8_activations": False,
+    "power_of_2_scales": False,
+    "amax_floor": 1e-12,
+    "promotion": True,
+    "grad_output_granularity": None,
+    "e5m6_inputs": (),
+    "swiglu_cache": "none",
+}
+
+
+def refuse_lowprec_only(spec, backend: str) -> None:
+    """Raise ``RecipeError`` naming the first field of ``LOWPREC_ONLY`` that ``spec`` (a ``Float8Spec``) sets for
+    ``backend`` (``torchao``, ``te``), which would silently not apply there."""
+    bad = [k for k, v in LOWPREC_ONLY.items() if getattr(spec, k) != v]
+    if bad:
+        raise RecipeError(
+            f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend={backend!r} "
+            "(use backend=lowprec)"
+        )

@@ -3,7 +3,7 @@ an optional extra imported lazily by ``lowprec.float8.te``, so this module impor
 
 from __future__ import annotations
 
-from lowprec.backends.fp8_lowprec import swap_module
+from lowprec.backends.fp8_lowprec import refuse_lowprec_only, swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8.te import require_te, te_context, te_linear_from
@@ -26,10 +26,9 @@ class TransformerEngineFloat8(Float8Backend):
                 f"recipe.fp8.rht_size={spec.rht_size} conflicts with recipe.fp8.backend='te': Transformer Engine's "
                 "NVFP4 random Hadamard transform is 16x16 (rht_size=16) or off (0)"
             )
-        lowprec_only = {"e5m6_inputs": (), "swiglu_cache": "none", "grad_output_granularity": None, "promotion": True}
-        bad = [k for k, v in lowprec_only.items() if getattr(spec, k) != v]
-        if bad:
-            raise RecipeError(f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'")
+        # the accumulator emulation, the FP8 activation cache and the scale options are lowprec's: TE would train
+        # without them and the run would claim them
+        refuse_lowprec_only(spec, "te")
 
     def hardware_blocker(self, spec, capability) -> str | None:
         if spec.scaling in ("mxfp8", "nvfp4") and capability[0] < 10:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowprec.backends.fp8_lowprec import refuse_lowprec_only
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
@@ -13,20 +14,6 @@ from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
 #: torchao recipe name -> the FP8 format it implies (HYBRID for tensorwise, all-e4m3 for rowwise).
 _IMPLIED_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3"}
 #: Float8Spec fields only lowprec's own linear implements, with their neutral values.
-_LOWPREC_ONLY = {
-    "gemm_backend": "scaled_mm",
-    "promotion_interval": None,
-    "accum_mantissa_bits": None,
-    "accum_rounding": "nearest",
-    "accum_group": None,
-    "cache_fp8_activations": False,
-    "power_of_2_scales": False,
-    "amax_floor": 1e-12,
-    "promotion": True,
-    "grad_output_granularity": None,
-    "e5m6_inputs": (),
-    "swiglu_cache": "none",
-}
 
 
 class TorchaoFloat8(Float8Backend):
@@ -51,12 +38,7 @@ class TorchaoFloat8(Float8Backend):
                 f"recipe.fp8.scaling={spec.scaling!r}, whose torchao recipe uses {implied!r}; "
                 f"set recipe.fp8.fp8_format={implied}"
             )
-        bad = [k for k, v in _LOWPREC_ONLY.items() if getattr(spec, k) != v]
-        if bad:
-            raise RecipeError(
-                f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with "
-                "recipe.fp8.backend='torchao' (use backend=lowprec)"
-            )
+        refuse_lowprec_only(spec, "torchao")
 
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return spec.scaling == "tensorwise"  # torchao's only FSDP float8 all-gather

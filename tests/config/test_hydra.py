@@ -79,6 +79,15 @@ def test_invalid_recipe_override_fails_in_validation():
             "recipe.fp8.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'",
         ),
         (["train", "recipe=fp8_tensorwise", "recipe.fp8.strategy=delayed"], "torchao removed delayed scaling"),
+        # lowprec's accumulator emulation and FP8 activation cache on Transformer Engine: refused, not ignored
+        (
+            ["train", "recipe=te_blockwise", "recipe.fp8.accum_mantissa_bits=14"],
+            "recipe.fp8.accum_mantissa_bits is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
+        ),
+        (
+            ["train", "recipe=te_delayed", "recipe.fp8.cache_fp8_activations=true"],
+            "recipe.fp8.cache_fp8_activations is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
+        ),
         (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
         # the schemas registered from the dataclasses type-check while composing, before anything runs
         (["train", "seed=abc"], "seed=abc"),
