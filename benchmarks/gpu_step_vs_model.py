@@ -3,7 +3,7 @@ with torchao's FP8 training as peer rows in the same process and loop (issue 32)
 
     python benchmarks/gpu_step_vs_model.py [--model llama3_1b] [--layers N] [--batch 1] [--seq 8192] [--steps 12]
                                            [--eager] [--recipes bf16,fp8_tensorwise,fp8_current,fp8_rowwise]
-                                           [--out F.json] [--profile] [--dry-run]
+                                           [--fused-casts auto|on|off] [--out F.json] [--profile] [--dry-run]
 
 Each recipe is built with ``lowprec.train.build`` (no MLflow, no Hydra: the core alone) on ``cuda`` with
 ``train.compile=true`` (``--eager``: false) and ``train.ac=selective``, telemetry off, and trained ``--steps``
@@ -133,7 +133,9 @@ def torchao_blockwise_swap(use_triton: bool | None):
         build_mod.convert_kernels = real
 
 
-def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool, profile: bool = False) -> dict:
+def measure(
+    recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool, profile: bool = False, fused: str = "auto"
+) -> dict:
     """Median step seconds (steps after the fourth), tokens/s and peak allocated GiB of ``recipe``; with
     ``profile``, two more steps under ``torch.profiler`` summarised by ``step_profile.summarize`` (``profile``)."""
     torch.manual_seed(0)
@@ -148,6 +150,7 @@ def measure(recipe, swap, args, batch: int, seq: int, steps: int, compile_: bool
         compile=compile_,
         warmup_steps=2,
         telemetry_every=0,
+        fused_casts=fused,
     )
     with torchao_blockwise_swap(swap):
         b = build(recipe, args, spec, OptimHParams(), 0, torch.device("cuda"))
@@ -214,6 +217,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--recipes", default="bf16,fp8_tensorwise,fp8_current,fp8_rowwise")
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--fused-casts", default="auto", choices=("auto", "on", "off"), help="train.fused_casts (eager FP8 casts)"
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="two more steps per row under torch.profiler: device busy vs wall"
     )
     ap.add_argument("--dry-run", action="store_true", help="check arguments, recipes and shapes; no CUDA")
@@ -262,7 +268,7 @@ def main(argv: list[str]) -> int:
         print(f"[{stamp()}] {rn} ...", flush=True)
         error = None
         try:
-            m = measure(recipe, swap, args, a.batch, a.seq, a.steps, compile_, a.profile)
+            m = measure(recipe, swap, args, a.batch, a.seq, a.steps, compile_, a.profile, a.fused_casts)
         except Exception as e:  # noqa: BLE001 - one failing row must not cost the others
             error = f"{type(e).__name__}: {e}"
         _release()  # after the except clause: its traceback no longer holds the failed row's tensors
@@ -303,6 +309,7 @@ def _write(out: str | None, device: str, args, a, mode: str, rows: dict) -> None
     if out:
         meta = {"device": device, "torch": torch.__version__, "model": a.model, "n_layers": args.n_layers}
         meta |= {"batch": a.batch, "seq": a.seq, "steps": a.steps, "mode": mode, "ac": "selective"}
+        meta |= {"fused_casts": a.fused_casts}
         Path(out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 

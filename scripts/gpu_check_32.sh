@@ -7,6 +7,8 @@
 #   (c) step_1b_eager.json/.log     llama3_1b, 1 x 8192, eager: bf16, fp8_current, fp8_blockwise, deepseek_v3
 #                                   (both tables with --profile: device busy vs wall per step, host ops, syncs,
 #                                   top kernels: is the gap the device's or the host's?)
+#       step_1b_eager_unfused.json  the same eager rows with train.fused_casts=off (benchmarks/fp8_host_time.py:
+#                                   on a CPU a compiled cast costs more host time than the eager one)
 #       step_8b8_compile.json/.log  Llama-3-8B layer shapes, 8 layers, 1 x 8192, compile + selective AC: bf16 and
 #                                   lowprec's FP8 recipes with torchao's as peer rows (rows written as they finish;
 #                                   this step gets what is left of BUDGET_S=420 s: about 3 compiled rows; run with
@@ -55,6 +57,12 @@ log "(c1) llama3_1b eager"
 timeout -k 5 90 $PY benchmarks/gpu_step_vs_model.py --model llama3_1b --seq 8192 --steps "$STEPS" --eager --profile \
   --recipes bf16,fp8_current,fp8_blockwise,deepseek_v3 --out "$OUT/step_1b_eager.json" $DRYFLAG > "$OUT/step_1b_eager.log" 2>&1
 log "(c1) rc=$?"; grep -v -E "^W1|Warning|warn" "$OUT/step_1b_eager.log" | tail -12
+
+log "(c1b) llama3_1b eager, fused casts off (is the compiled casts' host cost worth it on a GPU?)"
+timeout -k 5 60 $PY benchmarks/gpu_step_vs_model.py --model llama3_1b --seq 8192 --steps "$STEPS" --eager --profile \
+  --fused-casts off --recipes bf16,fp8_current,deepseek_v3 --out "$OUT/step_1b_eager_unfused.json" $DRYFLAG \
+  > "$OUT/step_1b_eager_unfused.log" 2>&1
+log "(c1b) rc=$?"; grep -v -E "^W1|Warning|warn" "$OUT/step_1b_eager_unfused.log" | tail -9
 
 T=$(left); [ "$T" -lt 60 ] && T=60
 log "(c2) Llama-3-8B layer shapes, 8 layers, compile + selective AC (limit ${T}s)"
