@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import math
 
-from lowprec.backends.fp8_lowprec import swap_module
+from lowprec.backends.fp8_lowprec import LOWPREC_ONLY, swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8.mx_linear import MX_SCALINGS, MXConfig, MXLinear
 from lowprec.kernels.block_scaled_mm import HAS_BLOCK_SCALED_OP
 
-#: Float8Spec fields of the per-tensor FP8 linear that this backend does not implement, with their neutral values.
+#: Float8Spec fields of the per-tensor FP8 linear that this backend does not implement, with their neutral values:
+#: a subset of ``LOWPREC_ONLY`` (what this backend does with the others is its own validation's business).
 _FP8_ONLY = {
-    "gemm_backend": "scaled_mm",
-    "promotion_interval": None,
-    "accum_mantissa_bits": None,
-    "accum_rounding": "nearest",
-    "accum_group": None,
-    "cache_fp8_activations": False,
-    "power_of_2_scales": False,
+    k: LOWPREC_ONLY[k]
+    for k in (
+        "gemm_backend",
+        "promotion_interval",
+        "accum_mantissa_bits",
+        "accum_rounding",
+        "accum_group",
+        "cache_fp8_activations",
+        "power_of_2_scales",
+    )
 }
 
 
