@@ -13,7 +13,6 @@ from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
 
 #: torchao recipe name -> the FP8 format it implies (HYBRID for tensorwise, all-e4m3 for rowwise).
 _IMPLIED_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3"}
-#: Float8Spec fields only lowprec's own linear implements, with their neutral values.
 
 
 class TorchaoFloat8(Float8Backend):
