@@ -112,8 +112,8 @@ def test_blockwise_fp8_compiles_on_cpu_after_another_model_was_traced_in_the_pro
       ``amax_floor`` (1e-12), made the second's (1e-4, as ``deepseek_v3``'s) a SymFloat and failed inside the FP8
       autograd Function ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", the H100's
       error of issue 32); every built model now compiles from a fresh dynamo state. The first model is ``debug``
-      (one compiled training step under the same AC mode: a model traced by another backend, under another AC mode
-      (another code object) or a forward alone did not trigger it).
+      (one compiled training step under the same AC mode: a first model under another AC mode, whose blocks are
+      another code object, or a forward alone did not trigger it).
 
     The compiled losses equal eager ones within 1e-4 nats (FP32 reordering: ~5e-7)."""
     assert (ALIGNED.dim, ALIGNED.ffn_hidden) == (256, 1024)
