@@ -7,7 +7,6 @@ benchmarks can start a real gloo group from inside one Python process and collec
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import tempfile
 import traceback
@@ -36,8 +35,7 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: s
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # handed back to the parent, which re-raises with the rank's traceback
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     try:
         if result[0] == "ok":
             dist.barrier()
@@ -55,7 +53,9 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in one process group.
 
-    ``fn`` must be a module-level function (it is pickled); its return values must pickle. Returns the
+    ``fn`` must be a module-level function (it is pickled); its return values are read back with
+    ``torch.load(weights_only=True)``, so they must be tensors, numbers, strings, ``None`` or lists, tuples and
+    dicts of them (another type fails the call with ``UnpicklingError``). Returns the
     results ordered by rank. Raises ``RuntimeError`` carrying the first failing rank's traceback.
     """
     with tempfile.TemporaryDirectory(prefix="lowprec-ranks-") as tmp:
@@ -80,14 +80,14 @@ def run_ranks(
 def _collect(tmp: str, world_size: int, strict: bool) -> list[Any]:
     out = []
     for r in range(world_size):
-        p = Path(tmp) / f"rank{r}.pkl"
+        p = Path(tmp) / f"rank{r}.pt"
         if not p.exists():
             if strict:
                 raise RuntimeError(f"rank {r} wrote no result")
             continue
-        # Not a received file: each rank of this call wrote it into the call's own TemporaryDirectory (mode 0700,
-        # removed on return), exactly what multiprocessing itself pickles between parent and child.
-        status, value = pickle.loads(p.read_bytes())
+        # Each rank of this call wrote it into the call's own TemporaryDirectory (mode 0700, removed on return);
+        # read as data all the same (weights_only: tensors, containers, numbers and strings), never as code.
+        status, value = torch.load(p, weights_only=True)
         if status == "error":
             raise RuntimeError(value)
         out.append(value)
