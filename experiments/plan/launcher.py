@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import unicodedata
 from dataclasses import dataclass, field
 
 from experiments.plan.launch import under_torchrun
@@ -25,6 +26,10 @@ from lowprec.errors import ConfigError
 #: ``launcher.name`` values. ``local``: this machine, as before issue 31; ``slurm``: one SLURM job per run
 #: (submitit's ``SlurmExecutor``); ``submitit_local``: one process per run through submitit's ``LocalExecutor``.
 LAUNCHERS = ("local", "slurm", "submitit_local")
+
+#: Free-text fields submitit writes into the job's sbatch script (``#SBATCH --partition=...``, the ``--output`` path
+#: of the job folder) or, for ``setup``, as one line each: a newline there would start a line of its own.
+TEXT_FIELDS = ("partition", "account", "qos", "constraint", "folder")
 
 
 @dataclass
@@ -87,9 +92,24 @@ class LauncherSpec:
 LAUNCHER_OPTIONS = {name: LauncherConfig(name=name) for name in LAUNCHERS}
 
 
+def check_one_line(name: str, value: str | None) -> None:
+    """Refuse (``ConfigError``, one line) a ``value`` of the setting ``name`` that holds a newline or another
+    control character (Unicode category ``Cc``, or a line or paragraph separator): it goes into the job's sbatch
+    script, where it would end the line and start a shell line of its own. None passes."""
+    if value is None:
+        return
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{name}={value!r} holds the control character {bad!r}: it would become a line of its own in the "
+            "job's sbatch script; refused"
+        )
+
+
 def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> None:
     """Refuse (``ConfigError``, one line) a launcher that cannot submit from here, before any MLflow run:
-    an unknown ``name``; ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
+    an unknown ``name``; a newline or control character in a free-text field (``TEXT_FIELDS``, each ``setup``
+    line: ``check_one_line``); ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
     PATH is searched); a submitit launcher under torchrun (the ablation process submits; each job of a parallel
     layout, ``world_size`` > 1, starts torchrun with its ranks itself); ``time``, ``cpus_per_task``, ``mem_gb``,
     ``gpus_per_node``, ``max_running`` or ``poll_s`` out of range; a layout that needs more GPUs than
@@ -98,6 +118,10 @@ def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> N
         raise ConfigError(f"launcher.name={spec.name} is not one of {', '.join(LAUNCHERS)}")
     if not spec.submitit:
         return
+    for key in TEXT_FIELDS:
+        check_one_line(f"launcher.{key}", getattr(spec, key))
+    for i, line in enumerate(spec.setup):
+        check_one_line(f"launcher.setup[{i}]", line)
     if importlib.util.find_spec("submitit") is None:
         raise ConfigError(f"launcher={spec.name} needs the submitit package: pip install submitit")
     if spec.name == "slurm" and which("sbatch") is None:

@@ -69,6 +69,34 @@ def test_bad_launcher_is_one_line_and_creates_no_mlflow_run(args, needle, run_di
     assert not (tmp_path / "runs" / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("key", ["partition", "account", "qos", "constraint", "folder", "setup"])
+def test_a_newline_in_a_free_text_launcher_field_is_one_line(key, run_dirs, tmp_path, capsys):
+    """The free-text fields become lines of the job's sbatch script: a newline in one would start a shell line of
+    its own. Refused in one line before any MLflow run, through the real command line."""
+    value = "gpu\n#SBATCH --wrap=touch /tmp/x"
+    arg = f"launcher.setup=['echo hi', '{value}']" if key == "setup" else f"launcher.{key}='{value}'"
+    err = _one_line(["launcher=slurm", arg], run_dirs, capsys)
+    name = "launcher.setup[1]" if key == "setup" else f"launcher.{key}"
+    assert f"{name}={value!r} holds the control character" in err and "sbatch script; refused" in err, err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("key", ["partition", "account", "qos", "constraint", "folder", "setup"])
+@pytest.mark.parametrize("bad", ["\r", "\x00", "\x1b", "\x85", "\u2028", "\t"], ids=repr)
+def test_any_control_character_in_a_free_text_launcher_field_is_refused(key, bad):
+    found = lambda name: f"/usr/bin/{name}"  # noqa: E731
+    spec = LauncherSpec(name="slurm", **{key: (f"a{bad}b",) if key == "setup" else f"a{bad}b"})
+    with pytest.raises(ConfigError, match="holds the control character"):
+        check_launcher(spec, 1, which=found)
+
+
+def test_plain_launcher_text_passes():
+    found = lambda name: f"/usr/bin/{name}"  # noqa: E731
+    spec = LauncherSpec(name="slurm", partition="gpu,debug", account="proj-1", qos="high", constraint="a100&ib")
+    check_launcher(LauncherSpec(**{**spec.__dict__, "setup": ("source .venv/bin/activate",)}), 1, which=found)
+    check_launcher(LauncherSpec(name="slurm", folder="/scratch/me/jobs été"), 1, which=found)
+
+
 def test_slurm_checks_with_sbatch_found():
     found = lambda name: f"/usr/bin/{name}"  # noqa: E731
     check_launcher(LauncherSpec(name="slurm", partition="gpu", gpus_per_node=8), 1, which=found)
