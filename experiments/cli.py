@@ -170,6 +170,29 @@ def _hydra_main(config_name: str, task, argv: list[str]) -> int:
     return 0
 
 
+def hydra_value(value: str) -> str:
+    """``value`` written as a Hydra override's value that Hydra reads back as exactly this string: as it is when
+    Hydra's parser gives it back unchanged (an ablation id, a plain path), else single-quoted with Hydra's escapes (a
+    backslash before a quote doubled, the quote escaped, trailing backslashes doubled) and OmegaConf's (``${``
+    escaped, the backslashes before it doubled: not an interpolation). Unquoted, ``/runs/a,b`` is a sweep of two
+    values and ``null`` is None."""
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "${" not in value and "\\" not in value:
+        try:
+            (o,) = OverridesParser.create().parse_overrides([f"k={value}"])
+            if isinstance(o.value(), str) and o.value() == value:
+                return value
+        except Exception:  # noqa: BLE001 - whatever Hydra cannot read plain is quoted below
+            pass
+    text = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    text = re.sub(r"(\\+)$", lambda m: m[1] * 2, text)
+    text = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)  # OmegaConf's escape of an interpolation
+    return f"'{text}'"
+
+
 def _run_composed(config_name: str, argv: list[str], task) -> int:
     """Compose, build the ``Plan`` once and run ``task(plan)``; under a parallel layout outside torchrun, re-run
     this command on its ranks instead (each rank builds its own plan)."""
@@ -194,11 +217,15 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
     except StopSignal as stop:
         print(f"lowprec {config_name}: {stop.reason()}", file=sys.stderr)
         again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
+        # quoted for Hydra (a comma in a runs path would make a sweep of it), then for the shell (`recipes=[a,b]`
+        # is a glob to it)
         if stop.checkpoint and config_name == "train":
-            print(f"resume it: lowprec train {shlex.join([*again, f'resume={stop.checkpoint}'])}", file=sys.stderr)
+            resume = f"resume={hydra_value(str(stop.checkpoint))}"
+            print(f"resume it: lowprec train {shlex.join([*again, resume])}", file=sys.stderr)
         ablation = getattr(stop, "ablation_id", None)
-        if ablation and config_name == "ablate":  # quoted: `recipes=[a,b]` is a glob to the shell
-            print(f"resume it: lowprec ablate {shlex.join([*again, f'resume={ablation}'])}", file=sys.stderr)
+        if ablation and config_name == "ablate":
+            resume = f"resume={hydra_value(str(ablation))}"
+            print(f"resume it: lowprec ablate {shlex.join([*again, resume])}", file=sys.stderr)
         return stop.exit_code
     if config_name == "train":
         return 0 if result.status == "FINISHED" else 1
