@@ -394,9 +394,40 @@ def faults_from_cfg(cfg: DictConfig) -> FaultsConfig:
     return FaultsConfig(**typed(FaultsConfig, node, "faults")) if node is not None else FaultsConfig()
 
 
+def check_store_uri(uri: str) -> None:
+    """Refuse (``ConfigError``, one line) a ``tracking.uri`` MLflow would fail on with a traceback: a file store
+    (``file://...`` or a bare folder: MLflow 3 keeps it in maintenance mode and refuses to open it), or a database
+    URI (``postgresql://``, ``mysql://``, ``mssql://``, with or without ``+driver``) whose driver is not installed
+    (SQLAlchemy imports it only when MLflow opens the store)."""
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    if scheme in ("", "file"):
+        raise ConfigError(
+            f"tracking.uri={uri}: MLflow's file store is not supported (MLflow 3 keeps it in maintenance mode); "
+            "use sqlite:///PATH/mlflow.db or an http(s):// tracking server"
+        )
+    if scheme.split("+", 1)[0] not in ("postgresql", "postgres", "mysql", "mariadb", "mssql", "oracle"):
+        return
+    from sqlalchemy.engine import make_url  # MLflow's own dependency; imported only for a database URI
+
+    try:
+        dialect = make_url(uri).get_dialect()
+    except Exception as e:  # ArgumentError for a URI it cannot parse, NoSuchModuleError for an unknown +driver
+        raise ConfigError(f"tracking.uri: {scheme}://... is not a database URI SQLAlchemy can open ({e})") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        raise ConfigError(
+            f"tracking.uri: a {scheme}:// store needs the database driver {getattr(e, 'name', None) or e}, which is "
+            "not installed (pip install it, or name another with +driver)"
+        ) from None
+
+
 def tracking_from_cfg(cfg: DictConfig) -> TrackingConfig:
-    """``TrackingConfig`` from the ``tracking`` node, its ``${paths.runs}`` resolved."""
-    return TrackingConfig(**typed(TrackingConfig, cfg.tracking, "tracking"))
+    """``TrackingConfig`` from the ``tracking`` node, its ``${paths.runs}`` resolved; ``ConfigError`` for a URI
+    MLflow cannot open here (``check_store_uri``)."""
+    tracking = TrackingConfig(**typed(TrackingConfig, cfg.tracking, "tracking"))
+    check_store_uri(tracking.uri)
+    return tracking
 
 
 def launcher_from_cfg(cfg: DictConfig) -> LauncherSpec:

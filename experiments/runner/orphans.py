@@ -15,7 +15,9 @@ time, or a different boot id and a run started before this machine booted (it re
 left RUNNING: a run of another host; a run of another PID namespace of this boot (another container: its
 processes cannot be seen from here), said in one line and the run's tag ``lowprec.orphan_check``; a different boot
 id of a run started after this boot (another machine with the same hostname). Runs from before the namespace and
-boot tags existed keep the older rule (host, pid and start time).
+boot tags existed keep the older rule (host, pid and start time). A command whose ``/proc`` shows another PID
+namespace than its own (``unshare -p -f`` without ``--mount-proc``) checks no pid at all: every pid it would read
+there is another process (``procfs_is_ours``); the runs it owns record no start time.
 """
 
 from __future__ import annotations
@@ -26,19 +28,36 @@ from pathlib import Path
 
 import psutil
 
-from experiments.tracking.spool import spool_path
+from experiments.tracking.spool import SpoolError, drop_note, read_note, spool_path
 
 OWNER_TAG = "lowprec.owner"
 PIDNS_TAG = "lowprec.owner_pidns"
 BOOT_TAG = "lowprec.owner_boot"
 CHECK_TAG = "lowprec.orphan_check"
+#: Why no owner can be checked from a process whose ``/proc`` shows another PID namespace (``procfs_is_ours``).
+NOT_OUR_PROC = (
+    "this command's /proc belongs to another PID namespace (unshare -p without --mount-proc?): "
+    "no process can be checked from here"
+)
+
+
+def procfs_is_ours() -> bool:
+    """True when ``/proc`` shows this process's own PID namespace: ``/proc/self`` names ``os.getpid()``. False in a
+    PID namespace without its own ``/proc`` (``unshare -p -f`` without ``--mount-proc``, a container that bind-mounts
+    the host's): there ``/proc/<pid>`` is another namespace's process of that number, so no pid can be checked."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def _start_ticks(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of ``/proc/<pid>/stat``), a decimal string;
-    None when there is no such process or it cannot be read. Ticks since boot, not psutil's default seconds since
-    the epoch: those add ``btime``, which moves when the wall clock is stepped, and the tags of runs already stored
-    hold ticks."""
+    None when there is no such process, it cannot be read, or ``/proc`` belongs to another PID namespace
+    (``procfs_is_ours``). Ticks since boot, not psutil's default seconds since the epoch: those add ``btime``, which
+    moves when the wall clock is stepped, and the tags of runs already stored hold ticks."""
+    if not procfs_is_ours():
+        return None
     try:
         proc = psutil.Process(pid)
         try:
@@ -78,7 +97,8 @@ def boot_time_s() -> float | None:
 
 
 def owner() -> str:
-    """``<host>:<pid>:<start ticks>`` of this process (start ticks empty without procfs)."""
+    """``<host>:<pid>:<start ticks>`` of this process (start ticks empty without a procfs of its own PID
+    namespace)."""
     pid = os.getpid()
     return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or ''}"
 
@@ -98,7 +118,7 @@ def owner_alive(tag: str) -> bool | None:
         pid_i = int(pid)
     except ValueError:
         return None
-    if host != socket.gethostname() or not ticks or not Path("/proc/self/stat").exists():
+    if host != socket.gethostname() or not ticks or not procfs_is_ours():
         return None
     return _start_ticks(pid_i) == ticks
 
@@ -115,7 +135,8 @@ def owner_state(tags: dict[str, str], started_ms: int | None) -> tuple[bool | No
     tag = tags.get(OWNER_TAG, "")
     alive = owner_alive(tag)
     if PIDNS_TAG not in tags and BOOT_TAG not in tags:
-        return alive, ""
+        ours = tag.startswith(f"{socket.gethostname()}:")
+        return alive, NOT_OUR_PROC if alive is None and ours and not procfs_is_ours() else ""
     if not tag.startswith(f"{socket.gethostname()}:"):
         return None, "owned by another host"
     theirs_boot, mine_boot = tags.get(BOOT_TAG, ""), boot_id()
@@ -126,6 +147,8 @@ def owner_state(tags: dict[str, str], started_ms: int | None) -> tuple[bool | No
         if started_ms is not None and booted is not None and started_ms / 1000 < booted:
             return False, "this host rebooted since the run started"
         return None, f"owned by boot {theirs_boot} of a machine named {socket.gethostname()}, not this one"
+    if not procfs_is_ours():
+        return None, NOT_OUR_PROC
     theirs_ns, mine_ns = tags.get(PIDNS_TAG, ""), pid_namespace()
     if not theirs_ns or theirs_ns != mine_ns:
         return None, (
@@ -139,9 +162,13 @@ def close_orphans(tracker, echo=None) -> list[str]:
     """End FAILED every RUNNING run of ``tracker``'s experiment owned by this hostname whose owner process is
     provably dead (``owner_state`` False); returns their run ids. Reason (``failure_reason``): ``its process
     (<owner>) died during the run (found by a later lowprec command)``, or ``... died in a reboot of its host ...``;
-    tag ``orphan_closed=true``. A run whose owner cannot be checked because it lives in another PID namespace or
-    boot is left RUNNING, tagged ``lowprec.orphan_check`` with why, and named in one line to ``echo`` (a
-    ``print``-like callable; None: silent). A ``NullTracker`` (ranks other than 0) closes nothing."""
+    tag ``orphan_closed=true``. A run whose process left a stop note (``experiments.tracking.spool.write_note``: it
+    stopped on a disk that took neither the store's writes nor the spool's) is closed with the note's
+    ``failure_kind`` (``disk``) and reason. A dead run whose spool is malformed is left RUNNING with one line
+    (the spool waits for the user), so that it does not stop this command. A run whose owner cannot be checked
+    because it lives in another PID namespace or boot is left RUNNING, tagged ``lowprec.orphan_check`` with why,
+    and named in one line to ``echo`` (a ``print``-like callable; None: silent). A ``NullTracker`` (ranks other
+    than 0) closes nothing."""
     client = getattr(tracker, "client", None)
     if client is None or not hasattr(client, "search_runs"):
         return []
@@ -157,11 +184,27 @@ def close_orphans(tracker, echo=None) -> list[str]:
         tag = tags.get(OWNER_TAG, "")
         state, why = owner_state(tags, r.info.start_time)
         if state is False:
-            if _spooled(tracker, r.info.run_id):
+            try:
+                if _spooled(tracker, r.info.run_id):
+                    continue
+            except SpoolError as e:  # a malformed spool waits for the user; it must not stop every later command
+                note = f"left RUNNING: its spool cannot be replayed: {e}"
+                tracker.set_tags(r.info.run_id, {CHECK_TAG: note[:8000]})
+                if echo is not None:
+                    echo(f"run {r.info.run_id} ({tag}) {note}")
                 continue
             how = "died in a reboot of its host during the run" if why else "died during the run"
-            tracker.set_tags(r.info.run_id, {"orphan_closed": "true"})
-            tracker.end_run(r.info.run_id, "FAILED", f"its process ({tag}) {how} (found by a later lowprec command)")
+            reason = f"its process ({tag}) {how} (found by a later lowprec command)"
+            tags = {"orphan_closed": "true"}
+            folder = getattr(getattr(tracker, "spool", None), "folder", None)
+            last = read_note(folder, r.info.run_id) if folder is not None else None
+            if last is not None:  # it stopped on a full disk that took neither the store nor the spool
+                tags["failure_kind"] = last["failure_kind"]
+                reason = f"its process ({tag}) stopped: {last['reason']} (found by a later lowprec command)"
+            tracker.set_tags(r.info.run_id, tags)
+            tracker.end_run(r.info.run_id, "FAILED", reason)
+            if folder is not None:
+                drop_note(folder, r.info.run_id)
             closed.append(r.info.run_id)
         elif state is None and why:
             note = f"left RUNNING: {why}"

@@ -183,8 +183,10 @@ def _files_dir(path: Path) -> Path:
 
 
 def _lock(path: Path) -> FileLock:
-    # Per run: the run's process appends while a `lowprec sync` elsewhere may be replaying the same file.
-    return FileLock(str(path.with_suffix(".lock")))
+    # Per run: the run's process appends while a `lowprec sync` elsewhere may be replaying the same file. One lock
+    # object per file in a process (is_singleton), so that it is reentrant: a replay holds it while it reads the
+    # header, which may move an unwritten file aside under the same lock.
+    return FileLock(str(path.with_suffix(".lock")), is_singleton=True)
 
 
 @dataclass
@@ -210,14 +212,52 @@ class Spool:
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+#: The longest header line read (bytes); a real header is about 110.
+_MAX_HEADER_BYTES = 64 * 1024
+#: The suffix a spool file without one complete line is renamed to (``_quarantine_unwritten``): out of the
+#: ``*.jsonl`` that ``lowprec sync`` and the orphan sweep read, kept for whoever wants to look.
+UNWRITTEN_SUFFIX = ".unwritten"
+
+
+class EmptySpool(SpoolError):
+    """A spool file without one complete line (0 bytes, or a header cut short): it held nothing to replay and was
+    moved aside (``UNWRITTEN_SUFFIX``), so that it is reported once, not refused by every later command."""
+
+
+def _quarantine_unwritten(path: Path) -> bool:
+    """Rename ``path`` to ``<name>.unwritten`` when it holds no newline at all (0 bytes, or a header whose write
+    was cut short by a crash): no record can be in it. True when it was moved; False for a file that has a line
+    (or is gone). Under the spool's lock, so an append in progress is not taken for a dead one."""
+    with _lock(path):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_MAX_HEADER_BYTES)
+        except OSError:
+            return False
+        if b"\n" in head or len(head) >= _MAX_HEADER_BYTES:
+            return False
+        os.replace(path, path.with_name(path.name + UNWRITTEN_SUFFIX))
+        return True
+
+
 def read_header(path: Path) -> dict:
     """The header of the spool file ``path``; raises ``SpoolError`` (one line) when it is not one: not JSON, another
-    format version, a run id that is not an MLflow run id or not the file's name, a URI that is not a string."""
+    format version, a run id that is not an MLflow run id or not the file's name, a URI that is not a string.
+    A file without one complete line is moved aside first and raises ``EmptySpool`` (once: it is no longer
+    there for the next command)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            first = f.readline()
+        with open(path, "rb") as f:
+            first = f.readline(_MAX_HEADER_BYTES)
+    except OSError:
+        first = b""
+    if not first.endswith(b"\n") and _quarantine_unwritten(path):
+        raise EmptySpool(
+            f"{path} holds no complete line (its writer stopped before its header was written): nothing to replay; "
+            f"moved aside to {path.name}{UNWRITTEN_SUFFIX}"
+        )
+    try:
         header = json.loads(first)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
         header = None
     if not isinstance(header, dict) or "lowprec_spool" not in header:
         raise SpoolError(f"{path} is not a lowprec spool file (its first line is not a spool header)")
@@ -248,62 +288,172 @@ def spooled_file(path: Path, rec_path: object) -> Path:
 
 #: The fields of ``mlflow.entities.Dataset`` an ``input`` record may set.
 _DATASET_FIELDS = {"name", "digest", "source_type", "source", "schema", "profile"}
+#: The keys each record holds (what ``Tracker`` writes): any other key, a ``run_id`` among them, is refused.
+_KEYS = {
+    "batch": {"op", "metrics", "params", "tags"},
+    "text": {"op", "name", "text"},
+    "dict": {"op", "name", "obj"},
+    "file": {"op", "path", "folder"},
+    "input": {"op", "dataset", "context"},
+    "end": {"op", "status", "end_time"},
+}
+#: The statuses an ``end`` record may set: the terminal ones. A spool never reopens a run (``RUNNING``).
+END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+#: Tags that say which runs belong together (set when a run is created, never through a spool): a spool that set
+#: them would move its run under another ablation's parent and into that ablation's report.
+MEMBERSHIP_TAGS = ("mlflow.parentRunId", "lowprec.ablation_id", "lowprec.kind", "ablation_group")
+#: The longest spool line read (bytes): a record is one ``log_batch`` of at most 1000 metrics, or one text or dict
+#: artifact; a longer line is refused before it is parsed, so a sent file cannot make ``sync`` read gigabytes.
+MAX_LINE_BYTES = 16 * 2**20
+#: The deepest nesting of lists and objects a record may hold (a ``dict`` record's object): Python's JSON parser
+#: recurses per level and MLflow serializes the object again.
+MAX_DEPTH = 64
+#: MLflow stores steps and timestamps as SQL BIGINT (int64): a larger one fails inside the store, which would
+#: read as a store failure, not as the spool's fault.
+_INT64 = (-(2**63), 2**63 - 1)
 
 
-def _check_record(path: Path, rec: dict) -> None:
-    """Raise ``SpoolError`` for a record whose fields would not replay (checked for the whole file before any
-    write, so a malformed spool is reported as such, never as a server failure)."""
+def _is_int64(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
+
+
+def _is_number(v: object) -> bool:
+    """A metric value MLflow can store as a double: a float (NaN and infinities included, as MLflow keeps them) or
+    an int within a double's range."""
+    if isinstance(v, float):
+        return True
+    if not isinstance(v, int) or isinstance(v, bool):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _depth(obj: object) -> int:
+    """How deeply lists and objects nest in ``obj`` (0 for a scalar), without recursion."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, (list, dict)):
+            deepest = max(deepest, d)
+            todo.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def _pairs_ok(items: object) -> bool:
+    return isinstance(items, list) and all(
+        isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in items
+    )
+
+
+def _record_problem(path: Path, rec: dict) -> str | None:
+    """What is wrong with a parsed record (its op known), or None; the file record's folder check raises
+    ``SpoolError`` itself."""
     op = rec["op"]
+    extra = rec.keys() - _KEYS[op]
+    if extra:
+        return f"a {op!r} record holds the key(s) {sorted(extra)!r}, which no lowprec spool writes"
     if op == "file":
         spooled_file(path, rec.get("path"))
-        ok = rec.get("folder") is None or isinstance(rec.get("folder"), str)
-    elif op == "batch":
-        ok = all(isinstance(rec.get(k), list) for k in ("metrics", "params", "tags"))
-        ok = ok and all(isinstance(m, list) and len(m) == 4 for m in rec["metrics"])
-        ok = ok and all(isinstance(t, list) and len(t) == 2 for t in rec["params"] + rec["tags"])
-    elif op == "text":
+        return None if rec.get("folder") is None or isinstance(rec.get("folder"), str) else "bad folder"
+    if op == "batch":
+        metrics = rec.get("metrics")
+        if not isinstance(metrics, list) or not _pairs_ok(rec.get("params")) or not _pairs_ok(rec.get("tags")):
+            return "a 'batch' record's metrics, params or tags are not lists of the right shape"
+        for m in metrics:
+            if not (isinstance(m, list) and len(m) == 4 and isinstance(m[0], str) and _is_number(m[1])):
+                return f"a metric {str(m)[:80]} is not [key, value, timestamp, step]"
+            if not (_is_int64(m[2]) and _is_int64(m[3])):
+                return f"metric {m[0][:80]!r} has a timestamp or step outside a 64-bit integer"
+        moved = sorted({k for k, _ in rec["tags"]} & set(MEMBERSHIP_TAGS))
+        if moved:
+            return f"a 'batch' record sets {moved!r}, which would attach the run to another run or ablation"
+        return None
+    if op == "text":
         ok = isinstance(rec.get("text"), str) and isinstance(rec.get("name"), str)
     elif op == "dict":
         ok = isinstance(rec.get("obj"), dict) and isinstance(rec.get("name"), str)
+        if ok and _depth(rec["obj"]) > MAX_DEPTH:
+            return f"a 'dict' record nests deeper than {MAX_DEPTH} levels"
     elif op == "input":
         ds = rec.get("dataset")
         ok = isinstance(ds, dict) and {"name", "digest"} <= ds.keys() <= _DATASET_FIELDS
         ok = ok and all(isinstance(v, str) for v in ds.values())
         ok = ok and isinstance(rec.get("context", ""), str)
     else:
-        ok = isinstance(rec.get("status"), str) and isinstance(rec.get("end_time"), int)
+        if rec.get("status") not in END_STATUSES:
+            return f"an 'end' record's status {str(rec.get('status'))[:40]!r} is not one of {', '.join(END_STATUSES)}"
+        ok = _is_int64(rec.get("end_time")) and rec["end_time"] >= 0
     if op in ("text", "dict") and ok:
         name = Path(rec["name"])
         ok = not name.is_absolute() and ".." not in name.parts
-    if not ok:
-        raise SpoolError(f"{path}: a {op!r} record is malformed; nothing was replayed")
+    return None if ok else f"a {op!r} record is malformed"
+
+
+def _check_record(path: Path, rec: dict, line: int | None = None) -> None:
+    """Raise ``SpoolError`` (one line naming the file and ``line``) for a record whose fields would not replay or
+    would change what no run's own spool may: checked for the whole file before any write, so a malformed spool is
+    reported as such, never as a failure of the store."""
+    where = f"{path}: line {line}" if line is not None else str(path)
+    problem = _record_problem(path, rec)
+    if problem:
+        raise SpoolError(f"{where}: {problem}; nothing was replayed")
+
+
+def _parse(line: bytes) -> tuple[dict | None, str]:
+    """A spool line as a record, or None and why not. A line nested deeper than the parser recurses, or holding
+    an integer past Python's digit limit, is a malformed line like any other (``RecursionError``/``ValueError``
+    are caught here, not reported as a failure of the store)."""
+    try:
+        rec = json.loads(line)
+    except RecursionError:
+        return None, "nested too deeply to parse"
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except ValueError as e:  # JSONDecodeError, and an integer of more than sys.get_int_max_str_digits() digits
+        return None, "not JSON" if isinstance(e, json.JSONDecodeError) else "an integer with too many digits"
+    if not isinstance(rec, dict) or rec.get("op") not in OPS:
+        return None, "not an object with a known op"
+    return rec, ""
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """The lines of ``path`` after its header: (line number, bytes without the newline, whether it ended with
+    one). Raises ``SpoolError`` for a line longer than ``MAX_LINE_BYTES``, before reading the rest of it."""
+    with open(path, "rb") as f:
+        f.readline(MAX_LINE_BYTES + 1)
+        n = 1
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            n += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise SpoolError(f"{path}: line {n} is longer than {MAX_LINE_BYTES} bytes; nothing was replayed")
+            ended = line.endswith(b"\n")
+            yield n, line[:-1] if ended else line, ended
 
 
 def read_spool(path: Path) -> Spool:
-    """Read every record of ``path``. A last line that does not parse (its writer was killed mid-write) is left
-    out with ``Spool.warning``; any other such line raises ``SpoolError``: the records after it could not be
-    replayed in order."""
+    """Read and check every record of ``path``. A last line without its newline that does not parse (its writer
+    was killed mid-write) is left out with ``Spool.warning``; any other line that is not a valid record raises
+    ``SpoolError`` naming the file and the line: the records after it could not be replayed in order."""
     header = read_header(path)
-    lines = path.read_bytes().split(b"\n")[1:]
-    if lines and lines[-1] == b"":
-        lines.pop()  # the newline that ends the last record
     records, warning = [], None
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-            ok = isinstance(rec, dict) and rec.get("op") in OPS
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            ok = False
-        if ok:
-            _check_record(path, rec)
+    for n, line, ended in _lines(path):
+        rec, why = _parse(line)
+        if rec is not None:
+            _check_record(path, rec, n)
             records.append(rec)
-        elif i == len(lines) - 1:
+        elif not ended:
             warning = (
                 f"{path}: skipped its last line ({len(line)} bytes, not a complete record: the process writing it "
                 "was stopped mid-write)"
             )
         else:
-            raise SpoolError(f"{path}: line {i + 2} is not a spool record; the records after it cannot be replayed")
+            raise SpoolError(f"{path}: line {n} is not a spool record ({why}); the records after it cannot be replayed")
     return Spool(path, header, records, warning)
 
 
@@ -341,6 +491,34 @@ def _append_line(path: Path, line: bytes) -> None:
         os.close(fd)
 
 
+def _whole_lines(path: Path) -> int | None:
+    """Cut ``path`` back to its last complete line (a process killed in the middle of an append left a part of
+    one, which a record appended after it would join into one unreadable line in the middle of the file); returns
+    its size, or None when it does not exist or held no complete line (then it is removed: the header is written
+    again)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size == 0:
+        path.unlink()
+        return None
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return size
+        back = min(size, MAX_LINE_BYTES + 1)
+        f.seek(size - back)
+        tail = f.read(back)
+    cut = tail.rfind(b"\n")
+    if cut < 0 and back == size:
+        path.unlink()
+        return None
+    size = size - back + cut + 1 if cut >= 0 else size  # a line longer than any record: left for the replay to refuse
+    os.truncate(path, size)
+    return size
+
+
 def append(path: Path, run_id: str, uri: str, rec: dict, earlier_writes: int = 0) -> None:
     """Append ``rec`` to the spool of ``run_id`` at ``path`` (created with its header if missing). A ``file``
     record's file is copied beside the spool now, since the original may change before the replay.
@@ -350,7 +528,7 @@ def append(path: Path, run_id: str, uri: str, rec: dict, earlier_writes: int = 0
     and no half line is left for the next command's sweep to refuse."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
-        size = path.stat().st_size if path.exists() else None
+        size = _whole_lines(path)
         copy = None
         try:
             if rec["op"] == "file":
@@ -379,6 +557,85 @@ def remove(path: Path) -> None:
     for p in (path, _cursor_path(path), path.with_suffix(".lock")):
         p.unlink(missing_ok=True)
     shutil.rmtree(_files_dir(path), ignore_errors=True)
+
+
+# --- a run's last word ---------------------------------------------------------------------------------------------
+
+#: The bytes reserved for a run's stop note (``reserve_note``): a failure kind and a one-line reason.
+NOTE_BYTES = 1024
+#: The failure kinds a stop note may name; the orphan sweep ignores any other content.
+NOTE_KINDS = ("disk",)
+
+
+def note_path(folder: Path, run_id: str) -> Path:
+    """Where a run's stop note is kept: ``<folder>/<run id>.stop``, beside its spool."""
+    return Path(folder) / f"{run_id}.stop"
+
+
+def reserve_note(folder: Path, run_id: str) -> None:
+    """Write ``NOTE_BYTES`` blank bytes to the run's stop note now, while the disk has room, so that
+    ``write_note`` overwrites blocks the file already has when the disk (store and spool alike) is full. Best
+    effort: an ``OSError`` leaves the run without a note (the sweep then records it as a process that died)."""
+    path = note_path(folder, run_id)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b" " * NOTE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_note(folder: Path, run_id: str, kind: str, reason: str) -> bool:
+    """Say in the run's stop note why its process is about to stop (``kind`` one of ``NOTE_KINDS``, ``reason`` one
+    line, cut to fit), overwriting the reserved bytes in place; True when written. Used when nothing else can be
+    written: the store and the spool refuse for the same full disk."""
+    path = note_path(folder, run_id)
+    reason = " ".join(reason.split())
+    while True:
+        data = json.dumps({"failure_kind": kind, "reason": reason}).encode()
+        if len(data) <= NOTE_BYTES or not reason:
+            break
+        reason = reason[: len(reason) - (len(data) - NOTE_BYTES) - 3] + "..."
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, data.ljust(NOTE_BYTES), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def read_note(folder: Path, run_id: str) -> dict[str, str] | None:
+    """The run's stop note as ``{"failure_kind": ..., "reason": ...}``, or None when there is none, it is blank
+    (reserved, never written: the process was killed) or it is not one (read as data: at most ``NOTE_BYTES``, a
+    kind from ``NOTE_KINDS``, a reason cut to 500 characters of one line)."""
+    try:
+        with open(note_path(folder, run_id), "rb") as f:
+            raw = f.read(NOTE_BYTES + 1)
+        note = json.loads(raw) if raw.strip() and len(raw) <= NOTE_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(note, dict) or note.get("failure_kind") not in NOTE_KINDS:
+        return None
+    reason = note.get("reason")
+    if not isinstance(reason, str):
+        return None
+    return {"failure_kind": note["failure_kind"], "reason": " ".join(reason.split())[:500]}
+
+
+def drop_note(folder: Path, run_id: str) -> None:
+    """Remove the run's stop note (the run ended, or was closed with it)."""
+    try:
+        note_path(folder, run_id).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 # --- replay --------------------------------------------------------------------------------------------------------
@@ -413,7 +670,11 @@ def replay(client, path: Path, warn: Callable[[str], None] = lambda s: None) -> 
     with _lock(path):
         if not path.exists():  # replayed meanwhile by another process
             return Replayed(run_id=path.stem)
-        spool = read_spool(path)
+        try:
+            spool = read_spool(path)
+        except EmptySpool as e:  # moved aside: said once, and the next command no longer meets it
+            warn(str(e))
+            return Replayed(run_id=path.stem, warnings=[str(e)])
         out = Replayed(spool.run_id, total=int(spool.header.get("earlier_writes", 0)) + len(spool.records))
         if spool.warning:
             out.warnings.append(spool.warning)
@@ -426,6 +687,17 @@ def replay(client, path: Path, warn: Callable[[str], None] = lambda s: None) -> 
                 if rec["op"] == "end":  # the status is the run's last write
                     apply(client, spool.run_id, batch_record(tags=[RunTag(SPOOLED_TAG, str(out.total))]))
                     tagged = True
+                    now = client.get_run(spool.run_id).info.status
+                    if now == "FINISHED" and rec["status"] != "FINISHED":
+                        kept = (
+                            f"{path}: its end record ({rec['status']}) was not applied: run {spool.run_id} is "
+                            "already FINISHED, and a spool never moves a run's status back"
+                        )
+                        out.warnings.append(kept)
+                        warn(kept)
+                        _write_cursor(path, start + i + 1)
+                        out.end = now
+                        continue
                 if rec["op"] == "file":  # checked again here: the file may have changed since read_spool
                     rec = {**rec, "path": str(spooled_file(path, rec["path"]))}
                 apply(client, spool.run_id, rec)

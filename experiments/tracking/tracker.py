@@ -30,7 +30,17 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from experiments.tracking.spool import Spooler, batch_record, end_record, is_transient, short_reason  # noqa: E402
+from experiments.plan.config import check_store_uri  # noqa: E402
+from experiments.tracking.spool import (  # noqa: E402
+    Spooler,
+    batch_record,
+    drop_note,
+    end_record,
+    is_transient,
+    reserve_note,
+    short_reason,
+    write_note,
+)
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.storage import disk_errno, disk_error
@@ -116,7 +126,9 @@ class Tracker:
     def __init__(self, uri: str, experiment: str, artifact_root: str | Path):
         """Raises ``TrackingError`` when ``uri`` is a server that cannot be reached, ``DiskError`` (one line) when a
         local store's disk is full or read-only before it holds the experiment (no run exists yet whose writes a
-        spool could keep)."""
+        spool could keep), ``ConfigError`` for a file store or a database URI without its driver
+        (``experiments.plan.config.check_store_uri``: every command that opens a store, one line)."""
+        check_store_uri(uri)
         self.uri = resolve_uri(uri)
         check_reachable(self.uri)
         mlflow.set_tracking_uri(self.uri)
@@ -131,6 +143,7 @@ class Tracker:
             if err is None:
                 raise
             raise err from e
+        self._noted: set[str] = set()  # runs whose stop note is reserved (``_write``)
         if is_server(self.uri):
             self.spool = Spooler(folder, self.uri)
         else:  # a full disk under the sqlite store: the run goes on, its writes wait in the spool
@@ -165,12 +178,20 @@ class Tracker:
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _write(self, run_id: str, rec: dict, final: bool = False) -> None:
+        """One write of ``run_id`` through the spool. The run's first write reserves its stop note
+        (``experiments.tracking.spool.reserve_note``); when the store and the spool both refuse for a full disk,
+        the note says so (the process stops here with a ``DiskError``, and the next command's orphan sweep records
+        the run ``failure_kind=disk`` instead of a process that died)."""
+        if run_id not in self._noted:
+            self._noted.add(run_id)
+            reserve_note(self.spool.folder, run_id)
         try:
             self.spool.send(self.client, run_id, rec, final)
         except Exception as e:  # the store's disk and the spool's are both full: one line, not a traceback
             err = disk_error(f"writing run {run_id} to {self.uri} and to its spool", self.spool.folder, e)
             if err is None:
                 raise
+            write_note(self.spool.folder, run_id, "disk", str(err))
             raise err from e
 
     def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
@@ -233,6 +254,7 @@ class Tracker:
         if reason:
             self.set_tags(run_id, {"failure_reason": reason[:8000]})
         self._write(run_id, end_record(status), final=True)
+        drop_note(self.spool.folder, run_id)  # ended (in the store or in its spool): nothing left to explain
 
     def drain_spools(self, run_ids: list[str]) -> list[Path]:
         """Replay what is spooled for ``run_ids`` (an ablation's runs, some spooled by its worker processes);
