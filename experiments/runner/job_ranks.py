@@ -12,7 +12,10 @@ returns to the ablation process as its result.
 The arguments file is a pickle the same job wrote a moment before in its own folder (the ``Plan`` is a frozen
 dataclass tree with no JSON form); it is read only from the folder named on the command line, and through an
 allow-list (``load_args``: lowprec's, the lab's and the catalog's dataclasses and enums, torch dtypes, paths, sets),
-so a job folder on a shared filesystem that someone altered cannot make the ranks run code.
+so a job folder on a shared filesystem that someone altered cannot make the ranks run code. Before the unpickler
+runs, ``lowprec.train.pickle_limits.check_pickle`` walks the file and refuses one that would build more than 16
+objects and characters per byte (plus 1 Mi) or nest deeper than 64 (nested paths that re-join their arguments grow
+a few hundred bytes into gigabytes); after it, the loaded object is type-checked (``load_args``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 from pathlib import Path
 
 from experiments.runner.run import RunOutcome
+from lowprec.train.pickle_limits import PickleLimitError, check_pickle
 from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
 
 #: The job's arguments for its ranks, in the job folder.
@@ -75,9 +79,61 @@ class _ArgsUnpickler(pickle.Unpickler):
 
 
 def load_args(folder: Path) -> dict:
-    """The arguments ``write_args`` wrote to ``folder / ARGS``, unpickled through the allow-list above. Raises
-    ``pickle.UnpicklingError`` naming the global for anything else (a file altered to run code)."""
-    return _ArgsUnpickler(io.BytesIO((folder / ARGS).read_bytes())).load()
+    """The arguments ``write_args`` wrote to ``folder / ARGS``, walked by ``check_pickle`` (caps on what it
+    builds), unpickled through the allow-list above and type-checked (``check_args``). Raises
+    ``pickle.UnpicklingError`` (one line) for a file over the caps, a global outside the allow-list (a file altered
+    to run code), or arguments of the wrong types."""
+    data = (folder / ARGS).read_bytes()
+    try:
+        check_pickle(data)
+    except PickleLimitError as e:
+        raise pickle.UnpicklingError(f"{ARGS} in {str(folder)!r} is refused: {e}") from None
+    return check_args(_ArgsUnpickler(io.BytesIO(data)).load(), folder)
+
+
+def check_args(args, folder: Path) -> dict:
+    """``args`` when it is what ``write_args`` writes: a dict of the names ``write_args`` documents, with
+    ``plan`` a ``Plan``, ``recipe`` a ``Recipe``, ``seed`` an int, ``parent_id`` and ``ablation_id`` a string or
+    None, ``continuation`` a ``Continuation`` or None, ``tags`` a dict of strings or None, ``threads`` an int or
+    None. Raises ``pickle.UnpicklingError`` (one line) naming the first item that is not."""
+    from experiments.plan.plan import Plan
+    from experiments.runner.continued_runs import Continuation
+    from lowprec.recipe import Recipe
+
+    def of(*types):
+        return lambda v: isinstance(v, types) and not isinstance(v, bool)
+
+    def optional(check):
+        return lambda v: v is None or check(v)
+
+    def strings(v):
+        return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+    checks = {
+        "plan": of(Plan),
+        "recipe": of(Recipe),
+        "seed": of(int),
+        "parent_id": optional(of(str)),
+        "ablation_id": optional(of(str)),
+        "continuation": optional(of(Continuation)),
+        "tags": optional(strings),
+        "threads": optional(of(int)),
+    }
+    if not isinstance(args, dict):
+        raise pickle.UnpicklingError(
+            f"{ARGS} in {str(folder)!r} holds a {type(args).__name__}, not the job's arguments"
+        )
+    for key in sorted(args.keys() - checks.keys()):
+        raise pickle.UnpicklingError(f"{ARGS} in {str(folder)!r} holds {key!r}, which a job's arguments never hold")
+    for key in ("plan", "recipe", "seed"):
+        if key not in args:
+            raise pickle.UnpicklingError(f"{ARGS} in {str(folder)!r} has no {key!r}")
+    for key, value in args.items():
+        if not checks[key](value):
+            raise pickle.UnpicklingError(
+                f"{ARGS} in {str(folder)!r}: {key!r} is a {type(value).__name__}, which a job's {key} never is"
+            )
+    return {k: args.get(k) for k in checks}
 
 
 def write_outcome(path: Path, outcome: RunOutcome) -> None:

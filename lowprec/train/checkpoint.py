@@ -3,6 +3,13 @@ copies and quantized moments included) through ``torch.distributed.checkpoint`` 
 state (step, LR schedule, loss scaler, RNG states, the health monitor's state: data position, rollback count, FP8
 fallback) in ``trainer_state.pt`` beside it.
 
+A checkpoint folder holds: DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (tensors only), ``values.json``
+(every non-tensor item of the model and optimizer state, e.g. the optimizer's ``param_groups``, as JSON),
+``trainer_state.pt`` (a ``torch.save`` zip, read with ``weights_only=True``) and ``manifest.json`` (sha256 of each
+file). Nothing in it is read with pickle: a checkpoint someone sent is data (``lowprec.train.checkpoint_reader``
+says what each load checks and refuses; a checkpoint of an older lowprec, whose optimizer values DCP stored as
+pickled byte records, is refused with the command that converts it).
+
 DCP works without a process group (one process) and with FSDP2/TP (each rank writes its shards, and a
 checkpoint loads into any other layout: DCP reshards DTensors on load). A checkpoint is written whole or not at
 all, with a sha256 manifest that is checked before a resume (``lowprec.train.checkpoint_files``). A run resumed
@@ -30,7 +37,16 @@ from lowprec.parallel.fp8_all_gather import register_safe_globals
 from lowprec.storage import disk_error
 from lowprec.train import fault_points
 from lowprec.train.checkpoint_files import commit, staging_folder, start_staging
-from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
+from lowprec.train.checkpoint_metadata import load_metadata
+from lowprec.train.checkpoint_reader import (
+    check_state_keys,
+    check_torch_zip,
+    check_trainer_state,
+    load_state,
+    split_state,
+    trainer_state_cap,
+    write_values,
+)
 from lowprec.train.fault_points import reached
 
 TRAINER_STATE = "trainer_state.pt"
@@ -69,7 +85,9 @@ def save_checkpoint(
     reached("save.start")
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(staging))
+        # DCP would pickle every non-tensor item into a byte record; those go to values.json instead
+        tensors, values = split_state({"model": model_sd, "optim": optim_sd})
+        dcp.save(tensors, storage_writer=_writer(staging))
     except (Exception, CheckpointException) as e:  # DCP raises collectively: every rank is here
         raise _save_failed(final, staging, rank0, e) from e
     if dist.is_initialized():
@@ -89,6 +107,7 @@ def save_checkpoint(
         }
         try:
             reached("save.trainer_state")
+            write_values(staging, values)  # the same on every rank
             # Serialized in memory and written by Python: torch's file writer reports a full disk as "file write
             # failed", without the errno that makes it a one-line DiskError.
             buf = io.BytesIO()
@@ -172,48 +191,88 @@ def load_checkpoint(
     if not (path / ".metadata").exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
 
-    # DCP unpickles .metadata with plain pickle: read it with an allow-list first, so a foreign checkpoint's
-    # payload is refused here in one line, before DCP (or anything else) opens it.
+    # DCP unpickles .metadata with plain pickle: read it with caps and an allow-list first, so a foreign
+    # checkpoint's payload (or byte records, or a file outside the folder) is refused here in one line.
     load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+    # a resume reads the trainer state (its types checked) before any tensor is loaded into the model
+    trainer = read_trainer_state(path) if (path / TRAINER_STATE).exists() else None
+    if trainer is None and scheduler is not None:
+        _missing(path / TRAINER_STATE)
+    if trainer is not None:
+        where = str(path / TRAINER_STATE)
+        if scheduler is not None:
+            check_state_keys(trainer.get("scheduler"), scheduler.state_dict(), "scheduler", where)
+        if loss_scaler is not None:
+            check_state_keys(trainer.get("loss_scaler"), loss_scaler.state_dict(), "loss scaler", where)
     register_safe_globals()  # checkpoints of FP8-all-gather runs hold that weight subclass
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path))
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException carrying per-rank tracebacks
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        cause = lines[-1] if lines else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} does not load into this model: {cause}") from e
+    load_state(path, state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer_path = path / TRAINER_STATE
-    if not trainer_path.exists():
-        return 0 if scheduler is None else _missing(trainer_path)
-    try:
-        trainer = torch.load(trainer_path, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{str(trainer_path)!r} is corrupt: {str(e).splitlines()[0]}") from e
-    if scheduler is not None and trainer["scheduler"] is not None:
+    if trainer is None:
+        return 0
+    if scheduler is not None and trainer.get("scheduler") is not None:
         scheduler.load_state_dict(trainer["scheduler"])
-    if loss_scaler is not None and trainer["loss_scaler"] is not None:
+    if loss_scaler is not None and trainer.get("loss_scaler") is not None:
         loss_scaler.load_state_dict(trainer["loss_scaler"])
-    torch.set_rng_state(trainer["rng_cpu"])
-    if trainer["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(trainer["rng_cuda"])
+    try:
+        torch.set_rng_state(trainer["rng_cpu"])
+        if trainer.get("rng_cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(trainer["rng_cuda"])
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(
+            f"{str(path / TRAINER_STATE)!r}: its RNG state is invalid ({str(e).splitlines()[0]})"
+        ) from e
     return int(trainer["step"])
 
 
-def read_trainer_state(path: str | Path) -> dict:
-    """The trainer state (step, schedule, scaler, RNG, recipe name and hash) of the checkpoint folder ``path``.
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """Load the model part of the checkpoint folder ``path`` into ``model`` in place (its optimizer state and
+    trainer state are not read), with every check of a full load (``checkpoint_reader.load_state``).
 
-    Raises ``CheckpointError`` when the folder or its ``trainer_state.pt`` is missing or corrupt.
+    Raises ``CheckpointError`` (one line) for a missing or refused checkpoint, or one that does not fit ``model``.
+    """
+    path = Path(path)
+    if not (path / ".metadata").exists():
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (missing .metadata)")
+    load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+    register_safe_globals()
+    state = {"model": model.state_dict()}
+    load_state(path, state, partial=True)
+    model.load_state_dict(state["model"])
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state (step, schedule, scaler, RNG, recipe name and hash, health, EMA) of the checkpoint folder
+    ``path``, with its types checked (``checkpoint_reader.check_trainer_state``). The preflight of a resume calls
+    it (through ``check_resume_recipe``), so a bad trainer state is refused before a run is created.
+
+    Before loading, the zip's central directory is checked (``checkpoint_reader.check_torch_zip``): entries
+    stored uncompressed, at most ``checkpoint_reader.trainer_state_cap(path)`` bytes in all (64 MiB plus twice
+    the checkpoint's tensor data files). Then ``torch.load(weights_only=True)``.
+
+    Raises ``CheckpointError`` (one line) when the folder or its ``trainer_state.pt`` is missing, a symlink, over
+    the cap, compressed, corrupt, or of the wrong types.
     """
     p = Path(path) / TRAINER_STATE
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (missing {TRAINER_STATE})")
+    if p.is_symlink() or not p.is_file():
+        raise CheckpointError(f"{str(p)!r} is not a regular file (a symlink?): refusing to read it")
+    cap = trainer_state_cap(Path(path))
     try:
-        return torch.load(p, weights_only=True)
+        with open(p, "rb") as f:
+            data = f.read(cap + 1)  # the file's entries are stored: no more than the cap is ever needed
+    except OSError as e:
+        raise CheckpointError(f"{str(p)!r} cannot be read ({e.strerror})") from None
+    if len(data) > cap:
+        raise CheckpointError(f"{str(p)!r} is over its cap of {cap} bytes: refusing to load it")
+    check_torch_zip(data, cap, repr(str(p)))
+    try:
+        trainer = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{str(p)!r} is corrupt: {str(e).splitlines()[0]}") from e
+    return check_trainer_state(trainer, repr(str(p)))
 
 
 def check_resume_recipe(path: str | Path, recipe, allow_change: bool) -> dict:

@@ -6,6 +6,18 @@ calls ``os.system``), and the sha256 manifest cannot stop it (the sender writes 
 allow-list, the way ``torch.load(weights_only=True)`` does for tensor files (``torch/_weights_only_unpickler.py``;
 the default since torch 2.6): the dataclasses and enums of DCP's own metadata and storage layout, ``torch.Size``,
 torch dtypes and layouts, and paths. Any other global is refused with ``CheckpointError`` before it is imported.
+
+Before the unpickler runs, ``lowprec.train.pickle_limits.check_pickle`` walks the opcodes and refuses a pickle
+that would build more than 16 objects and characters per byte of the file (plus 1 Mi) or nest deeper than 64: a
+few hundred bytes of nested allow-listed paths would otherwise grow to gigabytes (``PurePosixPath`` re-joins its
+arguments) before any check on the result could run. The caps are checked in milliseconds.
+
+The metadata is then checked as data: a record stored as bytes (``BytesStorageMetadata``, which DCP reads back with
+``torch.load(weights_only=False)``: a pickle) is refused, whatever the loading state dict holds, and so is a
+record whose file (``relative_path``) is not a plain file name inside the checkpoint folder or that names a
+stream transform (lowprec writes neither). lowprec checkpoints store their non-tensor state as JSON
+(``lowprec.train.checkpoint_reader``); one written by an older lowprec, with byte records, is refused with the
+command that converts it (``lowprec checkpoint convert``).
 """
 
 from __future__ import annotations
@@ -19,9 +31,11 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 from lowprec.errors import CheckpointError
+from lowprec.train.pickle_limits import PickleLimitError, check_pickle
 
 #: Modules whose dataclasses and enums DCP's ``.metadata`` pickles (torch 2.8 - 2.13).
 _DCP_MODULES = (
@@ -67,11 +81,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_metadata(data: bytes, where: str = ".metadata") -> Metadata:
-    """Unpickle DCP ``Metadata`` from ``data`` with the allow-list above.
+def load_metadata(data: bytes, where: str = ".metadata", byte_records: bool = False) -> Metadata:
+    """Unpickle DCP ``Metadata`` from ``data`` with the caps and the allow-list above, and check it as data.
 
-    Raises ``CheckpointError`` naming ``where`` for a global outside the allow-list, for bytes that are not a
-    pickle, and when the result is not a ``torch.distributed.checkpoint.metadata.Metadata``."""
+    ``byte_records``: let records stored as bytes through (only ``convert_checkpoint`` does, to read an older
+    checkpoint's values without pickle); every loader refuses them.
+
+    Raises ``CheckpointError`` naming ``where`` (one line) for a pickle over the caps, a global outside the
+    allow-list, bytes that are not a pickle, a result that is not a
+    ``torch.distributed.checkpoint.metadata.Metadata``, a byte record, or a record whose file is not a plain name
+    inside the checkpoint folder."""
+    try:
+        check_pickle(data)
+    except PickleLimitError as e:
+        verdict = "is corrupt" if str(e).startswith("malformed") else "is refused"
+        raise CheckpointError(f"checkpoint metadata {where!r} {verdict}: {e}") from None
     try:
         meta = _MetadataUnpickler(io.BytesIO(data), where).load()
     except CheckpointError:
@@ -80,12 +104,66 @@ def load_metadata(data: bytes, where: str = ".metadata") -> Metadata:
         raise CheckpointError(f"checkpoint metadata {where!r} is corrupt: {type(e).__name__}: {e}") from e
     if not isinstance(meta, Metadata):
         raise CheckpointError(f"checkpoint metadata {where!r} holds a {type(meta).__name__}, not DCP Metadata")
+    check_records(meta, where, byte_records)
     return meta
 
 
+def byte_record_refusal(where: str, keys: list[str]) -> CheckpointError:
+    """The one-line refusal of a checkpoint holding records stored as bytes (``keys``)."""
+    folder = str(Path(where).parent) if where.endswith(".metadata") else where
+    return CheckpointError(
+        f"checkpoint {folder!r} holds {len(keys)} records stored as pickled bytes (first: {keys[0]!r}), which "
+        "lowprec no longer reads (a checkpoint is data; it never runs code); a checkpoint written by an older "
+        f"lowprec converts without pickle: lowprec checkpoint convert {folder} <new folder>"
+    )
+
+
+def check_records(meta: Metadata, where: str, byte_records: bool = False) -> None:
+    """Refuse (``CheckpointError``, one line naming ``where``) metadata whose records are not all tensors (unless
+    ``byte_records``), whose storage entries are not ``_StorageInfo`` with non-negative integer offsets and
+    lengths, whose file names are not plain names inside the folder (no ``/``, ``\\``, ``..``, absolute or empty
+    names), or that name a stream transform. Reads no file."""
+    sdm = meta.state_dict_metadata
+    if not isinstance(sdm, dict) or not all(isinstance(k, str) for k in sdm):
+        raise CheckpointError(f"checkpoint metadata {where!r} is corrupt: its records are not a name -> record map")
+    kinds = (TensorStorageMetadata, BytesStorageMetadata) if byte_records else (TensorStorageMetadata,)
+    byte_keys = [k for k, md in sdm.items() if isinstance(md, BytesStorageMetadata)]
+    if byte_keys and not byte_records:
+        raise byte_record_refusal(where, byte_keys)
+    for key, md in sdm.items():
+        if not isinstance(md, kinds):
+            raise CheckpointError(f"checkpoint metadata {where!r}: record {key!r} is a {type(md).__name__}")
+    if not isinstance(meta.storage_data, dict):
+        raise CheckpointError(f"checkpoint metadata {where!r} is corrupt: no storage map")
+    for index, info in meta.storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointError(f"checkpoint metadata {where!r}: a record's storage is a {type(info).__name__}")
+        name = info.relative_path
+        if not isinstance(name, str) or not plain_name(name):
+            raise CheckpointError(
+                f"checkpoint metadata {where!r}: record {getattr(index, 'fqn', '?')!r} is stored in {name!r}, "
+                "which is not a plain file name inside the checkpoint folder: refusing to read it"
+            )
+        for n in (info.offset, info.length):
+            if type(n) is not int or n < 0:
+                raise CheckpointError(f"checkpoint metadata {where!r}: record offset or length {n!r} is invalid")
+        if info.transform_descriptors:
+            raise CheckpointError(
+                f"checkpoint metadata {where!r}: record {getattr(index, 'fqn', '?')!r} names stream transforms "
+                f"{list(info.transform_descriptors)!r}, which lowprec never writes: refusing to read it"
+            )
+
+
+def plain_name(name: str) -> bool:
+    """True for a file name that stays inside its folder: not empty, no path separator, not ``.`` or ``..``,
+    no NUL."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` goes through ``load_metadata`` (everything else, including
-    the tensor data files, is torch's: those are read as raw bytes, or with ``torch.load(weights_only=True)``)."""
+    """``FileSystemReader`` whose ``read_metadata`` goes through ``load_metadata`` (caps, allow-list, no byte
+    records, plain file names). ``lowprec.train.checkpoint_reader.CheckpointReader`` adds the checks of the data
+    files themselves; load through that one."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")

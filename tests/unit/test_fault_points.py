@@ -52,9 +52,9 @@ def test_each_save_point_is_reached_once_in_order_with_the_files_it_describes(tm
     whole = (ckpts / "step_2" / "__0_0.distcp").stat().st_size
     assert set(shards) == {"__0_0.distcp"} and 0 < shards["__0_0.distcp"] < whole  # part written
     assert set(by["save.trainer_state"][0]) == {"__0_0.distcp", ".metadata"}
-    assert set(by["save.manifest"][0]) == {"__0_0.distcp", ".metadata", "trainer_state.pt"}
+    assert set(by["save.manifest"][0]) == {"__0_0.distcp", ".metadata", "trainer_state.pt", "values.json"}
     files, committed = by["save.rename"]
-    assert set(files) == {"__0_0.distcp", ".metadata", "trainer_state.pt", "manifest.json"}
+    assert set(files) == {"__0_0.distcp", ".metadata", "trainer_state.pt", "values.json", "manifest.json"}
     assert files["__0_0.distcp"] == whole and committed == ["step_1"]  # complete, not yet renamed
     assert by["save.prune"] == ({}, ["step_1", "step_2"])  # committed, the old one not yet deleted
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_2"]
