@@ -38,25 +38,42 @@ def is_val(rel_path: str, val_fraction: float) -> bool:
     return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) < val_fraction * 0x1_0000_0000
 
 
-def _collect(root: Path, pattern: str) -> list[Path]:
+def _inside(path: str | Path, folders: tuple[str, ...]) -> bool:
+    """Whether the real ``path`` (symlinks resolved) is one of ``folders`` (real paths) or lies under one."""
+    real = os.path.realpath(path)
+    return any(real == f or real.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+
+
+def _collect(root: Path, pattern: str, exclude: tuple[str, ...] = ()) -> list[Path]:
     head, _, name = pattern.partition("/")
     if head == "**" and name and "/" not in name and "**" not in name:
         # os.walk, pruning excluded folders, is ~20x faster than pathlib's recursive glob on the stdlib
         # (0.04 s vs 0.7 s), and every process of a run (each rank, each test) collects the corpus.
         files = []
         for d, dirs, names in os.walk(root):
-            dirs[:] = [x for x in dirs if x not in _EXCLUDED_DIRS]  # pruned; the result is sorted below
+            # pruned; the result is sorted below. os.walk does not enter symlinked folders, so a folder of
+            # ``exclude`` is met under its own path: only folders are resolved, never each file.
+            dirs[:] = [
+                x for x in dirs if x not in _EXCLUDED_DIRS and not (exclude and _inside(os.path.join(d, x), exclude))
+            ]
             files.extend(Path(d, n) for n in names if fnmatch.fnmatchcase(n, name))
         files = [p for p in files if p.is_file()]
     else:
         files = [
-            p for p in root.glob(pattern) if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+            p
+            for p in root.glob(pattern)
+            if p.is_file()
+            and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+            and not (exclude and _inside(p, exclude))
         ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def build_corpus(name: str, root: str | Path, pattern: str, val_fraction: float) -> Corpus:
-    """Collect ``root``/``pattern`` (recursively with ``**``), excluding site-/dist-packages.
+def build_corpus(
+    name: str, root: str | Path, pattern: str, val_fraction: float, exclude: tuple[str | Path, ...] = ()
+) -> Corpus:
+    """Collect ``root``/``pattern`` (recursively with ``**``), excluding site-/dist-packages and the folders in
+    ``exclude`` (``lowprec data prepare``'s ``out=`` when it lies inside the source: its shards are no corpus).
 
     Raises ``DataError`` if ``root`` does not exist, no non-empty file matches, or a split is empty.
     """
@@ -66,7 +83,7 @@ def build_corpus(name: str, root: str | Path, pattern: str, val_fraction: float)
     if root.is_file():
         files, root = [root], root.parent
     else:
-        files = _collect(root, pattern)
+        files = _collect(root, pattern, tuple(os.path.realpath(Path(x).expanduser()) for x in exclude))
     files = [p for p in files if p.stat().st_size > 0]
     if not files:
         raise DataError(f"empty corpus: no non-empty file matches {pattern!r} under {str(root)!r}")

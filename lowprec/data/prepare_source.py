@@ -9,14 +9,19 @@ tokens gathered meanwhile, uint16 or uint32 by the vocabulary (``lowprec.data.sh
 Resuming: after every shard, ``.prepare-state.json`` records the shards written and how many documents they
 hold. A re-run with the same settings skips those documents and continues; a shard written but not yet recorded
 (the process died in between) is written again. ``meta.json`` appears last, when every shard is written: a folder
-with it is complete, and a re-run of a complete folder does nothing.
+with it is complete, and a re-run of a complete folder does nothing. A preparation that fails (a bad row, a full
+disk) before its first shard is recorded leaves nothing behind; one that fails later keeps its state, and the same
+command continues it.
+
+The source is data: a document is read and tokenized in pieces of at most ``PIECE_BYTES`` (a 20 MB file never
+becomes one string); a file that is not text (a NUL byte, or over 1% of bytes that are not UTF-8, in its first
+piece) is skipped, counted, and named in one warning line; an ``out=`` inside ``source=`` is no part of the source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import sys
@@ -29,7 +34,7 @@ from tqdm.auto import tqdm
 
 from lowprec.data.errors import DataError
 from lowprec.data.shards import META, read_meta, token_dtype
-from lowprec.data.sources import Source, open_source
+from lowprec.data.sources import PIECE_BYTES, Document, Source, open_source
 from lowprec.data.tokenizer import (
     Tokenizer,
     eot_id,
@@ -38,10 +43,14 @@ from lowprec.data.tokenizer import (
     train_bpe,
     vocab_size_of,
 )
+from lowprec.storage import disk_error
 
 STATE = ".prepare-state.json"
 TOKENIZER = "tokenizer.json"
 SPLITS = ("train", "val")
+#: The most text (characters) in one tokenizer call: with ``PIECE_BYTES`` pieces, what bounds the memory of a
+#: batch of large documents whatever ``encode_batch`` says.
+BATCH_CHARS = 4 * PIECE_BYTES
 
 
 @dataclass(frozen=True)
@@ -168,9 +177,15 @@ def _tokenizer(
     return tok
 
 
+def _check_out(out: Path) -> None:
+    """Raise ``DataError`` when ``out`` exists and is no folder (a file, or a link to one)."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"out={str(out)!r} is a file, not a folder; choose a new or empty folder")
+
+
 def _begin(spec: PrepareSpec, source: Source, out: Path) -> dict | None:
     """The state to continue from (a fresh one for a new folder); None when ``out`` is already complete.
-    Raises ``DataError`` when ``out`` holds something else."""
+    Raises ``DataError`` when ``out`` holds something else or cannot be created."""
     key = {"settings": spec.settings(), "source_fingerprint": source.fingerprint}
     if (out / META).exists():
         meta = read_meta(out)
@@ -193,16 +208,34 @@ def _begin(spec: PrepareSpec, source: Source, out: Path) -> dict | None:
         )
     if out.exists() and any(out.iterdir()):
         raise DataError(f"out={str(out)!r} exists and is not a lowprec shard folder; choose an empty or new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:  # a file on the way, a folder not ours
+        raise DataError(f"out={str(out)!r} cannot be created: {e.strerror}") from e
     state = {**key, "docs": 0, "complete": False, "shards": {s: [] for s in SPLITS}, "tokens": dict.fromkeys(SPLITS, 0)}
     _write_json(out / STATE, state)
     return state
 
 
-def _batched(items: Iterable, n: int) -> Iterator[list]:
-    it = iter(items)
-    while batch := list(itertools.islice(it, n)):
+def _batched(docs: Iterable[Document], n: int, max_chars: int = BATCH_CHARS) -> Iterator[list[Document]]:
+    """``docs`` in lists of at most ``n`` documents and, past the first, ``max_chars`` characters."""
+    batch, chars = [], 0
+    for d in docs:
+        if batch and chars + len(d.text) > max_chars:
+            yield batch
+            batch, chars = [], 0
+        batch.append(d)
+        chars += len(d.text)
+        if len(batch) >= n:
+            yield batch
+            batch, chars = [], 0
+    if batch:
         yield batch
+
+
+def _write_tokens(tokens: np.ndarray, path: Path) -> None:
+    """Write ``tokens`` raw to ``path`` (one function, so a test can fail the write as a full disk does)."""
+    tokens.tofile(path)
 
 
 class _ShardWriter:
@@ -212,6 +245,7 @@ class _ShardWriter:
         self.out, self.state, self.dtype = out, state, dtype
         self.buf: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
         self.n = dict.fromkeys(SPLITS, 0)
+        self.skipped = state.get("skipped_files", 0)
         known = {e["file"] for es in state["shards"].values() for e in es}
         for p in out.glob("*.bin*"):  # written after the last commit by a process that died: written again
             if p.name not in known:
@@ -223,6 +257,8 @@ class _ShardWriter:
             self.n[s] += len(ids)
 
     def commit(self, docs: int, complete: bool) -> None:
+        """Write the buffered tokens as the next shard of each split and record them with ``docs`` (documents
+        consumed, the resume point), ``complete`` and ``self.skipped`` (files that were not text, so far)."""
         for split in SPLITS:
             if not self.n[split]:
                 continue
@@ -230,13 +266,42 @@ class _ShardWriter:
             entries = self.state["shards"][split]
             name = f"{split}_{len(entries):05d}.bin"
             tmp = self.out / f"{name}.tmp"
-            tokens.tofile(tmp)
+            _write_tokens(tokens, tmp)
             os.replace(tmp, self.out / name)
             entries.append({"file": name, "tokens": len(tokens), "sha256": hashlib.sha256(tokens.data).hexdigest()})
             self.state["tokens"][split] += len(tokens)
             self.buf[split], self.n[split] = [], 0
-        self.state["docs"], self.state["complete"] = docs, complete
+        self.state["docs"], self.state["complete"], self.state["skipped_files"] = docs, complete, self.skipped
         _write_json(self.out / STATE, self.state)
+
+
+def _clean_unstarted(out: Path, created: bool) -> None:
+    """After a failed preparation: when no shard was recorded (nothing to continue), remove what it wrote (state,
+    tokenizer, shards being written) and ``out`` itself when this call ``created`` it; otherwise keep it all, for
+    the same command to continue."""
+    if not out.is_dir():  # never created (a file on the way to it)
+        return
+    try:
+        state = json.loads((out / STATE).read_text()) if (out / STATE).exists() else None
+    except ValueError:  # cut short by the failure itself (a full disk): nothing recorded in it counts
+        state = None
+    if state is not None and state.get("docs"):
+        return
+    for p in [out / STATE, out / f"{STATE}.tmp", out / TOKENIZER, *out.glob("*.bin"), *out.glob("*.bin.tmp")]:
+        p.unlink(missing_ok=True)
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _warn_skipped(n: int, source: Source) -> None:
+    """One line on stderr counting the files of ``source`` skipped as not text; nothing when ``n`` is 0."""
+    if n:
+        files = "1 file that is" if n == 1 else f"{n:,} files that are"
+        print(
+            f"lowprec data prepare: warning: skipped {files} not text (a NUL byte, or over 1% of bytes not UTF-8) "
+            f"in {source.name}",
+            file=sys.stderr,
+        )
 
 
 def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
@@ -245,20 +310,41 @@ def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
     ``meta.json`` records the usual shard index (``vocab_size``, ``dtype``, ``splits``) and: ``fingerprint``
     (sha256 of the source's fingerprint, the tokenizer's JSON and the settings: what a run records as its corpus),
     ``source_fingerprint``, ``corpus`` (the source's name), ``tokenizer``, ``tokenizer_sha256``, ``eot_id``,
-    ``documents``, ``tokens`` per split and ``settings``. With ``progress``, tqdm bars on stderr (bytes while
-    training the BPE, tokens while tokenizing).
+    ``documents``, ``skipped_files`` (files that were not text), ``tokens`` per split and ``settings``. With
+    ``progress``, tqdm bars on stderr (bytes while training the BPE, tokens while tokenizing). Files skipped as not
+    text are counted in one warning line on stderr.
 
     Raises ``DataError`` (one line) for a missing source or tokenizer, a tokenizer with no end-of-document token,
-    a text column that is not there, an ``out`` folder that holds something else, or a split left empty.
+    a text column that is not there, a row that cannot be read, parquet files of two schemas, an ``out`` that is a
+    file or a folder holding something else, or a split left empty; ``DiskError`` (one line) for a full disk or
+    quota or a read-only one. A failure before the first shard is recorded leaves nothing in ``out``.
     """
     out = Path(spec.out).expanduser()
-    source = open_source(spec.source, spec.text_column, spec.pattern, spec.val_fraction, spec.config, spec.split)
+    _check_out(out)
+    source = open_source(
+        spec.source, spec.text_column, spec.pattern, spec.val_fraction, spec.config, spec.split, exclude=(out,)
+    )
     pretrained = None if spec.tokenizer == "bpe" else load_pretrained_tokenizer(spec.tokenizer)
     if pretrained is not None:
         eot_id(pretrained, spec.eot_token)  # a tokenizer that cannot separate documents: refused before any write
-    state = _begin(spec, source, out)
-    if state is None:
-        return Prepared(out, read_meta(out), skipped=True)
+    created, state = not out.exists(), None
+    try:
+        state = _begin(spec, source, out)
+        if state is None:
+            return Prepared(out, read_meta(out), skipped=True)
+        return _prepare(spec, out, source, state, pretrained, progress)
+    except Exception as e:  # not KeyboardInterrupt: Ctrl-C keeps everything for the same command to continue
+        if created or state is not None:  # a folder of this preparation; another one's files are never touched
+            _clean_unstarted(out, created)
+        err = disk_error(f"writing token shards to {str(out)!r}", out, e)
+        if err is not None:
+            raise err from e
+        raise
+
+
+def _prepare(
+    spec: PrepareSpec, out: Path, source: Source, state: dict, pretrained: Tokenizer | None, progress: bool
+) -> Prepared:
     resumed = state["docs"]
     tok = _tokenizer(spec, source, out, state, progress, pretrained)
     eot = eot_id(tok, spec.eot_token)
@@ -274,11 +360,15 @@ def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
             for batch in _batched(source.documents(skip=docs), spec.encode_batch):
                 encoded = tok.encode_batch([d.text for d in batch], add_special_tokens=False)
                 for doc, enc in zip(batch, encoded):
-                    ids = np.array([*enc.ids, eot], dtype=dtype)
+                    # A document's pieces are tokenized apart and joined; only its last piece gets the separator.
+                    ids = np.array([*enc.ids, eot] if doc.last else enc.ids, dtype=dtype)
                     writer.add(ids, doc.splits)
-                    docs += 1
                     if "train" in doc.splits:
                         bar.update(len(ids))
+                    if not doc.last:  # a shard ends on a document boundary: the resume point counts documents
+                        continue
+                    docs += 1
+                    writer.skipped += doc.skipped
                     train = state["tokens"]["train"] + writer.n["train"]
                     done = bool(spec.max_tokens) and train >= spec.max_tokens
                     if done or writer.n["train"] >= spec.shard_tokens:
@@ -288,6 +378,8 @@ def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
                 if done:
                     break
             writer.commit(docs, complete=True)
+    skipped = writer.skipped
+    _warn_skipped(skipped, source)
     empty = [s for s in SPLITS if not state["tokens"][s]]
     if empty:
         raise DataError(
@@ -309,7 +401,8 @@ def prepare_shards(spec: PrepareSpec, progress: bool = False) -> Prepared:
         "tokenizer": spec.tokenizer,
         "tokenizer_sha256": state["tokenizer_sha256"],
         "eot_id": eot,
-        "documents": docs,
+        "documents": docs - skipped,
+        "skipped_files": skipped,
         "tokens": state["tokens"],
         "settings": settings,
     }
