@@ -26,6 +26,7 @@ from experiments.cli import main
 from experiments.runner.orphans import OWNER_TAG, close_orphans
 from experiments.tracking.spool import SPOOLED_TAG
 from experiments.tracking.tracker import Tracker
+from lowprec.storage import disk_errno, disk_error
 from lowprec.train.checkpoint_files import verify
 
 RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0", "train.val_batches=1"]
@@ -208,9 +209,17 @@ def test_a_full_store_whose_spool_is_full_too_is_one_line_and_the_next_command_c
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     client.set_tag(run.info.run_id, OWNER_TAG, f"{socket.gethostname()}:{dead.pid}:0")
+    note = tmp_path / "runs" / "spool" / f"{run.info.run_id}.stop"
+    assert b"ENOSPC" in note.read_bytes()  # written over the bytes reserved at the run's first write
     tracker = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "lowprec", tmp_path / "runs")
     assert close_orphans(tracker) == [run.info.run_id]  # space is back: no run is left RUNNING
-    assert client.get_run(run.info.run_id).info.status == "FAILED"
+    closed = client.get_run(run.info.run_id)
+    assert closed.info.status == "FAILED"
+    # the disk stopped it, not a crash: recorded as such (an ablation's resume continues it), and the reason says so
+    assert closed.data.tags["failure_kind"] == "disk"
+    reason = closed.data.tags["failure_reason"]
+    assert "No space left on device (ENOSPC)" in reason and "and to its spool" in reason and "died" not in reason
+    assert not note.exists()
 
 
 def test_a_store_whose_file_system_turns_read_only_spools_the_run_in_one_line(run_dirs, tmp_path, capsys):
@@ -243,3 +252,20 @@ def test_a_full_disk_when_the_store_is_created_is_one_line(run_dirs, tmp_path, c
     assert main([*STORE_RUN, *run_dirs]) == 0  # space is back: the store is created and the run trains
     client, run = _only_run(tmp_path)
     assert run.info.status == "FINISHED"
+
+
+def test_a_disk_full_error_only_in_an_exceptions_context_is_a_disk_failure(tmp_path):
+    # a library that fails while handling ENOSPC (a writer's cleanup, a wrapper without ``from e``) keeps the
+    # disk error only as ``__context__``
+    try:
+        try:
+            raise _enospc(tmp_path / "shard")
+        except OSError:
+            raise RuntimeError("the writer's cleanup failed") from None
+    except RuntimeError as e:
+        wrapped = e
+    assert wrapped.__cause__ is None and isinstance(wrapped.__context__, OSError)
+    assert disk_errno(wrapped) == errno.ENOSPC
+    err = disk_error("writing checkpoint 'x'", tmp_path, wrapped)
+    assert err is not None and str(err).startswith("No space left on device (ENOSPC) writing checkpoint 'x': disk ")
+    assert disk_error("x", tmp_path, RuntimeError("a bug")) is None  # and a plain bug is not one
