@@ -26,16 +26,18 @@ def anomalies_section(runs) -> list[str]:
     shown = []
     for r in with_events:
         events = []
-        for e in r.anomalies[:MAX_ROWS_PER_RUN]:
-            detail = " ".join(x for x in (f"`{e['layer']}`" if "layer" in e else "", e.get("detail", "")) if x)
+        for e in [e for e in r.anomalies if isinstance(e, dict)][:MAX_ROWS_PER_RUN]:
+            # every field is the text of an artifact of the run: escaped, and a missing one is blank
+            layer = markdown.code(e["layer"]) if e.get("layer") else ""
+            detail = " ".join(x for x in (layer, markdown.text(e.get("detail", ""))) if x)
             events.append(
                 [
-                    f"`{r.recipe}` seed {r.seed}",
-                    str(e["step"]),
-                    e["kind"],
-                    _value(e.get("value")),
-                    _value(e.get("threshold")),
-                    e["action"],
+                    f"{markdown.code(r.recipe)} seed {r.seed}",
+                    markdown.text(e.get("step", "")),
+                    markdown.text(e.get("kind", "")),
+                    markdown.text(_value(e.get("value"))),
+                    markdown.text(_value(e.get("threshold"))),
+                    markdown.text(e.get("action", "")),
                     detail,
                 ]
             )

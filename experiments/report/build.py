@@ -7,6 +7,7 @@ from the runs, so ``lowprec report ID`` rebuilds the same report later, on any m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -195,11 +196,15 @@ def build_report(
     parent = find_ablation(tracker, ablation_id)
     ptags = parent.data.tags
     margin = check_margin(parent.data.params.get("report.margin", ReportConfig.margin) if margin is None else margin)
-    runs = load_runs(tracker, parent.info.run_id)
+    skipped: list[tuple[str, str]] = []  # child runs whose record is incomplete (killed as they were created)
+    runs = load_runs(tracker, parent.info.run_id, skipped)
     if not runs:
-        raise ReportError(f"ablation {ablation_id!r} has no runs")
-    order = [n for n in json.loads(ptags["recipes"]) if any(r.recipe == n for r in runs)]
-    control = ptags["control"]
+        incomplete = f" ({len(skipped)} incomplete)" if skipped else ""
+        raise ReportError(f"ablation {ablation_id!r} has no runs{incomplete}")
+    order = [n for n in _names(ptags.get("recipes")) if any(r.recipe == n for r in runs)]
+    control = ptags.get("control")
+    if not control:
+        raise ReportError(f"ablation {ablation_id!r}: its parent run has no control tag")
     out = Path(reports_root) / ablation_id
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(runs, order, control)
@@ -224,7 +229,7 @@ def build_report(
         "setup": _header_section(parent, ok, control, tracker.uri),
         "cpu_warning": _cpu_timing_warning(on_cpu),
         "summary": _summary_section(rows, control, on_cpu, contended),
-        "failed": _failed_section(runs),
+        "failed": _failed_section(runs, skipped),
         "anomalies": anomalies_section(runs),
         "figures": _figure_sections(_figures(rows, ok, order, out, contended), contended),
         "telemetry": _telemetry_section(_telemetry_figures(ok, order, out), _telemetry_left_out(ok)),
@@ -382,7 +387,7 @@ def _telemetry_figures(ok: list[RunData], order: list[str], out: Path) -> dict[s
     """One FP8 telemetry heatmap per recipe that logged telemetry (its first seed), in ``order``."""
     first = _first_per_recipe([r for r in ok if r.telemetry])
     return {
-        name: plots.telemetry_heatmap(first[name], TELEMETRY_PANELS, out / f"telemetry_{name}.png")
+        name: plots.telemetry_heatmap(first[name], TELEMETRY_PANELS, out / figure_name("telemetry", name))
         for name in order
         if name in first
     }
@@ -419,11 +424,13 @@ def _auto_note(ok: list[RunData]) -> list[str]:
     resolved = sorted({(r.recipe, r.train_auto) for r in ok if r.train_auto})
     if not resolved:
         return []
-    lines = [f"- `train.compile`/`train.ac` auto: {'; '.join(f'`{n}` {v}' for n, v in resolved)}"]
+    auto = "; ".join(f"{markdown.code(n)} {markdown.text(v)}" for n, v in resolved)
+    lines = [f"- `train.compile`/`train.ac` auto: {auto}"]
     fell = sorted({r.recipe for r in ok if r.compile_fallback})
     if fell:
+        names = ", ".join(markdown.code(n) for n in fell)
         lines.append(
-            f"- **throughput not comparable**: {', '.join(f'`{n}`' for n in fell)} ran eager (`compile_fallback` "
+            f"- **throughput not comparable**: {names} ran eager (`compile_fallback` "
             "on the run: it cannot compile on this device) while `auto` compiled the others"
         )
     return lines
@@ -463,8 +470,8 @@ def _summary_row(row: dict) -> list[str]:
     std = f" ± {row['val_loss_std']:.4f}" if not math.isnan(row["val_loss_std"]) else ""
     peak = f"{_fmt_bytes(row['peak_bytes'])} (+{_fmt_bytes(row['peak_growth_bytes'])})" if row["n_ok"] else "n/a"
     return [
-        f"`{row['recipe']}`",
-        f"`{row['short']}`",
+        markdown.code(row["recipe"]),
+        markdown.code(row["short"]),
         row["status"],
         f"{_num(row['val_loss'], '.4f')}{std}",
         f"{_num(row['gap_pct'], '+.2f')}%",
@@ -477,11 +484,30 @@ def _summary_row(row: dict) -> list[str]:
     ]
 
 
-def _failed_section(runs: list[RunData]) -> list[str]:
-    """Runs left out of every comparison, each with the reason recorded in MLflow (nothing if none; template
-    ``failed.md.j2``)."""
+def _failed_section(runs: list[RunData], skipped: list[tuple[str, str]] = ()) -> list[str]:
+    """Runs left out of every comparison, each with the reason recorded in MLflow, and the child runs whose record is
+    incomplete (``skipped``: run id, why) (nothing if none; template ``failed.md.j2``)."""
     failed = [r for r in runs if not r.comparable]
-    return markdown.lines("failed.md.j2", failed=failed) if failed else []
+    return markdown.lines("failed.md.j2", failed=failed, skipped=list(skipped)) if failed or skipped else []
+
+
+def _names(text: str | None) -> list[str]:
+    """The parent's ``recipes`` tag (a JSON list of names); [] for one that is absent or not such a list."""
+    try:
+        value = json.loads(text) if text else []
+    except ValueError:
+        return []
+    return [str(n) for n in value] if isinstance(value, list) else []
+
+
+def figure_name(prefix: str, name: str) -> str:
+    """A figure's file name for ``name`` (a recipe name, read from the store): its letters, digits, ``_.-`` kept
+    and anything else (a ``/``, a ``..``, a space) replaced, with a short hash of the name when replaced, so the file
+    lies in the report folder and its markdown link is one plain word."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".") or "_"
+    if safe != name:
+        safe += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{prefix}_{safe}.png"
 
 
 def _figure_sections(figs: dict[str, Path], contended: int = 1) -> list[str]:
@@ -513,7 +539,7 @@ def _reconcile_table(runs: list[RunData], order: list[str]) -> list[str]:
     for n in names:
         m = first[n].metrics
         cells = [_reconcile_cell(m.get(c), m.get(_predicted_name(c), m.get(f"pred_{c}"))) for c in MEM_COMPONENTS]
-        rows.append([f"`{n}`", first[n].ac, *cells])
+        rows.append([markdown.code(n), markdown.text(first[n].ac), *cells])
     return markdown.lines("reconcile.md.j2", head=head, rows=rows)
 
 
@@ -550,7 +576,8 @@ def _comm_section(runs: list[RunData], order: list[str], out: Path) -> list[str]
     for n in names:
         cells = [_comm_cell(first[n].metrics, kind) for kind in COMM_KINDS]
         wire = first[n].effective.get("comm") or {}
-        rows.append([f"`{n}`", first[n].layout, *cells, ", ".join(f"{k}: {v}" for k, v in wire.items()) or "n/a"])
+        wire_text = ", ".join(f"{k}: {v}" for k, v in wire.items()) if isinstance(wire, dict) else str(wire)
+        rows.append([markdown.code(n), markdown.text(first[n].layout), *cells, markdown.text(wire_text) or "n/a"])
     fig = plots.comm_bars(runs, order, COMM_KINDS, out / "comm_bytes.png")
     return markdown.lines("comm.md.j2", head=head, rows=rows, fig=fig.name)
 
@@ -582,20 +609,24 @@ def _effective_section(ok: list[RunData], order: list[str]) -> list[str]:
     rows = []
     for name in (n for n in order if n in first):
         e = first[name].effective
-        fp8 = sum((e.get("fp8_linears") or {}).values())
+        fp8_linears = e.get("fp8_linears") or {}
+        fp8 = sum(v for v in fp8_linears.values() if isinstance(v, int)) if isinstance(fp8_linears, dict) else "?"
         rows.append(
             [
-                f"`{first[name].recipe}`",
+                markdown.code(first[name].recipe),
                 _dtypes(e.get("param_dtype")),
                 _dtypes(e.get("grad_dtype")),
                 _dtypes(e.get("linear_output_dtype")),
-                f"{fp8}/{e.get('linears')}",
+                markdown.text(f"{fp8}/{e.get('linears')}"),
                 _dtypes(e.get("moment_dtype")),
-                f"`{e.get('optimizer')}`",
+                markdown.code(e.get("optimizer")),
             ]
         )
     return markdown.lines("effective.md.j2", head=list(EFFECTIVE_COLUMNS), rows=rows)
 
 
 def _dtypes(d: dict | None) -> str:
-    return ", ".join(f"{k} ({v:,})" for k, v in (d or {}).items())
+    """Element counts by dtype (``{dtype: count}``, from the run's ``effective_recipe`` tag), as escaped text."""
+    if not isinstance(d, dict):
+        return markdown.text(d or "")
+    return markdown.text(", ".join(f"{k} ({v:,})" if isinstance(v, int) else f"{k} ({v})" for k, v in d.items()))

@@ -4,6 +4,11 @@ The markdown the report writes (``experiments.report.build``) is parsed with mar
 the token stream is then changed in two places before rendering: every image's ``src`` becomes a ``data:image/png``
 URI read from the report folder, and recipe names in table cells become links to their child runs when the
 tracking store is a server whose UI can show them.
+
+The page is uploaded to the tracking server and shown to others, so the inliner embeds only a plain file directly in
+the report's own folder (a bare file name: no folder, no ``..``, no absolute path or URL, not a symlink, resolving
+inside the folder); anything else is refused with one line before a byte of it is read. Raw HTML in the markdown is
+not rendered (markdown-it's ``html`` option off): it is shown escaped.
 """
 
 from __future__ import annotations
@@ -36,16 +41,28 @@ a code { color: #0b5cad; text-decoration: underline; }
 
 
 class ReportFigureError(UserError, FileNotFoundError):
-    """A figure the report's markdown names is not in the report folder."""
+    """A figure the report's markdown names is not a plain file of the report folder."""
 
 
 def _parser() -> MarkdownIt:
     return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
+def _figure(folder: Path, src: str) -> Path:
+    """The file ``src`` names in ``folder``, or ``ReportFigureError``: only a bare file name of a regular file, not a
+    symlink, whose resolved path lies in ``folder`` (a path from a store record must not bring another file into the
+    page)."""
+    root = Path(folder).resolve()
+    shown = src[:200]
+    if not src or src != Path(src).name or src in (".", ".."):
+        raise ReportFigureError(f"the report names the figure {shown!r}, which is not a file name in {root}")
+    path = root / src
+    if path.is_symlink() or not path.is_file() or path.resolve().parent != root:
+        raise ReportFigureError(f"the report names the figure {shown!r}, which is not a plain file in {root}")
+    return path
+
+
 def _data_uri(path: Path) -> str:
-    if not path.is_file():
-        raise ReportFigureError(f"the report names the figure {path.name}, which is not in {path.parent}")
     mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
@@ -54,7 +71,7 @@ def _embed_images(tokens: list[Token], folder: Path) -> None:
     for tok in tokens:
         for child in tok.children or []:
             if child.type == "image":
-                child.attrSet("src", _data_uri(folder / str(child.attrGet("src"))))
+                child.attrSet("src", _data_uri(_figure(folder, str(child.attrGet("src") or ""))))
 
 
 def _link_recipes(tokens: list[Token], links: dict[str, str]) -> None:
@@ -80,9 +97,10 @@ def _link_recipes(tokens: list[Token], links: dict[str, str]) -> None:
 def markdown_to_html(markdown: str, folder: Path, title: str, links: dict[str, str] | None = None) -> str:
     """One HTML document from the report's ``markdown``.
 
-    ``folder``: where the figures named by ``![...](file.png)`` lie (each is embedded as a base64 data URI);
-    ``links``: recipe name -> URL of its run in the MLflow UI (table cells that name the recipe become links).
-    Raises ``ReportFigureError`` for a figure that is not in ``folder``.
+    ``folder``: where the figures named by ``![...](file.png)`` lie (each is embedded as a base64 data URI; only a
+    plain file of ``folder`` itself, ``_figure``); ``links``: recipe name -> URL of its run in the MLflow UI (table
+    cells that name the recipe become links). Raises ``ReportFigureError`` for a figure that is not a plain file in
+    ``folder``.
     """
     md = _parser()
     tokens = md.parse(markdown)

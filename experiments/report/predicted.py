@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from experiments.plan.config import model_from_cfg
+from experiments.report import markdown
 from experiments.report.verdict_table import Prediction
 from lowprec.errors import UserError
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -38,7 +39,7 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
         dp = dp_shard * int(params.get("parallel.dp_replicate", 1))
         batch, seq = max(int(params["train.batch_size"]) // dp, 1), int(params["train.seq_len"])
     except (KeyError, ValueError, UserError) as e:
-        return {}, f"the ablation's parent run does not name its model and batch ({e})"
+        return {}, f"the ablation's parent run does not name its model and batch ({markdown.text(e)})"
     hw = get_hardware(PREDICT_HARDWARE)
     ac = params.get("train.ac", "none")
     compiled = str(params.get("train.compile", "False")).lower() == "true"
@@ -56,8 +57,8 @@ def predict_recipes(parent: Run, names: list[str]) -> tuple[dict[str, Prediction
             continue
         out[name] = Prediction(hw.name, tps, float(e.totals[ac]))
     setup = (
-        f"`lowprec estimate` for model `{parent.data.tags.get('model')}`, {batch} x {seq} tokens per GPU "
-        f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing `{ac}`, on {hw.name} "
+        f"`lowprec estimate` for model {markdown.code(parent.data.tags.get('model'))}, {batch} x {seq} tokens per GPU "
+        f"(parallel.dp_shard={dp_shard}, tp={tp}), activation checkpointing {markdown.code(ac)}, on {hw.name} "
         f"({hw.note.split(';')[0]}), step time from the per-op cost model (GEMMs by shape and dtype, FP8 casts, "
         "memory-bound kernels, communication; `lowprec estimate --validate` shows its error against published "
         "measurements)"

@@ -254,13 +254,14 @@ def build_table(
     names = [n for n in order if n != control]
     no_verdict = None
     if not ctrl_runs:
-        no_verdict = f"the control `{control}` has no run in this ablation"
+        no_verdict = f"the control {markdown.code(control)} has no run in this ablation"
     elif not ctrl_ok:
-        no_verdict = f"every run of the control `{control}` failed, so no recipe has a seed to pair with"
+        no_verdict = f"every run of the control {markdown.code(control)} failed, so no recipe has a seed to pair with"
     elif not names:
-        no_verdict = f"only the control `{control}` ran: there is nothing to compare"
+        no_verdict = f"only the control {markdown.code(control)} ran: there is nothing to compare"
     failures = tuple(
-        f"seed {r.seed}: {r.reason or ('effective recipe did not match' if r.status == 'FINISHED' else r.status)}"
+        f"seed {r.seed}: "
+        + markdown.text(r.reason or ("effective recipe did not match" if r.status == "FINISHED" else r.status))
         for r in ctrl_runs
         if not r.comparable
     )
@@ -414,7 +415,7 @@ def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
-    cells = [f"`{row.recipe}`", _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v)]
+    cells = [markdown.code(row.recipe), _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v)]
     if with_late:
         cells += [_effect_cell(row.late, auto), _verdict_cell(row.late)]
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
@@ -438,7 +439,7 @@ def _control_row(t: VerdictTable, with_late: bool) -> list[str]:
     """The cells of the control's row of the verdict table."""
     n = len(t.control_values)
     seeds = str(n) if n == t.control_runs else f"{n} of {t.control_runs} ({t.control_runs - n} failed)"
-    cells = [f"`{t.control}`", seeds, "control", "control"]
+    cells = [markdown.code(t.control), seeds, "control", "control"]
     if with_late:
         cells += ["control", "control"]
     stab = t.control_stability
@@ -495,13 +496,13 @@ def _runs_table(runs) -> tuple[list[str], list[list[str]]]:
         m = r.metrics
         rows.append(
             [
-                f"`{r.recipe}`",
+                markdown.code(r.recipe),
                 str(r.seed),
                 _num(m.get("final_val_loss"), ".4f"),
                 _num(m.get("mean_tokens_per_s"), ",.0f"),
                 _num(m.get("state_bytes_per_param"), ".2f"),
                 _num(m.get("mem_peak_bytes"), ",.0f"),
-                f"`{r.run_id}`",
+                markdown.code(r.run_id),
             ]
         )
     return head, rows

@@ -94,6 +94,10 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
         resume = _resume_plan(plan) if plan.resume else None  # reads MLflow, writes nothing
         if resume is not None and resume.lock is not None:
             held.callback(resume.lock.release)
+        if resume is not None and resume.finished:  # nothing to do: its parent stays FINISHED, its report as it was
+            if is_rank0():
+                echo(resume.finished_line())
+            return AblationOutcome(resume.ablation_id, resume.parent_id, list(resume.kept.values()))
         data = prepare_data(plan.data, plan.train.progress)
         check_vocab_fits(data, plan.model.vocab_size)
         if resume is not None:

@@ -59,20 +59,66 @@ def logged_steps(client, run_id: str, key: str = "loss") -> int:
     return n
 
 
-def continue_from(client, run_id: str, checkpoint_dir: str | None, steps: int) -> tuple[str | None, str]:
+#: The form of an MLflow run id before it names a folder (MLflow writes 32 hex digits): no separator, no ``..``.
+RUN_ID_FORM = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def own_checkpoint_dir(runs: str | Path, run_id: str) -> Path:
+    """The checkpoint folder this store's run ``run_id`` writes (``<runs>/checkpoints/<run id>``, as
+    ``experiments.runner.run.run_one`` sets its ``checkpoint_dir`` tag), resolved. ``runs``: ``paths.runs`` of this
+    command. Raises ``CheckpointError`` for a run id that is not one (it would name another folder)."""
+    if not RUN_ID_FORM.fullmatch(str(run_id)):
+        raise CheckpointError(f"{str(run_id)[:80]!r} is not a run id: it names no checkpoint folder")
+    return (Path(runs).resolve() / "checkpoints" / run_id).resolve()
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def tagged_checkpoint_dir(runs: str | Path, run_id: str, tagged: str | None) -> tuple[Path | None, str]:
+    """The run's ``checkpoint_dir`` tag as a folder to read checkpoints from, or None and why not.
+
+    A tag is a record of the store, which whoever can write the store's tags (a replayed spool, a shared server
+    without login) can set to any folder: it is used only when it resolves (symlinks followed) inside this store's
+    own checkpoint folder of that run (``own_checkpoint_dir``). Anything else is never read: None with a one-line
+    note naming the tag and the folder it had to lie in."""
+    if not tagged:
+        return None, "no checkpoint_dir"
+    try:
+        root = own_checkpoint_dir(runs, run_id)
+    except CheckpointError as e:
+        return None, str(e)
+    folder = Path(tagged).resolve()
+    if not _inside(folder, root):
+        return None, f"its checkpoint_dir tag {str(tagged)[:200]!r} lies outside this store's folder {root}: not read"
+    return folder, ""
+
+
+def continue_from(
+    client, run_id: str, checkpoint_dir: str | None, steps: int, runs: str | Path
+) -> tuple[str | None, str]:
     """The checkpoint a continued run starts from, and a note when it is not simply the newest.
 
-    The newest ``step_<N>`` of ``checkpoint_dir`` that verifies against its manifest, that leaves a step to run
-    (N < ``steps``) and that the run's logged ``loss`` reaches (N <= ``logged_steps``: continuing from a later
-    checkpoint would leave steps without metrics in the run's record forever). None (start again from step 0)
-    when no checkpoint qualifies. A damaged checkpoint is skipped and named in the note.
+    ``checkpoint_dir``: the run's tag, used only inside ``<runs>/checkpoints/<run id>`` (``tagged_checkpoint_dir``;
+    ``runs``: this command's ``paths.runs``); a tag that points elsewhere, or a ``step_<N>`` that resolves outside
+    it (a symlink), is never read and is named in the note. The newest ``step_<N>`` that verifies against its
+    manifest, that leaves a step to run (N < ``steps``) and that the run's logged ``loss`` reaches (N <=
+    ``logged_steps``: continuing from a later checkpoint would leave steps without metrics in the run's record
+    forever). None (start again from step 0) when no checkpoint qualifies. A damaged checkpoint is skipped and named
+    in the note.
     """
-    if not checkpoint_dir:
-        return None, "no checkpoint_dir"
+    folder_root, refused = tagged_checkpoint_dir(runs, run_id, checkpoint_dir)
+    if folder_root is None:
+        return None, refused
+    root = own_checkpoint_dir(runs, run_id)
     logged = logged_steps(client, run_id)
     skipped: list[str] = []
-    for n, folder in reversed(step_folders(Path(checkpoint_dir))):
+    for n, folder in reversed(step_folders(folder_root)):
         if n >= steps:
+            continue
+        if not _inside(folder.resolve(), root):
+            skipped.append(f"{folder.name} (a link out of {root}: not read)")
             continue
         if n > logged:
             skipped.append(f"{folder.name} (only {logged} steps logged)")

@@ -11,7 +11,17 @@ What happens to each (recipe, seed) of the ablation, by the status of its child 
   complete checkpoint that its logged metrics reach (``experiments.runner.continued_runs.continue_from``), or from step
   0 when it has none; the steps it re-logs after that checkpoint are bit-identical recomputations of what it logged
   before (the report keeps one value per step);
-- no child yet: started, as in a fresh ablation.
+- no child yet: started, as in a fresh ablation;
+- a child whose record is incomplete (``experiments.tracking.runs.incomplete_record``: no params, its process killed
+  as the run was created): marked FAILED with the reason (``failure_kind`` ``incomplete``), never continued, and its
+  (recipe, seed) started again in a new run; the report leaves it out.
+
+An interrupted run continues only from checkpoints inside this store's own folder of that run
+(``<paths.runs>/checkpoints/<run id>``): a ``checkpoint_dir`` tag that points anywhere else is a record someone else
+could have written, so it is never read and the run starts again from step 0, with a note saying why.
+
+An ablation whose parent run FINISHED and that has nothing to continue or start (every run of its seeds kept) is
+not reopened: the resume is a no-op with one line (``ResumePlan.finished``), and the parent stays FINISHED.
 
 So the report has exactly one run per (recipe, seed), and the parent run, reopened too, ends FINISHED with the report
 logged again. ``seeds=auto`` replays its looks from the kept and new results alike (``experiments.stats.auto_seeds``).
@@ -40,6 +50,7 @@ from experiments.plan.plan import Plan, settings_from_yaml
 from experiments.plan.preflight import AblationResumeError, check_ablation_id
 from experiments.runner.continued_runs import Continuation, continue_from
 from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome
+from experiments.tracking.runs import INCOMPLETE_KIND, incomplete_record
 from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
 
 #: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, fault injection
@@ -135,7 +146,17 @@ class ResumePlan:
     wall_s_before: float = 0.0
     kept: dict[tuple[str, int], RunOutcome] = field(default_factory=dict)
     continued: dict[tuple[str, int], Continuation] = field(default_factory=dict)
+    incomplete: dict[str, str] = field(default_factory=dict)
+    finished: bool = False
     lock: FileLock | None = field(default=None, compare=False, repr=False)
+
+    def finished_line(self) -> str:
+        """The one line of a resume of an ablation that already finished: nothing to do, and how to rebuild its
+        report."""
+        return (
+            f"resume={self.ablation_id}: the ablation already finished ({len(self.kept)} run(s), parent run FINISHED); "
+            f"nothing to resume, nothing changed; its report: lowprec report {self.ablation_id}"
+        )
 
     def without_lock(self) -> ResumePlan:
         """The plan to send to the other ranks (a lock stays with its process)."""
@@ -158,6 +179,8 @@ class ResumePlan:
         for (name, seed), c in sorted(self.continued.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             where = Path(c.checkpoint).name if c.checkpoint else "step 0"
             lines.append(f"  {name:<16} seed {seed}: continues from {where} ({c.was})")
+        for run_id, why in self.incomplete.items():
+            lines.append(f"  run {run_id}: {why}; marked FAILED, its (recipe, seed) starts again")
         return lines
 
 
@@ -201,7 +224,14 @@ def plan_resume(plan: Plan) -> ResumePlan:
         )
         by_key: dict[tuple[str, int], object] = {}
         hashes = {r.name: r.hash() for r in recipes}
+        incomplete: dict[str, str] = {}
         for run in sorted(children, key=_rank):
+            why = incomplete_record(run)
+            if why is not None:  # killed as it was created: not a run to keep or continue
+                marked = run.info.status == "FAILED" and run.data.tags.get("failure_kind") == INCOMPLETE_KIND
+                if not marked:
+                    incomplete[run.info.run_id] = why
+                continue
             tags = run.data.tags
             name = tags.get("recipe", "")
             if name in hashes and tags.get("recipe_hash") not in (None, hashes[name]):
@@ -216,10 +246,17 @@ def plan_resume(plan: Plan) -> ResumePlan:
             parent.info.run_id,
             parent.info.status,
             ptags.get("corpus_fingerprint", ""),
-            float(ptags.get("wall_s", 0.0)),
+            _float(ptags.get("wall_s")),
+            incomplete=incomplete,
         )
         for key, run in by_key.items():
-            _classify(client, out, key, run, plan.train.steps)
+            _classify(client, out, key, run, plan.train.steps, plan.paths.runs)
+        # FINISHED, nothing to continue or mark, every (recipe, seed) of its seeds kept: a finished ablation
+        # (``seeds=auto`` added seeds only where its replay of these same results asked for them)
+        wanted = {(r.name, s) for r in recipes for s in plan.seeds}
+        out.finished = (
+            out.parent_status == "FINISHED" and not out.continued and not incomplete and wanted <= out.kept.keys()
+        )
     except BaseException:
         lock.release()
         raise
@@ -227,7 +264,14 @@ def plan_resume(plan: Plan) -> ResumePlan:
     return out
 
 
-def _classify(client, plan: ResumePlan, key: tuple[str, int], run, steps: int) -> None:
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text else 0.0
+    except ValueError:
+        return 0.0
+
+
+def _classify(client, plan: ResumePlan, key: tuple[str, int], run, steps: int, runs: str) -> None:
     status, tags, run_id = run.info.status, run.data.tags, run.info.run_id
     reason = tags.get("failure_reason", "")
     if status == "FINISHED":
@@ -235,26 +279,40 @@ def _classify(client, plan: ResumePlan, key: tuple[str, int], run, steps: int) -
     elif status == "FAILED" and tags.get("failure_kind") in RESULT_FAILURES:
         plan.kept[key] = RunOutcome(run_id, key[0], key[1], status, reason=reason)
     else:
-        checkpoint, note = continue_from(client, run_id, tags.get("checkpoint_dir"), steps)
+        checkpoint, note = continue_from(client, run_id, tags.get("checkpoint_dir"), steps, runs)
         was = f"{status}: {reason or ('its process died' if status == 'RUNNING' else 'no reason recorded')}"
         plan.continued[key] = Continuation(run_id, checkpoint, was + (f" [{note}]" if note else ""))
 
 
 def reopen_parent(tracker: Tracker, plan: ResumePlan) -> None:
     """Mark the ablation's parent run RUNNING again, drop the tags of its interruption and append this resume to its
-    ``resumes`` tag (a JSON list)."""
+    ``resumes`` tag (a JSON list); mark FAILED each child of ``plan.incomplete`` (``failure_kind`` ``incomplete``,
+    the reason as ``failure_reason``): its (recipe, seed) starts again in a new run."""
     client = tracker.client
+    for run_id, why in plan.incomplete.items():
+        tracker.set_tags(run_id, {"failure_kind": INCOMPLETE_KIND})
+        tracker.end_run(run_id, "FAILED", f"{why}; its (recipe, seed) started again in a new run")
     tags = client.get_run(plan.parent_id).data.tags
     for key in ("failure_reason", "stopped_by", "n_failed", "wall_s"):
         if key in tags:
             client.delete_tag(plan.parent_id, key)
-    history = json.loads(tags.get("resumes", "[]"))
+    history = _json_list(tags.get("resumes"))
     history.append(
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}: resumed from {plan.parent_status}; {len(plan.kept)} run(s) kept, "
         f"{len(plan.continued)} continued"
+        + (f", {len(plan.incomplete)} incomplete started again" if plan.incomplete else "")
     )
     client.update_run(plan.parent_id, status="RUNNING")
     tracker.set_tags(plan.parent_id, {"resumes": dumps(history)})
+
+
+def _json_list(text: str | None) -> list:
+    """A JSON list from a tag (the ``resumes`` history); a tag that is not one is kept as its only item."""
+    try:
+        value = json.loads(text) if text else []
+    except ValueError:
+        return [text]
+    return value if isinstance(value, list) else [value]
 
 
 def end_leftovers(tracker: Tracker, plan: ResumePlan) -> int:

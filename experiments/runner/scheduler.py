@@ -234,6 +234,8 @@ def run_jobs(
     other starts, and ``StopSignal`` is raised with a summary once they have. A stop signal that reached a worker
     alone (the process group's) stops the ablation the same way, once that worker declines its next run.
     """
+    if not jobs:  # every run of this batch kept by a resume: no worker to start (and no slot to share cores)
+        return []
     cont = continuations or {}
     n_slots = workers.workers if isinstance(workers, Placement) else workers
     if n_slots == 1 or len(jobs) == 1:  # in this process (a single GPU slot: CUDA device 0 of this process's own)

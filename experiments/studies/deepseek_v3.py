@@ -37,6 +37,7 @@ from experiments.plan.preflight import saved_plan  # noqa: E402
 from experiments.plan.startup import prepare_data  # noqa: E402
 from experiments.report import plots, verdict_table  # noqa: E402
 from experiments.report.verdict_table import LEVEL  # noqa: E402
+from experiments.runner.continued_runs import own_checkpoint_dir, tagged_checkpoint_dir  # noqa: E402
 from experiments.stats import relative_loss_error  # noqa: E402
 from experiments.studies import deepseek_numerics as dn  # noqa: E402
 from experiments.studies.registry import GROUP_TAG, StudyContext, register  # noqa: E402
@@ -45,6 +46,7 @@ from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
 from lowprec.data import TokenBatches  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
+from lowprec.train.checkpoint_files import step_folders  # noqa: E402
 from lowprec.train.checkpoint_metadata import SafeFileSystemReader  # noqa: E402
 
 REFERENCE = "deepseek_v3"
@@ -111,8 +113,13 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
         return [], f"no finished `{ctx.control}` run to capture operands from"
     run = ctrl[0]
     tags = ctx.tracker.client.get_run(run.run_id).data.tags
-    folder = Path(tags.get("checkpoint_dir", ""))
-    steps = sorted(folder.glob("step_*"), key=lambda p: int(p.name.split("_")[1])) if folder.name else []
+    # a tag is a record anyone who writes the store can set: read only this store's own folder of the run
+    runs_root = ctx.tracker.spool.folder.parent  # paths.runs of this command (the spool lies in it)
+    folder, _ = tagged_checkpoint_dir(runs_root, run.run_id, tags.get("checkpoint_dir"))
+    if folder is None and tags.get("checkpoint_dir"):
+        return [], f"`{ctx.control}` seed {run.seed}: its checkpoint_dir tag lies outside this store's folder: not read"
+    own = own_checkpoint_dir(runs_root, run.run_id) if folder is not None else None
+    steps = [p for _, p in step_folders(folder) if p.resolve().is_relative_to(own)] if folder is not None else []
     if not steps:
         return [], f"`{ctx.control}` seed {run.seed} left no checkpoint (the experiment sets train.checkpoint_every)"
     plan = _plan(ctx.tracker, run.run_id)

@@ -24,6 +24,20 @@ TELEMETRY_PANELS = [
     ["grad_output", "underflow"],
     ["input", "overflow"],
 ]
+#: The params a child run logs right after it is created (``experiments.runner.run.run_one``) and that reading it
+#: back needs (its tokens per step); a run without them was killed between its creation and its params.
+REQUIRED_PARAMS = ("train.batch_size", "train.grad_accum", "train.seq_len")
+#: The summary metrics a FINISHED run logs before it ends and that every comparison reads: a run without one of
+#: them is not comparable, whatever its status says.
+SUMMARY_METRICS = (
+    "final_val_loss",
+    "mean_tokens_per_s",
+    "state_bytes_per_param",
+    "mem_peak_bytes",
+    "mem_peak_growth_bytes",
+)
+#: ``failure_kind`` of a child run whose record is incomplete (``incomplete_record``): not a result of its recipe.
+INCOMPLETE_KIND = "incomplete"
 
 
 @dataclass
@@ -66,16 +80,55 @@ class RunData:
         return (step + 1) * self.tokens_per_step
 
 
-def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
+def incomplete_record(run) -> str | None:
+    """Why the child run ``run`` (an ``mlflow.entities.Run``) cannot be read back as a run of its ablation, in one
+    line, or None when it can: a run without its ``recipe``/``seed`` tags or its ``REQUIRED_PARAMS`` (a process
+    killed between the run's creation and its params leaves one), or with values that are not what they name."""
+    tags, params = run.data.tags, run.data.params
+    missing = [f"tag {k}" for k in ("recipe", "seed") if not tags.get(k)]
+    missing += [f"param {k}" for k in REQUIRED_PARAMS if k not in params]
+    if missing:
+        return (
+            f"incomplete record: no {', '.join(missing)} (its process died as the run was created); not a result, "
+            "left out of the report"
+        )
+    for key, value in [("tag seed", tags["seed"]), *((f"param {k}", params[k]) for k in REQUIRED_PARAMS)]:
+        try:
+            int(value)
+        except ValueError:
+            return f"incomplete record: {key} is {str(value)[:40]!r}, not an integer; left out of the report"
+    return None
+
+
+def _json_dict(text: str | None) -> dict:
+    """A JSON object from a tag; {} for a tag that is absent or is not one (a record is data: it never raises)."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def load_runs(tracker: Tracker, parent_id: str, skipped: list[tuple[str, str]] | None = None) -> list[RunData]:
     """Every child run of the parent run ``parent_id`` read back from the store as a ``RunData`` (its curves, its
-    telemetry less the warm-up steps, its stability and anomalies), in the store's order."""
+    telemetry less the warm-up steps, its stability and anomalies), in the store's order.
+
+    A child whose record is incomplete (``incomplete_record``: killed as it was created) is left out, and
+    ``(run id, why)`` appended to ``skipped`` when given; a FINISHED run without every ``SUMMARY_METRICS`` is read
+    but not comparable, with the missing ones as its reason. Never raises for a partial run."""
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=10000
     )
     out = []
     for r in children:
+        why = incomplete_record(r)
+        if why is not None:
+            if skipped is not None:
+                skipped.append((r.info.run_id, why))
+            continue
         tags, params = r.data.tags, r.data.params
         tps = int(params["train.batch_size"]) * int(params["train.grad_accum"]) * int(params["train.seq_len"])
+        no_summary = [k for k in SUMMARY_METRICS if k not in r.data.metrics]
         rd = RunData(
             run_id=r.info.run_id,
             recipe=tags["recipe"],
@@ -85,9 +138,10 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             # An FP8 fallback changed the recipe during the run: it is not a run of the requested recipe.
             comparable=r.info.status == "FINISHED"
             and tags.get("effective_matches") == "true"
-            and "fp8_fallback" not in tags,
+            and "fp8_fallback" not in tags
+            and not no_summary,
             short=tags.get("recipe_short", ""),
-            effective=json.loads(tags.get("effective_recipe", "{}")),
+            effective=_json_dict(tags.get("effective_recipe")),
             metrics=dict(r.data.metrics),
             tokens_per_step=tps,
             layout=tags.get("parallel", "single"),
@@ -111,6 +165,8 @@ def load_runs(tracker: Tracker, parent_id: str) -> list[RunData]:
             rd.anomalies = read_anomalies(tracker, r.info.run_id)
         if "fp8_fallback" in tags and not rd.reason:
             rd.reason = f"the effective recipe changed during the run: {tags['fp8_fallback']}"
+        if rd.status == "FINISHED" and no_summary and not rd.reason:
+            rd.reason = f"finished without its summary metrics ({', '.join(no_summary)}): not compared"
         out.append(rd)
     return out
 
@@ -142,7 +198,8 @@ def kernels_line(tags: dict) -> str:
     """The run's ``cpu_kernels`` line (resolved kernels and the CPU that decided them); empty for older runs."""
     if "cpu_kernels" not in tags:
         return ""
-    line = f"cpu_kernels={tags['cpu_kernels']} (BF16/FP16: {tags['cpu_kernels_bf16']}, FP8: {tags['cpu_kernels_fp8']})"
+    bf16, fp8 = tags.get("cpu_kernels_bf16", "?"), tags.get("cpu_kernels_fp8", "?")
+    line = f"cpu_kernels={tags['cpu_kernels']} (BF16/FP16: {bf16}, FP8: {fp8})"
     if "cpu_model" in tags:
         line += f" on {tags['cpu_model']} [{tags.get('cpu_isa', '')}]"
     return line
