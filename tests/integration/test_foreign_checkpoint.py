@@ -19,7 +19,8 @@ from experiments.cli import main
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint import load_checkpoint
 from lowprec.train.checkpoint_files import write_manifest
-from lowprec.train.checkpoint_metadata import SafeFileSystemReader, load_metadata
+from lowprec.train.checkpoint_metadata import load_metadata
+from lowprec.train.checkpoint_reader import CheckpointReader, SafeLoadPlanner
 
 ARGS = ["train", "recipe=fp8_delayed", "model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64"]
 ARGS += ["train.val_every=0", "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1"]
@@ -75,19 +76,36 @@ def test_load_metadata_refuses_anything_but_dcp_metadata(payload):
         load_metadata(payload, "x/.metadata")
 
 
-def test_every_tensor_kind_a_checkpoint_holds_reads_through_the_safe_reader(tmp_path):
-    # dtypes (fp8 included), layouts, sizes, bytes entries: what lowprec's checkpoints hold
+def test_every_tensor_kind_a_checkpoint_holds_reads_through_the_checkpoint_reader(tmp_path):
+    # dtypes (fp8 included), layouts, sizes: what lowprec's checkpoints hold (non-tensor items go to values.json)
     state = {
         "w": torch.randn(4, 8),
         "fp8": torch.randn(16).to(torch.float8_e4m3fn),
         "bf16": torch.randn(3).bfloat16(),
         "i": torch.arange(5),
-        "meta": {"step": 3, "name": "x"},
     }
     dcp.save(state, checkpoint_id=str(tmp_path))
     load_metadata((tmp_path / ".metadata").read_bytes())
-    back = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    dcp.load(back, storage_reader=SafeFileSystemReader(tmp_path))
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=CheckpointReader(tmp_path), planner=SafeLoadPlanner(str(tmp_path)))
     for k in ("w", "bf16", "i"):
         assert torch.equal(back[k], state[k])
     assert torch.equal(back["fp8"].view(torch.uint8), state["fp8"].view(torch.uint8))
+
+
+def test_a_trainer_state_of_the_wrong_type_is_refused_at_preflight(run_dirs, tmp_path, capsys):
+    assert main(ARGS + run_dirs + ["train.checkpoint_every=2"]) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lowprec").experiment_id
+    (first,) = client.search_runs([exp])
+    sent = tmp_path / "sent"
+    shutil.copytree(Path(first.data.tags["checkpoint_dir"]) / "step_4", sent)
+    trainer = torch.load(sent / "trainer_state.pt", weights_only=True)
+    trainer["step"] = "4"
+    torch.save(trainer, sent / "trainer_state.pt")
+    write_manifest(sent)
+    capsys.readouterr()
+    assert main(ARGS + run_dirs + [f"resume={sent}"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "trainer state 'step' is a str, not an int: refusing it" in err
+    assert [r.info.run_id for r in client.search_runs([exp])] == [first.info.run_id]  # no run was created
