@@ -6,7 +6,9 @@ still training, stays RUNNING. Real MLflow sqlite stores; the owner tags are wri
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -125,3 +127,34 @@ def test_owner_tags_name_this_process_namespace_and_boot():
     tags = orphans.owner_tags()
     assert tags == {OWNER_TAG: owner(), PIDNS: os.readlink("/proc/self/ns/pid"), BOOT: _boot()}
     assert orphans.owner_state(tags, None) == (True, "")
+
+
+_IN_NAMESPACE = """
+import json, socket
+from experiments.runner import orphans
+tags = orphans.owner_tags()
+print(json.dumps({
+    "ours": orphans.procfs_is_ours(),
+    "owner": orphans.owner(),
+    # pid 1 of this namespace is this process; in the host's /proc it is the host's init, with other start ticks
+    "pid1": orphans.owner_alive(f"{socket.gethostname()}:1:12345"),
+    "state": orphans.owner_state({**tags, orphans.OWNER_TAG: f"{socket.gethostname()}:1:12345"}, None),
+}))
+"""
+
+
+def test_a_pid_namespace_without_its_own_proc_is_detected_and_no_pid_is_trusted():
+    # unshare -p -f without --mount-proc: os.getpid() is this namespace's pid, /proc still the host's
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    cmd = ["unshare", "--user", "--map-root-user", "--pid", "--fork", sys.executable, "-c", _IN_NAMESPACE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    if proc.returncode and "unshare failed" in proc.stderr:
+        pytest.skip(f"user and PID namespaces are not allowed here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["ours"] is False and orphans.procfs_is_ours() is True  # told apart from this test's own process
+    assert seen["owner"].endswith(":1:")  # no start time recorded: the one it would read is another process's
+    assert seen["pid1"] is None  # neither alive nor dead: it cannot be seen from there
+    state, why = seen["state"]
+    assert state is None and "/proc belongs to another PID namespace" in why
