@@ -426,7 +426,7 @@ def check_trainer_state(trainer: Any, where: str) -> dict:
 
     def bad(key: str, want: str) -> CheckpointError:
         got = trainer.get(key)
-        shown = f"a {type(got).__name__}" if not isinstance(got, torch.Tensor) else f"a {got.dtype} tensor"
+        shown = f"of type {type(got).__name__}" if not isinstance(got, torch.Tensor) else f"a {got.dtype} tensor"
         return CheckpointError(f"{where}: trainer state {key!r} is {shown}, not {want}: refusing it")
 
     def rng(t: Any) -> bool:

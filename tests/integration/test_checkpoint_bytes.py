@@ -93,6 +93,9 @@ def test_a_lowprec_checkpoint_holds_tensors_only_and_round_trips_bit_identically
     for k in want_t:
         assert torch.equal(want_t[k], got_t[k]), k
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again, as the optimizer holds it
+    alone = torch.nn.Linear(4, 3)
+    load_model_weights(saved, alone)  # the model part only (the DeepSeek-V3 study's operand capture)
+    assert torch.equal(alone.weight, model.weight) and torch.equal(alone.bias, model.bias)
 
 
 def test_a_byte_record_holding_a_payload_is_refused_and_never_runs(tmp_path):
@@ -325,13 +328,13 @@ def test_a_trainer_state_over_its_cap_is_refused(saved, monkeypatch):
 @pytest.mark.parametrize(
     ("key", "value", "said"),
     [
-        ("step", "5", "'step' is a str, not an int"),
+        ("step", "5", "'step' is of type str, not an int"),
         ("step", 10**30, "outside [0, 2**62]"),
         ("step", -1, "outside [0, 2**62]"),
         ("rng_cpu", torch.zeros(8), "'rng_cpu' is a torch.float32 tensor, not a 1-D uint8 tensor"),
         ("rng_cuda", [torch.zeros(2, 2, dtype=torch.uint8)], "'rng_cuda'"),
-        ("scheduler", [1, 2], "'scheduler' is a list, not a dict of names or None"),
-        ("recipe_hash", 7, "'recipe_hash' is a int, not a string or None"),
+        ("scheduler", [1, 2], "'scheduler' is of type list, not a dict of names or None"),
+        ("recipe_hash", 7, "'recipe_hash' is of type int, not a string or None"),
     ],
 )
 def test_a_trainer_state_of_the_wrong_types_is_refused(saved, key, value, said):

@@ -107,5 +107,5 @@ def test_a_trainer_state_of_the_wrong_type_is_refused_at_preflight(run_dirs, tmp
     capsys.readouterr()
     assert main(ARGS + run_dirs + [f"resume={sent}"]) != 0
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "trainer state 'step' is a str, not an int: refusing it" in err
+    assert "\n" not in err and "trainer state 'step' is of type str, not an int: refusing it" in err
     assert [r.info.run_id for r in client.search_runs([exp])] == [first.info.run_id]  # no run was created
