@@ -332,12 +332,17 @@ def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline
     (rd,) = load_runs(tracker, parent.info.run_id)
     assert [s for s, _ in rd.curves["loss"]] == list(range(8))  # the report reads one value per step
 
-    # a NaN loss is the recipe's result: a resume keeps it FAILED, as it was
+    # a NaN loss is the recipe's result: a resume keeps it FAILED, as it was; with nothing else to run, the finished
+    # ablation is not reopened (one line, its parent stays FINISHED as it ended)
     assert main([*args, "faults.nan_at_step=3"]) == 0
     nan_id = _id(capsys.readouterr().out)
-    (diverged,) = _ablation(tmp_path, nan_id)[1].values()
+    parent, (diverged,) = _ablation(tmp_path, nan_id)[0], _ablation(tmp_path, nan_id)[1].values()
     assert diverged.info.status == "FAILED" and diverged.data.tags["failure_kind"] == "non_finite"
     assert main([*args, f"resume={nan_id}"]) == 0
-    assert "fp32             seed 0: FAILED before the resume, kept" in capsys.readouterr().out
-    (again,) = _ablation(tmp_path, nan_id)[1].values()
+    assert capsys.readouterr().out.strip() == (
+        f"resume={nan_id}: the ablation already finished (1 run(s), parent run FINISHED); nothing to resume, nothing "
+        f"changed; its report: lowprec report {nan_id}"
+    )
+    again_parent, (again,) = _ablation(tmp_path, nan_id)[0], _ablation(tmp_path, nan_id)[1].values()
     assert (again.info.status, again.info.end_time) == ("FAILED", diverged.info.end_time)
+    assert (again_parent.info.status, again_parent.info.end_time) == ("FINISHED", parent.info.end_time)
