@@ -148,7 +148,8 @@ def test_a_meta_json_bomb_is_one_line(prepared, tmp_path, bomb):
             f.truncate(MAX_META_BYTES + 1)  # sparse: refused by its size, never read
     else:
         path.write_text('{"vocab_size": ' + "9" * 5000 + "}" if bomb == "5000 digits" else "[" * 100_000)
-    with pytest.raises(DataError, match="is corrupt|is not a file of at most 64 MiB"):
+    needle = "is not a file of at most 64 MiB" if bomb == "oversized" else "is corrupt"
+    with pytest.raises(DataError, match=needle):
         prepare(DataSpec(source="tokens", path=str(folder)))
 
 
@@ -335,3 +336,14 @@ def test_a_full_disk_after_a_shard_keeps_the_state_and_the_same_command_continue
     assert (tmp_path / "o" / STATE).exists() and not (tmp_path / "o" / "meta.json").exists()
     assert main(["data", "prepare", *args, "progress=false"]) == 0
     assert json.loads((tmp_path / "o" / "meta.json").read_text())["splits"] == whole.meta["splits"]
+
+
+def test_a_tokenizer_call_takes_at_most_batch_chars():
+    from lowprec.data.prepare_source import BATCH_CHARS, _batched
+    from lowprec.data.sources import Document
+
+    docs = [Document("x" * (PIECE_BYTES if i % 3 else 10), ("train",)) for i in range(40)]
+    batches = list(_batched(docs, 256))
+    assert sum(map(len, batches)) == 40 and len(batches) > 1
+    assert all(sum(len(d.text) for d in b) <= BATCH_CHARS for b in batches)
+    assert [len(b) for b in _batched(docs[:5], 2)] == [2, 2, 1]  # the count still bounds a batch of small ones
