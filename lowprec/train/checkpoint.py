@@ -8,7 +8,7 @@ A checkpoint folder holds: DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files
 ``trainer_state.pt`` (a ``torch.save`` zip, read with ``weights_only=True``) and ``manifest.json`` (sha256 of each
 file). Nothing in it is read with pickle: a checkpoint someone sent is data (``lowprec.train.checkpoint_reader``
 says what each load checks and refuses; a checkpoint of an older lowprec, whose optimizer values DCP stored as
-pickled byte records, is refused with the command that converts it).
+pickled byte records, is refused in one line).
 
 DCP works without a process group (one process) and with FSDP2/TP (each rank writes its shards, and a
 checkpoint loads into any other layout: DCP reshards DTensors on load). A checkpoint is written whole or not at

@@ -16,8 +16,8 @@ The metadata is then checked as data: a record stored as bytes (``BytesStorageMe
 ``torch.load(weights_only=False)``: a pickle) is refused, whatever the loading state dict holds, and so is a
 record whose file (``relative_path``) is not a plain file name inside the checkpoint folder or that names a
 stream transform (lowprec writes neither). lowprec checkpoints store their non-tensor state as JSON
-(``lowprec.train.checkpoint_reader``); one written by an older lowprec, with byte records, is refused with the
-command that converts it (``lowprec checkpoint convert``).
+(``lowprec.train.checkpoint_reader``); one written by an older lowprec, with byte records, is refused with one line
+saying to start the run anew (no conversion is offered).
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, where: str = ".metadata", byte_records: bool = False) -> Metadata:
     """Unpickle DCP ``Metadata`` from ``data`` with the caps and the allow-list above, and check it as data.
 
-    ``byte_records``: let records stored as bytes through (only ``convert_checkpoint`` does, to read an older
-    checkpoint's values without pickle); every loader refuses them.
+    ``byte_records``: let records stored as bytes through (for tests and tools that inspect such metadata without
+    loading its records); every loader refuses them.
 
     Raises ``CheckpointError`` naming ``where`` (one line) for a pickle over the caps, a global outside the
     allow-list, bytes that are not a pickle, a result that is not a
@@ -113,8 +113,8 @@ def byte_record_refusal(where: str, keys: list[str]) -> CheckpointError:
     folder = str(Path(where).parent) if where.endswith(".metadata") else where
     return CheckpointError(
         f"checkpoint {folder!r} holds {len(keys)} records stored as pickled bytes (first: {keys[0]!r}), which "
-        "lowprec no longer reads (a checkpoint is data; it never runs code); a checkpoint written by an older "
-        f"lowprec converts without pickle: lowprec checkpoint convert {folder} <new folder>"
+        "lowprec does not read (a checkpoint is data; it never runs code): it was written by a lowprec older than "
+        "values.json or by another program; start the run anew instead of resuming from it"
     )
 
 
