@@ -30,7 +30,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from experiments.plan.plan import Plan  # noqa: E402
 from experiments.plan.preflight import saved_plan  # noqa: E402
@@ -46,8 +45,8 @@ from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
 from lowprec.data import TokenBatches  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
+from lowprec.train.checkpoint import load_model_weights  # noqa: E402
 from lowprec.train.checkpoint_files import step_folders  # noqa: E402
-from lowprec.train.checkpoint_metadata import SafeFileSystemReader  # noqa: E402
 
 REFERENCE = "deepseek_v3"
 CONTROL = "bf16"
@@ -125,9 +124,7 @@ def _capture(ctx: StudyContext, settings: Settings) -> tuple[list[dn.Captured], 
     plan = _plan(ctx.tracker, run.run_id)
     torch.manual_seed(0)
     model = build_model(plan.model)  # the Llama or the DeepSeekMoE model
-    state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(steps[-1]))  # a checkpoint is data, never code
-    model.load_state_dict(state["model"])
+    load_model_weights(steps[-1], model)  # a checkpoint is data: tensors only, checked before a byte is read
     data = prepare_data(plan.data, plan.train.progress)
     seq = plan.train.seq_len
     batches = TokenBatches(data.train, data.val, seq, settings.capture_sequences, run.seed)
