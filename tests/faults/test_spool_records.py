@@ -19,7 +19,7 @@ from mlflow.entities import Metric, RunTag
 import experiments.tracking.spool as spool_module
 from experiments.cli import main
 from experiments.runner.orphans import OWNER_TAG, close_orphans
-from experiments.tracking.spool import append, batch_record, end_record, replay, spool_path
+from experiments.tracking.spool import SpoolError, append, batch_record, end_record, read_spool, replay, spool_path
 from experiments.tracking.tracker import Tracker
 
 
@@ -161,7 +161,10 @@ def test_a_file_record_is_confined_to_its_own_runs_files_folder_not_the_spool_fo
         "spool_folders_file": _file(folder / "notes.txt"),
     }[target].relative_to(folder)
     line = json.dumps({"op": "file", "path": str(named), "folder": None})
-    err = _sync_refuses(store, _spool_with(store, line), capsys, where=": a file record names")
+    path = _spool_with(store, line)
+    with pytest.raises(SpoolError, match="a file record names"):  # the spool's own check, whoever replays it
+        read_spool(path)
+    err = _sync_refuses(store, path, capsys, where=": a file record names")
     assert "refused" in err
     assert t.client.list_artifacts(run_id) == []
 
