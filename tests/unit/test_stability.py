@@ -53,7 +53,7 @@ def test_three_injected_spikes_give_exactly_three():
     m = stability_metrics(x)
     assert m.loss_spikes == 3 and m.loss_spike_steps == SPIKES_AT
     assert m.divergence_step is None and m.nonfinite_loss == 0 and not m.diverged
-    ema = ema_previous(x, 20)
+    ema = ema_previous(x, 20, skip=np.isin(np.arange(x.size), SPIKES_AT))  # a spike step does not move the EMA
     assert m.largest_excursion == pytest.approx(max((x[t] - ema[t]) / ema[t] for t in SPIKES_AT), rel=1e-12)
     assert 0.2 < m.largest_excursion < 0.3
 
@@ -202,11 +202,14 @@ def test_divergence_is_tested_over_runs():
     v = stability_verdict([_run(diverged=True)] * 3, [_run()] * 3)  # every recipe run, no control run: p = 1/20
     assert v.verdict == "less stable" and "diverged in 3/3 runs vs 0/3 (control)" in v.reason
     assert v.diverged == (3, 3) and v.control_diverged == (0, 3) and v.p == pytest.approx(1 / 20)
-    # Issue 29: one diverged run of 3 is what equal risks give a third of the time: no evidence (p = 1/2).
+    # one diverged run of 3 is what equal risks give a third of the time: no evidence of less stable (p = 1/2), but
+    # the divergence is said, never read as "as stable"
     v = stability_verdict([_run(), _run(diverged=True), _run()], [_run()] * 3)
-    assert v.verdict == "as stable" and v.p_diverged == pytest.approx(0.5)
-    # The control diverging as often: not less stable.
-    assert stability_verdict([_run(diverged=True), _run()], [_run(), _run(diverged=True)]).verdict == "as stable"
+    assert v.verdict == "diverged" and v.p_diverged == pytest.approx(0.5)
+    assert v.reason == "diverged in 1/3 runs vs 0/3 (control); not shown less stable (p=0.5 > 0.05)"
+    # The control diverging as often: not less stable, and still said to have diverged.
+    v = stability_verdict([_run(diverged=True), _run()], [_run(), _run(diverged=True)])
+    assert v.verdict == "diverged" and "no permutation test over so few runs can reach 0.05" in v.reason
 
 
 def test_spike_events_are_tested_over_runs_by_exact_permutation():
@@ -220,7 +223,7 @@ def test_spike_events_are_tested_over_runs_by_exact_permutation():
     assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(0.5)
     # Unequal run counts: 2 recipe runs against 4 control runs, C(6, 2) = 15 splits.
     v = stability_verdict([_run(3), _run(2)], [_run()] * 4)
-    assert v.p_loss_spikes == pytest.approx(1 / 15) and v.verdict == "as stable"  # 1/15 > 0.05
+    assert v.p_loss_spikes == pytest.approx(1 / 15) and v.verdict == "no test possible"  # 1/15 > 0.05
     assert stability_verdict([_run()] * 3, control).p_loss_spikes is None
 
 
@@ -287,3 +290,28 @@ def test_verdict_needs_runs():
         stability_verdict([], [_run()])
     with pytest.raises(ValueError, match="alpha"):
         stability_verdict([_run()], [_run()], alpha=1.5)
+
+
+@pytest.mark.parametrize("gap", [10, 30, 60, 90])
+def test_a_second_spike_is_detected_as_well_as_a_first(gap):
+    """A large spike that decays over 20 steps (100 noise sd, 0.8 per step) must not hide a 10-sd spike ``gap``
+    steps later. It did when the first spike's steps pulled the EMA up and filled the robust sd's window: the
+    second spike was found in 0% of curves at every gap. Spike steps now stay out of both (``excluded_steps``).
+    A single 10-sd spike at a step past the fast descent is found in every one of these curves; here: at least 18
+    of 20 fixed-seed curves (measured 20 of 20 at each gap)."""
+    found = 0
+    for seed in range(20):
+        x = _loss(steps=500, seed=seed)
+        x[200:220] += 100 * 0.02 * 0.8 ** np.arange(20)
+        x[200 + gap] += 10 * 0.02
+        found += bool(scan_spikes(x).spike[200 + gap])
+    assert found >= 18, found
+
+
+def test_a_level_shift_is_absorbed_after_the_ema_window():
+    """A rise that stays is a new level, not an endless spike: after ``ema_window`` consecutive spike steps the
+    EMA follows it again, so the spike steps end within a few EMA spans."""
+    x = _loss(steps=600)
+    x[300:] += 0.5  # 25 noise sd, for good
+    steps = scan_spikes(x).spike_steps
+    assert steps and steps[0] == 300 and max(steps) < 300 + 5 * SpikeRule().ema_window, steps
