@@ -53,6 +53,12 @@ Kinds:
   random delay, then the resume command it printed. Bit-identical: every run's ``loss`` series equals an
   uninterrupted ablation's.
 
+- ``lifecycle``: a SIGKILL between a child run's creation and its params (``faults.at_point=run.created``), in an
+  ablation with one worker (the ablation process dies) and with two (a worker dies), then ``resume=<id>``; and
+  ``resume=<id>`` of an ablation that had already finished, with one and two workers. Recovered: the resume exits
+  0, every (recipe, seed) has a FINISHED run equal to an uninterrupted ablation's, the parent is FINISHED and
+  ``lowprec report <id>`` builds the report.
+
 Per case (a table row each): steps trained again, metrics lost (steps whose ``loss`` neither the faulted nor the
 resumed run holds), runs left RUNNING, bit-identical continuation; then a table per kind.
 
@@ -570,6 +576,72 @@ def ablation_cases(store: Store, rng: random.Random) -> list[Case]:
     return out
 
 
+def _ablation_id(store: Store) -> str | None:
+    """The id of the (one) ablation in ``store``, read from its parent run's tag."""
+    parents = [r for r in store.runs() if r.data.tags.get("lowprec.kind") == "ablation"]
+    return parents[0].data.tags.get("lowprec.ablation_id") if parents else None
+
+
+def _ablation_state(store: Store, ref: dict, case: Case) -> bool:
+    """Fill ``case``'s figures from ``store`` against the uninterrupted ablation's losses ``ref`` ((recipe, seed) ->
+    step -> loss): metrics lost, runs left RUNNING, bit-identical; True when every (recipe, seed) has a FINISHED run
+    and the parent is FINISHED. A run killed at its creation stays in the store FAILED beside its re-run."""
+    runs = store.runs()
+    kids = [r for r in runs if r.data.tags.get("recipe") and r.info.status == "FINISHED"]
+    got = {(r.data.tags["recipe"], r.data.tags["seed"]): store.losses(r.info.run_id) for r in kids}
+    case.bit_identical = got == ref
+    case.metrics_lost = sum(s not in got.get(k, {}) for k, v in ref.items() for s in v)
+    case.left_running = sum(r.info.status == "RUNNING" for r in runs)
+    parent = [r for r in runs if r.data.tags.get("lowprec.kind") == "ablation"]
+    return set(got) == set(ref) and bool(parent) and all(r.info.status == "FINISHED" for r in parent)
+
+
+def lifecycle_cases(store: Store, rng: random.Random) -> list[Case]:
+    """Kills that land between a run's creation and its params (``faults.at_point=run.created``: the run exists with
+    its tags and no params), then ``resume=``; and resumes of an ablation that had already finished, with one and two
+    workers (a no-op that leaves the parent FINISHED). After each: ``lowprec report <id>`` must build the report."""
+    base = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=2", "train.telemetry_every=0"]
+    base += [a for a in BASE if not a.startswith(("train.steps", "train.checkpoint"))] + ["train.steps=6"]
+    ref_store = Store(store.root / "lifecycle" / "uninterrupted")
+    ref_store.lowprec([*base, "workers=1"])
+    ref = {(r.data.tags["recipe"], r.data.tags["seed"]): ref_store.losses(r.info.run_id) for r in ref_store.runs()
+           if r.data.tags.get("recipe")}  # fmt: skip
+    out: list[Case] = []
+    plan = [("kill", 1, "fp32", 1), ("kill", 1, "fp8_delayed", 2), ("kill", 2, "fp8_delayed", 1)]
+    plan += [("finished", 1, None, 0), ("finished", 2, None, 0)]
+    for i, (what, workers, recipe, hit) in enumerate(plan):
+        cut = Store(store.root / "lifecycle" / f"case{i}")
+        args = [*base, f"workers={workers}"]
+        t0 = time.perf_counter()
+        if what == "kill":
+            case = Case("lifecycle", f"SIGKILL at the creation of {recipe}'s run #{hit} (workers={workers}), resume=")
+            faults = [f"faults.recipe={recipe}", "faults.at_point=run.created", "faults.point_action=kill",
+                      f"faults.point_hit={hit}"]  # fmt: skip
+            rc, err = cut.lowprec(args + faults)
+            killed = [r for r in cut.runs() if r.data.tags.get("recipe") and not r.data.params]
+            case.detected = rc != 0 and len(killed) == 1
+        else:
+            case = Case("lifecycle", f"resume= of an ablation that had finished (workers={workers})")
+            rc, err = cut.lowprec(args)
+            case.detected = rc == 0
+        ablation = _ablation_id(cut)
+        if ablation is None:
+            case.note = f"no ablation in the store (exit {rc}): {err.strip().splitlines()[-1:]}"
+            out.append(case)
+            continue
+        rc2, err2 = cut.lowprec([*args, f"resume={ablation}"])
+        rc3, err3 = cut.lowprec(["report", ablation])
+        finished = _ablation_state(cut, ref, case)
+        case.recovered = rc2 == 0 and rc3 == 0 and finished and "Traceback" not in err2 + err3
+        failed = [r for r in cut.runs() if r.data.tags.get("recipe") and r.info.status == "FAILED"]
+        last = (err2.strip().splitlines() or [""])[-1][:120]
+        case.note = f"resume exit {rc2}, report exit {rc3}, {len(failed)} run(s) FAILED; resume said: {last}"
+        case.wall_s = time.perf_counter() - t0
+        out.append(case)
+        print(f"  {_line(case)}", flush=True)
+    return out
+
+
 #: The save the point faults hit: the second, of ``step_6``, after steps 0-5 (``step_3`` is committed before it).
 SAVED_AT = 6
 
@@ -810,6 +882,7 @@ KINDS: dict[str, Callable] = {
     "nan": lambda store, a, rng: nan_cases(store, rng),
     "server": lambda store, a, rng: server_cases(store, rng),
     "ablation": lambda store, a, rng: ablation_cases(store, rng),
+    "lifecycle": lambda store, a, rng: lifecycle_cases(store, rng),
 }
 
 

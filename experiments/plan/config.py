@@ -68,10 +68,11 @@ class FaultsConfig:
     time it runs (a rollback's replay runs clean). ``fp8_overflow_at_step``: for ``fp8_overflow_steps`` steps,
     multiply the input of the FP8 linear ``fp8_overflow_layer`` (null: the first) by ``fp8_overflow_factor`` to the
     power 1, 2, ...: a delayed-scaling layer saturates on each of them. ``at_point``: a named point inside a
-    checkpoint save or the metric flush (``lowprec.train.fault_points.POINTS``: ``save.start``, ``save.shards``,
-    ``save.trainer_state``, ``save.manifest``, ``save.rename``, ``save.prune``, ``log.flush``) where, the
-    ``point_hit``-th time it is reached, ``point_action`` happens: ``kill`` (SIGKILL there) or ``stop`` (SIGSTOP
-    there, for a harness to inject a fault and send SIGCONT; ``experiments.runner.faults.arm_point``)."""
+    checkpoint save, the metric flush or a run's creation (``lowprec.train.fault_points.POINTS``: ``save.start``,
+    ``save.shards``, ``save.trainer_state``, ``save.manifest``, ``save.rename``, ``save.prune``, ``log.flush``,
+    ``run.created``) where, the ``point_hit``-th time it is reached, ``point_action`` happens: ``kill`` (SIGKILL
+    there) or ``stop`` (SIGSTOP there, for a harness to inject a fault and send SIGCONT;
+    ``experiments.runner.faults.arm_point``)."""
 
     recipe: str | None = None
     crash_at_step: int | None = None

@@ -29,6 +29,7 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
+from lowprec.train.fault_points import reached
 from lowprec.train.loop import AnomalyError, run_training
 from lowprec.train.stop import StopSignal
 
@@ -217,8 +218,10 @@ def run_one(
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id
+    hooks = fault_hooks(plan.faults, recipe.name)  # armed before the run exists: a point may be its creation
     if continuation is None:
         run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
+        reached("run.created")
         tracker.log_params(run_id, plan.params(recipe) | {"seed": str(seed)})
         tracker.log_corpus(run_id, data)
         tracker.log_text(run_id, plan.yaml(seed), CONFIG_ARTIFACT)
@@ -267,7 +270,7 @@ def run_one(
             batches,
             spec,
             sink,
-            before_step=fault_hooks(plan.faults, recipe.name),
+            before_step=hooks,
             on_effective=lambda eff: record_effective(tracker, run_id, eff),
             checkpoint_dir=ckpt_dir,
             resume_from=resume,

@@ -21,6 +21,7 @@ POINTS = {
     "save.rename": "manifest.json is written, the staging folder is not yet renamed to step_<N>",
     "save.prune": "step_<N> is committed, the checkpoints train.keep_checkpoints drops are not yet deleted",
     "log.flush": "the metrics buffered since the last flush are about to be written to the tracking store",
+    "run.created": "the run exists in the tracking store with its tags, its params are not yet written",
 }
 
 _armed: dict[str, Callable[[str], None]] = {}
