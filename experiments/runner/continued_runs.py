@@ -17,6 +17,7 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 
 from experiments.runner.orphans import BOOT_TAG, PIDNS_TAG, owner_state
+from experiments.tracking.checkpoint_dirs import inside, own_checkpoint_dir, tagged_checkpoint_dir
 from experiments.tracking.tracker import Tracker, dumps
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint_files import newest_checkpoint, step_folders, verify
@@ -59,42 +60,6 @@ def logged_steps(client, run_id: str, key: str = "loss") -> int:
     return n
 
 
-#: The form of an MLflow run id before it names a folder (MLflow writes 32 hex digits): no separator, no ``..``.
-RUN_ID_FORM = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def own_checkpoint_dir(runs: str | Path, run_id: str) -> Path:
-    """The checkpoint folder this store's run ``run_id`` writes (``<runs>/checkpoints/<run id>``, as
-    ``experiments.runner.run.run_one`` sets its ``checkpoint_dir`` tag), resolved. ``runs``: ``paths.runs`` of this
-    command. Raises ``CheckpointError`` for a run id that is not one (it would name another folder)."""
-    if not RUN_ID_FORM.fullmatch(str(run_id)):
-        raise CheckpointError(f"{str(run_id)[:80]!r} is not a run id: it names no checkpoint folder")
-    return (Path(runs).resolve() / "checkpoints" / run_id).resolve()
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
-
-
-def tagged_checkpoint_dir(runs: str | Path, run_id: str, tagged: str | None) -> tuple[Path | None, str]:
-    """The run's ``checkpoint_dir`` tag as a folder to read checkpoints from, or None and why not.
-
-    A tag is a record of the store, which whoever can write the store's tags (a replayed spool, a shared server
-    without login) can set to any folder: it is used only when it resolves (symlinks followed) inside this store's
-    own checkpoint folder of that run (``own_checkpoint_dir``). Anything else is never read: None with a one-line
-    note naming the tag and the folder it had to lie in."""
-    if not tagged:
-        return None, "no checkpoint_dir"
-    try:
-        root = own_checkpoint_dir(runs, run_id)
-    except CheckpointError as e:
-        return None, str(e)
-    folder = Path(tagged).resolve()
-    if not _inside(folder, root):
-        return None, f"its checkpoint_dir tag {str(tagged)[:200]!r} lies outside this store's folder {root}: not read"
-    return folder, ""
-
-
 def continue_from(
     client, run_id: str, checkpoint_dir: str | None, steps: int, runs: str | Path
 ) -> tuple[str | None, str]:
@@ -117,7 +82,7 @@ def continue_from(
     for n, folder in reversed(step_folders(folder_root)):
         if n >= steps:
             continue
-        if not _inside(folder.resolve(), root):
+        if not inside(folder.resolve(), root):
             skipped.append(f"{folder.name} (a link out of {root}: not read)")
             continue
         if n > logged:

@@ -36,10 +36,10 @@ from experiments.plan.preflight import saved_plan  # noqa: E402
 from experiments.plan.startup import prepare_data  # noqa: E402
 from experiments.report import plots, verdict_table  # noqa: E402
 from experiments.report.verdict_table import LEVEL  # noqa: E402
-from experiments.runner.continued_runs import own_checkpoint_dir, tagged_checkpoint_dir  # noqa: E402
 from experiments.stats import relative_loss_error  # noqa: E402
 from experiments.studies import deepseek_numerics as dn  # noqa: E402
 from experiments.studies.registry import GROUP_TAG, StudyContext, register  # noqa: E402
+from experiments.tracking.checkpoint_dirs import own_checkpoint_dir, tagged_checkpoint_dir  # noqa: E402
 from experiments.tracking.runs import load_runs  # noqa: E402
 from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
 from lowprec.data import TokenBatches  # noqa: E402
