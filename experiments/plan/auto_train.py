@@ -10,6 +10,10 @@ compile time than a short run saves, and the CPU measurements of the docs were t
 A recipe that cannot compile on the device (``Float8Backend.compile_blocker``: e.g. Transformer Engine's linears,
 or lowprec's FP8 telemetry on) runs eager under ``auto`` with a warning recorded on its run; an explicit
 ``train.compile=true`` is still refused for it before training (``lowprec.train.build.check_compile``).
+
+``lowprec estimate`` and ``lowprec recommend`` predict a run on a named part (``hardware=``), not on the machine they
+run on: they resolve ``auto`` for that part's device type (``hardware_device_type``), as the dry run does for its
+target device.
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ class Resolved:
         if self.fallback:
             out["compile_fallback"] = self.fallback
         return out
+
+
+#: torch's device type on each vendor of ``lowprec.estimate.hardware``: ROCm builds of torch call AMD GPUs ``cuda`` too
+VENDOR_DEVICE_TYPE = {"nvidia": "cuda", "amd": "cuda"}
+
+
+def hardware_device_type(hw) -> str:
+    """The torch device type (``"cuda"``) a run on the part ``hw`` (a ``lowprec.estimate.hardware.Hardware``) would
+    use: what ``auto`` is resolved for when predicting that run. Raises ``ConfigError`` for a vendor not listed."""
+    try:
+        return VENDOR_DEVICE_TYPE[hw.vendor]
+    except KeyError:
+        raise ConfigError(f"hardware={hw.name}: vendor {hw.vendor!r} has no known torch device type") from None
 
 
 def resolve_compile_ac(compile_, ac: str, device_type: str, moe: bool, blocker: str | None = None) -> Resolved:

@@ -4,6 +4,10 @@ defaults) plus each command's own top-level keys, composed by Hydra from conf/es
 and turned here, once, into a typed query (``EstimateQuery``, ``RecommendQuery``): nothing below this door sees the
 composed ``DictConfig``.
 
+``train.compile=auto`` and ``train.ac=auto`` (train's defaults) are resolved for the part named by ``hardware=``
+(``resolve_on_hardware``: ``experiments.plan.auto_train`` at that part's device type, per recipe), not for the
+machine the command runs on: the prediction is of the run on that part, and each query keeps what it assumed.
+
 A key the commands took before the vocabulary was shared (``batch=``, ``seq=``, ``recompute=``, ``compile=``) is
 refused with one line naming the key that replaced it (``OLD_KEYS``).
 """
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from experiments.plan.auto_train import Resolved, hardware_device_type, resolve_compile_ac
 from experiments.plan.config import (
     RunConfig,
     TrainConfig,
@@ -27,7 +32,8 @@ from experiments.plan.config import (
     train_from_cfg,
 )
 from lowprec.errors import ConfigError
-from lowprec.model import ModelArgs
+from lowprec.estimate.hardware import Hardware, get_hardware
+from lowprec.model import ModelArgs, MoEArgs
 from lowprec.parallel import ParallelDims
 from lowprec.recipe import Recipe
 from lowprec.train.moe_balance import check_moe_layout
@@ -109,7 +115,10 @@ def check_old_keys(command: str, overrides: list[str]) -> None:
 class EstimateQuery:
     """What ``lowprec estimate`` predicts: ``model`` (its name) with ``args`` (overrides applied), ``recipes`` (one,
     or the catalog when ``all_recipes``), the run's ``train`` settings and ``dims``; ``batch_per_rank`` is
-    ``train.batch_size / dims.dp``; the estimator's own ``hardware``, ``efficiency``, ``async_tp``, ``emulate``."""
+    ``train.batch_size / dims.dp``; the estimator's own ``hardware``, ``efficiency``, ``async_tp``, ``emulate``.
+    ``train.compile`` / ``train.ac`` are resolved on ``hardware`` (``resolve_on_hardware``; with the one recipe's
+    compile fallback when not ``all_recipes``); ``assumed``: recipe name -> its ``Resolved`` there (a recipe that
+    cannot compile falls back to eager under ``auto``, as ``lowprec train`` runs it)."""
 
     model: str
     args: ModelArgs
@@ -121,10 +130,28 @@ class EstimateQuery:
     efficiency: float | None
     async_tp: bool
     emulate: bool
+    assumed: dict[str, Resolved] = field(default_factory=dict)
 
     @property
     def batch_per_rank(self) -> int:
         return self.train.batch_size // self.dims.dp
+
+
+def resolve_on_hardware(cfg: DictConfig, args: ModelArgs, hw: Hardware, recipe: Recipe | None = None) -> Resolved:
+    """``cfg.train.compile`` / ``cfg.train.ac`` after ``auto`` for a run on the part ``hw`` (its device type,
+    ``hardware_device_type``), not on this machine: the rule ``lowprec train`` and its dry run apply on their device
+    (``experiments.plan.auto_train.resolve_compile_ac``). With ``recipe``, one that cannot compile there
+    (``compile_blocker``) falls back to eager under ``auto``. Raises ``ConfigError`` for a bad ``train.compile``."""
+    from lowprec.train.build import compile_blocker  # torch and the model: only once the keys are read
+
+    device = hardware_device_type(hw)
+    blocker = None if recipe is None else compile_blocker(recipe, int(cfg.train.telemetry_every), device)
+    return resolve_compile_ac(cfg.train.compile, cfg.train.ac, device, isinstance(args, MoEArgs), blocker)
+
+
+def _with_resolved(cfg: DictConfig, r: Resolved) -> DictConfig:
+    """``cfg`` with ``train.compile`` / ``train.ac`` set to ``r``'s values (nothing left to resolve on a device)."""
+    return OmegaConf.merge(cfg, {"train": {"compile": r.compile, "ac": r.ac}})
 
 
 def _run_settings(cfg: DictConfig):
@@ -152,14 +179,29 @@ def _run_settings(cfg: DictConfig):
 def estimate_query(cfg: DictConfig, *, all_recipes: bool = False, emulate: bool = False) -> EstimateQuery:
     """The typed query of a composed conf/estimate.yaml (``all_recipes``: ``recipe=all`` was given, the catalog is
     estimated). Raises ``ConfigError``/``RecipeError``/``ParallelError`` (one line) for a bad value."""
-    args, spec, dims = _run_settings(cfg)
+    hw = get_hardware(cfg.hardware)  # ConfigError listing the parts for an unknown name
+    recipes = tuple(CATALOG.values()) if all_recipes else (recipe_from_cfg(cfg.recipe),)
+    args = model_from_cfg(cfg.model)
+    assumed = {r.name: resolve_on_hardware(cfg, args, hw, r) for r in recipes}
+    # train's settings: one recipe's own resolution; the catalog's AC (the same for every recipe) and auto's compile
+    base = assumed[recipes[0].name] if not all_recipes else resolve_on_hardware(cfg, args, hw)
+    args, spec, dims = _run_settings(_with_resolved(cfg, base))
     if cfg.efficiency is not None and not 0.0 < cfg.efficiency <= 1.0:
         raise ConfigError(f"efficiency={cfg.efficiency} must be in (0, 1]")
     if cfg.async_tp and dims.tp == 1:
         raise ConfigError("async_tp=true needs parallel.tp > 1")
-    recipes = tuple(CATALOG.values()) if all_recipes else (recipe_from_cfg(cfg.recipe),)
     return EstimateQuery(
-        cfg.model.name, args, recipes, all_recipes, spec, dims, cfg.hardware, cfg.efficiency, cfg.async_tp, emulate
+        cfg.model.name,
+        args,
+        recipes,
+        all_recipes,
+        spec,
+        dims,
+        cfg.hardware,
+        cfg.efficiency,
+        cfg.async_tp,
+        emulate,
+        assumed,
     )
 
 
@@ -167,7 +209,10 @@ def estimate_query(cfg: DictConfig, *, all_recipes: bool = False, emulate: bool 
 class RecommendQuery:
     """What ``lowprec recommend`` ranks (``RecommendConfig``): ``args`` of ``model``; the pinned ``batch_size``
     (global), ``ac``, ``tp``, ``dp_shard`` or ``None`` where recommend chooses; ``seq`` (``train.seq_len`` or the
-    model's ``max_seq_len``); ``compile`` (``train.compile``); ``recipes`` (names; empty: the catalog);
+    model's ``max_seq_len``); ``compile``: ``train.compile`` as given (``True``/``False``/``"auto"``), and
+    ``assumed``: each candidate recipe's (the control's included) compile and AC resolved on ``hardware``
+    (``resolve_on_hardware``; ``ac`` there is ``auto``'s choice, used only when ``train.ac`` is pinned);
+    ``recipes`` (names; empty: the catalog);
     ``tracking_uri``: the store of the evidence; ``passthrough``: the user's other overrides of ``lowprec train``'s
     keys, carried into the printed command lines."""
 
@@ -178,7 +223,7 @@ class RecommendQuery:
     tokens: float
     max_loss_gap: float
     seq: int
-    compile: bool
+    compile: object
     recipes: tuple[str, ...] = ()
     batch_size: int | None = None
     ac: str | None = None
@@ -187,6 +232,7 @@ class RecommendQuery:
     ablate_steps: int = 1000
     tracking_uri: str = "sqlite:///runs/mlflow.db"
     passthrough: tuple[str, ...] = field(default_factory=tuple)
+    assumed: dict[str, Resolved] = field(default_factory=dict)
 
 
 def loss_gap(value) -> float:
@@ -220,8 +266,10 @@ def recommend_query(cfg: DictConfig, overrides: list[str]) -> RecommendQuery:
             raise ConfigError(f"{k}={cfg[k]} must be >= 1")
     if not (cfg.tokens > 0 and math.isfinite(cfg.tokens)):
         raise ConfigError(f"tokens={cfg.tokens:g} must be a finite number > 0")
-    spec = train_from_cfg(cfg)
+    hw = get_hardware(cfg.hardware)  # ConfigError listing the parts for an unknown name
     args = model_from_cfg(cfg.model)
+    base = resolve_on_hardware(cfg, args, hw)  # train.compile / train.ac as lowprec train would run them there
+    spec = train_from_cfg(_with_resolved(cfg, base))
     pinned = lambda k: k in keys  # noqa: E731
     seq = spec.seq_len if pinned("train.seq_len") else args.max_seq_len
     dims = parallel_from_cfg(cfg)
@@ -236,6 +284,8 @@ def recommend_query(cfg: DictConfig, overrides: list[str]) -> RecommendQuery:
     names = tuple(get_recipe(str(n)).name for n in cfg.recipes) if cfg.recipes is not None else ()
     if cfg.recipes is not None and not names:
         raise ConfigError("recipes=[] names no recipe: list some, e.g. 'recipes=[bf16,fp8_rowwise]', or leave it out")
+    # every candidate and the control (a catalog recipe): resolved per recipe, as each would run there
+    assumed = {n: resolve_on_hardware(cfg, args, hw, get_recipe(n)) for n in dict.fromkeys([*names, *CATALOG])}
     own = {*OWN_KEYS["recommend"], *_PRINTED, *_PRINTED_TRAIN}
     passthrough = tuple(o for o in overrides if override_key(o) not in own)
     return RecommendQuery(
@@ -246,13 +296,14 @@ def recommend_query(cfg: DictConfig, overrides: list[str]) -> RecommendQuery:
         tokens=float(cfg.tokens),
         max_loss_gap=loss_gap(cfg.max_loss_gap),
         seq=seq,
-        compile=spec.compile,
+        compile=cfg.train.compile,
         recipes=names,
         batch_size=spec.batch_size if pinned("train.batch_size") else None,
-        ac=spec.ac if pinned("train.ac") else None,
+        ac=spec.ac if pinned("train.ac") else None,  # train.ac=auto: auto's choice on hardware
         tp=dims.tp if pinned("parallel.tp") else None,
         dp_shard=dims.dp_shard if pinned("parallel.dp_shard") else None,
         ablate_steps=cfg.ablate_steps,
         tracking_uri=str(cfg.tracking.uri),
         passthrough=passthrough,
+        assumed=assumed,
     )

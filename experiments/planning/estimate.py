@@ -30,7 +30,7 @@ from experiments.planning.cost_validation import format_table, load_points, summ
 from experiments.planning.tables import render_table
 from lowprec.errors import ConfigError
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
-from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, estimate_all, predict_state_bytes
+from lowprec.estimate.estimator import DEFAULT_EFFICIENCY, estimate, predict_state_bytes, rank_estimates
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.inventory import param_counts
 from lowprec.estimate.runnable import hardware_blocker
@@ -121,6 +121,37 @@ def _activated_line(args) -> list[str]:
     return [f"MoE: {pc.activated:,} parameters activated per token of {pc.total:,} (every expert is in the state)"]
 
 
+#: what bounds a step (``StepCost.bound``), in the words of the single-recipe output
+_BOUND_WORDS = {
+    "communication": "communication-bound (the compute hides under the FSDP communication: the step is its time)",
+    "compute": "compute-bound",
+}
+#: ``StepCost.bound`` in the ``recipe=all`` table's ``bound`` column
+_BOUND_SHORT = {"communication": "comm", "compute": "compute"}
+
+
+def assumed_words(r, hardware: str) -> str:
+    """``train.compile`` and ``train.ac`` as the estimate assumed them for a run on ``hardware``: ``r`` is the
+    ``experiments.plan.auto_train.Resolved`` of ``resolve_on_hardware``; ``auto`` is shown with what it resolved to
+    there, a given value as given, and an eager fallback with its reason."""
+
+    def one(key, asked, got):
+        got = str(got).lower()
+        return f"{key}=auto -> {got}" if asked == "auto" else f"{key}={got} (as given)"
+
+    words = f"{one('train.compile', r.requested_compile, r.compile)}, {one('train.ac', r.requested_ac, r.ac)}"
+    if "auto" in (r.requested_compile, r.requested_ac):
+        words += f" (auto: what lowprec train chooses on {hardware}, a GPU, not on this machine)"
+    return words + (f"; {r.fallback}" if r.fallback else "")
+
+
+def competition_ranks(values: dict[str, str]) -> dict[str, int]:
+    """Rank -> 1 for the smallest: ``values`` maps a name to its value as printed (a number string); names whose
+    printed values are equal share a rank (1, 2, 2, 4), so a tie never reads as an order."""
+    nums = {n: float(v.replace(",", "")) for n, v in values.items()}
+    return {n: 1 + sum(1 for w in nums.values() if w < v) for n, v in nums.items()}
+
+
 def cost_line(c) -> str:
     """One line of a ``lowprec.estimate.cost_model.StepCost``: step, tokens/s/GPU and where the time goes."""
     lo = c.layout
@@ -129,22 +160,33 @@ def cost_line(c) -> str:
         f"(cost model, train.ac={lo.ac}, train.compile={str(lo.compile).lower()}): GEMMs {c.gemm:.3g} s, attention "
         f"{c.attention:.3g} s, memory-bound kernels {c.kernels:.3g} s, FP8 casts {c.fp8_casts:.3g} s, "
         f"communication {c.fsdp_comm + c.tp_comm:.3g} s of which {c.exposed_comm:.3g} s exposed; "
-        f"held-out error of the model up to {100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
+        f"{_BOUND_WORDS[c.bound]}; held-out error of the model up to {100 * MODEL_ERROR:.0f}% "
+        "(lowprec estimate --validate)"
     )
 
 
 def format_one(
-    e, args, model_name: str, unsharded, cost=None, flat: bool = False, no_time: str | None = None, batch: int = 0
+    e,
+    args,
+    model_name: str,
+    unsharded,
+    cost=None,
+    flat: bool = False,
+    no_time: str | None = None,
+    batch: int = 0,
+    assumed: str | None = None,
 ) -> str:
     """The per-GPU table of one ``lowprec.estimate.Estimate`` (``unsharded``: its state at dp_shard=tp=1;
     ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time; ``no_time``: why no step
-    time is predicted, printed instead of one; ``batch``: the global ``train.batch_size``)."""
+    time is predicted, printed instead of one; ``batch``: the global ``train.batch_size``; ``assumed``: the
+    compile/AC settings the estimate assumed, ``assumed_words``)."""
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
         f"model={model_name}: {s.n_params:,} parameters ({s.n_tensors} tensors); recipe={e.recipe} ({e.short})",
         f"layout: parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}; train.batch_size={batch} ({e.batch} per "
         f"data-parallel rank) x train.seq_len={e.seq}; figures are per GPU (rank 0)",
+        *([f"assumed: {assumed}"] if assumed else []),
         *_activated_line(args),
         "",
         f"  {'component':<40} {'bytes':>19} {'GiB':>10}",
@@ -239,45 +281,74 @@ def published_for(e, model_name: str, cost):
     return None
 
 
-def format_ranking(r, model_name: str, costs: dict, batch: int = 0) -> str:
+def format_ranking(r, model_name: str, costs: dict, batch: int = 0, assumed: dict | None = None) -> str:
     """The ``recipe=all`` table of a ``lowprec.estimate.Ranking``; ``costs``: recipe -> ``StepCost`` or an
-    error string (why no time is predicted); ``batch``: the global ``train.batch_size``."""
+    error string (why no time is predicted); ``batch``: the global ``train.batch_size``; ``assumed``: recipe ->
+    its ``Resolved`` compile/AC on the part (``EstimateQuery.assumed``). Ranks are labelled (``mem rank``: 1 = least
+    memory; ``time rank``: 1 = fastest), equal printed values share a rank, and the ``bound`` column with a line
+    below says when the step is set by communication (recipes that then tie, whatever their compute)."""
     e0 = r.rows[0]
     hw = e0.hardware
+    hw_name = hw.name if hw else "none"
     head = (
         f"model={model_name}, parallel.dp_shard={e0.dp_shard} parallel.tp={e0.tp}, train.batch_size={batch} "
-        f"({e0.batch} per data-parallel rank) x train.seq_len={e0.seq}, hardware={hw.name if hw else 'none'}; "
+        f"({e0.batch} per data-parallel rank) x train.seq_len={e0.seq}, hardware={hw_name}; "
         f"per GPU, ranked by total with train.ac={r.recompute}"
     )
-    timed = sorted((c.step_time_s, n) for n, c in costs.items() if not isinstance(c, str))
-    rank_time = {n: i + 1 for i, (_, n) in enumerate(timed)}
-    cols = [("mem", "right"), ("recipe", "left"), ("state GiB", "right"), ("act GiB", "right")]
-    cols += [("total GiB", "right"), ("fits", "right"), ("step s", "right"), ("tok/s/GPU", "right"), ("time", "right")]
+    timed = {n: c for n, c in costs.items() if not isinstance(c, str)}
+    rank_time = competition_ranks({n: f"{c.step_time_s:.4g}" for n, c in timed.items()})
+    rank_mem = competition_ranks({e.recipe: _gib(e.totals[r.recompute]) for e in r.rows})
+    cols = [("mem rank", "right"), ("recipe", "left"), ("state GiB", "right"), ("act GiB", "right")]
+    cols += [("total GiB", "right"), ("fits", "right"), ("compiled", "right"), ("step s", "right")]
+    cols += [("tok/s/GPU", "right"), ("bound", "left"), ("time rank", "right")]
+    assumed = assumed or {}
     rows = []
     for e in r.rows:
-        c = costs.get(e.recipe)
-        ok = c is not None and not isinstance(c, str)
+        c = timed.get(e.recipe)
         fits = {True: "yes", False: "no", None: "-"}[e.fits(r.recompute)]
+        res = assumed.get(e.recipe)
         rows.append(
             (
-                r.rank_memory[e.recipe],
+                rank_mem[e.recipe],
                 e.recipe,
                 _gib(e.state.total),
                 _gib(e.activations.recompute[r.recompute]),
                 _gib(e.totals[r.recompute]),
                 fits,
-                f"{c.step_time_s:.4g}" if ok else "-",
-                f"{c.tokens_per_s_per_gpu:,.0f}" if ok else "-",
+                "-" if res is None else ("yes" if res.compile else "no"),
+                f"{c.step_time_s:.4g}" if c else "-",
+                f"{c.tokens_per_s_per_gpu:,.0f}" if c else "-",
+                _BOUND_SHORT[c.bound] if c else "-",
                 rank_time.get(e.recipe, "-"),
             )
         )
-    lines = [head, "", render_table(cols, rows)]
+    lines = [head]
+    if assumed:
+        first = next(iter(assumed.values()))
+        asked_c = first.requested_compile
+        compiled = any(x.compile or x.fallback for x in assumed.values())  # auto's choice before a fallback
+        words = f"train.compile=auto -> {str(compiled).lower()}" if asked_c == "auto" else f"train.compile={asked_c}"
+        if any(x.fallback for x in assumed.values()):
+            words += " (compiled=no: the recipe cannot compile, lowprec train runs it eager)"
+        ac = f"train.ac=auto -> {r.recompute}" if first.requested_ac == "auto" else f"train.ac={r.recompute}"
+        auto = " (auto: what lowprec train chooses on that part, not on this machine)"
+        lines.append(f"assumed: {words}, {ac}" + (auto if "auto" in (asked_c, first.requested_ac) else ""))
+    lines += ["", render_table(cols, rows)]
     if timed:
         lines.append(
-            f"\nstep time from the per-op cost model (train.ac={r.recompute}); its held-out error reaches "
+            f"\nmem rank: 1 = least memory; time rank: 1 = fastest; equal printed values share a rank. Step time "
+            f"from the per-op cost model (train.ac={r.recompute}); its held-out error reaches "
             f"{100 * MODEL_ERROR:.0f}% (lowprec estimate --validate)"
             + (f"\n{MOE_NOTE}" if r.rows[0].flops.is_moe else "")
         )
+        comm = sorted(n for n, c in timed.items() if c.bound == "communication")
+        if comm:
+            lines.append(
+                f"bound=comm: {len(comm)} of {len(timed)} timed recipes are communication-bound here: their compute "
+                "hides under the FSDP communication, so the step is the communication's time and they tie whatever "
+                "their compute; a larger batch per GPU (train.batch_size or train.seq_len) shows their compute "
+                "differences"
+            )
     notes = [f"note: {e.recipe}: {n}" for e in r.rows for n in e.notes]
     notes += [
         f"note: {e.recipe}: no step time: {c}"
@@ -287,15 +358,16 @@ def format_ranking(r, model_name: str, costs: dict, batch: int = 0) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def _costs(args, estimates, hw, lo) -> dict:
-    """recipe -> its ``StepCost`` under ``lo``, or why none is predicted: ``hw`` cannot run it
-    (``hardware_blocker``), or its estimate does not fit ``hw``'s memory under ``lo.ac`` (``no_fit_reason``)."""
+def _costs(args, estimates, hw, layouts: dict) -> dict:
+    """recipe -> its ``StepCost`` under its ``layouts[name]``, or why none is predicted: ``hw`` cannot run it
+    (``hardware_blocker``), or its estimate does not fit ``hw``'s memory under the layout's AC (``no_fit_reason``)."""
     out = {}
     for r, e in estimates:
         why = hardware_blocker(r, hw)
         if why is not None:
             out[r.name] = f"not runnable on {hw.name}: {why}"
             continue
+        lo = layouts[r.name]
         out[r.name] = no_fit_reason(e, lo.ac) or step_cost(args, r, hw, lo)
     return out
 
@@ -310,47 +382,55 @@ def validation(as_json: bool) -> str:
 
 def run(q: EstimateQuery, as_json: bool = False) -> str:
     """Compute and format (text or JSON) the estimate of the typed query ``q``; raises ``UserError`` subclasses
-    for what the part cannot run (``check_fp8_hardware``) or an unknown ``hardware``."""
+    for what the part cannot run (``check_fp8_hardware``) or an unknown ``hardware``. Each recipe is estimated with
+    the compile/AC ``q.assumed`` resolved for it on the part (``auto`` as lowprec train resolves it there)."""
     args, hw = q.args, get_hardware(q.hardware)
-    lo_seq, ac = q.train.seq_len, q.train.ac
+    seq, ac = q.train.seq_len, q.train.ac
     kw = dict(
         dp_shard=q.dims.dp_shard,
         tp=q.dims.tp,
         batch=q.batch_per_rank,
-        seq=lo_seq,
+        seq=seq,
         hardware=hw,
         efficiency=q.efficiency if q.efficiency is not None else DEFAULT_EFFICIENCY,
-        compiled_loss=q.train.compile,  # lowprec compiles the loss with the blocks
     )
     recipes = list(q.recipes)
     check_fp8_hardware([] if q.all_recipes else recipes, hw, q.emulate)
     model_info = {"name": q.model, **dataclasses.asdict(args)}
-    lo = Layout(q.dims.dp_shard, q.dims.tp, q.batch_per_rank, lo_seq, ac, q.train.compile, q.async_tp)
+    compiled = {r.name: q.assumed[r.name].compile if r.name in q.assumed else q.train.compile for r in recipes}
+    layouts = {
+        n: Layout(q.dims.dp_shard, q.dims.tp, q.batch_per_rank, seq, ac, c, q.async_tp) for n, c in compiled.items()
+    }
+    # lowprec compiles the loss with the blocks: the FP32 loss transient follows each recipe's compile
+    ests = [(x, estimate(args, x, compiled_loss=compiled[x.name], **kw)) for x in recipes]
+    costs = _costs(args, ests, hw, layouts)
+    assumed_json = {n: dataclasses.asdict(r) for n, r in q.assumed.items()}
     if q.all_recipes:
-        r = estimate_all(args, recipes, recompute=ac, **kw)
-        by_name = {e.recipe: e for e in r.rows}
-        costs = _costs(args, [(x, by_name[x.name]) for x in recipes], hw, lo)
+        r = rank_estimates([e for _, e in ests], ac)
         if as_json:
             return json.dumps(
                 {
                     "model": model_info,
+                    "assumed": assumed_json,
                     **r.to_dict(),
                     "cost_model": {n: (c if isinstance(c, str) else c.to_dict()) for n, c in costs.items()},
                 },
                 indent=1,
             )
-        return format_ranking(r, q.model, costs, q.train.batch_size)
-    e = estimate(args, recipes[0], **kw)
-    cost = _costs(args, [(recipes[0], e)], hw, lo)[recipes[0].name]
+        return format_ranking(r, q.model, costs, q.train.batch_size, q.assumed)
+    e = ests[0][1]
+    cost = costs[recipes[0].name]
     no_time = None
     if isinstance(cost, str):  # not runnable there (--emulate), or it does not fit
         no_time = cost if cost.startswith("does not fit") else f"{cost} (emulated speed is not modelled)"
         cost = None
     unsharded = predict_state_bytes(args, recipes[0])
+    res = q.assumed.get(recipes[0].name)
     if as_json:
         return json.dumps(
             {
                 "model": model_info,
+                "assumed": assumed_json.get(recipes[0].name),
                 "unsharded_state": unsharded.to_dict(),
                 **e.to_dict(),
                 "cost_model": cost.to_dict() if cost else None,
@@ -359,5 +439,13 @@ def run(q: EstimateQuery, as_json: bool = False) -> str:
             indent=1,
         )
     return format_one(
-        e, args, q.model, unsharded, cost, flat=q.efficiency is not None, no_time=no_time, batch=q.train.batch_size
+        e,
+        args,
+        q.model,
+        unsharded,
+        cost,
+        flat=q.efficiency is not None,
+        no_time=no_time,
+        batch=q.train.batch_size,
+        assumed=assumed_words(res, hw.name) if res is not None else None,
     )

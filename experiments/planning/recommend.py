@@ -201,7 +201,8 @@ class Option:
     bytes) and ``headroom`` (fraction of device memory left); ``tokens_per_step`` (``dp_shard * batch * seq``);
     ``outside_published``: why the layout lies outside every published point, or ``None``; ``ablation``: the
     ablation that would give the missing loss evidence (``ablate_command`` is its command), or ``None``;
-    ``batch_per_rank``: sequences per data-parallel rank (``train.batch_size / dp_shard``)."""
+    ``batch_per_rank``: sequences per data-parallel rank (``train.batch_size / dp_shard``); ``compile``: whether
+    the recipe runs compiled there (``train.compile`` resolved on the hardware, ``RecommendQuery.assumed``)."""
 
     recipe: str
     dp_shard: int
@@ -220,6 +221,7 @@ class Option:
     outside_published: str | None = None
     excluded: str | None = None
     batch_per_rank: int = 1
+    compile: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -237,6 +239,7 @@ def best_option(args, recipe: Recipe, hw, q: RecommendQuery) -> Option | str:
     """The fastest (layout, AC) of ``recipe`` that fits ``hw``'s memory, or why none does; the layouts and AC modes
     are those ``q`` leaves open (``parallel.tp``, ``parallel.dp_shard``, ``train.ac`` pin theirs)."""
     seq = q.seq
+    compiled = q.assumed[recipe.name].compile  # train.compile as lowprec train runs this recipe on hw
     modes = AC_MODES if q.ac is None else (q.ac,)
     best = None
     lays = [
@@ -254,10 +257,10 @@ def best_option(args, recipe: Recipe, hw, q: RecommendQuery) -> Option | str:
         if batch is None:
             continue  # train.batch_size does not split over this layout's data-parallel ranks
         for ac in modes:
-            reserved = peak_reserved(args, recipe, dp, tp, batch, seq, ac, q.compile)
+            reserved = peak_reserved(args, recipe, dp, tp, batch, seq, ac, compiled)
             if reserved > memory_limit(hw):
                 continue
-            c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, q.compile))
+            c = step_cost(args, recipe, hw, Layout(dp, tp, batch, seq, ac, compiled))
             days = q.tokens / (c.tokens_per_s_per_gpu * q.gpus) / 86400
             o = Option(
                 recipe.name,
@@ -270,6 +273,7 @@ def best_option(args, recipe: Recipe, hw, q: RecommendQuery) -> Option | str:
                 1 - reserved / hw.memory_bytes,
                 dp * batch * seq,
                 batch_per_rank=batch,
+                compile=compiled,
             )
             if best is None or (o.days, -o.headroom) < (best.days, -best.headroom):
                 best = o
@@ -378,6 +382,7 @@ def recommend(q: RecommendQuery) -> Recommendation:
         "seq": q.seq,
         "ac": q.ac,
         "compile": q.compile,
+        "assumed": assumed_settings(q, options),
         "tp": q.tp,
         "dp_shard": q.dp_shard,
         "recipes": list(q.recipes) or None,
@@ -397,13 +402,34 @@ def recommend(q: RecommendQuery) -> Recommendation:
             batch_per_rank=top.batch_per_rank,
             seq=q.seq,
             ac=top.ac,
-            compile=q.compile,
+            compile=top.compile,
             margin=gap,
             extra=q.passthrough,
         )
     return Recommendation(
         query, options, top.recipe if top else None, not_runnable, paragraph(top, base, query, gap), commands
     )
+
+
+def _word(v) -> str:
+    return str(v).lower()
+
+
+def assumed_settings(q: RecommendQuery, options: list[Option]) -> str:
+    """What recommend assumed of ``train.compile`` and ``train.ac`` for a run on ``q.hardware``, in one phrase:
+    ``auto`` resolved there as ``lowprec train`` resolves it on that part (``RecommendQuery.assumed``; the ranked
+    ``options`` that it runs eager because they cannot compile are named), and the AC rule."""
+    if q.compile == "auto":
+        default = any(r.compile or r.fallback for r in q.assumed.values())  # auto's choice before any fallback
+        words = f"train.compile=auto -> {_word(default)} on {q.hardware}"
+        if any(q.assumed[o.recipe].fallback for o in options):
+            words += " (a layout marked eager: the recipe cannot compile there, and lowprec train runs it eager)"
+    else:
+        words = f"train.compile={_word(q.compile)}"
+    if q.ac is None:
+        return words + ", train.ac: the lightest that fits"
+    asked = next(iter(q.assumed.values())).requested_ac
+    return words + (f", train.ac=auto -> {q.ac} on {q.hardware}" if asked == "auto" else f", train.ac={q.ac}")
 
 
 def published_refs(options: list[Option]) -> list[dict]:
@@ -500,7 +526,7 @@ def format_table(rec: Recommendation) -> str:
         f"model={q['model']} hardware={q['hardware']} gpus={q['gpus']} tokens={q['tokens']:.3g} "
         f"max_loss_gap={100 * q['max_loss_gap']:.2f}%; ranked by predicted time to train, then memory headroom",
         f"assumed: {_assumed_batch(q)} of train.seq_len={q['seq']} tokens per step (train.batch_size=, "
-        f"train.seq_len= pin them); train.compile={str(q['compile']).lower()}; memory in GiB (2**30 bytes)",
+        f"train.seq_len= pin them); {q['assumed']}; memory in GiB (2**30 bytes)",
         "",
     ]
     cols = [("#", "right"), ("recipe", "left"), ("layout", "left"), ("tok/step", "right"), ("tok/s/GPU", "right")]
@@ -508,7 +534,8 @@ def format_table(rec: Recommendation) -> str:
     cols += [("loss evidence", "left")]
     rows = []
     for i, o in enumerate(rec.options, 1):
-        lay = f"{o.dp_shard}x{o.tp} ac={o.ac}" + ("*" if o.outside_published else "")
+        lay = f"{o.dp_shard}x{o.tp} ac={o.ac}" + (" eager" if q["compile"] == "auto" and not o.compile else "")
+        lay += "*" if o.outside_published else ""
         sp = f"{100 * (o.speedup - 1):+.0f}%" if o.speedup is not None else "-"
         if o.excluded:
             ev = f"EXCLUDED: {o.excluded}"

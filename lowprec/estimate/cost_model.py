@@ -185,8 +185,17 @@ class StepCost:
     def compute(self) -> float:
         return self.gemm + self.attention + self.kernels + self.fp8_casts
 
+    @property
+    def bound(self) -> str:
+        """What sets the step: ``"communication"`` when the compute hides entirely under the communication that
+        overlaps it (FSDP's, and TP's under async TP: ``comm - compute`` exceeds the ``1 - overlap`` share that never
+        hides, so the step is the communication's time and recipes that differ only in compute tie), else
+        ``"compute"``."""
+        hideable = self.fsdp_comm + (self.tp_comm if self.layout.async_tp else 0.0)
+        return "communication" if hideable - self.compute > hideable * (1.0 - self.calibration.overlap) else "compute"
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "compute": self.compute}
+        return {**asdict(self), "compute": self.compute, "bound": self.bound}
 
 
 #: Block-scaled scalings whose elements are E2M1 (4 bits): their GEMMs run at the part's FP4 peak.

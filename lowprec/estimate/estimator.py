@@ -496,7 +496,13 @@ def estimate_all(args: ModelArgs, recipes: Iterable[Recipe], *, recompute: str =
     and by predicted step time. Raises ``ValueError`` for an unknown recompute mode."""
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute={recompute!r} is not one of {list(RECOMPUTE_MODES)}")
-    ests = [estimate(args, r, **kw) for r in recipes]
+    return rank_estimates([estimate(args, r, **kw) for r in recipes], recompute)
+
+
+def rank_estimates(ests: Iterable[Estimate], recompute: str) -> Ranking:
+    """The ``Ranking`` of estimates made separately (``estimate``; e.g. each with its own ``compiled_loss``), by
+    memory under ``recompute`` (one of ``RECOMPUTE_MODES``) and by predicted step time, as ``estimate_all``."""
+    ests = list(ests)
     by_mem = sorted(ests, key=lambda e: e.totals[recompute])
     by_time = sorted(ests, key=lambda e: (e.throughput is None, e.throughput.step_time_s if e.throughput else 0))
     return Ranking(

@@ -69,7 +69,7 @@ def test_the_printed_train_and_ablate_lines_pass_preflight(case, capsys, tmp_pat
     assert cfg.recipe.name == d["top"] and checked.train.steps == 2
     assert (checked.parallel.dp_shard, checked.parallel.tp) == (top["dp_shard"], top["tp"])
     assert checked.train.batch_size == top["dp_shard"] * top["batch_per_rank"] and checked.train.ac == top["ac"]
-    assert checked.train.seq_len == d["query"]["seq"] and checked.train.compile is d["query"]["compile"]
+    assert checked.train.seq_len == d["query"]["seq"] and checked.train.compile is top["compile"]
     if case == "one host":
         assert cfg.optim.lr == 1e-4
     else:
@@ -82,19 +82,22 @@ def test_the_printed_train_and_ablate_lines_pass_preflight(case, capsys, tmp_pat
 
 
 def test_estimate_and_recommend_default_to_trains_settings():
-    """The estimate is of the run ``lowprec train`` with the same keys makes: the same ``train`` node (compile and AC
-    as train's, not the estimator's old ``compile=true``), and recommend times ``train.compile`` as train runs it."""
+    """The estimate is of the run ``lowprec train`` with the same keys makes on the part named: the same ``train``
+    node, with train's ``auto`` compile and AC resolved as train resolves them on that part (a GPU: compile on,
+    selective AC), and recommend keeps ``train.compile`` as given and times each recipe as train runs it there."""
     register_planning_configs()
     train = compose("train", ["model=llama3_8b"]).train
     assert compose("estimate", ["model=llama3_8b"]).train == train
     assert compose("recommend", ["model=llama3_8b"]).train == train
+    assert (train.compile, train.ac) == ("auto", "auto")
     q = planning_query("estimate", ["model=llama3_8b", "parallel.dp_shard=8"])
     assert (q.train.compile, q.train.ac, q.train.batch_size, q.train.seq_len) == (
-        TrainSpec().compile,
-        TrainSpec().ac,
+        True,
+        "selective",
         TrainSpec().batch_size,
         TrainSpec().seq_len,
     )
     assert q.batch_per_rank == TrainSpec().batch_size // 8
     r = planning_query("recommend", ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e9"])
-    assert r.compile is TrainSpec().compile and (r.ac, r.batch_size, r.tp) == (None, None, None)  # chosen
+    assert r.compile == "auto" and (r.ac, r.batch_size, r.tp) == (None, None, None)  # chosen
+    assert r.assumed["bf16"].compile is True and r.assumed["te_delayed"].compile is False  # TE cannot compile
