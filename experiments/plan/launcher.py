@@ -16,9 +16,12 @@ under torchrun inside each job (``experiments.runner.job_ranks``).
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import stat
 import unicodedata
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from experiments.plan.launch import under_torchrun
 from lowprec.errors import ConfigError
@@ -106,10 +109,30 @@ def check_one_line(name: str, value: str | None) -> None:
         )
 
 
+def check_private_folder(path: Path, follow: bool = True) -> None:
+    """Refuse (``ConfigError``, one line) a job folder ``path`` whose files another user could have written or
+    replaced: not a folder (with ``follow=False``, a symbolic link counts as not a folder), not owned by this
+    user, or writable by group or others. Nothing is read from a folder refused."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        raise ConfigError(f"job folder {path} cannot be read ({e.strerror}); nothing was read from it") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"job folder {path} is not a folder (a link?); nothing was read from it")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"job folder {path} belongs to uid {st.st_uid}, not to this user; nothing was read from it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"job folder {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): its files "
+            f"could have been replaced; nothing was read from it (chmod 700 {path})"
+        )
+
+
 def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> None:
     """Refuse (``ConfigError``, one line) a launcher that cannot submit from here, before any MLflow run:
     an unknown ``name``; a newline or control character in a free-text field (``TEXT_FIELDS``, each ``setup``
-    line: ``check_one_line``); ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
+    line: ``check_one_line``); a ``folder`` that exists and another user could write (``check_private_folder``);
+    ``slurm`` without the ``submitit`` package or without ``sbatch`` on PATH (``which``: how
     PATH is searched); a submitit launcher under torchrun (the ablation process submits; each job of a parallel
     layout, ``world_size`` > 1, starts torchrun with its ranks itself); ``time``, ``cpus_per_task``, ``mem_gb``,
     ``gpus_per_node``, ``max_running`` or ``poll_s`` out of range; a layout that needs more GPUs than
@@ -122,6 +145,8 @@ def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> N
         check_one_line(f"launcher.{key}", getattr(spec, key))
     for i, line in enumerate(spec.setup):
         check_one_line(f"launcher.setup[{i}]", line)
+    if spec.folder is not None and os.path.lexists(spec.folder):  # one the ablation makes is made 0700
+        check_private_folder(Path(spec.folder))
     if importlib.util.find_spec("submitit") is None:
         raise ConfigError(f"launcher={spec.name} needs the submitit package: pip install submitit")
     if spec.name == "slurm" and which("sbatch") is None:

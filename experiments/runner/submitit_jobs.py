@@ -10,8 +10,12 @@ on its node instead, each calling ``run_one`` (rank 0 logging), and returns rank
 
 The ablation process (``run_submitit``) submits the jobs (all at once on SLURM, where the cluster queues them;
 ``workers`` at a time with submitit's ``LocalExecutor``, which starts each job at once), polls them every
-``launcher.poll_s`` and collects each one's ``RunOutcome`` (submitit's result pickle). A job that ends without a
-result (SLURM cancelled it, its time ran out, its node failed, it ran out of memory; locally: its process was
+``launcher.poll_s`` and collects each one's ``RunOutcome`` from the JSON the job wrote in its folder
+(``outcome.json``, or ``error.json`` for a job that raised), never from submitit's result pickle: the ablation
+process unpickles nothing from the job folder (it asks submitit only for a job's state: ``sacct`` on SLURM, the
+process locally, and whether the result pickle exists). The job folder is created 0700 and checked (a folder of
+this user's, writable by no one else) before anything is read from it (``check_job_folder``). A job that ends
+without a result (SLURM cancelled it, its time ran out, its node failed, it ran out of memory; locally: its process was
 killed) leaves its run RUNNING: the ablation finds that run by parent, recipe and seed and ends it KILLED
 (``CANCELLED``, ``TIMEOUT``, ``PREEMPTED``, a local interrupt: a stop from outside) or FAILED with
 ``failure_kind=crash`` (anything else), the reason naming the job and SLURM's state (``sacct``'s, as submitit reads
@@ -29,19 +33,24 @@ return and raises ``StopSignal`` like the local path, so ``resume=`` continues t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from experiments.plan.launcher import check_one_line, check_private_folder
 from experiments.plan.placement import Slot, physical_ids
 from experiments.plan.plan import Plan
 from experiments.plan.preflight import cores
+from experiments.runner import job_ranks
 from experiments.runner.continued_runs import Continuation
 from experiments.runner.run import RunOutcome, run_one
 from experiments.runner.scheduler import _ablation_stop
 from experiments.tracking.tracker import PARENT_TAG
+from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
 from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop, request_stop
 
@@ -52,6 +61,13 @@ Job = tuple[Recipe, int]
 #: ``INTERRUPTED`` is submitit's local executor's (its controller ended by a signal). Any other state without a
 #: result (``OUT_OF_MEMORY``, ``NODE_FAIL``, ``FAILED``, a local process killed) is FAILED, ``failure_kind=crash``.
 KILLED_STATES = ("CANCELLED", "TIMEOUT", "PREEMPTED", "DEADLINE", "INTERRUPTED")
+
+#: The job's own outcome, as JSON, in its folder (``run_job`` writes it; the ranks of a parallel layout do).
+OUTCOME = job_ranks.OUTCOME
+#: What ``run_job`` raised (``{"error": "<type>: <message>"}``), in the job folder, for a job that returned nothing.
+ERROR = "error.json"
+#: The most bytes read of either file: an outcome is a few KiB.
+MAX_JSON_BYTES = 1 << 20
 
 #: Seconds between two SIGTERMs to a local job while the ablation stops (one that arrives while the job still
 #: imports meets submitit's own handler, which ignores it).
@@ -77,7 +93,33 @@ def run_job(
     """One run of an ablation, in a submitit job: ``run_one`` of ``recipe`` and ``seed`` under ``parent_id``,
     continuing ``continuation`` when given; ``threads``: torch's intra-op threads (None: torch's default, the CPUs
     SLURM gave the job). Returns the ``RunOutcome`` (KILLED for a run stopped by a signal, with its reason; a run
-    never started when the stop came first has no run id)."""
+    never started when the stop came first has no run id), and writes it as JSON to ``OUTCOME`` in the job's
+    folder, which is what the ablation reads (submitit's pickle of the return value is never read back). An
+    exception is written to ``ERROR`` (its type and first line), then raised."""
+    import submitit
+
+    folder = Path(submitit.JobEnvironment().paths.folder)
+    for name in (OUTCOME, ERROR):  # a requeued job's earlier files are not this one's
+        (folder / name).unlink(missing_ok=True)
+    try:
+        outcome = _run_job(plan, recipe, seed, parent_id, ablation_id, continuation, threads)
+    except Exception as e:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        text = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"
+        _write_json(folder / ERROR, {"error": text})
+        raise
+    job_ranks.write_outcome(folder / OUTCOME, outcome)
+    return outcome
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)  # never read half written
+
+
+def _run_job(plan, recipe, seed, parent_id, ablation_id, continuation, threads) -> RunOutcome:
+    """``run_job``'s run, its outcome returned."""
     install_stop_handlers()
     signal.signal(signal.SIGUSR2, _stop_on)  # SLURM's time-limit warning: stop after the step, with a checkpoint
     import submitit
@@ -121,10 +163,7 @@ def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, thre
     A stop signal (or SLURM's SIGUSR2) goes on to the ranks (``job_ranks.run_ranks``). Raises
     ``RuntimeError`` naming torchrun's exit code when the ranks left no outcome (the ablation records the run
     FAILED, ``failure_kind=crash``)."""
-    from experiments.runner import job_ranks
-
     folder = Path(env.paths.folder)
-    (folder / job_ranks.OUTCOME).unlink(missing_ok=True)  # a requeued job's earlier outcome is not this one's
     job_ranks.write_args(
         folder,
         plan=plan,
@@ -140,7 +179,7 @@ def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, thre
         return RunOutcome("", recipe.name, seed, "KILLED", reason=f"not started: stopped by signal {local_stop()}")
     k = plan.parallel.world_size
     rc = job_ranks.run_ranks(k, folder)
-    outcome = job_ranks.read_outcome(folder / job_ranks.OUTCOME)
+    outcome = job_ranks.read_outcome(folder / OUTCOME)
     if outcome is None:
         raise RuntimeError(f"torchrun with {k} ranks exited {rc} without an outcome (see the job's log)")
     return outcome
@@ -154,6 +193,93 @@ def job_folder(plan: Plan, ablation_id: str) -> Path:
     ``<paths.runs>/submitit/<ablation id>``; each job writes in its own ``<job id>`` subfolder."""
     spec = plan.launcher
     return Path(spec.folder) if spec.folder else Path(plan.paths.runs) / "submitit" / ablation_id
+
+
+def prepare_job_folder(folder: Path) -> None:
+    """Create the ablation's job folder ``folder`` with mode 0700 (only this user can read or change what the jobs
+    leave there: submitit's pickles, the outcome files, the logs), or check the one that exists
+    (``check_job_folder``). Raises ``ConfigError`` (one line) for a path with a newline or control character (it
+    goes into the sbatch script) or a folder that fails the check."""
+    check_one_line("the job folder", str(folder))
+    if not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile: checked below like any folder found there
+            pass
+        else:
+            os.chmod(folder, 0o700)  # mkdir's mode passes through the umask; 0700 needs no bit it could clear
+    check_job_folder(folder)
+
+
+def check_job_folder(folder: Path, job_id: str | None = None) -> None:
+    """Refuse (``ConfigError``, one line) a job folder another user could have written: ``folder`` (the
+    ablation's, followed if it is a link the user made) must be a folder owned by this user that neither group
+    nor others may write (``check_private_folder``); with ``job_id``, so must its ``<job id>`` subfolder, which
+    must not be a link. Called before anything is read from the folder."""
+    check_private_folder(folder)
+    if job_id is not None:
+        check_private_folder(folder / job_id, follow=False)
+
+
+def _read_json(path: Path) -> dict | None:
+    """The JSON object of ``path`` (a regular file, opened without following a link, at most ``MAX_JSON_BYTES``);
+    None when there is no such file. Raises ``ValueError`` for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"{path.name} cannot be opened ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes")
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError(f"{path.name} is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return obj
+
+
+#: ``RunOutcome``'s fields and the JSON types each may hold.
+_OUTCOME_TYPES = {
+    "run_id": (str,),
+    "recipe": (str,),
+    "seed": (int,),
+    "status": (str,),
+    "reason": (str,),
+    "summary": (dict, type(None)),
+    "traceback": (str, type(None)),
+}
+
+
+def read_job_outcome(folder: Path, recipe: str, seed: int) -> RunOutcome | str | None:
+    """What the job of ``recipe`` and ``seed`` left in its ``folder``, read as JSON only: its ``RunOutcome``
+    (``OUTCOME``), else the one line of what it raised (``ERROR``), else None (it wrote neither). Raises
+    ``ValueError`` (one line) for a file that is not what a job writes: not a regular file, too large, not JSON,
+    fields of other names or types, another run's recipe or seed."""
+    rec = _read_json(folder / OUTCOME)
+    if rec is not None:
+        if set(rec) - set(_OUTCOME_TYPES) or not {"run_id", "recipe", "seed", "status"} <= set(rec):
+            raise ValueError(f"{OUTCOME} holds the fields {sorted(rec)[:10]}, not a run's outcome")
+        for key, value in rec.items():
+            if not isinstance(value, _OUTCOME_TYPES[key]) or (key == "seed" and isinstance(value, bool)):
+                raise ValueError(f"{OUTCOME}: {key} is a {type(value).__name__}, not a run's outcome")
+        if (rec["recipe"], rec["seed"]) != (recipe, seed):
+            raise ValueError(f"{OUTCOME} is the outcome of {rec['recipe'][:60]!r} seed {rec['seed']}, not this job's")
+        return RunOutcome(**rec)
+    err = _read_json(folder / ERROR)
+    if err is not None:
+        if not isinstance(err.get("error"), str):
+            raise ValueError(f"{ERROR} holds no error message")
+        lines = err["error"].splitlines() or ["no message"]
+        return lines[0][:500]
+    return None
 
 
 def job_gpus(plan: Plan) -> int:
@@ -209,7 +335,12 @@ def _submit(executor, plan: Plan, slot: Slot, job: Job, parent_id, ablation_id, 
         executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
     else:
         executor.update_parameters(name=f"lowprec-{ablation_id}-{recipe.name}-s{seed}")
-    return executor.submit(run_job, plan, recipe, seed, parent_id, ablation_id, cont, threads)
+    job = executor.submit(run_job, plan, recipe, seed, parent_id, ablation_id, cont, threads)
+    try:  # made by submitit in this process through the umask: owner only, as its parent
+        os.chmod(job.paths.folder, 0o700)
+    except OSError:  # a job array's folder, or one the job has not made yet: check_job_folder judges it later
+        pass
+    return job
 
 
 def _stop_job(plan: Plan, job) -> None:
@@ -241,25 +372,30 @@ def _close_run(tracker, parent_id: str, recipe: str, seed: int, status: str, rea
 
 
 def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str) -> RunOutcome:
-    """The ``RunOutcome`` of a finished ``job``: what it returned; when it returned nothing (killed, cancelled,
-    timed out, out of memory, its node failed) its run, if it started one, is ended KILLED or FAILED
-    (``KILLED_STATES``) with the job's state as the reason, instead of being left RUNNING."""
-    from submitit.core.utils import FailedJobError, UncompletedJobError
-
+    """The ``RunOutcome`` of a finished ``job``, read from the JSON it left in its folder (``read_job_outcome``,
+    after ``check_job_folder``; submitit's result pickle is never read). When it left none (killed, cancelled,
+    timed out, out of memory, its node failed), raised, or its folder or files fail the checks, its run, if it
+    started one and left it RUNNING, is ended KILLED or FAILED (``KILLED_STATES``) with the reason."""
     name = plan.launcher.name
-    if job.paths.result_pickle.exists() or name == "slurm":  # on SLURM the pickle may lag on a network filesystem
-        try:
-            result = job.result()
-        except FailedJobError as e:  # run_job itself raised (run_one records a run's own failures)
-            last = [line for line in str(e).splitlines() if line.strip()]
-            reason = f"{name} job {job.job_id} raised: {last[-1] if last else 'no message'}"
-            run_id = _close_run(tracker, parent_id, recipe, seed, "FAILED", reason, {"job_state": "FAILED"})
-            return RunOutcome(run_id, recipe, seed, "FAILED", reason=reason)
-        except UncompletedJobError:
-            pass
-        else:
-            if isinstance(result, RunOutcome):
-                return result
+    folder = Path(job.paths.folder)
+    try:
+        check_job_folder(folder.parent, folder.name)
+        found = read_job_outcome(folder, recipe, seed)
+        if found is None and name == "slurm" and (job.paths.result_pickle.exists() or _completed(job)):
+            deadline = time.monotonic() + job._results_timeout_s  # a network filesystem may show it late
+            while found is None and time.monotonic() < deadline:
+                time.sleep(1)
+                found = read_job_outcome(folder, recipe, seed)
+    except (ConfigError, ValueError) as e:
+        reason = f"{name} job {job.job_id}: its outcome was not read: {e}"
+        run_id = _close_run(tracker, parent_id, recipe, seed, "FAILED", reason, {"job_state": str(job.state)})
+        return RunOutcome(run_id, recipe, seed, "FAILED", reason=reason)
+    if isinstance(found, RunOutcome):
+        return found
+    if isinstance(found, str):  # run_job itself raised (run_one records a run's own failures)
+        reason = f"{name} job {job.job_id} raised: {found}"
+        run_id = _close_run(tracker, parent_id, recipe, seed, "FAILED", reason, {"job_state": "FAILED"})
+        return RunOutcome(run_id, recipe, seed, "FAILED", reason=reason)
     state = str(job.state)
     status = "KILLED" if state.upper().startswith(KILLED_STATES) else "FAILED"
     if name == "slurm":
@@ -271,6 +407,10 @@ def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str)
     reason += f"; log: {job.paths.stderr}"
     run_id = _close_run(tracker, parent_id, recipe, seed, status, reason, {"job_state": state})
     return RunOutcome(run_id, recipe, seed, status, reason=reason)
+
+
+def _completed(job) -> bool:
+    return str(job.state).upper().startswith("COMPLETED")
 
 
 def run_submitit(
@@ -294,7 +434,9 @@ def run_submitit(
     cont = continuations or {}
     if local_stop():
         raise _ablation_stop([], len(jobs))
-    executor = make_executor(plan, job_folder(plan, ablation_id))
+    folder = job_folder(plan, ablation_id)
+    prepare_job_folder(folder)
+    executor = make_executor(plan, folder)
     local = spec.name == "submitit_local"
     cap = max(1, min(len(jobs), spec.max_running or (plan.workers if local else len(jobs))))
     free = _slots(plan, cap)

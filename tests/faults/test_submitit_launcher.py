@@ -109,6 +109,11 @@ def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path)
     assert reason.startswith(f"submitit_local job {job}: its process ended without a result"), reason
     assert killed.data.tags["failure_kind"] == "crash" and killed.data.tags["job_state"]
     assert parent.data.tags["n_failed"] == "1"
+    # the ablation read the finished job's outcome from its JSON, in a folder only this user can enter
+    folder = tmp_path / "runs" / "submitit" / ablation_id
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert (folder / kept.data.tags["submitit_job_id"] / "outcome.json").exists()
+    assert not (folder / job / "outcome.json").exists()  # the killed job wrote none
 
     rc, out = _ablate([*args, f"resume={ablation_id}"])
     assert rc == 0, out
