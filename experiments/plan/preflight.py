@@ -203,6 +203,21 @@ def check_corpus_path(source: str, path: str | None) -> None:
         raise ConfigError(f"data.source=tokens needs data.path (a folder of token shards): {PREPARE_HINT}")
 
 
+def resolve_data_source(cfg: DictConfig) -> None:
+    """Set ``cfg.data.source`` to the source that reads ``cfg.data.path`` (``lowprec.data.dataset.implied_source``:
+    a token shard folder given with the default ``stdlib`` source is ``tokens``), in place, so the plan, the MLflow
+    params and the corpus tags all name what the run reads; the change is said on stderr. Raises ``DataError``
+    (one line) for a path the source would not read."""
+    from lowprec.data.dataset import implied_source
+
+    source, path = str(cfg.data.source), cfg.data.get("path")
+    implied = implied_source(source, path)
+    if implied != source:
+        print(f"lowprec: data.path={path} holds token shards: data.source={implied}", file=sys.stderr)
+        with open_dict(cfg):
+            cfg.data.source = implied
+
+
 def ablation_placement(cfg: DictConfig) -> Placement:
     """Where the runs train (``experiments.plan.placement.plan_placement``): ``cfg.workers`` on this device and
     layout; on CUDA over ``cfg.gpus`` GPUs (null: the visible ones). ``device=cuda:N`` is that one GPU. A dry run
@@ -290,10 +305,13 @@ def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
     ``recipes`` of ``lowprec ablate``). An ablation with ``models=[...]`` is checked for every model before the
     first trains; its plan carries one plan per model (``Plan.group``).
 
-    Raises a ``UserError`` subclass (``ConfigError``, ``RecipeError``, ``ParallelError``,
+    ``cfg.data.source`` is set, in place, to the source ``data.path`` implies (``resolve_data_source``).
+
+    Raises a ``UserError`` subclass (``ConfigError``, ``DataError``, ``RecipeError``, ``ParallelError``,
     ``CheckpointError``, ``AblationResumeError`` for an ablation's ``resume=`` that is no ablation id) with one line
     naming the field and the fix.
     """
+    resolve_data_source(cfg)  # first: every plan below (one per model) reads the source the path implies
     models = list(cfg.get("models") or []) if "recipes" in cfg else []
     if not models:
         return _preflight_one(cfg, recipes)

@@ -16,7 +16,7 @@ from filelock import FileLock
 from lowprec.data.corpus import Corpus, build_corpus, read_text, stdlib_corpus
 from lowprec.data.errors import DataError
 from lowprec.data.progress import BuildProgress
-from lowprec.data.shards import open_split, read_meta, write_shards
+from lowprec.data.shards import META, open_split, read_meta, write_shards
 from lowprec.data.tokenizer import EOT, load_tokenizer, train_bpe
 
 
@@ -38,6 +38,33 @@ class DataSpec:
     shard_tokens: int = 1 << 26
     cache_dir: str = "~/.cache/lowprec"
     allow_epochs: bool = False
+
+
+def implied_source(source: str, path: str | None) -> str:
+    """The source that reads ``path`` under ``data.source=source``: ``source`` itself when it reads the path (or
+    no path is given), ``tokens`` for a folder of token shards (one with ``meta.json``, as ``lowprec data prepare``
+    writes) given with the default ``stdlib`` source, which reads no path.
+
+    Raises ``DataError`` (one line) for a path no source would read as asked: any other path with ``stdlib``
+    (training would silently read the standard library while the run records the path), and a token shard
+    folder with ``text`` (its binary shards would be tokenized as text)."""
+    if path is None or str(path) in ("", "???") or source == "tokens":
+        return source
+    shards = (Path(str(path)).expanduser() / META).is_file()
+    if source == "stdlib":
+        if shards:
+            return "tokens"
+        raise DataError(
+            f"data.path={path} is not read by data.source=stdlib (the Python standard library): for text files "
+            f"add data=text; for token shards point data.path at the folder with {META} that `lowprec data "
+            "prepare` wrote"
+        )
+    if source == "text" and shards:
+        raise DataError(
+            f"data.path={path} holds token shards ({META}), which data.source=text would read as text: "
+            "use data.source=tokens"
+        )
+    return source
 
 
 @dataclass
@@ -126,7 +153,8 @@ def prepare(spec: DataSpec, progress: bool = False) -> TokenData:
     is known (``lowprec.data.progress``); a warm cache prints nothing either way.
     Raises ``DataError`` for a missing path, an empty corpus or a corrupt cache/shard.
     """
-    if spec.source == "tokens":
+    source = implied_source(spec.source, spec.path)
+    if source == "tokens":
         if not spec.path:
             raise DataError("data.source=tokens needs data.path (a folder with meta.json and *.bin shards)")
         shard_dir = Path(spec.path).expanduser()
@@ -137,8 +165,8 @@ def prepare(spec: DataSpec, progress: bool = False) -> TokenData:
         if meta.get("corpus"):  # written by `lowprec data prepare`: name the source and the tokenizer
             desc = f"{meta['corpus']} tokenized by {meta.get('tokenizer', '?')}: shards at {shard_dir}"
         fingerprint = meta.get("fingerprint") or _digest_of_digests(meta)
-    elif spec.source in ("stdlib", "text"):
-        if spec.source == "stdlib":
+    elif source in ("stdlib", "text"):
+        if source == "stdlib":
             corpus = stdlib_corpus(spec.val_fraction)
         else:
             if not spec.path:
