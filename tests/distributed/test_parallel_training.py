@@ -217,7 +217,8 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
         assert r["losses"] == f["losses"][3:], n
     from lowprec.train.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="does not load into this model"):
+    # one process holds the 8-bit states whole, not as the per-rank local shards the checkpoint recorded
+    with pytest.raises(CheckpointError, match="has no tensor record for optim.state"):
         _train("bf16_adamw8bit", None, 6, resume_from=str(tmp_path / "bf16_adamw8bit" / "step_3"))
 
 
