@@ -73,3 +73,17 @@ def test_auto_compile_and_ac_per_device():
     assert (asked.compile, asked.ac, asked.tags()) == (True, "full", {})
     with pytest.raises(ConfigError, match="must be true, false or auto"):
         resolve_compile_ac("yes", "auto", "cpu", moe=False)
+
+
+@pytest.mark.parametrize(("n_cores", "expected"), [(1, 1), (2, 2), (16, 2), (192, 2)])
+def test_cpu_auto_workers_are_at_most_two_whatever_the_core_count(n_cores, expected, monkeypatch):
+    """``workers=auto`` on a CPU: the runs share the cores, and more than 2 at once was slower per run; the core
+    count comes from the process's affinity (``preflight.cores``), faked here for a large and a one-core machine."""
+    from experiments.cli import compose
+    from experiments.plan.preflight import ablation_placement
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(n_cores)))
+    assert plan_placement(0, 1, "auto", "cpu", cpu_cores=n_cores).workers == expected
+    cfg = compose("ablate", ["recipes=[fp32,bf16]", "device=cpu", "workers=auto"])
+    placement = ablation_placement(cfg)
+    assert (placement.device_type, placement.workers) == ("cpu", expected)
