@@ -6,20 +6,23 @@ metrics, so ``mlflow.search_runs`` finds them:
 
 - tags ``verdict.<recipe>`` (final validation loss) and ``verdict_late.<recipe>`` (mean validation loss over the
   last quarter of training): one of ``experiments.stats.VERDICTS`` (non-inferior, inferior, inconclusive,
-  no-interval) or ``no-data`` (no finished run of the recipe paired with a finished control run);
+  no-interval, diverged: any judged run of the recipe diverged) or ``no-data`` (no finished run of the recipe paired
+  with a finished control run);
   ``verdict_label.<recipe>`` and ``verdict_late_label.<recipe>``: the CONSORT label the table prints (one of
   ``experiments.stats.LABELS``, e.g. ``non-inferior (worse than control)``);
   ``verdict_status`` (``ok``, ``no-control``: no finished control run, ``nothing-to-compare``: only the control
-  ran), ``verdict_reason`` (when not ok), ``verdict_control``, ``verdict_rule``;
+  ran), ``verdict_reason`` (when not ok), ``verdict_control``, ``verdict_rule`` (the rule every row was judged by:
+  under ``seeds=auto`` the rule common to all looks, each row's level in ``verdict_level.<recipe>``);
 - metrics ``verdict/effect.<recipe>``, ``verdict/lo.<recipe>``, ``verdict/hi.<recipe>`` (relative differences:
   0.01 = 1% worse), ``verdict/seeds.<recipe>``, ``verdict/mdd.<recipe>``, ``verdict/seeds_needed.<recipe>``, the
   same under ``verdict_late/`` for the last quarter, ``ratio/throughput.<recipe>``, ``ratio/state_memory.<recipe>``,
   ``ratio/peak_memory.<recipe>``, and ``verdict/margin``, ``noise/control_sd``, ``noise/control_rel_sd``,
   ``noise/min_margin``;
-- stability (``experiments.stats.stability``): tag ``stability.<recipe>`` (``less stable``, ``as stable`` or
-  ``no-data``), metrics ``stability/loss_spikes.<recipe>`` and ``stability/grad_norm_spikes.<recipe>`` (mean spikes
-  per judged run), ``stability/diverged.<recipe>`` (diverged runs) and ``stability/runs.<recipe>`` (judged runs),
-  the control's included;
+- stability (``experiments.stats.stability``): tag ``stability.<recipe>`` (one of
+  ``experiments.stats.stability.STABILITY_VERDICTS``: ``less stable``, ``as stable``, ``diverged``, ``no test
+  possible``; or ``no-data``), metrics ``stability/loss_spikes.<recipe>`` and
+  ``stability/grad_norm_spikes.<recipe>`` (mean spikes per judged run), ``stability/diverged.<recipe>`` (diverged
+  runs) and ``stability/runs.<recipe>`` (judged runs), the control's included;
 - predicted by ``lowprec estimate``: tag ``predicted_hardware``, metrics ``predicted/throughput_ratio.<recipe>`` and
   ``predicted/memory_ratio.<recipe>`` (recipe over control).
 
@@ -38,8 +41,9 @@ from dataclasses import dataclass, replace
 from experiments.report import markdown
 from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
 from experiments.stats.auto_seeds import AutoSeeds
-from experiments.stats.stability import LESS_STABLE
-from experiments.stats.verdict import LEVEL, POWER, rule_text
+from experiments.stats.paired import smallest_sign_flip_p
+from experiments.stats.stability import AS_STABLE
+from experiments.stats.verdict import DIVERGED, LEVEL, POWER, mark_diverged, rule_text
 from experiments.tracking.tracker import MetricBuffer, Tracker
 
 #: A run's validation points after this share of the optimizer steps make its "last quarter".
@@ -133,6 +137,8 @@ class VerdictTable:
     auto_note: str | None = None
     #: seeds=auto: the final analysis' one-sided alpha, at which MDD and seeds needed are stated (else None)
     auto_final_alpha: float | None = None
+    #: seeds=auto: (seeds, recipes in its Holm families) of every look taken
+    auto_holm: tuple[tuple[int, int], ...] = ()
 
     @property
     def control_sd(self) -> float | None:
@@ -294,18 +300,23 @@ def build_table(
         rs = [r for r in runs if r.recipe == n]
         fin = [r for r in rs if r.comparable]
         stab = _stability(runs, n)
+        srow = StabilityRow.of(stab)
+        fv, lv = final_v.get(n), late_v.get(n)
+        if srow.diverged:  # a diverged run decides the row, whatever its finished seeds show
+            fv = mark_diverged(fv, srow.diverged, srow.runs) if fv else None
+            lv = mark_diverged(lv, srow.diverged, srow.runs) if lv else None
         rows.append(
             RecipeRow(
                 recipe=n,
                 runs=len(rs),
                 finished=len(fin),
                 paired=tuple(final_pairs[n]),
-                final=final_v.get(n),
-                late=late_v.get(n),
+                final=fv,
+                late=lv,
                 throughput_ratio=_ratio(fin, ctrl_ok, "mean_tokens_per_s"),
                 state_ratio=_ratio(fin, ctrl_ok, "state_bytes_per_param"),
                 peak_ratio=_ratio(fin, ctrl_ok, "mem_peak_bytes"),
-                stability=StabilityRow.of(stab),
+                stability=srow,
                 stability_verdict=stability_verdict(stab, ctrl_stab) if stab and ctrl_stab else None,
                 predicted_throughput_ratio=_predicted_ratio(predicted, n, control, "tokens_per_s"),
                 predicted_memory_ratio=_predicted_ratio(predicted, n, control, "total_bytes"),
@@ -331,7 +342,13 @@ def build_table(
         predicted_setup=predicted_setup,
         auto_note=_auto_note(auto) if auto is not None else None,
         auto_final_alpha=auto.final_alpha if auto is not None else None,
+        auto_holm=tuple((lk.n, _tested(lk.verdicts)) for lk in auto.looks) if auto is not None else (),
     )
+
+
+def _tested(vs: dict[str, Verdict]) -> int:
+    """The recipes in the Holm families of one ``verdicts`` call (0 for none)."""
+    return next((v.n_tests for v in vs.values()), 0)
 
 
 def _auto_note(auto: AutoSeeds) -> str:
@@ -350,21 +367,42 @@ def _level(level: float) -> str:
     return f"{100 * level:.4g}%"
 
 
+def _bound(x: float, margin: float) -> str:
+    """A relative difference as a signed percentage (``markdown.pct``: 3 decimals), with more decimals where 3 would
+    print it equal to 0 or to the margin though it is not (``-0.0004%`` is no ``-0.000%``, ``+0.24996%`` no
+    ``+0.250%``); a value within 1e-11 of either, but not on it, gets a ``<`` or ``>`` before it instead."""
+    for digits in range(3, 10):
+        shown = round(100 * x, digits)
+        if all(x == b or shown != round(100 * b, digits) for b in (0.0, margin)):
+            return f"{100 * x:+.{digits}f}%"
+    near = min((0.0, margin), key=lambda b: abs(x - b))
+    return f"{'<' if x < near else '>'}{100 * near:+.3f}%"
+
+
 def _effect_cell(v: Verdict | None, with_level: bool = False) -> str:
     """The mean and interval; ``with_level`` (seeds=auto, where rows differ) appends the interval's level."""
     if v is None:
         return "n/a (no paired seed)"
-    e = v.effect
+    e, m = v.effect, v.margin
     if not e.has_interval:
-        return f"{_pct(e.mean)}, no interval (1 seed)"
+        return f"{_bound(e.mean, m)}, no interval (1 seed)"
     level = f" ({_level(v.level)} CI)" if with_level else ""
-    return f"{_pct(e.mean)} [{_pct(e.lo)}, {_pct(e.hi)}]{level}"
+    return f"{_bound(e.mean, m)} [{_bound(e.lo, m)}, {_bound(e.hi, m)}]{level}"
 
 
-def _verdict_cell(v: Verdict | None) -> str:
+def _verdict_cell(v: Verdict | None, stab: StabilityRow | None = None) -> str:
+    """The verdict as printed: its label, what Holm changed, and for a diverged recipe what its finished seeds alone
+    showed (``stab``: its judged runs, for a recipe without a paired seed that diverged)."""
     if v is None:
+        if stab is not None and stab.diverged:
+            return f"**{DIVERGED}** ({stab.diverged}/{stab.runs} runs; no finished seed to pair)"
         return NO_DATA
-    if v.verdict != v.verdict_unadjusted:  # say what Holm changed rather than hide it
+    if v.verdict == DIVERGED:
+        return (
+            f"**{DIVERGED}** ({v.diverged_runs}/{v.judged_runs} runs; the {v.effect.n} paired seed(s) alone: "
+            f"{v.label_finished})"
+        )
+    if v.verdict != v.verdict_unadjusted or v.label != v.label_unadjusted:  # say what Holm changed, never hide it
         return f"**{v.label}** (CI alone: {v.label_unadjusted}; Holm does not confirm)"
     return f"**{v.label}**"
 
@@ -372,8 +410,13 @@ def _verdict_cell(v: Verdict | None) -> str:
 def _seeds_cell(row: RecipeRow) -> str:
     n = len(row.paired)
     if row.auto is not None:
+        # the seeds behind the row's interval (those of the look where it stopped at this margin), not every
+        # paired seed the ablation trained: a report re-judged at another margin can stop at an earlier look
+        n = row.final.effect.n if row.final is not None else n
         why = {"conclusive": "conclusive", "max_seeds": "max_seeds reached"}.get(row.auto.reason, "still open")
-        return f"{n} of {row.runs} (auto: {why})" if n != row.runs else f"{n} (auto: {why})"
+        unused = len(row.paired) - n
+        later = f"; {unused} later paired seed(s) unused at this margin" if unused > 0 else ""
+        return f"{n} of {row.runs} (auto: {why}{later})" if n != row.runs else f"{n} (auto: {why})"
     if n == row.runs:
         return str(n)
     failed = row.runs - row.finished
@@ -399,7 +442,7 @@ def _diverged_cell(s: StabilityRow) -> str:
 def _stability_cell(v: StabilityVerdict | None) -> str:
     if v is None:
         return NO_DATA
-    return f"**{v.verdict}**" + (f" ({v.reason})" if v.verdict == LESS_STABLE else "")
+    return f"**{v.verdict}**" + (f" ({v.reason})" if v.verdict != AS_STABLE else "")
 
 
 def _throughput_cell(x: float | None, contended: int) -> str:
@@ -415,9 +458,9 @@ def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
-    cells = [markdown.code(row.recipe), _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v)]
+    cells = [markdown.code(row.recipe), _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v, row.stability)]
     if with_late:
-        cells += [_effect_cell(row.late, auto), _verdict_cell(row.late)]
+        cells += [_effect_cell(row.late, auto), _verdict_cell(row.late, row.stability)]
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
     memory = f"{_ratio_cell(row.state_ratio)} ({_ratio_cell(row.peak_ratio)})"
     cells += [mdd, needed, _throughput_cell(row.throughput_ratio, contended), memory]
@@ -456,35 +499,70 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
     ``noise_floor.md.j2``."""
     if t.no_verdict:
         head, rows = _runs_table(finished_runs or [])
-        return markdown.lines("verdicts.md.j2", t=t, runs_head=head, runs_rows=rows)
+        return markdown.lines("verdicts.md.j2", t=t, runs_head=head, runs_rows=rows, diverged=_diverged_line(t))
     with_late = t.late_reason is None
     auto = t.auto_note is not None
-    rule = next((r.final.rule for r in t.rows if r.final), None)
-    tested = next((r.final.n_tests for r in t.rows if r.final), 0)
-    if auto and rule is not None:  # every look has its own level: state the rule for all of them, not the first row's
-        rule = rule_text(t.margin, None, "holm", tested)
     sd = t.control_sd
     best = t.min_mdd
+    verdicts_ = [(r.recipe, v) for r in t.rows for v in (r.final, r.late) if v]
     return markdown.lines(
         "verdicts.md.j2",
         t=t,
+        diverged=_diverged_line(t),
         cols=_columns(with_late, t.predicted_hardware, t.level, auto),
         control=_control_row(t, with_late),
         rows=[_row(r, with_late, auto, contended) for r in t.rows],
         on_cpu=on_cpu,
         auto=auto,
-        rule=rule,
-        tested=tested,
+        rule=_rule(t),
+        tested=_tested({r.recipe: r.final for r in t.rows if r.final}),
+        holm_looks=", ".join(f"{k} recipe(s) at {n} seeds" for n, k in t.auto_holm),
         alpha=(1 - t.level) / 2,
         late_from=math.floor(LATE_FROM * t.steps),
         power=POWER,
-        disagreements=[(r.recipe, v) for r in t.rows for v in (r.final, r.late) if v and v.effect.disagree],
+        disagreements=[(name, v) for name, v in verdicts_ if v.effect.disagree],
+        perm_disagreements=[(name, v, _perm_line(v)) for name, v in verdicts_ if v.perm_disagrees],
+        perm_min_seeds=next(n for n in range(2, 64) if smallest_sign_flip_p(n) <= (1 - t.level) / 2),
         # the noise floor (issue 14 item 7): the control's seed-to-seed sd and the smallest margin it resolves
         n=len(t.control_values),
         sd=sd,
         mean=statistics.fmean(t.control_values.values()) if sd is not None else None,
         best=best,
         mdds=[r.final.mdd for r in t.rows if r.final and r.final.mdd is not None],
+    )
+
+
+def _rule(t: VerdictTable) -> str | None:
+    """The rule every row was judged by: the rows' own (one ``verdicts`` call) or, under ``seeds=auto``, where each
+    row has its look's level and Holm family, the rule common to every look; None without a verdict."""
+    rule = next((r.final.rule for r in t.rows if r.final), None)
+    if t.auto_note is not None and rule is not None:
+        return rule_text(t.margin, None, "holm", None)
+    return rule
+
+
+def _diverged_line(t: VerdictTable) -> str | None:
+    """The verdict section's first line when any run diverged (the recipe's and the control's), else None."""
+    names = [(r.recipe, r.stability) for r in t.rows if r.stability.diverged]
+    if t.control_stability.diverged:
+        names.append((t.control, t.control_stability))
+    if not names:
+        return None
+    which = ", ".join(f"{markdown.code(n)} in {s.diverged} of {s.runs} run(s)" for n, s in names)
+    return (
+        f"**Diverged: {which}.** A recipe with a diverged run is reported `diverged`, whatever its finished seeds "
+        "and the stability test over runs say."
+    )
+
+
+def _perm_line(v: Verdict) -> str:
+    """What the sign-flip permutation cross-check decided, for the note on a disagreement."""
+    n = v.effect.n
+    flips = f"all {2**n:,} sign flips" if smallest_sign_flip_p(n) == 2.0**-n else "random sign flips"
+    return (
+        f"exact sign-flip permutation test of the {n} paired differences ({flips}) against the margin: "
+        f"p={v.p_noninferior_perm:.3g} (non-inferior), p={v.p_inferior_perm:.3g} (inferior) at alpha "
+        f"{(1 - v.level) / 2:.3g}: **{v.verdict_perm}**, against the t-interval's **{v.verdict_unadjusted}**"
     )
 
 
@@ -526,11 +604,11 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
         tags.update({f"verdict.{r.recipe}": NO_DATA for r in t.rows})
         tags.update({f"verdict_label.{r.recipe}": NO_DATA for r in t.rows})
         return tags, metrics
-    tags["verdict_rule"] = next((r.final.rule for r in t.rows if r.final), "")
+    tags["verdict_rule"] = _rule(t) or ""
     for r in t.rows:
-        _record(tags, metrics, "verdict", r.recipe, r.final)
+        _record(tags, metrics, "verdict", r.recipe, r.final, r.stability.diverged)
         if t.late_reason is None:
-            _record(tags, metrics, "verdict_late", r.recipe, r.late)
+            _record(tags, metrics, "verdict_late", r.recipe, r.late, r.stability.diverged)
         for key, x in (
             ("ratio/throughput", r.throughput_ratio),
             ("ratio/state_memory", r.state_ratio),
@@ -569,12 +647,15 @@ def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict
         tags["predicted_hardware"] = t.predicted_hardware
 
 
-def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None) -> None:
-    """``<prefix>.<recipe>`` = the verdict (or ``no-data``), and its numbers as ``<prefix>/<field>.<recipe>``."""
-    tags[f"{prefix}.{recipe}"] = v.verdict if v else NO_DATA
-    tags[f"{prefix}_label.{recipe}"] = v.label if v else NO_DATA
+def _record(tags: dict, metrics: dict, prefix: str, recipe: str, v: Verdict | None, diverged: int = 0) -> None:
+    """``<prefix>.<recipe>`` = the verdict (``diverged`` for a recipe without a paired seed whose runs diverged, or
+    ``no-data``), its label, its level, and its numbers as ``<prefix>/<field>.<recipe>``."""
     if v is None:
+        tags[f"{prefix}.{recipe}"] = tags[f"{prefix}_label.{recipe}"] = DIVERGED if diverged else NO_DATA
         return
+    tags[f"{prefix}.{recipe}"] = v.verdict
+    tags[f"{prefix}_label.{recipe}"] = v.label
+    tags[f"{prefix}_level.{recipe}"] = f"{v.level:.6g}"
     e = v.effect
     values = {"effect": e.mean, "lo": e.lo, "hi": e.hi, "seeds": e.n, "mdd": v.mdd, "seeds_needed": v.seeds_needed}
     for key, x in values.items():

@@ -31,6 +31,7 @@ from experiments.stats import (
     seeds_needed,
     verdicts,
 )
+from experiments.stats.paired import paired_effect
 
 #: seeds before the first look (the issue's "start with 3 seeds").
 START = 3
@@ -88,9 +89,10 @@ def _at_final_alpha(v: Verdict, alpha: float) -> Verdict:
     )
 
 
-def _replay(values, control, names, seeds, plan, margin, metric, ran) -> AutoSeeds:
+def _replay(values, control, names, seeds, plan, margin, metric, ran, bootstrap=True) -> AutoSeeds:
     looks: list[Look] = []
     final: dict[str, tuple[Verdict, SeedDecision]] = {}
+    final_pairs: dict[str, tuple[list, list]] = {}
     active = list(names)
     n = plan.start
     while active:
@@ -105,10 +107,14 @@ def _replay(values, control, names, seeds, plan, margin, metric, ran) -> AutoSee
         for name in active:
             if name in vs:
                 final[name] = (_at_final_alpha(vs[name], plan.final_alpha), decisions[name])
+                final_pairs[name] = results[name]
         active = [name for name in active if decisions[name].more]
         if not active:
             break
         n += 1
+    if bootstrap:  # the looks skip it (they only decide); the verdicts the report prints carry their cross-check
+        for name, (v, decision) in final.items():
+            final[name] = (replace(v, effect=paired_effect(*final_pairs[name], v.level)), decision)
     wanting = active if looks and active else []
     next_seed = seeds[n - 1] if wanting and n <= plan.max_seeds else None
     return AutoSeeds(looks, final, wanting, next_seed, plan.final_alpha, tuple(seeds))
@@ -123,6 +129,8 @@ def replay(
     plan: SpendingPlan,
     margin: float,
     metric: str = "final_val_loss",
+    *,
+    bootstrap: bool = True,
 ) -> AutoSeeds:
     """Replay the looks on the results so far.
 
@@ -134,6 +142,8 @@ def replay(
         control: the control recipe; names: the other recipes, in report order.
         seeds: the seed sequence ``s_0, s_1, ...`` (at least ``plan.max_seeds`` long).
         plan, margin: the spending plan and the relative margin (> 0).
+        bootstrap: give each recipe's final verdict the bootstrap cross-check (``PairedEffect.disagree``) on the
+            seeds of its look; False skips it (the looks never need it).
 
     Returns:
         ``AutoSeeds``: ``wanting``/``next_seed`` say what to train next (the control and ``wanting`` at
@@ -144,7 +154,7 @@ def replay(
     """
     if len(seeds) < plan.max_seeds:
         raise ValueError(f"need {plan.max_seeds} seeds in the sequence (got {len(seeds)})")
-    return _replay(values, control, list(names), list(seeds), plan, margin, metric, ran=set(ran))
+    return _replay(values, control, list(names), list(seeds), plan, margin, metric, ran=set(ran), bootstrap=bootstrap)
 
 
 def replay_results(

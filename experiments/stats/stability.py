@@ -48,7 +48,10 @@ from lowprec.measure.spikes import (
 # the lab's statistics have always imported it from.
 __all__ = [
     "AS_STABLE",
+    "DIVERGED",
     "LESS_STABLE",
+    "NO_TEST",
+    "STABILITY_VERDICTS",
     "MAD_TO_SD",
     "SpikeRule",
     "SpikeScan",
@@ -63,6 +66,12 @@ __all__ = [
 ]
 
 LESS_STABLE, AS_STABLE = "less stable", "as stable"
+#: A run of the recipe diverged and the permutation test does not call it less stable (too few runs to): said, never
+#: read as "as stable".
+DIVERGED = "diverged"
+#: No split of so few runs can reach alpha (e.g. one seed a side: the smallest p is 1/2): no test is possible.
+NO_TEST = "no test possible"
+STABILITY_VERDICTS = (LESS_STABLE, AS_STABLE, DIVERGED, NO_TEST)
 #: Beyond this many splits of the runs the permutation test draws this many random ones (fixed seed) instead.
 MAX_SPLITS = 20_000
 PERMUTATION_SEED = 0
@@ -158,9 +167,9 @@ def stability_metrics(
 
 @dataclass(frozen=True)
 class StabilityVerdict:
-    """A recipe's stability against the control: ``verdict`` is ``"less stable"`` or ``"as stable"``; ``reason``
-    says what made it less stable (or that nothing did). ``p``: the joint permutation test's p-value (module
-    docstring; None when no component varies across the runs); ``p_diverged``, ``p_loss_spikes``,
+    """A recipe's stability against the control: ``verdict`` is one of ``STABILITY_VERDICTS`` (``"less stable"``,
+    ``"as stable"``, ``"diverged"``, ``"no test possible"``); ``reason`` says why. ``p``: the joint permutation
+    test's p-value (module docstring; None when no component varies across the runs); ``p_diverged``, ``p_loss_spikes``,
     ``p_grad_norm_spikes``: each component's own permutation p-value, for reading (None when that component is
     constant or absent). The verdict is ``p <= alpha``."""
 
@@ -184,6 +193,13 @@ def _splits(n_r: int, n_c: int) -> np.ndarray:
     rng = np.random.default_rng(PERMUTATION_SEED)
     random = np.argsort(rng.random((MAX_SPLITS, n)), axis=1)[:, :n_r]
     return np.vstack([np.arange(n_r)[None, :], random])
+
+
+def smallest_pvalue(n_r: int, n_c: int) -> float:
+    """The smallest p-value the permutation test can give with ``n_r`` and ``n_c`` runs: one split in all of them
+    (``1 / C(n_r + n_c, n_r)``), or the observed one among ``MAX_SPLITS + 1`` beyond that many."""
+    splits = math.comb(n_r + n_c, n_r)
+    return 1 / splits if splits <= MAX_SPLITS else 1 / (MAX_SPLITS + 1)
 
 
 def permutation_pvalues(recipe: np.ndarray, control: np.ndarray) -> tuple[float | None, list[float | None]]:
@@ -219,13 +235,20 @@ def permutation_pvalues(recipe: np.ndarray, control: np.ndarray) -> tuple[float 
 def stability_verdict(
     recipe_runs: Sequence[StabilityMetrics], control_runs: Sequence[StabilityMetrics], alpha: float = 0.05
 ) -> StabilityVerdict:
-    """``"less stable"`` when the recipe's runs diverge or spike more than the control's by the exact permutation
-    test over runs (module docstring) at ``alpha``, else ``"as stable"`` (no evidence of worse, not proof of equal).
+    """The recipe's stability against the control's runs, in this order:
+
+    - ``"less stable"`` when the recipe's runs diverge or spike more than the control's by the exact permutation
+      test over runs (module docstring) at ``alpha``;
+    - ``"diverged"`` when any run of the recipe diverged but the test does not say less stable (one diverged run
+      of 8 against none gives p = 1/2): a divergence is always said, never read as "as stable";
+    - ``"no test possible"`` when no split of so few runs can reach ``alpha`` (``smallest_pvalue``: 1/2 with one
+      run a side, 1/6 with two);
+    - else ``"as stable"`` (no evidence of worse, not proof of equal).
 
     Components of each run: diverged (0/1), loss-spike events, and grad-norm spike events when every run has a
     grad-norm series. With 3 runs each the smallest p-value is 1/20 = 0.05: a recipe that diverged in all 3 runs
     (or spiked more in each than every control run) against a control that never did is less stable at 0.05; one
-    diverged run of 3, or [5, 0, 0] spike events against [0, 0, 0], is not.
+    diverged run of 3 is ``diverged``, and [5, 0, 0] spike events against [0, 0, 0] ``as stable``.
 
     Raises:
         ValueError: no recipe or no control runs, or alpha not in (0, 1).
@@ -246,17 +269,31 @@ def stability_verdict(
     )
     p_div, p_loss = each[0], each[1]
     p_grad = each[2] if has_grad else None
+    diverged = f"diverged in {div_r[0]}/{div_r[1]} runs vs {div_c[0]}/{div_c[1]} (control)"
+    smallest = smallest_pvalue(div_r[1], div_c[1])
     if p is None or p > alpha:
+        if div_r[0]:
+            test = "no permutation test over so few runs can reach" if smallest > alpha else f"p={p:.3g} >"
+            reason = f"{diverged}; not shown less stable ({test} {alpha:g})"
+            return StabilityVerdict(DIVERGED, reason, div_r, div_c, p_loss, p_grad, p_div, p)
+        if smallest > alpha:
+            reason = (
+                f"{div_r[1]} recipe and {div_c[1]} control run(s): the smallest permutation p-value, "
+                f"{smallest:.3g}, exceeds {alpha:g}"
+            )
+            return StabilityVerdict(NO_TEST, reason, div_r, div_c, p_loss, p_grad, p_div, p)
         return StabilityVerdict(
             AS_STABLE, "no more divergence or spikes than the control", div_r, div_c, p_loss, p_grad, p_div, p
         )
     what = {
-        "diverged": f"diverged in {div_r[0]}/{div_r[1]} runs vs {div_c[0]}/{div_c[1]} (control)",
+        "diverged": diverged,
         "loss": "more loss-spike events per run than the control",
         "grad": "more grad-norm spike events per run than the control",
     }
     named = [(q, what[k]) for k, q in (("diverged", p_div), ("loss", p_loss), ("grad", p_grad)) if q is not None]
-    smallest = min(q for q, _ in named)
-    reason = "; ".join(w for q, w in named if q == smallest)
-    reason += f" (exact permutation test over runs, p={p:.3g} <= {alpha:g})"
+    least = min(q for q, _ in named)
+    parts = [w for q, w in named if q == least]
+    if div_r[0] and diverged not in parts:  # a divergence is always named
+        parts.append(diverged)
+    reason = "; ".join(parts) + f" (exact permutation test over runs, p={p:.3g} <= {alpha:g})"
     return StabilityVerdict(LESS_STABLE, reason, div_r, div_c, p_loss, p_grad, p_div, p)

@@ -3,6 +3,7 @@ noncentral t power computed here from scipy alone, and the per-point spreads aga
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -71,3 +72,51 @@ def test_last_k_point_averages_each_runs_last_points():
     assert p.step == 5 and p.paired_sd == pytest.approx(((g - c) / c).std(ddof=1))
     with pytest.raises(ValueError):
         last_k_mean([], 1)
+
+
+def test_the_noise_study_states_seeds_needed_at_the_reports_one_sided_alpha(tmp_path, monkeypatch):
+    """The study (experiments/studies/noise.py) on hand-made runs: its seeds needed are those of the report's
+    one-sided alpha 0.025 (two-sided 95%), computed here by hand from the noncentral t; at alpha 0.05 the same
+    paired sd would need fewer, so a study at the wrong level is caught."""
+    from types import SimpleNamespace
+
+    from experiments.studies import noise as study
+    from experiments.tracking.runs import RunData
+
+    ctl = {0: 3.40, 1: 3.43, 2: 3.38, 3: 3.41}
+    d = {0: 0.0021, 1: -0.0018, 2: 0.0009, 3: -0.0012}  # paired relative differences: sd about 0.0018
+    neg = {s: ctl[s] * (1 + d[s]) for s in ctl}
+
+    def run(recipe, seed, v):
+        return RunData(
+            run_id=f"{recipe}-{seed}", recipe=recipe, seed=seed, status="FINISHED", reason="", comparable=True,
+            short=recipe, effective={}, metrics={"final_val_loss": v}, tokens_per_step=64,
+            curves={"val_loss": [(9, v)]},
+        )  # fmt: skip
+
+    runs = [run("fp32", s, v) for s, v in ctl.items()] + [run("fp32_reordered", s, v) for s, v in neg.items()]
+    train = SimpleNamespace(
+        steps=10, batch_size=2, grad_accum=1, seq_len=32, val_every=10, val_batches=1, warmup_steps=0, eval_ema=0.0
+    )
+    plan = SimpleNamespace(study={}, train=train, model_name="debug", optim=SimpleNamespace(lr=1e-3), device="cpu")
+    monkeypatch.setattr(study, "_plan", lambda ctx: plan)
+    ctx = SimpleNamespace(
+        runs=runs, order=["fp32", "fp32_reordered"], control="fp32", margin=MARGIN, out=tmp_path, ablation_id="abl-x"
+    )
+    study.noise_study(ctx)
+    out = json.loads((tmp_path / "noise.json").read_text())
+    c, g = np.array(list(ctl.values())), np.array(list(neg.values()))
+    sd = float(((g - c) / c).std(ddof=1))
+    es = MARGIN / sd
+
+    def smallest(alpha):  # smallest n with noncentral-t power >= 0.8 at one-sided alpha, by hand
+        return next(
+            n for n in range(2, 200)
+            if stats.nct.sf(stats.t.ppf(1 - alpha, n - 1), n - 1, es * math.sqrt(n)) >= POWER
+        )  # fmt: skip
+
+    assert out["alpha"] == pytest.approx(0.025)
+    assert out["curve"][0]["seeds_needed"] == smallest(0.025) and out["final"]["last_1"]["seeds_needed"] == smallest(
+        0.025
+    )
+    assert smallest(0.05) < smallest(0.025)  # the level matters at this sd

@@ -147,9 +147,12 @@ def test_each_verdict_class(expected):
 
 
 #: Issue 29's examples: +0.100% [+0.071%, +0.129%] and +0.300% [+0.182%, +0.418%] are significantly worse than the
-#: control though the first is non-inferior and the second inconclusive at a 0.25% margin.
+#: control though the first is non-inferior and the second inconclusive at a 0.25% margin. With one recipe (no
+#: correction) "(better than control)" beside an inconclusive cannot occur (an interval below 0 is below the margin)
+#: and "diverged" comes from ``mark_diverged``; both are tested in test_verdict_labels.py.
 LABEL_CASES = {
     "superior": [-0.001, -0.0012, -0.0009, -0.0011, -0.001],
+    "superior (negligible: under a tenth of the margin)": [-1e-4, -1.2e-4, -0.9e-4, -1.1e-4, -1e-4],
     "non-inferior": CASES["non-inferior"],
     "non-inferior (worse than control)": [0.001, 0.00115, 0.00085, 0.00105, 0.00095],
     "inconclusive": CASES["inconclusive"],
@@ -164,13 +167,15 @@ def test_consort_labels_say_where_the_interval_lies_against_zero(label):
     """CONSORT (Piaggio et al. 2012, figure 1): a difference significant against 0 is never printed as a plain
     non-inferior or inconclusive."""
     v = verdicts({"r": _pair(LABEL_CASES[label])}, MARGIN, correction="none")["r"]
-    assert v.label == label == consort_label(v.verdict, v.effect.lo, v.effect.hi) and v.as_dict()["label"] == label
+    assert v.label == label == consort_label(v.verdict, v.better, v.worse, v.negligible)
+    assert v.as_dict()["label"] == label
     if v.effect.has_interval:
         lo, hi = v.effect.lo, v.effect.hi
-        assert ("worse" in label) == (lo > 0 and v.verdict != "inferior") and (label == "superior") == (hi < 0)
-    assert set(LABEL_CASES) == set(LABELS)
+        assert ("worse" in label) == (lo > 0 and v.verdict != "inferior")
+        assert label.startswith("superior") == (hi < 0)
+    assert set(LABEL_CASES) | {"inconclusive (better than control)", "diverged"} == set(LABELS)
     with pytest.raises(ValueError, match="unknown verdict"):
-        consort_label("better", 0.0, 1.0)
+        consort_label("better", False, False)
 
 
 def test_pvalues_equal_scipy_one_sided_tests():
