@@ -129,6 +129,11 @@ def test_resumed_run_has_the_uninterrupted_val_loss_ema(token_data, tmp_path):
     assert sorted(resumed) == [3, 4, 5]
     assert [resumed[s]["loss"] for s in (3, 4, 5)] == [full[s]["loss"] for s in (3, 4, 5)]
     assert resumed[5]["val_loss_ema"] == full[5]["val_loss_ema"] == res.summary["final_val_loss_ema"]
+    # the same checkpoint under another decay: its average is not this run's, refused in one line
+    other = TrainSpec(**{**BASE, "checkpoint_every": 3}, eval_ema=0.99)
+    with pytest.raises(CheckpointError, match="holds a weight EMA of decay 0.9, not train.eval_ema=0.99") as e:
+        _run("fp32", token_data, other, resume_from=tmp_path / "step_3")
+    assert "\n" not in str(e.value)
     plain = TrainSpec(**{**BASE, "checkpoint_every": 3})  # a checkpoint without an EMA is refused in one line
     _run("fp32", token_data, plain, checkpoint_dir=tmp_path / "plain")
     with pytest.raises(CheckpointError, match="holds no weight EMA") as e:
