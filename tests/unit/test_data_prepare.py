@@ -86,6 +86,20 @@ def test_a_narrow_dtype_for_the_vocabulary_is_refused(tmp_path):
         open_split(tmp_path, "train")
 
 
+@pytest.mark.parametrize(("vocab", "dtype", "width"), [(65_536, "uint16", 2), (65_537, "uint32", 4)])
+def test_65536_ids_fit_uint16_shards_and_65537_take_uint32(vocab, dtype, width, tmp_path):
+    ids = np.array([0, 1, vocab - 2, vocab - 1] * 25)  # the top id: 65,535 fits 16 bits, 65,536 would wrap to 0
+    write_shards(tmp_path, {"train": ids, "val": ids}, vocab_size=vocab, shard_tokens=1000, extra={})
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["dtype"] == dtype
+    assert (tmp_path / meta["splits"]["train"][0]["file"]).stat().st_size == width * len(ids)
+    assert np.array_equal(open_split(tmp_path, "train")[0], ids)
+    if dtype == "uint32":  # a meta.json that says uint16 for 65,537 ids is refused
+        (tmp_path / "meta.json").write_text(json.dumps(meta | {"dtype": "uint16"}))
+        with pytest.raises(DataError, match=f"vocab_size {vocab} does not fit dtype uint16"):
+            open_split(tmp_path, "train")
+
+
 def test_an_interrupted_preparation_continues_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
     src = text_folder(tmp_path / "src")
     spec = dict(source=str(src), vocab_size=300, shard_tokens=800)
