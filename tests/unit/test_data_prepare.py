@@ -132,6 +132,32 @@ def test_an_interrupted_preparation_continues_and_ends_as_an_uninterrupted_one(t
         prepare_shards(PrepareSpec(**{**spec, "vocab_size": 320}, out=str(out)))
 
 
+def test_an_unfinished_preparation_is_refused_not_wiped_by_other_settings(tmp_path, monkeypatch):
+    src = text_folder(tmp_path / "src")
+    spec = dict(source=str(src), vocab_size=300, shard_tokens=800)
+    out = tmp_path / "out"
+    commit = _ShardWriter.commit
+
+    def dies_on_the_second(self, docs, complete):
+        if self.state["docs"]:  # one commit recorded: an unfinished preparation worth keeping
+            raise KeyboardInterrupt
+        commit(self, docs, complete)
+
+    with monkeypatch.context() as m:
+        m.setattr(_ShardWriter, "commit", dies_on_the_second)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_shards(PrepareSpec(**spec, out=str(out)))
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert json.loads(kept[STATE])["docs"] > 0 and any(n.endswith(".bin") for n in kept)
+    for other in ({"vocab_size": 320}, {"shard_tokens": 900}):  # a typo in the next command: refused, nothing lost
+        with pytest.raises(DataError, match="holds an unfinished preparation of another source or settings") as e:
+            prepare_shards(PrepareSpec(**{**spec, **other}, out=str(out)))
+        assert "\n" not in str(e.value)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
+    done = prepare_shards(PrepareSpec(**spec, out=str(out)))  # the first command still continues
+    assert done.resumed_docs == json.loads(kept[STATE])["docs"] and (out / "meta.json").exists()
+
+
 def test_the_fingerprint_follows_the_files_not_the_path(tmp_path):
     a = text_folder(tmp_path / "a")
     b = text_folder(tmp_path / "b")
