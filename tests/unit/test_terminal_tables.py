@@ -19,10 +19,10 @@ def test_a_long_recipe_name_keeps_the_estimate_ranking_aligned(monkeypatch, caps
     monkeypatch.setitem(CATALOG, LONG, dataclasses.replace(CATALOG["bf16"], name=LONG))
     assert main(["estimate", "model=debug", "recipe=all", "train.seq_len=256"]) == 0
     out = capsys.readouterr().out.splitlines()
-    start = next(i for i, line in enumerate(out) if line.split()[:2] == ["mem", "recipe"])
+    start = next(i for i, line in enumerate(out) if line.split()[:3] == ["mem", "rank", "recipe"])
     table = out[start : out.index("", start)]
     assert len(table) == len(CATALOG) + 1
-    # the last column ("time" rank) is right-justified: a row in line ends exactly where the header ends
+    # the last column ("time rank") is right-justified: a row in line ends exactly where the header ends
     assert {len(line) for line in table} == {len(table[0])}, "\n".join(table)
     row = next(line for line in table if LONG in line)
     assert row.split()[1] == LONG
