@@ -17,7 +17,8 @@ The metadata is then checked as data: a record stored as bytes (``BytesStorageMe
 record whose file (``relative_path``) is not a plain file name inside the checkpoint folder or that names a
 stream transform (lowprec writes neither). lowprec checkpoints store their non-tensor state as JSON
 (``lowprec.train.checkpoint_reader``); one written by an older lowprec, with byte records, is refused with one line
-saying to start the run anew (no conversion is offered).
+naming ``lowprec checkpoint convert SRC DST`` (``lowprec.train.checkpoint_convert``: it decodes the byte records
+with torch's weights-only unpickler and keeps plain values only) or starting the run anew.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import enum
 import importlib
 import io
 import pickle
+import shlex
 from pathlib import Path
 
 import torch
@@ -111,10 +113,13 @@ def load_metadata(data: bytes, where: str = ".metadata", byte_records: bool = Fa
 def byte_record_refusal(where: str, keys: list[str]) -> CheckpointError:
     """The one-line refusal of a checkpoint holding records stored as bytes (``keys``)."""
     folder = str(Path(where).parent) if where.endswith(".metadata") else where
+    shown = shlex.quote(folder) if folder.isprintable() else "SRC"  # the message stays one line
     return CheckpointError(
         f"checkpoint {folder!r} holds {len(keys)} records stored as pickled bytes (first: {keys[0]!r}), which "
         "lowprec does not read (a checkpoint is data; it never runs code): it was written by a lowprec older than "
-        "values.json or by another program; start the run anew instead of resuming from it"
+        f"values.json or by another program; convert it with `lowprec checkpoint convert {shown} "
+        "NEW_FOLDER` (it reads the byte records with torch's weights-only unpickler and keeps plain values only) "
+        "or start the run anew"
     )
 
 

@@ -113,6 +113,7 @@ def test_a_byte_record_holding_a_payload_is_refused_and_never_runs(tmp_path):
         _load(victim)
     msg = _one_line(e)
     assert "records stored as pickled bytes" in msg and "start the run anew" in msg
+    assert f"convert it with `lowprec checkpoint convert {victim} NEW_FOLDER`" in msg
     assert not marker.exists()
     with pytest.raises(CheckpointError, match="stored as pickled bytes"):
         load_model_weights(victim, torch.nn.Linear(4, 3))
