@@ -48,6 +48,8 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
   lowprec sync PATH [tracking.uri=...]                   replay what runs spooled while their server was down
   lowprec data prepare source=PATH|HF_DATASET out=DIR [tokenizer=bpe|FILE|HF_NAME] [key=value ...]
                                                          token shards for data.source=tokens (resumable)
+  lowprec checkpoint convert SRC DST                     an older lowprec's checkpoint (pickled byte records) to
+                                                         the current format, without running code from it
 """
 
 
@@ -384,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from experiments.plan.data_prepare import data_main
 
         return data_main(rest, _user_errors(), one_line)
+    if cmd == "checkpoint":
+        from experiments.runner.checkpoint_convert import checkpoint_main
+
+        return checkpoint_main(rest, _user_errors(), one_line)
     if cmd == "ui":
         from experiments.tracking.ui import ui_main
 
