@@ -39,10 +39,10 @@ PUBLISHED_EVIDENCE = {
 PUBLISHED_EVIDENCE["rowwise_with_gw_hp"] = PUBLISHED_EVIDENCE["rowwise"] + " (weight-gradient GEMM in high precision)"
 NO_PUBLISHED = "none found for this recipe"
 
-#: lowprec's own GPU measurement (README, "GPU validation"): the only step lowprec itself timed on a GPU.
+#: lowprec's own GPU measurement (docs/measurements.md, "GPU validation"): the only step lowprec itself timed on a GPU.
 LOWPREC_GPU_CHECK = (
     "lowprec's own step, measured on one H100 (llama3_1b, one GPU, batch 1 x 8192, compile, selective AC: bf16, "
-    "fp8_tensorwise, fp8_current, fp8_rowwise), came within 6% of the cost model (README, GPU validation)"
+    "fp8_tensorwise, fp8_current, fp8_rowwise), came within 6% of the cost model (docs/measurements.md, GPU validation)"
 )
 
 

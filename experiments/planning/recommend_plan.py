@@ -133,11 +133,18 @@ def launch_line(subcommand: str, overrides: list[str], nodes: int, nproc_per_nod
     ``nodes`` hosts, the torchrun line the README gives, to start on each with ``HEAD_NODE`` set to the first."""
     if nodes == 1:
         return shlex.join(["lowprec", subcommand, *overrides])
+    # Each host's shell expands HEAD_NODE, which must be exported first: an inline ``HEAD_NODE=x torchrun ...`` is
+    # expanded before the assignment, and an empty host made torch print a 25-line traceback; ``:?`` stops the
+    # line with one that says what to do.
     launcher = (
         f"torchrun --nnodes={nodes} --nproc_per_node={nproc_per_node} --rdzv_backend=c10d "
-        f"--rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=lowprec -m experiments {subcommand}"
+        f'--rdzv_endpoint="${{{HEAD_NODE_CHECK}}}:29500" --rdzv_id=lowprec -m experiments {subcommand}'
     )
-    return f"{launcher} {shlex.join(overrides)}"  # $HEAD_NODE unquoted: each host's shell expands it
+    return f"{launcher} {shlex.join(overrides)}"
+
+
+#: The rendezvous host as each host's shell expands it, refusing an unset or empty one in one line.
+HEAD_NODE_CHECK = "HEAD_NODE:?export HEAD_NODE=<the first host> on every host before this line"
 
 
 def run_commands(

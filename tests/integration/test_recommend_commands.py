@@ -101,3 +101,25 @@ def test_estimate_and_recommend_default_to_trains_settings():
     r = planning_query("recommend", ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e9"])
     assert r.compile == "auto" and (r.ac, r.batch_size, r.tp) == (None, None, None)  # chosen
     assert r.assumed["bf16"].compile is True and r.assumed["te_delayed"].compile is False  # TE cannot compile
+
+
+def test_the_multi_node_line_works_as_pasted_and_refuses_an_unset_head_node(tmp_path):
+    """The printed torchrun line, pasted into bash on a host: with ``HEAD_NODE`` exported the rendezvous endpoint is
+    that host; unset (or set inline on the same line, which the shell expands after the line's words), it stops
+    with one line saying to export it, instead of torch's 25-line traceback for an empty host."""
+    import os
+    import subprocess
+
+    from experiments.planning.recommend_plan import launch_line
+
+    line = launch_line("train", ["recipe=bf16", "parallel.dp_shard=16"], 2, 8)
+    fake = tmp_path / "torchrun"  # prints the arguments it was started with
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    ok = subprocess.run(["bash", "-c", line], env={**env, "HEAD_NODE": "node001"}, capture_output=True, text=True)
+    assert ok.returncode == 0 and "--rdzv_endpoint=node001:29500" in ok.stdout.splitlines(), ok
+    for pasted in (line, f"HEAD_NODE=node001 {line}"):
+        bad = subprocess.run(["bash", "-c", pasted], env=env, capture_output=True, text=True)
+        assert bad.returncode != 0 and bad.stdout == "", bad
+        assert len(bad.stderr.strip().splitlines()) == 1 and "export HEAD_NODE=" in bad.stderr, bad.stderr
