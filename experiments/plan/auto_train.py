@@ -1,7 +1,7 @@
 """``train.compile=auto`` and ``train.ac=auto``: what they mean on this device.
 
 CUDA: compile on (Inductor fuses the FP8 casts and elementwise kernels: compiled FP8 tensorwise on Llama-3-8B
-layer shapes ran 1.17x BF16 on an H200, eager it was slower than BF16; issue 31) and selective activation
+layer shapes ran 1.17x BF16 on an H200, eager it was slower than BF16) and selective activation
 checkpointing for dense models, the configuration H100 users run and the cost model (``lowprec estimate``) assumes.
 A DeepSeekMoE model stays eager (``lowprec.train.moe_balance`` refuses compile for its per-expert loop) without AC.
 CPU (and any other device): today's defaults, compile off and no AC: on the 2-core EPYC compile costs more in

@@ -433,7 +433,7 @@ def tracking_from_cfg(cfg: DictConfig) -> TrackingConfig:
 
 def launcher_from_cfg(cfg: DictConfig) -> LauncherSpec:
     """The ``LauncherSpec`` of ``cfg.launcher`` (``local`` when the config has none: ``lowprec train``, or an
-    ablation saved before issue 31). Raises ``ConfigError`` naming ``launcher.<field>`` for a wrong type or an
+    ablation saved before launchers existed). Raises ``ConfigError`` naming ``launcher.<field>`` for a wrong type or an
     unknown key."""
     node = cfg.get("launcher")
     if node is None:

@@ -1,4 +1,4 @@
-"""Where an ablation's runs are launched (``launcher=...``, issue 31 item 3): this machine, or one job per run
+"""Where an ablation's runs are launched (``launcher=...``): this machine, or one job per run
 through ``submitit`` (SLURM, or submitit's local executor: the same submission path on this machine).
 
 ``launcher=local`` (the default) is the ablation as it always ran: in this process or in worker processes
@@ -26,7 +26,7 @@ from pathlib import Path
 from experiments.plan.launch import under_torchrun
 from lowprec.errors import ConfigError
 
-#: ``launcher.name`` values. ``local``: this machine, as before issue 31; ``slurm``: one SLURM job per run
+#: ``launcher.name`` values. ``local``: this machine (the default); ``slurm``: one SLURM job per run
 #: (submitit's ``SlurmExecutor``); ``submitit_local``: one process per run through submitit's ``LocalExecutor``.
 LAUNCHERS = ("local", "slurm", "submitit_local")
 

@@ -258,7 +258,7 @@ def build_report(
 
 
 #: The markdown keeps the setup beside the summary; the HTML page puts the verdicts first, then every figure, then
-#: the detail tables (issue 19's reading order for a colleague who opens it in the MLflow UI).
+#: the detail tables (the reading order of a colleague who opens it in the MLflow UI).
 MARKDOWN_ORDER = (
     "verdicts", "curves", "setup", "cpu_warning", "summary", "failed", "anomalies", "figures", "telemetry",
     "reconcile", "comm", "effective",

@@ -523,7 +523,7 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
         disagreements=[(name, v) for name, v in verdicts_ if v.effect.disagree],
         perm_disagreements=[(name, v, _perm_line(v)) for name, v in verdicts_ if v.perm_disagrees],
         perm_min_seeds=next(n for n in range(2, 64) if smallest_sign_flip_p(n) <= (1 - t.level) / 2),
-        # the noise floor (issue 14 item 7): the control's seed-to-seed sd and the smallest margin it resolves
+        # the noise floor: the control's seed-to-seed sd and the smallest margin it resolves
         n=len(t.control_values),
         sd=sd,
         mean=statistics.fmean(t.control_values.values()) if sd is not None else None,

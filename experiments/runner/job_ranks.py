@@ -1,5 +1,5 @@
 """One run of an ablation on the ranks of a parallel layout, inside one submitit job (``launcher=slurm`` or
-``submitit_local`` with k = dp_replicate x dp_shard x tp > 1; issue 31 item 3).
+``submitit_local`` with k = dp_replicate x dp_shard x tp > 1).
 
 The job (``experiments.runner.submitit_jobs.run_job``) writes its arguments to ``ranks_args.pkl`` in its own job
 folder and starts ``torchrun --standalone --nproc_per_node=k -m experiments.runner.job_ranks <job folder>``

@@ -1,13 +1,13 @@
 """Runs whose process died: ended FAILED by the next lowprec command that can prove the death.
 
 A process killed with SIGKILL (``kill -9``, the OOM killer, a scheduler's hard kill after its grace period) runs no
-handler, so its MLflow run stays RUNNING for good (issue 15: "0 runs left RUNNING"). Every run records which
+handler, so its MLflow run would stay RUNNING for good. Every run records which
 process owns it: tag ``lowprec.owner`` = ``<host>:<pid>:<start time>`` (the start time in clock ticks since boot,
 field 22 of ``/proc/<pid>/stat`` as psutil reads it, so a recycled pid is not taken for the owner),
 ``lowprec.owner_pidns`` (the PID namespace, ``pid:[<inode>]`` from ``/proc/self/ns/pid``) and
 ``lowprec.owner_boot`` (the kernel's boot id, ``/proc/sys/kernel/random/boot_id``; psutil reads neither). A pid
 means nothing outside its PID namespace: two containers that share a hostname (host networking) each have their
-own pid 1234 (issue 33 item 7).
+own pid 1234.
 
 ``lowprec train`` and ``lowprec ablate`` look for RUNNING runs of their experiment owned by this hostname and end
 FAILED only those whose owner is provably dead: same boot and PID namespace and no process with that pid and start

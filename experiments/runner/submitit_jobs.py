@@ -1,4 +1,4 @@
-"""An ablation's runs as submitit jobs (``launcher=slurm`` or ``launcher=submitit_local``; issue 31 item 3).
+"""An ablation's runs as submitit jobs (``launcher=slurm`` or ``launcher=submitit_local``).
 
 Each (recipe, seed) is one job: ``run_job`` (module level, so submitit pickles it by reference) receives the
 ``Plan`` as it is, prepares the data from the cache, makes its own MLflow client on the ablation's store and calls

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 FP8 reproduction study (issue 16): ``reports/<id>/deepseek_v3.md`` beside report.md.
+"""The DeepSeek-V3 FP8 reproduction study: ``reports/<id>/deepseek_v3.md`` beside report.md.
 
 Each section quotes the paper (DeepSeek-V3 technical report, arXiv 2412.19437) with its section number and puts
 what this run measured next to it:

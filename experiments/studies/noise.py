@@ -1,4 +1,4 @@
-"""The ``noise`` study: the noise floor of the ablation's setting, measured along the run (issue 31 item 6).
+"""The ``noise`` study: the noise floor of the ablation's setting, measured along the run.
 
 The ablation trains the control (``fp32``) and the negative control (``fp32_reordered``: the same mathematics with
 every FP32 matmul of the training step summing in reverse order) with the same seeds. At every validation point

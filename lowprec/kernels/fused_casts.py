@@ -94,7 +94,7 @@ def resolve_fused_casts(setting: str, device: torch.device, compiled_model: bool
     """``train.fused_casts`` (``auto`` | ``on`` | ``off``) for a run on ``device`` -> ``on`` or ``off: <why>``.
 
     ``auto``: on for CUDA; off on a CPU, where the compile time of the casts (seconds per kernel on a 2-core CPU)
-    outweighed what they save in the lab's short CPU runs (README, issue 32 figures). ``on`` where the casts cannot
+    outweighed what they save in the lab's short CPU runs (docs/measurements.md). ``on`` where the casts cannot
     compile raises ``ConfigError`` (no silent fallback); under ``train.compile`` the casts are compiled with their
     blocks, so the setting does not apply. Raises ``ConfigError`` for an unknown setting."""
     from lowprec.errors import ConfigError

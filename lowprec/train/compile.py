@@ -56,8 +56,8 @@ def apply_compile(model: nn.Module) -> int:
     # A fresh dynamo state per built model, as in a fresh process: a sequential ablation compiles each run's model
     # in the same worker, and dynamo's memory of the previous run made the recipe constants that differ between
     # runs dynamic (``amax_floor`` 1e-12 then 1e-4 became a SymFloat), which failed inside the FP8 autograd Function
-    # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", torch 2.13 CPU; the H100's
-    # error of issue 32). It also keeps one run's cache entries from counting against the next one's recompile limit.
+    # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", torch 2.13 CPU; first seen on an
+    # H200). It also keeps one run's cache entries from counting against the next one's recompile limit.
     torch._dynamo.reset()
     blocks = list(model.layers.values())
     for block in blocks:
