@@ -203,6 +203,18 @@ def check_corpus_path(source: str, path: str | None) -> None:
         raise ConfigError(f"data.source=tokens needs data.path (a folder of token shards): {PREPARE_HINT}")
 
 
+def check_fused_casts(recipe: Recipe, spec, device) -> None:
+    """``train.fused_casts=on`` for a recipe with lowprec FP8 linears on a CPU: the casts' probe compile runs here,
+    so a machine that cannot compile them refuses the run (``ConfigError``, one line) before an MLflow run exists.
+    On CUDA the build checks it (probing here would hold a CUDA context in the launching process); ``auto`` and
+    ``off`` never refuse (``lowprec.kernels.fused_casts.resolve_fused_casts``)."""
+    if spec.fused_casts != "on" or device.type != "cpu" or not recipe.fp8.enabled or recipe.fp8.backend != "lowprec":
+        return
+    from lowprec.kernels.fused_casts import resolve_fused_casts
+
+    resolve_fused_casts(spec.fused_casts, device, bool(spec.compile))
+
+
 def resolve_data_source(cfg: DictConfig) -> None:
     """Set ``cfg.data.source`` to the source that reads ``cfg.data.path`` (``lowprec.data.dataset.implied_source``:
     a token shard folder given with the default ``stdlib`` source is ``tokens``), in place, so the plan, the MLflow
@@ -371,6 +383,7 @@ def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
         check_fp8_fallback(r, spec)
         own = train_from_cfg(cfg, r)  # train.compile=auto: eager where this recipe cannot compile
         check_compile(r, own, device)
+        check_fused_casts(r, own, device)
         trains.append((r.name, own, train_resolved(cfg, r).tags()))
         require_fp8_selection(meta, r.fp8)
         check_fp8_shapes(r, meta, spec)

@@ -89,3 +89,47 @@ def test_a_cast_past_dynamos_recompile_limit_raises_instead_of_running_eager():
         with pytest.raises(Exception, match="recompile"):
             fused_quantize_operand(torch.randn(1, 128), E4M3, "rowwise", amax_floor=3e-7)  # size 1: a recompile
     assert (torch._dynamo.config.fail_on_recompile_limit_hit, torch._dynamo.config.recompile_limit) == before
+
+
+NO_COMPILER = "torch.compile of the casts failed on {}: BackendCompilerFailed: no C++ compiler"
+
+
+@pytest.fixture
+def casts_cannot_compile(monkeypatch):
+    """This machine as one whose compiler cannot build the casts (the probe's answer, not a broken torch)."""
+    import lowprec.kernels.fused_casts as fc
+
+    monkeypatch.setattr(fc, "fused_casts_unavailable", lambda device_type: NO_COMPILER.format(device_type))
+
+
+def test_fused_casts_on_where_they_cannot_compile_is_an_error_not_off(casts_cannot_compile):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for device in (cpu, cuda):
+        with pytest.raises(ConfigError, match=r"train.fused_casts=on cannot run: torch.compile of the casts failed"):
+            resolve_fused_casts("on", device, compiled_model=False)
+    # auto is a request for "where they run": off, with the reason recorded in the run
+    assert resolve_fused_casts("auto", cuda, compiled_model=False) == "off: " + NO_COMPILER.format("cuda")
+
+
+def test_the_build_refuses_fused_casts_on_where_they_cannot_compile(casts_cannot_compile):
+    from lowprec.build_optim import OptimHParams
+    from lowprec.model import model_args
+    from lowprec.train.build import build
+    from lowprec.train.spec import TrainSpec
+    from recipes import CATALOG
+
+    spec = TrainSpec(steps=2, batch_size=2, seq_len=64, timing_warmup_steps=1, fused_casts="on")
+    with pytest.raises(ConfigError, match="train.fused_casts=on cannot run"):
+        build(CATALOG["fp8_current"], model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))
+
+
+def test_lowprec_train_refuses_fused_casts_on_before_any_run(casts_cannot_compile, run_dirs, tmp_path, capsys):
+    from experiments.cli import main
+
+    args = ["model=debug", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
+    assert main(["train", *run_dirs, *args, "recipe=fp8_current", "train.fused_casts=on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "lowprec train: error: train.fused_casts=on cannot run: " + NO_COMPILER.format("cpu") + (
+        "; use train.fused_casts=off"
+    )
+    assert not (tmp_path / "runs" / "mlflow.db").exists()  # preflight refused it: no store, no FAILED run
