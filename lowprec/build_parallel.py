@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lowprec.backends import fp8_backend
-from lowprec.parallel.dims import ParallelDims
+from lowprec.parallel.dims import ParallelDims, dp_mesh
 from lowprec.parallel.fp8_reduce_scatter import apply_fp8_reduce_scatter
 from lowprec.parallel.fsdp import apply_fsdp
 from lowprec.parallel.tp import apply_tp
@@ -42,7 +42,7 @@ class ParallelPlan:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+        return dp_mesh(self.mesh)
 
     @property
     def tp_mesh(self) -> DeviceMesh:

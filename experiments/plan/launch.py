@@ -37,13 +37,16 @@ def torchrun_env() -> dict[str, str]:
     # Ranks must not share inductor's on-disk cache (torchao's compiled optimizer step crashed when they did).
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
     env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+    # torchrun's own default (1 thread per rank), set here so that it does not print its banner saying so.
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
 def spawn_torchrun(nproc: int, argv: list[str]) -> int:
     """Run ``torchrun_command`` in the foreground; returns its exit code (non-zero if any rank failed).
 
-    ``OMP_NUM_THREADS`` is left to torchrun (1 per rank unless set); CPU ranks share the machine's cores.
+    ``OMP_NUM_THREADS``: 1 per rank unless set (torchrun's default, ``torchrun_env``); CPU ranks share the
+    machine's cores.
     """
     proc = subprocess.Popen(torchrun_command(nproc, argv), env=torchrun_env())
     # A signal to this process goes on to torchrun, which forwards it to every rank (lowprec.train.stop); without

@@ -276,7 +276,12 @@ _QUIET_DISK_FULL = _QuietDiskFull()
 
 
 def quiet_disk_full_logs() -> None:
-    """Install ``_QuietDiskFull`` on MLflow's sqlite logger (once: the same filter instance is not added twice)."""
+    """Install ``_QuietDiskFull`` on MLflow's sqlite logger (once: the same filter instance is not added twice), and
+    keep that logger and alembic's to warnings: a new sqlite store's ``Creating initial MLflow database tables...``
+    and ``Updating database tables`` (INFO, once per new store) say nothing a user acts on. Set here, after MLflow
+    is imported: its logging setup at import resets the level of every ``mlflow.*`` logger."""
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_DISK_FULL)
 
 

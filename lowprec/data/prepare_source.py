@@ -140,7 +140,8 @@ def _bar(enabled: bool, desc: str, total: int | None, unit: str, initial: int = 
 
 def _train_source_bpe(source: Source, spec: PrepareSpec, progress: bool) -> Tokenizer:
     def feed() -> Iterator[str]:
-        total = min(spec.bpe_train_bytes, source.n_bytes or spec.bpe_train_bytes)
+        # A table or hub source's size is unknown: a count and a rate, not a bar whose total is the training cap.
+        total = min(spec.bpe_train_bytes, source.n_bytes) if source.n_bytes else None
         with _bar(progress, f"training BPE vocab {spec.vocab_size} on train documents", total, "B") as b:
             seen = 0
             for doc in source.documents():

@@ -8,6 +8,7 @@ averaging. HSDP is ``dp_replicate > 1`` with ``dp_shard > 1``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -88,9 +89,20 @@ class ParallelDims:
         return mesh
 
 
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened ``dp`` sub-mesh of a mesh made by ``ParallelDims.build_mesh``.
+
+    torch (2.9 on) warns at each such slice that slicing a flattened dim from the root mesh "will be deprecated",
+    which printed twice on every rank of every sharded run; the slice is what torch supports today, so that one
+    message is ignored here, for this slice only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        return mesh["dp"]
+
+
 def dp_coordinate(mesh: DeviceMesh | None) -> tuple[int, int]:
     """``(dp_rank, dp_size)`` of this process; ``(0, 1)`` without a mesh."""
     if mesh is None:
         return 0, 1
-    dp = mesh["dp"]
+    dp = dp_mesh(mesh)
     return dp.get_local_rank(), dp.size()
