@@ -138,6 +138,42 @@ def test_the_probe_rejects_a_kernel_that_misreads_a_scale(stand_ins, monkeypatch
     assert why is not None and why.startswith("1x128 x 128x128") and "dB SQNR" in why
 
 
+_NAMES = {"BlockWise1x128": "1x128", "BlockWise128x128": "128x128"}
+_TILE_BLOCK, _TILE_TILE, _BLOCK_TILE = (
+    ("BlockWise1x128", "BlockWise128x128"),
+    ("BlockWise1x128", "BlockWise1x128"),
+    ("BlockWise128x128", "BlockWise1x128"),
+)
+#: Each pairing fp8_gemm sends to each kernel (128x128 x 1x128: grad_output_granularity=block128x128, torch only).
+_PAIRINGS = [
+    ("torch_scaled_mm_blockwise", _torch_contract, _TILE_BLOCK),
+    ("torch_scaled_mm_blockwise", _torch_contract, _TILE_TILE),
+    ("torch_scaled_mm_blockwise", _torch_contract, _BLOCK_TILE),
+    ("torchao_triton_blockwise", _torchao_contract, _TILE_BLOCK),
+    ("torchao_triton_blockwise", _torchao_contract, _TILE_TILE),
+]
+
+
+@pytest.mark.parametrize(
+    "kernel, contract, pair", _PAIRINGS, ids=[f"{k} {_NAMES[p[0]]} x {_NAMES[p[1]]}" for k, _, p in _PAIRINGS]
+)
+def test_the_probe_checks_every_pairing_the_kernel_runs(stand_ins, monkeypatch, kernel, contract, pair):
+    """A kernel wrong on one pairing only (it decodes with twice the scale: an exponent off by one) is refused,
+    whichever pairing it is: the probe runs each pairing fp8_gemm sends to that kernel."""
+    seen = []
+
+    def wrong_on_one_pairing(call):
+        seen.append((call.recipe_a, call.recipe_b))
+        out = contract(call)
+        return out * 2 if (call.recipe_a, call.recipe_b) == pair else out
+
+    monkeypatch.setitem(bw.BLOCKWISE_RUNNERS, kernel, wrong_on_one_pairing)
+    why = bw.probe_blockwise_gemm(kernel, CPU)
+    name = f"{_NAMES[pair[0]]} x {_NAMES[pair[1]]}"
+    assert why is not None and why.startswith(name) and "dB SQNR" in why, why
+    assert seen[-1] == pair
+
+
 def test_the_probe_reports_a_kernel_that_raises(monkeypatch):
     # The real torch op on a CPU: blockwise scaling is refused ("Invalid scaling configuration").
     why = bw.probe_blockwise_gemm("torch_scaled_mm_blockwise", CPU)
