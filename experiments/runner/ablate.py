@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import secrets
 import shlex
+import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import torch.distributed as dist
 from experiments.plan.plan import Plan
 from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.report.build import build_report
+from experiments.report.markdown import pct
 from experiments.runner.dry_run import Corpus, plan_text
 from experiments.runner.orphans import close_orphans, owner_tags
+from experiments.runner.progress import AblationProgress, printable
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome
 from experiments.runner.scheduler import run_jobs
@@ -29,6 +32,7 @@ from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import resolve_device
+from lowprec.train.meter import reporting_steps
 from lowprec.train.stop import StopSignal
 
 
@@ -133,39 +137,51 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
             + f"; data: {data.description}"
         )
 
+        # One display for every run's progress: live bars on a terminal (rank 0), plain lines elsewhere.
+        live = is_rank0() and plan.train.progress and sys.stderr.isatty()
+        display = AblationProgress(echo, live=live, auto=spending is not None)
+        # Other ranks draw no bar of their own over rank 0's (their steps are rank 0's steps).
+        quiet_rank = reporting_steps(lambda r: None) if not is_rank0() else nullcontext()
+
         def show(o: RunOutcome) -> None:
             if o.status == "FINISHED":
                 s = o.summary
-                echo(
+                display.result(
                     f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
                     f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
                 )
             else:
-                echo(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
+                display.result(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
 
         kept = resume.kept if resume is not None else {}
 
         def train(jobs: list[tuple[Recipe, int]]) -> None:
             for r, s in jobs:
                 if (r.name, s) in kept:
-                    echo(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
+                    display.line(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
             todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
+            display.add_runs(len(todo))
             cont = resume.continued if resume is not None else None
             if plan.launcher.submitit:  # one submitit job per run (SLURM, or this machine's local executor)
                 ran = iter(run_submitit(plan, todo, tracker, parent, ablation_id, show, cont))
             else:
-                ran = iter(run_jobs(plan, todo, data, tracker, parent, ablation_id, plan.placement, show, cont))
+                ran = iter(
+                    run_jobs(plan, todo, data, tracker, parent, ablation_id, plan.placement, show, cont, display)
+                )
             out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
 
         by_name = dict(zip(names, recipes, strict=True))
         try:
-            train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
-            while spending is not None:
-                state = auto_state(out.runs, control, names, plan.seed, spending, plan.margin)
-                if state.next_seed is None:
-                    break
-                echo(f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)")
-                train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
+            with display, quiet_rank:
+                train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
+                while spending is not None:
+                    state = auto_state(out.runs, control, names, plan.seed, spending, plan.margin)
+                    if state.next_seed is None:
+                        break
+                    display.line(
+                        f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)"
+                    )
+                    train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
         except KeyboardInterrupt:
             tracker.end_run(parent, "KILLED", "interrupted by the user")
             raise
@@ -195,8 +211,43 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
             out.report = build_report(
                 tracker, ablation_id, Path(plan.paths.reports), margin=plan.margin, after=report_studies
             )
-    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); report: {out.report}")
+            answer = verdict_summary(tracker, parent, [n for n in names if n != control])
+    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed)")
+    if out.report is not None:
+        for line in answer:
+            echo(line)
+        echo(f"report: {out.report}")
+        echo(f"        {out.report.with_name('report.html')}")
     return out
+
+
+def verdict_summary(tracker, parent_run_id: str, recipes: list[str]) -> list[str]:
+    """The verdict table's short form for the terminal, read back from the parent run's records
+    (``experiments.report.verdict_table``): a heading with the control and margin, then one line per recipe of
+    ``recipes`` (the ablation's own names, in order): the effect on the final validation loss with its interval
+    (``+`` is worse than the control), the verdict's label and the stability verdict. Store strings are shown as
+    text (``printable``): no terminal control sequence reaches the screen from a tag."""
+    run = tracker.client.get_run(parent_run_id)
+    tags, metrics = run.data.tags, run.data.metrics
+    control = printable(tags.get("verdict_control", "?"))
+    if tags.get("verdict_status", "ok") != "ok":
+        return [f"no verdicts: {printable(tags.get('verdict_reason', tags.get('verdict_status', '')))}"]
+    margin = metrics.get("verdict/margin")
+    head = f"verdicts on the final validation loss vs {control}" + (f" (margin {margin:.3%})" if margin else "")
+    width = max([len(r) for r in recipes] + [6])
+    lines = [head + "; + is worse:", f"  {'recipe':<{width}}  {'effect [interval]':<30}  verdict"]
+    for r in recipes:
+        e, lo, hi = (metrics.get(f"verdict/{k}.{r}") for k in ("effect", "lo", "hi"))
+        if e is None:
+            effect = "no interval"
+        elif lo is None or hi is None:
+            effect = pct(e)
+        else:
+            effect = f"{pct(e)} [{pct(lo)}, {pct(hi)}]"
+        label = printable(tags.get(f"verdict_label.{r}", tags.get(f"verdict.{r}", "no-data")))
+        stability = printable(tags.get(f"stability.{r}", "no-data"))
+        lines.append(f"  {r:<{width}}  {effect:<30}  {label}; stability: {stability}")
+    return lines
 
 
 def _resume_plan(plan: Plan) -> ResumePlan:

@@ -48,12 +48,14 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context, resource_tracker
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_sentinels
 
 from experiments.plan.placement import Placement, Slot, physical_ids
 from experiments.plan.plan import Plan
 from experiments.plan.preflight import cores
 from experiments.runner.continued_runs import Continuation
+from experiments.runner.progress import AblationProgress
 from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
 from lowprec.recipe import Recipe
@@ -141,13 +143,16 @@ def _exit_now() -> None:
     the ablation waited in ``ProcessPoolExecutor.shutdown`` before its report."""
     for stream in (sys.stdout, sys.stderr):
         try:
+            getattr(stream, "close_line", lambda: None)()  # a line still open in the ablation's display pipe
             stream.flush()
         except (OSError, ValueError):  # closed or gone: nothing left to flush
             pass
     os._exit(0)
 
 
-def _init_worker(threads: int, plan: Plan, parent: int, env: dict[str, str] | None = None) -> None:
+def _init_worker(
+    threads: int, plan: Plan, parent: int, env: dict[str, str] | None = None, channel: Connection | None = None
+) -> None:
     # The slot's environment was already this process's from its start (``start_slot_pool``); set again here so that
     # a worker started any other way is still pinned before its first CUDA call.
     os.environ.update(env or {})
@@ -157,6 +162,11 @@ def _init_worker(threads: int, plan: Plan, parent: int, env: dict[str, str] | No
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     atexit.register(_exit_now)  # after the imports' own handlers: it runs before them (LIFO), they are not needed
+    if channel is not None:  # the ablation draws this worker's bar; its lines go above the bars, not across them
+        from experiments.runner.progress import WorkerChannel
+
+        _state["channel"] = WorkerChannel(channel)
+        _state["channel"].install()
 
     import torch
 
@@ -189,6 +199,8 @@ def _run_in_worker(
         return NotStarted(local_stop())
     s = _state
     s["busy"] = True
+    if s.get("channel") is not None:
+        s["channel"].run_started(recipe.name, seed)
     try:
         o = run_one(
             s["plan"],
@@ -224,9 +236,11 @@ def run_jobs(
     workers: int | Placement,
     on_done: Callable[[RunOutcome], None] = lambda o: None,
     continuations: Continuations | None = None,
+    display: AblationProgress | None = None,
 ) -> list[RunOutcome]:
     """Train every (recipe, seed) of ``jobs`` under the parent run; ``on_done`` sees each outcome as it lands.
     A job in ``continuations`` continues that interrupted run in place (``run_one``'s ``continuation``).
+    ``display``: the ablation's progress display (``experiments.runner.progress``), fed each worker's run and steps.
 
     Returns the outcomes in the order of ``jobs``. ``KeyboardInterrupt`` cancels what has not started and
     propagates (each started run marks itself KILLED). A stop signal (``lowprec.train.stop``) received here is
@@ -237,28 +251,33 @@ def run_jobs(
     if not jobs:  # every run of this batch kept by a resume: no worker to start (and no slot to share cores)
         return []
     cont = continuations or {}
+    display = display or AblationProgress()  # not live: draws nothing
     n_slots = workers.workers if isinstance(workers, Placement) else workers
     if n_slots == 1 or len(jobs) == 1:  # in this process (a single GPU slot: CUDA device 0 of this process's own)
         out = []
         for recipe, seed in jobs:
             if local_stop():  # stopped between two runs: start no other
                 raise _ablation_stop(out, len(jobs) - len(out))
+            display.run_started(0, recipe.name, seed)
             try:
-                o = run_one(
-                    plan,
-                    recipe,
-                    seed,
-                    data,
-                    tracker,
-                    parent_id=parent_id,
-                    ablation_id=ablation_id,
-                    continuation=cont.get((recipe.name, seed)),
-                )
+                with display.in_process(0):
+                    o = run_one(
+                        plan,
+                        recipe,
+                        seed,
+                        data,
+                        tracker,
+                        parent_id=parent_id,
+                        ablation_id=ablation_id,
+                        continuation=cont.get((recipe.name, seed)),
+                    )
             except StopSignal as stop:
                 o = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
                 on_done(o)
+                display.run_ended(0)
                 raise _ablation_stop([*out, o], len(jobs) - len(out) - 1) from None
             on_done(o)
+            display.run_ended(0)
             out.append(o)
         return out
     if local_stop():  # stopped before this batch of runs: start no worker
@@ -287,8 +306,11 @@ def run_jobs(
     with _stop_signals_blocked():  # each worker starts with the stop signals blocked
         for slot in slots:
             env = slot_env(slot)
-            pool = start_slot_pool(slot, _init_worker, (threads, plan, os.getpid(), env))
+            channel = display.channel(slot.index)
+            pool = start_slot_pool(slot, _init_worker, (threads, plan, os.getpid(), env, channel))
             pools[slot.index] = (pool, *pool_internals(pool))
+    if all(procs for _pool, procs, _m in pools.values()):  # each worker holds its own end of its display pipe now
+        display.started()
     for slot in slots:
         feed(slot.index)
     try:
@@ -320,6 +342,7 @@ def run_jobs(
                     continue
                 results[i] = o
                 on_done(o)
+                display.run_ended(slot)
                 if queue and not local_stop() and slot not in dead:
                     feed(slot)
             if queue and not local_stop():  # a slot freed by a dead worker: its queued runs go to the others

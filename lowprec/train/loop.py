@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tqdm.auto import tqdm
-
 from lowprec.data import TokenBatches
 from lowprec.measure.spikes import SpikeRule
 from lowprec.train.build import Built
@@ -20,7 +18,7 @@ from lowprec.train.checkpointer import Checkpointer, ResumePoint
 from lowprec.train.ema import WeightEma
 from lowprec.train.health import AnomalyEvent, HealthMonitor
 from lowprec.train.inspector import Effective, EffectiveInspector
-from lowprec.train.meter import RunMeter
+from lowprec.train.meter import RunMeter, step_bar
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import AnomalyError, NonFiniteError, StepResult, evaluate, forward_loss, train_step
 from lowprec.train.stop import StopSignal, stop_requested
@@ -121,14 +119,7 @@ def run_training(
     validator = Validator(built, data, spec, ema)  # after meter.start(): its val batches are part of the run's memory
     meter.probe_saved_bytes(data.train_batch(health.data.batch(start), 0))
     history: list[dict[str, float]] = []
-    bar = tqdm(
-        total=spec.steps,
-        initial=start,
-        desc=built.recipe.name,
-        disable=None if spec.progress else True,
-        leave=False,
-        dynamic_ncols=True,
-    )
+    bar = step_bar(spec.steps, start, built.recipe.name, spec.progress)  # tqdm, or an ablation's display
     logged_through = start - 1  # steps up to here are in the sink; a rollback's replay does not log them again
     step = start
     while step < spec.steps:

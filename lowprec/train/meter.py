@@ -1,14 +1,21 @@
 """What a run measures besides the loss: step time and throughput, peak memory, the bytes autograd saves for
-backward, and the bytes of the training state; ``RunMeter.summary`` turns them into the run's summary."""
+backward, and the bytes of the training state; ``RunMeter.summary`` turns them into the run's summary.
+
+``step_bar`` is where the loop shows its progress: a tqdm bar on stderr, or, while ``reporting_steps`` has a reporter
+installed in this process (an ablation's display: ``experiments.runner.progress``), a ``StepReport`` per step to
+that reporter, which draws every run's bar in one place instead of each process writing its own to the terminal.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.measure.accounting import PeakMemory, StateBytes, measure_state_bytes
@@ -129,3 +136,77 @@ class RunMeter:
             "mem_fp8_scaling_state_bytes": measure_fp8_scaling_bytes(self.built.model),
             **self.state.as_metrics(),
         }
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One run's progress, as ``step_bar`` sends it to a reporter: ``desc`` (the recipe's name), ``n`` optimizer
+    steps done of ``total``, ``postfix`` (``(name, value)`` pairs as the tqdm bar shows them: loss, tokens/s) and
+    ``closed`` (the run's bar is gone: it ended or stopped). Picklable: an ablation's worker process sends it to the
+    ablation's process."""
+
+    desc: str
+    n: int
+    total: int
+    postfix: tuple[tuple[str, str], ...] = ()
+    closed: bool = False
+
+
+StepReporter = Callable[[StepReport], None]
+_reporter: StepReporter | None = None
+
+
+@contextlib.contextmanager
+def reporting_steps(reporter: StepReporter | None) -> Iterator[None]:
+    """Send every ``step_bar``'s progress in this process to ``reporter`` for the body, instead of drawing tqdm bars
+    (None: tqdm bars, as without it). Restores the previous reporter on exit."""
+    global _reporter
+    previous, _reporter = _reporter, reporter
+    try:
+        yield
+    finally:
+        _reporter = previous
+
+
+def install_step_reporter(reporter: StepReporter | None) -> None:
+    """``reporting_steps`` for the rest of this process's life (an ablation's worker process)."""
+    global _reporter
+    _reporter = reporter
+
+
+class _ReportedBar:
+    """The part of tqdm's interface the training loop uses (``n``, ``update``, ``set_postfix``, ``refresh``,
+    ``close``), sending a ``StepReport`` to ``reporter`` instead of drawing."""
+
+    def __init__(self, reporter: StepReporter, total: int, initial: int, desc: str):
+        self._reporter, self.total, self.n, self.desc = reporter, total, initial, desc
+        self._postfix: tuple[tuple[str, str], ...] = ()
+        self._closed = False
+        self.refresh()
+
+    def update(self, k: int = 1) -> None:
+        self.n += k  # sent with the postfix that follows each step (one report per step, not two)
+
+    def set_postfix(self, **kw) -> None:
+        self._postfix = tuple((k, str(v)) for k, v in kw.items())
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self._closed:
+            self._reporter(StepReport(self.desc, self.n, self.total, self._postfix))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._reporter(StepReport(self.desc, self.n, self.total, self._postfix, closed=True))
+
+
+def step_bar(total: int, initial: int, desc: str, enabled: bool):
+    """The loop's progress bar over ``total`` optimizer steps from ``initial``: with ``enabled`` and a reporter
+    installed (``reporting_steps``), one that reports to it; else tqdm on stderr, shown only on a terminal
+    (``disable=None``) and cleared when the run ends; not ``enabled``: nothing shown."""
+    if enabled and _reporter is not None:
+        return _ReportedBar(_reporter, total, initial, desc)
+    return tqdm(
+        total=total, initial=initial, desc=desc, disable=None if enabled else True, leave=False, dynamic_ncols=True
+    )
