@@ -74,8 +74,8 @@ def save_checkpoint(
     ``health``. ``ema``: the weight EMA's state (``WeightEma.state_dict``, ``train.eval_ema``), stored as its ``ema``.
 
     Raises ``DiskError`` (one line: the errno, the folder, its disk and the bytes free) when the disk is full or
-    read-only, ``RuntimeError`` for any other failure; either way the staging folder is removed and the checkpoints
-    committed before are untouched.
+    read-only, ``RuntimeError`` for any other failure; either way the staging folder is removed (or, where the disk
+    refuses that, named in the message as left) and the checkpoints committed before are untouched.
     """
     final = Path(path)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -165,16 +165,25 @@ class _PointFileSystem(FileSystem):
 
 def _save_failed(final: Path, staging: Path, rank0: bool, e: BaseException) -> Exception:
     """The exception a failed save raises, after rank 0 removed the staging folder (the checkpoints committed
-    before stay as they are): a one-line ``DiskError`` for a full or read-only disk, else a ``RuntimeError`` with
+    before stay as they are; a folder that cannot be removed, on a read-only disk, is named as left, and the next
+    save to that step clears it): a one-line ``DiskError`` for a full or read-only disk, else a ``RuntimeError`` with
     the first line of the cause (torch's ``CheckpointException`` is a ``BaseException``, which ``except Exception``
     in the runner would let through with the run left RUNNING)."""
+    left = None  # why the staging folder could not be removed
     if rank0:
-        shutil.rmtree(staging, ignore_errors=True)
-    disk = disk_error(f"writing checkpoint {str(final)!r} (partial save removed)", final.parent, e)
+        try:
+            shutil.rmtree(staging)
+        except FileNotFoundError:  # the failure came before the staging folder existed
+            pass
+        except OSError as err:  # a read-only disk: the message says what is left (the next save clears it)
+            left = f"partial save {str(staging)!r} left: it could not be removed: {err.strerror or err}"
+    removal = left or ("partial save removed" if rank0 else "partial save removed by rank 0")
+    disk = disk_error(f"writing checkpoint {str(final)!r} ({removal})", final.parent, e)
     if disk is not None:
         return disk
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return RuntimeError(f"checkpoint save to {str(final)!r} failed: {lines[-1] if lines else type(e).__name__}")
+    cause = lines[-1] if lines else type(e).__name__
+    return RuntimeError(f"checkpoint save to {str(final)!r} failed: {cause}" + (f" ({left})" if left else ""))
 
 
 def load_checkpoint(
