@@ -198,7 +198,9 @@ def _byte_record_value(src: Path, meta: Metadata, key: str) -> Any:
     try:
         fd = os.open(src / info.relative_path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
-        raise CheckpointError(f"{where}: {info.relative_path} cannot be opened ({e.strerror})") from None
+        raise CheckpointError(
+            f"{where}: {info.relative_path} cannot be opened ({e.strerror}; a symlink?): refusing to read it"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         f.seek(info.offset)
         record = f.read(info.length)

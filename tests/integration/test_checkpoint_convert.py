@@ -163,6 +163,20 @@ def test_an_existing_dst_is_refused_and_left_as_it_is(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "\n" not in err
     assert [p.name for p in dst.iterdir()] == ["keep"]
+    with pytest.raises(CheckpointError, match="already exists"):  # refused before src is read at all
+        convert_checkpoint(tmp_path / "missing", dst)
+
+
+def _move_record(folder: Path, fqn: str, name: str, offset: int | None = None, length: int | None = None) -> None:
+    """Rewrite ``folder``'s metadata so that record ``fqn`` lies in file ``name`` (at ``offset`` for ``length``
+    bytes when given), and write a fresh manifest (the sender writes it)."""
+    meta = load_metadata((folder / ".metadata").read_bytes(), byte_records=True)
+    for index, info in list(meta.storage_data.items()):
+        if index.fqn == fqn:
+            off = info.offset if offset is None else offset
+            meta.storage_data[index] = _StorageInfo(name, off, info.length if length is None else length)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(folder)
 
 
 def test_a_symlinked_data_file_is_refused(tmp_path, capsys):
@@ -173,6 +187,24 @@ def test_a_symlinked_data_file_is_refused(tmp_path, capsys):
     (old / MANIFEST).unlink()  # a checkpoint of a lowprec older than manifests: the data-file checks alone
     err = _refused(capsys, old, tmp_path / "dst")
     assert "'__0_0.distcp' is not a regular file (a symlink?)" in err
+
+
+def test_a_byte_record_in_a_symlinked_file_is_refused(tmp_path, capsys):
+    """The tensors stay in the real data file: only the byte record's own checks stand between it and the link."""
+    old = _old_checkpoint(tmp_path)
+    shutil.copy(old / "__0_0.distcp", tmp_path / "outside.distcp")
+    (old / "__1_0.distcp").symlink_to(tmp_path / "outside.distcp")
+    _move_record(old, "optim.param_groups.0.lr", "__1_0.distcp")
+    (old / MANIFEST).unlink()
+    err = _refused(capsys, old, tmp_path / "dst")
+    assert "byte record 'optim.param_groups.0.lr'" in err or "'__1_0.distcp'" in err
+    assert "symlink" in err
+
+
+def test_a_byte_record_beyond_the_end_of_its_file_is_refused(tmp_path, capsys):
+    old = _old_checkpoint(tmp_path)
+    _move_record(old, "optim.param_groups.0.lr", "__0_0.distcp", length=(old / "__0_0.distcp").stat().st_size + 1)
+    assert "lies beyond the end of __0_0.distcp" in _refused(capsys, old, tmp_path / "dst")
 
 
 def test_a_manifest_naming_a_symlink_or_a_path_outside_is_refused_before_it_is_hashed(tmp_path, capsys):
@@ -198,12 +230,7 @@ def test_a_damaged_source_is_refused_not_rehashed_clean(tmp_path, capsys):
 
 def test_a_record_in_a_file_outside_the_folder_is_refused(tmp_path, capsys):
     old = _old_checkpoint(tmp_path)
-    meta = load_metadata((old / ".metadata").read_bytes(), byte_records=True)
-    for index, info in list(meta.storage_data.items()):
-        if index.fqn == "optim.param_groups.0.lr":
-            meta.storage_data[index] = _StorageInfo("../outside.distcp", info.offset, info.length)
-    (old / ".metadata").write_bytes(pickle.dumps(meta))
-    write_manifest(old)
+    _move_record(old, "optim.param_groups.0.lr", "../outside.distcp")
     assert "not a plain file name inside the checkpoint folder" in _refused(capsys, old, tmp_path / "dst")
 
 
@@ -215,6 +242,12 @@ def test_chunks_that_do_not_cover_a_tensor_or_a_forged_size_are_refused(tmp_path
     (old / ".metadata").write_bytes(pickle.dumps(meta))
     write_manifest(old)
     assert "do not cover exactly" in _refused(capsys, old, tmp_path / "dst")
+
+    meta = load_metadata(raw, byte_records=True)
+    meta.state_dict_metadata["model.weight"].chunks[0].offsets = torch.Size([1, 0])  # rows 1-3 of 3
+    (old / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(old)
+    assert "outside its shape [3, 4]" in _refused(capsys, old, tmp_path / "dst")
 
     meta = load_metadata(raw, byte_records=True)
     md = meta.state_dict_metadata["model.weight"]
@@ -238,3 +271,34 @@ def test_a_checkpoint_in_the_current_format_and_bad_usage_are_refused_in_one_lin
         assert err.startswith("lowprec checkpoint") and "\n" not in err and "convert SRC DST" in err
     assert main(["checkpoint", "convert", "--help"]) == 0
     assert "lowprec checkpoint convert SRC DST" in capsys.readouterr().out
+
+
+def test_a_byte_record_without_its_storage_entry_is_refused(tmp_path, capsys):
+    old = _old_checkpoint(tmp_path)
+    meta = load_metadata((old / ".metadata").read_bytes(), byte_records=True)
+    for index in [i for i in meta.storage_data if i.fqn == "optim.param_groups.0.lr"]:
+        del meta.storage_data[index]
+    (old / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(old)
+    assert "has 0 storage entries in the metadata, not one" in _refused(capsys, old, tmp_path / "dst")
+
+
+@pytest.mark.parametrize("kind", ["payload", "wrong type", "symlink"])
+def test_a_trainer_state_is_checked_before_it_is_copied(tmp_path, capsys, kind):
+    old = _old_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    if kind == "payload":
+        torch.save({"step": 1, "rng_cpu": _Payload(marker)}, old / TRAINER_STATE)
+    elif kind == "wrong type":
+        state = torch.load(old / TRAINER_STATE, weights_only=True)
+        torch.save({**state, "step": "5"}, old / TRAINER_STATE)
+    else:
+        shutil.move(old / TRAINER_STATE, tmp_path / "elsewhere.pt")
+        (old / TRAINER_STATE).symlink_to(tmp_path / "elsewhere.pt")
+    write_manifest(old)
+    if kind == "symlink":
+        (old / MANIFEST).unlink()  # else the manifest's own check refuses the link first
+    err = _refused(capsys, old, tmp_path / "dst")
+    said = {"payload": "posix.system", "wrong type": "'step' is of type str", "symlink": "a symlink?"}[kind]
+    assert said in err and TRAINER_STATE in err
+    assert not marker.exists()
