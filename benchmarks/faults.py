@@ -596,30 +596,37 @@ def _ablation_state(store: Store, ref: dict, case: Case) -> bool:
     return set(got) == set(ref) and bool(parent) and all(r.info.status == "FINISHED" for r in parent)
 
 
-def lifecycle_cases(store: Store, rng: random.Random) -> list[Case]:
+def lifecycle_cases(store: Store, rng: random.Random, only: str | None = None) -> list[Case]:
     """Kills that land between a run's creation and its params (``faults.at_point=run.created``: the run exists with
     its tags and no params), then ``resume=``; and resumes of an ablation that had already finished, with one and two
     workers (a no-op that leaves the parent FINISHED). After each: ``lowprec report <id>`` must build the report."""
     base = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=2", "train.telemetry_every=0"]
     base += [a for a in BASE if not a.startswith(("train.steps", "train.checkpoint"))] + ["train.steps=6"]
-    ref_store = Store(store.root / "lifecycle" / "uninterrupted")
-    ref_store.lowprec([*base, "workers=1"])
-    ref = {(r.data.tags["recipe"], r.data.tags["seed"]): ref_store.losses(r.info.run_id) for r in ref_store.runs()
-           if r.data.tags.get("recipe")}  # fmt: skip
+    refs = {}
+    for workers in (1, 2):  # one thread per run with two workers, two with one: the bits differ between the two
+        ref_store = Store(store.root / "lifecycle" / f"uninterrupted_w{workers}")
+        ref_store.lowprec([*base, f"workers={workers}"])
+        refs[workers] = {(r.data.tags["recipe"], r.data.tags["seed"]): ref_store.losses(r.info.run_id)
+                         for r in ref_store.runs() if r.data.tags.get("recipe")}  # fmt: skip
     out: list[Case] = []
-    plan = [("kill", 1, "fp32", 1), ("kill", 1, "fp8_delayed", 2), ("kill", 2, "fp8_delayed", 1)]
-    plan += [("finished", 1, None, 0), ("finished", 2, None, 0)]
-    for i, (what, workers, recipe, hit) in enumerate(plan):
+    # the point is armed anew for each run, so the kill lands at the creation of the first run of that recipe
+    plan = [("kill", 1, "fp32"), ("kill", 1, "fp8_delayed"), ("kill", 2, "fp32"), ("kill", 2, "fp8_delayed")]
+    plan += [("finished", 1, None), ("finished", 2, None)]
+    for i, (what, workers, recipe) in enumerate(plan):
+        if only and only not in f"{what} {recipe} workers={workers}":
+            continue
         cut = Store(store.root / "lifecycle" / f"case{i}")
         args = [*base, f"workers={workers}"]
+        ref = refs[workers]
         t0 = time.perf_counter()
         if what == "kill":
-            case = Case("lifecycle", f"SIGKILL at the creation of {recipe}'s run #{hit} (workers={workers}), resume=")
-            faults = [f"faults.recipe={recipe}", "faults.at_point=run.created", "faults.point_action=kill",
-                      f"faults.point_hit={hit}"]  # fmt: skip
+            case = Case("lifecycle", f"SIGKILL at the creation of {recipe}'s first run (workers={workers}), resume=")
+            faults = [f"faults.recipe={recipe}", "faults.at_point=run.created", "faults.point_action=kill"]
             rc, err = cut.lowprec(args + faults)
-            killed = [r for r in cut.runs() if r.data.tags.get("recipe") and not r.data.params]
-            case.detected = rc != 0 and len(killed) == 1
+            killed = [r for r in cut.runs() if r.data.tags.get("recipe") == recipe and not r.data.params]
+            # the command did not end as if nothing happened (with two workers, each one's first run of the recipe
+            # is killed at its creation)
+            case.detected = rc != 0 and 1 <= len(killed) <= workers
         else:
             case = Case("lifecycle", f"resume= of an ablation that had finished (workers={workers})")
             rc, err = cut.lowprec(args)
@@ -882,7 +889,7 @@ KINDS: dict[str, Callable] = {
     "nan": lambda store, a, rng: nan_cases(store, rng),
     "server": lambda store, a, rng: server_cases(store, rng),
     "ablation": lambda store, a, rng: ablation_cases(store, rng),
-    "lifecycle": lambda store, a, rng: lifecycle_cases(store, rng),
+    "lifecycle": lambda store, a, rng: lifecycle_cases(store, rng, a.only),
 }
 
 
@@ -952,7 +959,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="the campaign's store (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None, help="write every case as JSON here")
     ap.add_argument("--quick", action="store_true", help="a few save-kill and disk cases (the test suite's form)")
-    ap.add_argument("--only", default=None, help="savekill and disk: only the cases whose label contains this")
+    ap.add_argument("--only", default=None, help="savekill, disk, lifecycle: only the cases whose label contains this")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     root = a.workdir or Path(tempfile.mkdtemp(prefix="lowprec-faults-"))
