@@ -130,3 +130,40 @@ def test_a_worker_whose_ablation_is_gone_writes_to_its_own_stream():
     w = _LineWriter(chan, "stderr", fallback)
     w.write("still shown\n")
     assert fallback.getvalue() == "still shown\n"
+
+
+def test_the_verdict_summary_reads_the_parent_run_and_shows_store_strings_as_text(tmp_path):
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from experiments.runner.ablate import verdict_summary
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("lowprec", artifact_location=str(tmp_path / "a"))).info.run_id
+    tags = {
+        "verdict_status": "ok",
+        "verdict_control": "bf16",
+        "verdict_label.fp8": "inferior\x1b[2J\x1b[32m ok",
+        "stability.fp8": "as stable",
+        "verdict.fp32": "no-interval",
+        "stability.fp32": "no test possible",
+    }
+
+    for k, v in tags.items():
+        client.set_tag(run, k, v)
+    for k, v in {"verdict/margin": 0.0025, "verdict/effect.fp8": 0.004, "verdict/lo.fp8": 0.003,
+                 "verdict/hi.fp8": 0.005, "verdict/effect.fp32": -1e-5}.items():  # fmt: skip
+        client.log_metric(run, k, v)
+    tracker = SimpleNamespace(client=client)
+    lines = verdict_summary(tracker, run, ["fp8", "fp32"])
+    assert lines[0] == "verdicts on the final validation loss vs bf16 (margin 0.250%); + is worse:"
+    assert lines[2].split()[:4] == ["fp8", "+0.400%", "[+0.300%,", "+0.500%]"]
+    assert lines[2].endswith("inferior [2J [32m ok; stability: as stable")  # the tag's escapes are text
+    assert "\x1b" not in "".join(lines)
+    assert lines[3].split() == ["fp32", "-0.001%", "no-interval;", "stability:", "no", "test", "possible"]
+    client.set_tag(run, "verdict_status", "no-control")
+    client.set_tag(run, "verdict_reason", "no finished control run\nnext line")
+    assert verdict_summary(SimpleNamespace(client=client), run, ["fp8"]) == [
+        "no verdicts: no finished control run next line"
+    ]
