@@ -50,6 +50,8 @@ USAGE = """usage: lowprec {train,ablate,report,recipes,estimate,recommend,selfch
                                                          token shards for data.source=tokens (resumable)
   lowprec checkpoint convert SRC DST                     an older lowprec's checkpoint (pickled byte records) to
                                                          the current format, without running code from it
+
+  lowprec COMMAND --help (or lowprec help COMMAND): that command's forms and every key it takes, one line each
 """
 
 
@@ -62,12 +64,57 @@ def _user_errors():
     return (UserError, HydraException, OmegaConfBaseException)
 
 
+def _in_our_words(e: BaseException) -> str | None:
+    """Hydra's refusals that name its internals (``Key 'step' not in 'TrainNode'``, ``Could not find
+    'model/x'``, ``No match in the defaults list``, ``Ambiguous value``) in lowprec's words, with the nearest
+    names (``experiments.plan.argcheck``); None for any other exception."""
+    import re
+
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from experiments.plan.argcheck import did_you_mean, unknown_option
+
+    chain = []
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__
+    for x in chain:
+        unknown_key = isinstance(x, ConfigKeyError | ConfigAttributeError) and " not in " in str(x)
+        if unknown_key and getattr(x, "full_key", None):
+            parent, _, _ = x.full_key.rpartition(".")
+            node = getattr(x, "parent_node", None)
+            names = [f"{parent}.{k}" if parent else str(k) for k in (node.keys() if node is not None else ())]
+            return f"unknown key {x.full_key}{did_you_mean(x.full_key, names)}"
+        if isinstance(x, MissingConfigException):
+            m = re.search(r"Could not find '(\w+)/([^']+)'", str(x))
+            if m and getattr(x, "options", None):
+                return unknown_option(m[1], m[2], list(x.options))
+        if isinstance(x, ConfigCompositionException):
+            msg = str(x)
+            m = re.match(r"Could not override '([^']+)'\. No match in the defaults list", msg)
+            if m:
+                also = "; it takes a list, 'recipes=[a,b]'" if m[1] == "recipe" else ""
+                return f"unknown key or config group {m[1]!r} (this command has no {m[1]}=){also}"
+            m = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", msg)
+            if m:
+                return (
+                    f"{m[1]}={m[2]}: put a list in brackets, '{m[1]}=[{m[2]}]' (quoted for the shell; a bare comma "
+                    "list is a Hydra sweep, for -m)"
+                )
+    return None
+
+
 def one_line(e: BaseException) -> str:
     """First non-empty message along the exception's cause chain (Hydra wraps the useful one); for a config
-    group option that does not exist (``recipe=fp9``), the valid options are appended."""
+    group option that does not exist (``recipe=fp9``), the valid options are appended. Hydra's refusals that
+    name its internals are said in lowprec's words (``_in_our_words``)."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
+    ours = _in_our_words(e)
+    if ours:
+        return ours
     parts = []
     while e is not None:
         msg = str(e).strip()
@@ -235,6 +282,11 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
 
 
 def _report(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        from experiments.plan.help import help_page
+
+        print(help_page("report"))
+        return 0
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         print(
             "usage: lowprec report ABLATION_ID [tracking.uri=...] [paths.reports=...] [report.margin=X]",
@@ -309,12 +361,14 @@ def planning_query(cmd: str, overrides: list[str], emulate: bool = False):
 def _planning(cmd: str, argv: list[str]) -> int:
     """``lowprec estimate`` / ``lowprec recommend``: the ``--`` flags apart, ``planning_query`` of the rest, and its
     output; a bad argument is one line on stderr and exit 2 (anything else is a bug and keeps its traceback)."""
+    if "-h" in argv or "--help" in argv:  # before the planning modules' imports (torch): a page prints at once
+        from experiments.plan.help import help_page
+
+        print(help_page(cmd))
+        return 0
     from experiments.planning import estimate, recommend  # MLflow only when recommend reads a store
 
-    usage, known = (estimate.USAGE, estimate.FLAGS) if cmd == "estimate" else (recommend.USAGE, ("--json",))
-    if "-h" in argv or "--help" in argv:
-        print(usage)
-        return 0
+    known = estimate.FLAGS if cmd == "estimate" else ("--json",)
     flags = [a for a in argv if a.startswith("-")]
     overrides = [a for a in argv if not a.startswith("-")]
     as_json = "--json" in flags
@@ -357,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from experiments.plan.completion import COMPLETION_FLAGS, completion_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"] and len(argv) == 2:  # `lowprec help train`: that command's page
+        argv = [argv[1], "--help"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
@@ -379,10 +435,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return selfcheck_main(rest)
     if cmd == "sync":
+        if "-h" in rest or "--help" in rest:
+            from experiments.plan.help import help_page
+
+            print(help_page("sync"))
+            return 0
         from experiments.tracking.sync import sync_main
 
         return sync_main(rest, tracking_of)
     if cmd == "data":
+        if rest[:1] in (["-h"], ["--help"]) or (rest[:1] == ["prepare"] and ("-h" in rest or "--help" in rest)):
+            from experiments.plan.help import help_page
+
+            print(help_page("data"))
+            return 0
         from experiments.plan.data_prepare import data_main
 
         return data_main(rest, _user_errors(), one_line)
@@ -399,6 +465,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lowprec ui: error: {one_line(e)}", file=sys.stderr)
             return 2
     if cmd in ("train", "ablate"):
+        if "-h" in rest or "--help" in rest:
+            from experiments.plan.help import help_page
+
+            print(help_page(cmd))
+            return 0
+        if "--hydra-help" in rest:  # Hydra's own page (its config dump), kept as the escape hatch
+            rest = ["--help" if a == "--hydra-help" else a for a in rest]
+        elif not any(a.startswith("-") for a in rest):
+            # refused before Hydra and torch are imported (seconds, not 10-30 s): what the schema's source shows
+            # does not exist
+            from experiments.plan.argcheck import precheck
+
+            try:
+                precheck(cmd, rest)
+            except UserError as e:
+                print(f"lowprec {cmd}: error: {e}", file=sys.stderr)
+                return 2
         if cmd == "train":
             from experiments.runner.train import train as task
         else:

@@ -208,7 +208,7 @@ def test_sync_of_a_missing_path_or_a_file_that_is_not_a_spool_is_one_line(tmp_pa
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["sync", str(empty), "tracking.urx=3"]) == 2
-    assert capsys.readouterr().err.strip().startswith("lowprec sync: error: Could not override 'tracking.urx'")
+    assert capsys.readouterr().err.strip().startswith("lowprec sync: error: unknown key tracking.urx")
     assert main(["sync", str(empty)]) == 0 and "nothing spooled" in capsys.readouterr().out
 
 

@@ -125,7 +125,7 @@ BAD_DATA = [
     ("ablate", ["recipes=[fp32]", "data.source=tokens", "data.path=BIG"], "tokenizer vocab 70002 does not fit"),
     ("data", ["prepare", "source=/no/such/corpus", "out=OUT"], "source='/no/such/corpus': no such file or folder"),
     ("data", ["prepare", "source=/tmp", "out=OUT", "vocab_size=abc"], "vocab_size: Value 'abc' of type 'str'"),
-    ("data", ["prepare", "source=/tmp", "out=OUT", "srouce=x"], "srouce: Key 'srouce' not in 'PrepareSpec'"),
+    ("data", ["prepare", "source=/tmp", "out=OUT", "srouce=x"], "unknown key srouce, did you mean source?"),
     ("data", ["prepare", "out=OUT"], "missing mandatory value: source"),
     ("data", ["prepare", "source=/tmp", "out=OUT", "pattern=[a"], "no viable alternative at input '[a'"),
     ("data", ["prepare", "source", "out=OUT"], "'source' is not key=value"),

@@ -134,9 +134,9 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
         ([*BASE, "train.ac=sometimes"], "train.ac='sometimes' is not one of none"),
         ([*BASE, "train.compile=maybe"], "train.compile='maybe' must be true, false or auto"),
         ([*BASE, "recipes=[fp9]"], "unknown recipe 'fp9'"),
-        ([*BASE, "hardwre=h100"], "Could not override 'hardwre'"),
-        ([*BASE, "recipe=bf16"], "Could not override 'recipe'"),  # recommend ranks recipes=, as ablate takes them
-        (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "Could not find 'model/nope'"),
+        ([*BASE, "hardwre=h100"], "unknown key hardwre, did you mean hardware?"),
+        ([*BASE, "recipe=bf16"], "config group 'recipe'"),  # recommend ranks recipes=, as ablate takes them
+        (["model=nope", "hardware=h100", "gpus=8", "tokens=1e9"], "unknown model 'nope'; known: "),
         (["model=llama3_8b", "hardware=tpu", "gpus=8", "tokens=1e9"], "unknown hardware 'tpu'"),
         ([*BASE, "train.seq_len=100000"], "train.seq_len=100000 exceeds model.max_seq_len=8192"),
         ([*BASE, "parallel.dp_replicate=2"], "HSDP replicas are not modelled"),

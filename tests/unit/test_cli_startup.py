@@ -1,6 +1,6 @@
-"""The ``lowprec`` command's cheap paths: ``--help`` and ``--version`` import neither torch nor MLflow (they took
-~10 s), and shell completion registers ``lowprec`` (it registered ``lowprec-train``, a command that does not
-exist) and completes through it, checked in a real bash."""
+"""The ``lowprec`` command's cheap paths: ``--help``, ``--version``, each command's help page and the refusal of an
+unknown key or name import neither torch nor MLflow (they took ~10 s), and shell completion registers ``lowprec`` (it
+registered ``lowprec-train``, a command that does not exist) and completes through it, checked in a real bash."""
 
 import importlib.metadata
 import os
@@ -31,6 +31,34 @@ def test_help_and_version_import_neither_torch_nor_mlflow(flag):
     assert out.splitlines()[-1] == "HEAVY [] 0"
     if flag == "--version":
         assert out.startswith(f"lowprec {importlib.metadata.version('lowprec')} (torch ")
+
+
+#: wrong names and keys the command line refuses from the schema's source alone, and the help pages: none may
+#: import torch, MLflow or Hydra (a refusal took 9-30 s of imports before Hydra said it in its own words)
+CHEAP = [
+    (["train", "train.step=3"], 2),
+    (["train", "model=nonexistent"], 2),
+    (["train", "recipe=fp8_rowwse"], 2),
+    (["ablate", "recipe=bf16"], 2),
+    (["ablate", "recipes=bf16,fp8_rowwise"], 2),
+    (["ablate", "recipes=[bf16,fp8_rowwse]"], 2),
+    (["ablate", "experiment=smok"], 2),
+    (["ablate", "report.marign=0.01"], 2),
+    *[([cmd, "--help"], 0) for cmd in ("train", "ablate", "report", "sync", "estimate", "recommend")],
+    (["data", "prepare", "--help"], 0),
+    (["help", "ablate"], 0),
+]
+
+
+def test_refusals_of_unknown_names_and_help_pages_import_no_heavy_module():
+    out = _python(
+        "import sys, contextlib, io\nfrom experiments.cli import main\n"
+        f"codes = []\nfor argv, _ in {CHEAP!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        codes.append(main(argv))\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'mlflow', 'hydra') if m in sys.modules), codes)"
+    )
+    assert out.splitlines()[-1] == f"HEAVY [] {[code for _, code in CHEAP]}"
 
 
 @pytest.fixture

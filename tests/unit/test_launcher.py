@@ -51,7 +51,7 @@ def test_slurm_without_submitit_is_one_line(monkeypatch, run_dirs, tmp_path, cap
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["launcher=pbs"], "Could not find 'launcher/pbs'; known: local, slurm, submitit_local"),  # Hydra's
+        (["launcher=pbs"], "unknown launcher 'pbs'; known: local, slurm, submitit_local"),
         (["launcher.name=pbs"], "launcher.name=pbs is not one of local, slurm, submitit_local"),
         (["launcher=submitit_local", "launcher.time=0"], "launcher.time=0 must be >= 1"),
         (["launcher=submitit_local", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0 must be > 0"),
