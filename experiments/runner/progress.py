@@ -14,6 +14,7 @@ before), and each run's result line says how far the ablation is instead (``tall
 from __future__ import annotations
 
 import io
+import logging
 import re
 import sys
 import threading
@@ -95,8 +96,9 @@ class AblationProgress:
                 console=console,
                 transient=True,
                 refresh_per_second=4,
-                redirect_stdout=False,
-                redirect_stderr=False,
+                # What else this process writes to stdout (this terminal) or stderr goes above the bars too.
+                redirect_stdout=self._stdout_here,
+                redirect_stderr=True,
             )
             self._overall = self.progress.add_task("runs", total=0)
 
@@ -283,11 +285,17 @@ class WorkerChannel:
             return False
 
     def install(self) -> None:
-        """Route this process's ``step_bar`` and ``sys.stdout``/``sys.stderr`` through the pipe."""
+        """Route this process's ``step_bar``, ``sys.stdout``/``sys.stderr`` and the logging handlers that write to
+        them (MLflow's, set up when it was imported) through the pipe."""
         install_step_reporter(lambda r: self.send(("step", r)))
         self._streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-        sys.stdout = _LineWriter(self, "stdout", sys.stdout)
-        sys.stderr = _LineWriter(self, "stderr", sys.stderr)
+        writers = {id(s): _LineWriter(self, name, s) for name, s in self._streams.items()}
+        sys.stdout, sys.stderr = writers[id(sys.stdout)], writers[id(sys.stderr)]
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for logger in loggers:
+            for h in getattr(logger, "handlers", ()):  # a PlaceHolder has none
+                if type(h) is logging.StreamHandler and id(h.stream) in writers:
+                    h.setStream(writers[id(h.stream)])
 
     def run_started(self, recipe: str, seed: int) -> None:
         """Tell the display which run this worker trains now."""

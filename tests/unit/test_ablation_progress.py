@@ -167,3 +167,33 @@ def test_the_verdict_summary_reads_the_parent_run_and_shows_store_strings_as_tex
     assert verdict_summary(SimpleNamespace(client=client), run, ["fp8"]) == [
         "no verdicts: no finished control run next line"
     ]
+
+
+def test_a_worker_sends_its_prints_log_records_and_steps_through_its_pipe(monkeypatch):
+    import logging
+    import sys
+    from multiprocessing import Pipe
+
+    from lowprec.train.meter import install_step_reporter
+
+    fake_out, fake_err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", fake_out)
+    monkeypatch.setattr(sys, "stderr", fake_err)
+    logger = logging.getLogger("lowprec.test.worker_logs")
+    handler = logging.StreamHandler(sys.stderr)  # as MLflow's handler, made at import on the stderr of then
+    logger.addHandler(handler)
+    reader, writer = Pipe(duplex=False)
+    try:
+        WorkerChannel(writer).install()
+        print("a line", "on stdout")
+        logger.warning("a record")
+        step_bar(4, 0, "fp32", True).set_postfix(loss="9.0")
+    finally:
+        install_step_reporter(None)
+        logger.removeHandler(handler)
+    got = []
+    while reader.poll(0.5):
+        got.append(reader.recv())
+    assert ("text", "stdout", "a line on stdout") in got and ("text", "stderr", "a record") in got
+    assert ("step", StepReport("fp32", 0, 4, (("loss", "9.0"),))) in got
+    assert fake_out.getvalue() == fake_err.getvalue() == ""  # nothing written past the pipe
