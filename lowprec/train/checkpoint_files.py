@@ -63,6 +63,15 @@ def write_manifest(folder: Path) -> dict:
     return manifest
 
 
+#: Cap on ``manifest.json`` (a checkpoint's is a few hundred bytes per file).
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def is_plain_name(name: str) -> bool:
+    """``name`` is one file name (no separator, not ``.`` or ``..``, no NUL, not empty)."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 def verify(folder: Path) -> bool:
     """Check every file of the checkpoint ``folder`` against its manifest; True when verified, False (with an
     ``UnverifiedCheckpointWarning``) for a folder without a manifest.
@@ -79,12 +88,27 @@ def verify(folder: Path) -> bool:
             stacklevel=2,
         )
         return False
+    if mpath.is_symlink() or not mpath.is_file() or mpath.stat().st_size > MAX_MANIFEST_BYTES:
+        raise CheckpointDamagedError(f"checkpoint {str(folder)!r}: {MANIFEST} is not a regular file under its cap")
     try:
         files = json.loads(mpath.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        entries = sorted(files.items())
+        for rel, want in entries:
+            if not (isinstance(rel, str) and isinstance(want["bytes"], int) and isinstance(want["sha256"], str)):
+                raise TypeError(f"entry {str(rel)[:80]!r} is not a file name with bytes and sha256")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointDamagedError(f"checkpoint {str(folder)!r}: {MANIFEST} is corrupt ({e})") from None
-    for rel, want in sorted(files.items()):
+    for rel, want in entries:
+        # A manifest is written by whoever sent the checkpoint: a name is a plain file of this folder, never a path
+        # out of it or a link, so verifying reads nothing outside the folder.
+        if not is_plain_name(rel):
+            raise CheckpointDamagedError(
+                f"checkpoint {str(folder)!r}: {MANIFEST} names {rel[:200]!r}, which is not a plain file name inside "
+                "the checkpoint folder: refusing to read it"
+            )
         p = folder / rel
+        if p.is_symlink():
+            raise CheckpointDamagedError(f"checkpoint {str(folder)!r}: {rel} is a symlink: refusing to read it")
         if not p.is_file():
             raise CheckpointDamagedError(f"checkpoint {str(folder)!r}: {rel} is missing")
         size = p.stat().st_size
