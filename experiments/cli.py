@@ -75,6 +75,13 @@ def _in_our_words(e: BaseException) -> str | None:
 
     from experiments.plan.argcheck import did_you_mean, unknown_option
 
+    if isinstance(e, UserError):
+        # ``config.typed``'s refusal of a field the model size or recipe group lacks keeps OmegaConf's words
+        m = re.match(r"([\w.]+): Key '(\w+)' (?:is )?not in '?\w+'?", str(e))
+        if not m:
+            return None
+        owner = "the model size" if m[1].startswith("model.") else f"{m[1].rpartition('.')[0]}"
+        return f"unknown key {m[1]}: {owner} has no field {m[2]!r}"
     chain = []
     while e is not None:
         chain.append(e)

@@ -151,7 +151,10 @@ BAD = [
     (["train", "train.skip_batches=[3,-1]"], "train.skip_batches holds -1: batch indices are >= 0"),
     (["train", "faults.nan_into=bias"], "faults.nan_into=bias is not one of weight, activation, gradient"),
     # issue 16: the DeepSeekMoE model (model=moe_*)
-    (["train", "model=moe_debug", "+model.n_experts=4"], "model.n_experts: Key 'n_experts' not in 'MoEArgs'"),
+    (
+        ["train", "model=moe_debug", "+model.n_experts=4"],
+        "unknown key model.n_experts: the model size has no field 'n_experts'",
+    ),
     (["train", "model=moe_debug", "model.top_k=9"], "model.top_k=9 is larger than model.n_routed_experts=8"),
     (
         ["train", "model=moe_debug", "recipe=fp8_current", "recipe.fp8.keep_hp_fqns=[output,experts.8.w1]"],

@@ -12,7 +12,16 @@ from experiments.plan import argcheck
 from experiments.plan import help as pages
 
 #: Hydra's and OmegaConf's wording, which names their internals rather than the user's mistake
-INTERNALS = ("TrainNode", "AblateConfig", "defaults list", "Could not find", "Could not override", "Ambiguous value")
+INTERNALS = (
+    "TrainNode",
+    "AblateConfig",
+    "MoEArgs",
+    "Float8Spec",
+    "defaults list",
+    "Could not find",
+    "Could not override",
+    "Ambiguous value",
+)
 
 WRONG = [
     # (command and arguments, what the one line must contain)
@@ -64,6 +73,8 @@ def test_train_and_ablate_word_an_unknown_recipe_alike(run_dirs, capsys):
 #: config for the store, the planning commands): said in lowprec's words too
 HYDRA_REFUSED = [
     (["train", "model.n_layer=2"], "unknown key model.n_layer, did you mean model.n_layers?"),
+    (["train", "model=moe_debug", "+model.n_experts=4"], "unknown key model.n_experts: the model size has no field"),
+    (["train", "recipe=fp8_rowwise", "+recipe.fp8.scalingg=1"], "unknown key recipe.fp8.scalingg: recipe.fp8 has no"),
     (["ui", "tracking.urx=3"], "unknown key tracking.urx, did you mean tracking.uri?"),
     (["report", "abl-x", "recipes=bf16,fp8_rowwise"], "put a list in brackets, 'recipes=[bf16,fp8_rowwise]'"),
     (["report", "abl-x", "report.marign=1"], "unknown key report.marign, did you mean report.margin?"),
