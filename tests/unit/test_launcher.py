@@ -55,6 +55,9 @@ def test_slurm_without_submitit_is_one_line(monkeypatch, run_dirs, tmp_path, cap
         (["launcher.name=pbs"], "launcher.name=pbs is not one of local, slurm, submitit_local"),
         (["launcher=submitit_local", "launcher.time=0"], "launcher.time=0 must be >= 1"),
         (["launcher=submitit_local", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0 must be > 0"),
+        # --mem=0 asks SLURM for a whole node's memory; poll_s=0 is a busy loop over sacct
+        (["launcher=submitit_local", "launcher.mem_gb=0"], "launcher.mem_gb=0.0 must be > 0"),
+        (["launcher=submitit_local", "launcher.poll_s=0"], "launcher.poll_s=0.0 must be > 0"),
         (["launcher=submitit_local", "launcher.time=soon"], "launcher.time"),
         (  # a job's torchrun is --standalone: one run on one node at most
             ["launcher=submitit_local", "launcher.gpus_per_node=1", "parallel.dp_shard=2", "train.batch_size=2"],
@@ -229,3 +232,40 @@ def test_a_jobs_arguments_load_through_the_allow_list_and_an_altered_file_is_ref
     with pytest.raises(pickle.UnpicklingError, match=r"refers to posix\.system"):
         load_args(tmp_path / "job")
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize(
+    "state, status, kind",
+    [
+        ("TIMEOUT", "KILLED", None),  # past launcher.time: stopped from outside, resume= continues it
+        ("CANCELLED by 1000", "KILLED", None),
+        ("PREEMPTED", "KILLED", None),
+        ("OUT_OF_MEMORY", "FAILED", "crash"),  # the run itself failed
+        ("NODE_FAIL", "FAILED", "crash"),
+    ],
+)
+def test_each_slurm_end_state_without_a_result_ends_its_run_as_documented(
+    state, status, kind, fake_slurm, run_dirs, tmp_path, monkeypatch
+):
+    """A job that ends without a result: a stop from outside (TIMEOUT, CANCELLED, PREEMPTED) leaves its run KILLED,
+    which ``resume=`` continues; the run's own failure (OUT_OF_MEMORY, NODE_FAIL) ends it FAILED. Each state as
+    sacct prints it."""
+    from experiments.runner import submitit_jobs
+    from experiments.tracking.tracker import make_tracker
+
+    # a job id of its own per state: submitit's watcher of sacct remembers a job's state by its id in the process
+    job_id = 5000 + sum(map(ord, state))
+    fakebin = fake_slurm.parent / "fakebin"
+    (fakebin / "sbatch").write_text(f'#!/bin/bash\ncp "$1" {fake_slurm}\necho "Submitted batch job {job_id}"\n')
+    (fakebin / "sacct").write_text(f'#!/bin/bash\nprintf "JobID|State|NodeList\\n{job_id}|{state}|node7\\n"\n')
+    plan = preflight(compose("ablate", [*ABLATE[1:4], *run_dirs, "launcher=slurm", "launcher.time=30"]))
+    ex = submitit_jobs.make_executor(plan, tmp_path / "jobs")
+    job = submitit_jobs._submit(ex, plan, Slot(0), (plan.recipes[0], 0), "p", "abl-20261126-000000-abcd", None, None)
+    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
+    parent = tracker.start_run("ablation", {})
+    child = tracker.start_run("fp32/seed0", {"recipe": "fp32", "seed": "0"}, parent)
+    o = submitit_jobs.outcome_of(plan, job, "fp32", 0, tracker, parent)
+    assert (o.run_id, o.status) == (child, status), o
+    run = tracker.client.get_run(child)
+    assert run.info.status == status and run.data.tags["job_state"] == state
+    assert run.data.tags.get("failure_kind") == kind
