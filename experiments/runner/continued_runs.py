@@ -106,7 +106,7 @@ def reopen_run(tracker: Tracker, c: Continuation) -> None:
         if key in tags:
             client.delete_tag(c.run_id, key)
     where = f"continued from {c.checkpoint}" if c.checkpoint else "started again from step 0 (no usable checkpoint)"
-    history = _json_list(tags.get("continuations")) + [f"{c.was}; {where}"]
+    history = json_list(tags.get("continuations")) + [f"{c.was}; {where}"]
     client.update_run(c.run_id, status="RUNNING")
     tracker.set_tags(c.run_id, {"continuations": dumps(history)})
 
@@ -183,7 +183,8 @@ def supersede(tracker: Tracker, resume: str | Path, new_run_id: str, echo=print)
     return old_id
 
 
-def _json_list(text: str | None) -> list:
+def json_list(text: str | None) -> list:
+    """A JSON list from a tag (a ``resumes`` history); a tag that is not one is kept as its only item."""
     try:
         value = json.loads(text) if text else []
     except ValueError:

@@ -36,7 +36,6 @@ whose process still runs: every ablation holds ``<paths.runs>/locks/<id>.lock`` 
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from mlflow.tracking import MlflowClient
 from experiments.plan.config import TrackingConfig, leaves
 from experiments.plan.plan import Plan, settings_from_yaml
 from experiments.plan.preflight import AblationResumeError, check_ablation_id
-from experiments.runner.continued_runs import Continuation, continue_from
+from experiments.runner.continued_runs import Continuation, continue_from, json_list
 from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome
 from experiments.tracking.runs import INCOMPLETE_KIND, incomplete_record
 from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
@@ -296,7 +295,7 @@ def reopen_parent(tracker: Tracker, plan: ResumePlan) -> None:
     for key in ("failure_reason", "stopped_by", "n_failed", "wall_s"):
         if key in tags:
             client.delete_tag(plan.parent_id, key)
-    history = _json_list(tags.get("resumes"))
+    history = json_list(tags.get("resumes"))
     history.append(
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}: resumed from {plan.parent_status}; {len(plan.kept)} run(s) kept, "
         f"{len(plan.continued)} continued"
@@ -304,15 +303,6 @@ def reopen_parent(tracker: Tracker, plan: ResumePlan) -> None:
     )
     client.update_run(plan.parent_id, status="RUNNING")
     tracker.set_tags(plan.parent_id, {"resumes": dumps(history)})
-
-
-def _json_list(text: str | None) -> list:
-    """A JSON list from a tag (the ``resumes`` history); a tag that is not one is kept as its only item."""
-    try:
-        value = json.loads(text) if text else []
-    except ValueError:
-        return [text]
-    return value if isinstance(value, list) else [value]
 
 
 def end_leftovers(tracker: Tracker, plan: ResumePlan) -> int:
