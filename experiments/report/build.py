@@ -224,7 +224,9 @@ def build_report(
     )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
     sections = {
-        "verdicts": verdict_table.verdict_section(table, on_cpu, ok, contended),
+        "verdicts": verdict_table.verdict_section(
+            table, on_cpu, ok, contended, _forest(table, out), _int_param(parent, "train.warmup_steps")
+        ),
         "curves": _curves_section(ok, order, control, margin, out),
         "setup": _header_section(parent, ok, control, tracker.uri),
         "cpu_warning": _cpu_timing_warning(on_cpu),
@@ -316,6 +318,24 @@ def _workers_note(workers: str | None, alone: bool = False) -> str:
             "`gpus`), so each run's tokens/s is its device's own"
         )
     return f"; {workers} runs trained at a time (`workers`), so each run's tokens/s was measured under the others' load"
+
+
+def _forest(table: verdict_table.VerdictTable, out: Path) -> str | None:
+    """The forest plot of the verdicts (``plots.verdict_forest``, ``verdict_forest.png`` in ``out``) and its file
+    name; None when the table has no verdict to draw."""
+    if table.no_verdict or not table.rows:
+        return None
+    level = "look's" if table.auto_note is not None else f"{100 * table.level:.4g}%"
+    rows = verdict_table.forest_rows(table)
+    return plots.verdict_forest(rows, table.margin, table.control, level, out / "verdict_forest.png").name
+
+
+def _int_param(parent: Run, key: str) -> int | None:
+    """The parent run's param ``key`` as an int, or None when absent or not an integer (a param is store data)."""
+    try:
+        return int(parent.data.params[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def auto_seeds_of(parent: Run, runs: list[RunData], order: list[str], control: str, margin: float):

@@ -9,6 +9,7 @@ background-networking flags Chromium's connections are refused by the closed net
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ def chromium_path() -> str:
 @dataclass
 class RenderedPage:
     """What the browser showed: per-table header texts, per-image ``(alt, naturalWidth)``, console errors and
-    failed requests (none are expected from a self-contained page), the heading texts, and the links' targets."""
+    failed requests (none are expected from a self-contained page), the heading texts, the links' targets, and
+    where things lie on the page (which tables overflow their width, each image's bottom edge)."""
 
     tables: list[list[str]] = field(default_factory=list)
     images: list[tuple[str, int]] = field(default_factory=list)
@@ -51,6 +53,10 @@ class RenderedPage:
     failed_requests: list[str] = field(default_factory=list)
     headings: list[str] = field(default_factory=list)
     links: list[tuple[str, str]] = field(default_factory=list)
+    #: per table: its content is wider than the box it is laid out in (a reader must scroll sideways to see it all)
+    tables_overflow: list[bool] = field(default_factory=list)
+    #: per image: ``(alt, bottom)``, the bottom edge in CSS pixels from the top of the page
+    image_bottoms: list[tuple[str, float]] = field(default_factory=list)
 
 
 def render(
@@ -88,8 +94,32 @@ def render(
             page_out.links = [
                 tuple(x) for x in page.eval_on_selector_all("a", "as => as.map(a => [a.textContent, a.href])")
             ]
+            page_out.tables_overflow = page.eval_on_selector_all(
+                "table", "ts => ts.map(t => t.scrollWidth > t.clientWidth + 1)"
+            )
+            page_out.image_bottoms = [
+                (alt, float(b))
+                for alt, b in page.eval_on_selector_all(
+                    "img", "is => is.map(i => [i.alt, i.getBoundingClientRect().bottom + window.scrollY])"
+                )
+            ]
             if screenshot is not None:
                 page.screenshot(path=str(screenshot), full_page=full_page)
         finally:
             browser.close()
     return page_out
+
+
+#: What the README's screenshot depends on: the report's code and templates (``report_code_hash``).
+REPORT_CODE = Path(__file__).resolve().parent
+
+
+def report_code_hash(root: Path = REPORT_CODE) -> str:
+    """SHA-256 (hex) of the report's build code and templates: every ``*.py`` and ``templates/*.j2`` under ``root``
+    (this package), each as its path relative to ``root`` and its bytes, in path order. ``docs/report_screenshot.json``
+    records it; a test compares it with the current one, so a changed report makes a stale screenshot fail."""
+    h = hashlib.sha256()
+    files = sorted([*root.glob("*.py"), *root.glob("templates/*.j2")], key=lambda p: p.relative_to(root).as_posix())
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()

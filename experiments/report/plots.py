@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -272,4 +273,85 @@ def predicted_vs_measured(runs, order, components, path: Path) -> Path:
     ax.set(title="memory by component: measured (solid) vs predicted (hatched)", ylabel="MiB")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=6, ncol=4)
+    return _save(fig, path)
+
+
+@dataclass(frozen=True)
+class ForestRow:
+    """One recipe's row of the forest plot: the paired relative difference of its final validation loss to the
+    control (dimensionless, > 0 = worse; drawn in percent) and its interval (``lo``/``hi`` None: one paired seed, a
+    point alone; ``mean`` None: no paired seed, the row says ``label`` only); ``label``: the verdict as the table
+    prints it; ``kind``: ``non-inferior`` (green), ``inferior`` (red), ``open`` (inconclusive, no interval: grey) or
+    ``diverged`` (dark red, a cross)."""
+
+    name: str
+    mean: float | None
+    lo: float | None
+    hi: float | None
+    label: str
+    kind: str = "open"
+
+
+_FOREST_COLORS = {"non-inferior": "tab:green", "inferior": "tab:red", "open": "tab:gray", "diverged": "darkred"}
+#: Control characters and ``$`` (matplotlib reads ``$...$`` as mathtext): a recipe name is a string from the store.
+_PLOT_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def plot_text(x, limit: int = 48) -> str:
+    """``x`` as literal text on a figure: one line, ``$`` escaped so matplotlib draws it as typed (no mathtext),
+    cut to ``limit`` characters."""
+    s = _PLOT_UNSAFE.sub(" ", str(x))
+    s = s if len(s) <= limit else s[: limit - 3] + "..."
+    return s.replace("$", r"\$")
+
+
+def verdict_forest(rows: list[ForestRow], margin: float, control: str, level: str, path: Path) -> Path:
+    """The verdicts at a glance: one line per recipe (top to bottom in ``rows`` order) with its paired relative
+    difference of the final validation loss to ``control`` and its ``level`` interval (e.g. ``"95%"``), a shaded
+    band for +-``margin`` (relative, 0.0025 = 0.25%), a line at 0, and the verdict printed at the right.
+
+    Args:
+        rows: ``ForestRow`` per recipe (the control is the zero line, not a row).
+        margin: the relative non-inferiority margin (``report.margin``).
+        control: the control recipe's name (axis label).
+        level: the intervals' level as printed (``"95%"``, or "the look's level" under ``seeds=auto``).
+        path: the PNG to write.
+    """
+    n = max(1, len(rows))
+    fig, ax = plt.subplots(figsize=(9.5, 1.3 + 0.42 * n))
+    m = 100 * margin
+    ax.axvspan(-m, m, color="tab:green", alpha=0.12, lw=0)
+    ax.axvline(m, color="tab:green", lw=0.8, alpha=0.6)
+    ax.axvline(0, color="black", lw=0.9)
+    ys = list(range(n - 1, -1, -1))
+    xs = [m, -m]
+    for y, r in zip(ys, rows):
+        color = _FOREST_COLORS.get(r.kind, "tab:gray")
+        if r.mean is not None:
+            x = 100 * r.mean
+            xs.append(x)
+            if r.lo is not None and r.hi is not None:
+                xs += [100 * r.lo, 100 * r.hi]
+                ax.plot([100 * r.lo, 100 * r.hi], [y, y], color=color, lw=2.2, solid_capstyle="butt")
+            ax.plot([x], [y], "D" if r.kind != "diverged" else "X", color=color, ms=7)
+    lo, hi = min(xs), max(xs)
+    pad = 0.08 * (hi - lo or 1.0)
+    ax.set_xlim(lo - pad, hi + pad)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.set_yticks(ys, [plot_text(r.name) for r in rows[:n]] if rows else [])
+    for y, r in zip(ys, rows):
+        shown = r.label if r.mean is not None else f"{r.label} (no paired seed)"
+        ax.annotate(
+            plot_text(shown, 60),
+            (1.01, y),
+            xycoords=("axes fraction", "data"),
+            va="center",
+            fontsize=9,
+            color=_FOREST_COLORS.get(r.kind, "tab:gray"),
+        )
+    ax.set_xlabel(f"final validation loss vs {plot_text(control)}: paired relative difference (%), > 0 = worse")
+    ax.set_title(
+        f"mean over paired seeds with its {plot_text(level)} interval; shaded: the margin ±{m:.3g}%", fontsize=9
+    )
+    ax.grid(alpha=0.3, axis="x")
     return _save(fig, path)

@@ -43,7 +43,7 @@ from experiments.stats import SeedDecision, StabilityMetrics, StabilityVerdict, 
 from experiments.stats.auto_seeds import AutoSeeds
 from experiments.stats.paired import smallest_sign_flip_p
 from experiments.stats.stability import AS_STABLE
-from experiments.stats.verdict import DIVERGED, LEVEL, POWER, mark_diverged, rule_text
+from experiments.stats.verdict import DIVERGED, INFERIOR, LEVEL, NON_INFERIOR, POWER, mark_diverged, rule_text
 from experiments.tracking.tracker import MetricBuffer, Tracker
 
 #: A run's validation points after this share of the optimizer steps make its "last quarter".
@@ -491,12 +491,23 @@ def _control_row(t: VerdictTable, with_late: bool) -> list[str]:
     return [*cells, predicted, predicted]
 
 
-def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = None, contended: int = 1) -> list[str]:
-    """The report's first section: the verdict table with its rules and the noise floor, or, when no verdict is
-    possible, why, followed by every finished run's numbers (``finished_runs``: the report's comparable runs).
-    ``contended``: how many runs trained at a time (the parent's ``workers``); above 1 each measured throughput
-    ratio says so beside the number. Its text: templates ``verdicts.md.j2``, ``verdict_notes.md.j2`` and
-    ``noise_floor.md.j2``."""
+def verdict_section(
+    t: VerdictTable,
+    on_cpu: bool,
+    finished_runs: list | None = None,
+    contended: int = 1,
+    forest: str | None = None,
+    warmup: int | None = None,
+) -> list[str]:
+    """The report's first section. With verdicts: the one-line summary (``summary_line``), the advice to add seeds
+    (``add_seeds_line``), the forest plot (``forest``: its file name in the report folder, drawn from
+    ``forest_rows``; None: none), the compact verdict table (five columns that fit a 1280 px screen), then the full
+    table with its rules and the noise floor. Without: why no verdict is possible, followed by every finished
+    run's numbers. ``finished_runs``: the report's comparable runs (their anomaly events can be the summary's
+    cause); ``contended``: how many runs trained at a time (the parent's ``workers``); above 1 each measured
+    throughput ratio says so beside the number; ``warmup``: the runs' ``train.warmup_steps`` (the summary puts
+    anomaly steps beside it), None when unknown. Its text: templates ``verdicts.md.j2``, ``verdict_notes.md.j2``
+    and ``noise_floor.md.j2``."""
     if t.no_verdict:
         head, rows = _runs_table(finished_runs or [])
         return markdown.lines("verdicts.md.j2", t=t, runs_head=head, runs_rows=rows, diverged=_diverged_line(t))
@@ -508,7 +519,12 @@ def verdict_section(t: VerdictTable, on_cpu: bool, finished_runs: list | None = 
     return markdown.lines(
         "verdicts.md.j2",
         t=t,
-        diverged=_diverged_line(t),
+        diverged=None,
+        summary=summary_line(t, finished_runs or [], warmup),
+        advice=add_seeds_line(t),
+        forest=forest,
+        compact_cols=_compact_columns(t.level, auto),
+        compact_rows=[_compact_row(r, auto) for r in t.rows],
         cols=_columns(with_late, t.predicted_hardware, t.level, auto),
         control=_control_row(t, with_late),
         rows=[_row(r, with_late, auto, contended) for r in t.rows],
@@ -541,18 +557,213 @@ def _rule(t: VerdictTable) -> str | None:
     return rule
 
 
-def _diverged_line(t: VerdictTable) -> str | None:
-    """The verdict section's first line when any run diverged (the recipe's and the control's), else None."""
+def _diverged_names(t: VerdictTable) -> str | None:
+    """```name` in k of n run(s)`` for each recipe (and the control) with a diverged run, or None when none."""
     names = [(r.recipe, r.stability) for r in t.rows if r.stability.diverged]
     if t.control_stability.diverged:
         names.append((t.control, t.control_stability))
     if not names:
         return None
-    which = ", ".join(f"{markdown.code(n)} in {s.diverged} of {s.runs} run(s)" for n, s in names)
+    return ", ".join(f"{markdown.code(n)} in {s.diverged} of {s.runs} run(s)" for n, s in names)
+
+
+def _diverged_line(t: VerdictTable) -> str | None:
+    """The verdict section's first line when any run diverged (the recipe's and the control's), else None."""
+    which = _diverged_names(t)
+    if which is None:
+        return None
     return (
         f"**Diverged: {which}.** A recipe with a diverged run is reported `diverged`, whatever its finished seeds "
         "and the stability test over runs say."
     )
+
+
+# --- the first screen: summary, advice, forest plot, compact table -----------------------------------------------
+
+CONCLUSIVE = (NON_INFERIOR, INFERIOR)
+
+
+def _is_diverged(row: RecipeRow) -> bool:
+    return (row.final is not None and row.final.verdict == DIVERGED) or (row.final is None and row.stability.diverged)
+
+
+def _open_rows(t: VerdictTable) -> list[RecipeRow]:
+    """The recipes without a conclusive verdict that did not diverge (inconclusive, no interval, no paired seed)."""
+    return [r for r in t.rows if not _is_diverged(r) and (r.final is None or r.final.verdict not in CONCLUSIVE)]
+
+
+def _span(xs: list[float], fmt: Callable[[float], str]) -> str:
+    """``fmt`` of the one value, or ``lo-hi`` of several (``7-48``, ``0.21-0.35``)."""
+    lo, hi = fmt(min(xs)), fmt(max(xs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _pct_span(xs: list[float]) -> str:
+    return _span([100 * x for x in xs], lambda x: f"{x:.3g}") + "%"
+
+
+def _seeds_needed_text(t: VerdictTable) -> str | None:
+    """``7-48 seeds needed (3 ran)`` over the open recipes that have a seeds-needed figure; None when none has."""
+    rows = [r for r in _open_rows(t) if r.final is not None and r.final.seeds_needed is not None]
+    if not rows:
+        return None
+    needed = _span([r.final.seeds_needed for r in rows], lambda x: str(int(x)))
+    ran = _span([r.final.effect.n for r in rows], lambda x: str(int(x)))
+    return f"{needed} seeds needed ({ran} ran)"
+
+
+def _anomaly_cause(names: list[str], runs, warmup: int | None) -> str | None:
+    """The anomaly events of the runs of ``names`` (the open recipes and the control): how many of each kind and at
+    which steps, with the end of the LR warmup beside them; None when those runs recorded none."""
+    events = [e for r in runs if r.recipe in names for e in r.anomalies if isinstance(e, dict)]
+    if not events:
+        return None
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[str(e.get("kind", "?"))] = kinds.get(str(e.get("kind", "?")), 0) + 1
+    what = ", ".join(f"{k} {markdown.text(kind)}" for kind, k in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    steps = [int(e["step"]) for e in events if isinstance(e.get("step"), int)]
+    at = f" at steps {_span(steps, str)}" if steps else ""
+    lr = f" (LR warmup ends at step {warmup})" if warmup else ""
+    return f"anomaly events in their runs or the control's: {what}{at}{lr}"
+
+
+def _cause(t: VerdictTable, runs, warmup: int | None) -> str | None:
+    """Why the open recipes are open, from what the table measured: intervals wider than the margin (the paired
+    sd), a mean near the margin, one paired seed, Holm's correction, and the runs' anomaly events; None when no
+    recipe is open."""
+    open_ = _open_rows(t)
+    if not open_:
+        return None
+    parts = []
+    with_ci = [r.final for r in open_ if r.final is not None and r.final.effect.has_interval]
+    wide = [v for v in with_ci if (v.effect.hi - v.effect.lo) / 2 >= t.margin]
+    if wide:
+        level = "" if t.auto_note is not None else f"{_level(t.level)} "
+        parts.append(
+            f"paired sd {_pct_span([v.effect.sd for v in wide])} of the loss, so {level}intervals of "
+            f"±{_pct_span([(v.effect.hi - v.effect.lo) / 2 for v in wide])} at "
+            f"{_span([v.effect.n for v in wide], str)} seeds, wider than the margin"
+        )
+    near = [v for v in with_ci if v not in wide and v.verdict_unadjusted not in CONCLUSIVE]
+    if near:
+        parts.append(
+            "mean difference near the margin: "
+            + ", ".join(f"{markdown.code(v.recipe)} {_bound(v.effect.mean, t.margin)}" for v in near)
+        )
+    holm = [v for v in with_ci if v.verdict_unadjusted in CONCLUSIVE]
+    if holm:
+        parts.append("Holm does not confirm " + ", ".join(markdown.code(v.recipe) for v in holm))
+    one = [r.recipe for r in open_ if r.final is not None and not r.final.effect.has_interval]
+    if one:
+        parts.append("1 paired seed, no interval: " + ", ".join(markdown.code(n) for n in one))
+    none = [r.recipe for r in open_ if r.final is None]
+    if none:
+        parts.append("no paired seed: " + ", ".join(markdown.code(n) for n in none))
+    anomalies = _anomaly_cause([*(r.recipe for r in open_), t.control], runs, warmup)
+    if anomalies:
+        parts.append(anomalies)
+    return "; ".join(parts) or None
+
+
+def summary_line(t: VerdictTable, runs=(), warmup: int | None = None) -> str:
+    """The report's first line: the recipes that diverged (named first), how many recipes are conclusive at the
+    margin, the seeds the others need (``seeds_needed`` at the observed mean and sd) and the measured cause
+    (``_cause``), e.g. ``**0 of 3 recipes conclusive at 0.25%**; 7-48 seeds needed (3 ran); cause: paired sd ...``.
+    ``runs``: the report's comparable runs (their anomaly events); ``warmup``: ``train.warmup_steps`` or None."""
+    parts = []
+    diverged = _diverged_names(t)
+    head = f"**Diverged: {diverged}.** " if diverged else ""
+    conclusive = [r for r in t.rows if r.final is not None and r.final.verdict in CONCLUSIVE]
+    which = ", ".join(f"{markdown.code(r.recipe)} {r.final.label}" for r in conclusive)
+    parts.append(
+        f"**{len(conclusive)} of {len(t.rows)} recipes conclusive at {100 * t.margin:.3g}%**"
+        + (f" ({which})" if which else "")
+    )
+    needed = _seeds_needed_text(t)
+    if needed:
+        parts.append(needed)
+    cause = _cause(t, runs, warmup)
+    if cause:
+        parts.append(f"cause: {cause}")
+    return head + "; ".join(parts) + "."
+
+
+def add_seeds_line(t: VerdictTable) -> str | None:
+    """The advice under the summary when a recipe is open and more seeds would decide it: the seed count that makes
+    the most demanding one conclusive with power ``POWER`` (if its observed mean and sd are the truth), and the
+    smallest margin these seeds resolve; None when no open recipe has a seeds-needed figure."""
+    rows = [r for r in _open_rows(t) if r.final is not None and r.final.seeds_needed is not None]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r.final.seeds_needed)
+    most = rows[-1].final.seeds_needed
+    each = ", ".join(f"{markdown.code(r.recipe)} {r.final.seeds_needed}" for r in rows)
+    how = (
+        f"raise `max_seeds` to {most} (`seeds=auto` adds them one look at a time)"
+        if t.auto_note is not None
+        else f"rerun with `seeds={most}`, or `seeds=auto` with `max_seeds={most}` (it stops each recipe once decided)"
+    )
+    best = t.min_mdd
+    wider = (
+        f"; or judge at a margin of at least {100 * best[0]:.3g}% (`report.margin={best[0]:.2g}`, the smallest these "
+        "seeds resolve: noise floor below)"
+        if best is not None and best[0] > t.margin
+        else ""
+    )
+    return (
+        f"**Add seeds:** {how}. Seeds for a conclusive verdict with power {POWER}, if the observed mean and paired "
+        f"sd are the truth: {each}{wider}."
+    )
+
+
+def forest_rows(t: VerdictTable) -> list:
+    """One ``experiments.report.plots.ForestRow`` per recipe of the table (the control is the zero line), from its
+    final-loss verdict: the mean, the interval, the label as the compact table prints it, and its kind."""
+    from experiments.report.plots import ForestRow  # matplotlib only when a figure is drawn
+
+    out = []
+    for r in t.rows:
+        v = r.final
+        kind = "diverged" if _is_diverged(r) else (v.verdict if v and v.verdict in CONCLUSIVE else "open")
+        label = _compact_verdict(r, short=True).replace("**", "")
+        if v is None:
+            out.append(ForestRow(r.recipe, None, None, None, label, kind))
+        else:
+            e = v.effect
+            out.append(ForestRow(r.recipe, e.mean, e.lo, e.hi, label, kind))
+    return out
+
+
+def _compact_verdict(row: RecipeRow, short: bool = False) -> str:
+    """The verdict in a few words: the label, ``(k/n runs)`` when diverged, ``(Holm; CI alone: ...)`` when Holm
+    changed it (``short``: ``(Holm)`` alone, for the forest plot)."""
+    v = row.final
+    if v is None:
+        return f"**{DIVERGED}** ({row.stability.diverged}/{row.stability.runs} runs)" if _is_diverged(row) else NO_DATA
+    if v.verdict == DIVERGED:
+        return f"**{DIVERGED}** ({v.diverged_runs}/{v.judged_runs} runs)"
+    if v.verdict != v.verdict_unadjusted or v.label != v.label_unadjusted:
+        return f"**{v.label}** (Holm)" if short else f"**{v.label}** (Holm; CI alone: {v.label_unadjusted})"
+    return f"**{v.label}**"
+
+
+def _compact_columns(level: float, auto: bool) -> list[str]:
+    ci = "[CI at the row's look level]" if auto else f"[{_level(level)} CI]"
+    return ["recipe", f"final val loss vs control {ci}", "verdict", "seeds needed", "stability"]
+
+
+def _compact_row(row: RecipeRow, auto: bool = False) -> list[str]:
+    """The cells of a recipe's row of the compact table at the top of the report."""
+    v = row.final
+    if v is not None and v.verdict in CONCLUSIVE:
+        needed = f"{v.effect.n} sufficed"
+    elif v is None or v.seeds_needed is None:
+        needed = "n/a"
+    else:
+        needed = f"{v.seeds_needed} ({v.effect.n} ran)"
+    stab = f"**{row.stability_verdict.verdict}**" if row.stability_verdict else NO_DATA
+    return [markdown.code(row.recipe), _effect_cell(v, auto), _compact_verdict(row), needed, stab]
 
 
 def _perm_line(v: Verdict) -> str:

@@ -24,5 +24,5 @@ def test_runs_alone_on_their_gpus_are_not_contended_and_an_eager_fallback_is_not
     text = build_report(tracker, ABL, tmp_path / "reports").read_text()
     assert "contended" not in text  # 8 runs at a time, each on its own GPU: each tokens/s is its device's own
     assert "8 runs trained at a time, each alone on its own GPU(s)" in text
-    assert "`bf16` compile=auto->True, ac=auto->selective" in text
+    assert "`bf16` compile=auto-\\>True, ac=auto-\\>selective" in text  # the tag is store text: escaped
     assert "**throughput not comparable**: `fp8_blockwise` ran eager" in text

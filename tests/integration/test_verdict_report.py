@@ -142,10 +142,17 @@ def _parent_row(store, abl: str):
 
 
 def _row(text: str, recipe: str) -> str:
-    """The verdict table's row of ``recipe`` (the first table of the report)."""
-    section = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    """The full verdict table's row of ``recipe`` (under the compact table, "### Every column")."""
+    section = text.split("### Every column", 1)[1].split("\n## ", 1)[0]
     (line,) = [ln for ln in section.splitlines() if ln.startswith(f"| `{recipe}` |")]
     return line
+
+
+def _compact_row(text: str, recipe: str) -> list[str]:
+    """The cells of the compact verdict table's row of ``recipe`` (the first table of the report)."""
+    section = text.split("## Verdicts", 1)[1].split("### Every column", 1)[0]
+    (line,) = [ln for ln in section.splitlines() if ln.startswith(f"| `{recipe}` |")]
+    return _cells(line)
 
 
 def _pct(x: float) -> str:
@@ -354,7 +361,7 @@ def _cells(row: str) -> list[str]:
 
 def _stab_cells(text: str, recipe: str) -> list[str]:
     """The spikes, diverged and stability-verdict cells of ``recipe``'s verdict row, found by their headers."""
-    section = text.split("## Verdicts", 1)[1]
+    section = text.split("### Every column", 1)[1]
     header = _cells(next(ln for ln in section.splitlines() if ln.startswith("| recipe |")))
     i = header.index("spikes per run: loss / grad norm")
     assert header[i + 1 : i + 3] == ["diverged", "stability vs control"], header

@@ -67,12 +67,14 @@ def _run(recipe: str, seed: int, final: float | None, *, diverged: bool = False)
 
 
 def _row_cells(text: str, recipe: str) -> list[str]:
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| `{recipe}` |")]
+    """The cells of ``recipe``'s row of the full verdict table (under the compact one, "### Every column")."""
+    full = text.split("### Every column", 1)[1]
+    (line,) = [ln for ln in full.splitlines() if ln.startswith(f"| `{recipe}` |")]
     return [c.strip() for c in line.strip("|").split("|")]
 
 
 def _column(text: str, name: str) -> int:
-    header = next(ln for ln in text.splitlines() if ln.startswith("| recipe |"))
+    header = next(ln for ln in text.split("### Every column", 1)[1].splitlines() if ln.startswith("| recipe |"))
     return [c.strip() for c in header.strip("|").split("|")].index(name)
 
 
