@@ -706,7 +706,7 @@ def add_seeds_line(t: VerdictTable) -> str | None:
     )
     best = t.min_mdd
     wider = (
-        f"; or judge at a margin of at least {100 * best[0]:.3g}% (`report.margin={best[0]:.2g}`, the smallest these "
+        f"; or judge at a margin of at least {100 * best[0]:.3g}% (`report.margin={best[0]:.3g}`, the smallest these "
         "seeds resolve: noise floor below)"
         if best is not None and best[0] > t.margin
         else ""
