@@ -624,9 +624,10 @@ def lifecycle_cases(store: Store, rng: random.Random, only: str | None = None) -
             faults = [f"faults.recipe={recipe}", "faults.at_point=run.created", "faults.point_action=kill"]
             rc, err = cut.lowprec(args + faults)
             killed = [r for r in cut.runs() if r.data.tags.get("recipe") == recipe and not r.data.params]
-            # the command did not end as if nothing happened (with two workers, each one's first run of the recipe
-            # is killed at its creation)
-            case.detected = rc != 0 and 1 <= len(killed) <= workers
+            # with one worker the ablation's own process dies (the next command's sweep finds it); with two, each
+            # worker's first run of the recipe is killed at its creation and the ablation records it FAILED
+            closed = all(r.info.status == "FAILED" and r.data.tags.get("failure_reason") for r in killed)
+            case.detected = 1 <= len(killed) <= workers and (rc != 0 if workers == 1 else closed)
         else:
             case = Case("lifecycle", f"resume= of an ablation that had finished (workers={workers})")
             rc, err = cut.lowprec(args)
