@@ -18,7 +18,7 @@ from store_dirs import dirs_under
 from vt_screen import Screen
 
 ROOT = Path(__file__).resolve().parents[2]
-WIDTH = 120
+WIDTH = 240  # wide enough that the report paths under pytest's temporary folder are not wrapped
 
 
 def _run_in_pty(args: list[str], timeout_s: float = 600) -> str:

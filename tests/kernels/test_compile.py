@@ -115,7 +115,9 @@ def test_blockwise_fp8_compiles_on_cpu_after_another_model_was_traced_in_the_pro
       (one compiled training step under the same AC mode: a first model under another AC mode, whose blocks are
       another code object, or a forward alone did not trigger it).
 
-    The compiled losses equal eager ones within 1e-4 nats (FP32 reordering: ~5e-7)."""
+    The compiled losses equal eager ones within 5e-4 nats: inductor's FP32 sums run in another order, which can move a
+    value across an FP8 rounding boundary, and how often depends on the CPU's vector width (measured gap 5e-7 on the
+    AVX2 EPYC, 1.0e-4 on an AVX-512 Xeon, at step 2 of losses near 6.0)."""
     assert (ALIGNED.dim, ALIGNED.ffn_hidden) == (256, 1024)
     first = CATALOG["fp8_blockwise"]
     args = model_args("debug")
@@ -128,7 +130,7 @@ def test_blockwise_fp8_compiles_on_cpu_after_another_model_was_traced_in_the_pro
     second = dataclasses.replace(first, fp8=dataclasses.replace(first.fp8, amax_floor=1e-4))
     check_compile(second, TrainSpec(compile=True, telemetry_every=0), torch.device("cpu"))
     eager, compiled = _aligned_losses(second, False), _aligned_losses(second, True)
-    assert max_gap(eager, compiled) <= 1e-4, (eager, compiled)
+    assert max_gap(eager, compiled) <= 5e-4, (eager, compiled)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "deepseek_v3", "deepseek_v3_no_fp8_cache", "fp8_current"])
