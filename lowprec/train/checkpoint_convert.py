@@ -3,9 +3,9 @@ running any code from it.
 
 An older lowprec gave DCP the whole state dict, so DCP stored every non-tensor item (the optimizer's
 ``param_groups``: learning rates, betas, eps, weight decay, flags, parameter names) as a byte record: a
-``torch.save`` zip that DCP reads back with ``torch.load(weights_only=False)``, which runs whatever a sender put
-there. The current format gives DCP tensors only and writes those values to ``values.json``
-(``lowprec.train.checkpoint_reader``), and every loader refuses a checkpoint with byte records.
+``torch.save`` zip that DCP reads back with torch's full unpickler (``torch.load`` with weights-only off), which
+runs whatever a sender put there. The current format gives DCP tensors only and writes those values to
+``values.json`` (``lowprec.train.checkpoint_reader``), and every loader refuses a checkpoint with byte records.
 
 ``convert_checkpoint(src, dst)`` reads such a checkpoint as data:
 
@@ -218,7 +218,7 @@ def _byte_record_value(src: Path, meta: Metadata, key: str) -> Any:
 
 def _unpickler_reason(e: Exception) -> str:
     """The line of torch's weights-only error that says what it refused (``Trying to load unsupported GLOBAL
-    posix.system ...``), without its boilerplate (the advice to retry with ``weights_only=False``)."""
+    posix.system ...``), without its boilerplate (the advice to retry with weights-only off)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     said = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))]
     line = (said or lines or [type(e).__name__])[0]

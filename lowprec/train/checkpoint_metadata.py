@@ -13,13 +13,12 @@ few hundred bytes of nested allow-listed paths would otherwise grow to gigabytes
 arguments) before any check on the result could run. The caps are checked in milliseconds.
 
 The metadata is then checked as data: a record stored as bytes (``BytesStorageMetadata``, which DCP reads back with
-``torch.load(weights_only=False)``: a pickle) is refused, whatever the loading state dict holds, and so is a
-record whose file (``relative_path``) is not a plain file name inside the checkpoint folder or that names a
-stream transform (lowprec writes neither). lowprec checkpoints store their non-tensor state as JSON
+torch's full unpickler (``torch.load`` with weights-only off): a pickle) is refused, whatever the loading state dict
+holds, and so is a record whose file (``relative_path``) is not a plain file name inside the checkpoint folder or
+that names a stream transform (lowprec writes neither). lowprec checkpoints store their non-tensor state as JSON
 (``lowprec.train.checkpoint_reader``); one written by an older lowprec, with byte records, is refused with one line
 naming ``lowprec checkpoint convert SRC DST`` (``lowprec.train.checkpoint_convert``: it decodes the byte records
-with torch's weights-only unpickler and keeps plain values only) or starting the run anew.
-"""
+with torch's weights-only unpickler and keeps plain values only) or starting the run anew."""
 
 from __future__ import annotations
 

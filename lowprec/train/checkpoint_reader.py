@@ -2,12 +2,12 @@
 model has, with no pickle anywhere in the path.
 
 The format. DCP (``torch.distributed.checkpoint``) stores every non-tensor item of a state dict as a record of
-pickled bytes and reads it back with ``torch.load(weights_only=False)``, which runs whatever a sender put there,
-and it does so for any key the received ``.metadata`` declares a byte record, whatever the loading state dict
-holds. So a lowprec checkpoint gives DCP tensors only: ``split_state`` takes the non-tensor items (the optimizer's
-``param_groups``: learning rates, betas, eps, weight decay, flags and parameter names; 26 in a one-process
-AdamW checkpoint) out of the state dict, and they are written as JSON to ``values.json`` beside DCP's files
-(covered by the sha256 manifest like every file of the folder). Keys are DCP's own flattened names
+pickled bytes and reads it back with torch's full unpickler (``torch.load`` with weights-only off), which runs
+whatever a sender put there, and it does so for any key the received ``.metadata`` declares a byte record, whatever
+the loading state dict holds. So a lowprec checkpoint gives DCP tensors only: ``split_state`` takes the non-tensor
+items (the optimizer's ``param_groups``: learning rates, betas, eps, weight decay, flags and parameter names; 26 in
+a one-process AdamW checkpoint) out of the state dict, and they are written as JSON to ``values.json`` beside DCP's
+files (covered by the sha256 manifest like every file of the folder). Keys are DCP's own flattened names
 (``optim.param_groups.0.lr``); values are JSON numbers, strings, booleans, null and lists (a tuple is written as a
 list and read back as a tuple where the model's state holds one).
 
