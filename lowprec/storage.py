@@ -85,3 +85,10 @@ def disk_error(what: str, path: str | Path, e: BaseException) -> DiskError | Non
     err = DiskError(f"{os.strerror(code)} ({name}) {what}: {describe(path)}")
     err.errno = code  # the message alone, without OSError's "[Errno N]" prefix
     return err
+
+
+def is_plain_name(name) -> bool:
+    """True for a name read from a file that stays inside the folder it is listed in: a non-empty string with no
+    path separator (``/`` or ``\\``), not ``.`` or ``..``, no NUL. (Symlinks are the caller's to refuse: this looks
+    at the name only.)"""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")

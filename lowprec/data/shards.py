@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lowprec.data.errors import DataError
+from lowprec.storage import is_plain_name
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 META = "meta.json"
@@ -102,14 +103,7 @@ def _is_int(x) -> bool:
 def shard_file_name(name, where: str) -> str:
     """``name`` when it is a plain file name (a shard of the folder it is listed in), else ``DataError``: no
     separator, no ``.``/``..``, no absolute path, no NUL, not empty."""
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-        or Path(name).name != name
-    ):
+    if not is_plain_name(name) or Path(name).name != name:
         raise DataError(f"{where}: shard file {str(name)[:80]!r} is not a plain file name inside the folder; {_FIX}")
     return name
 

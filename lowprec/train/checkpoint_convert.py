@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lowprec.errors import CheckpointError
 from lowprec.parallel.fp8_all_gather import register_safe_globals
+from lowprec.storage import is_plain_name
 from lowprec.train.checkpoint import TRAINER_STATE, _save_failed
 from lowprec.train.checkpoint_files import (
     MANIFEST,
@@ -62,7 +63,7 @@ from lowprec.train.checkpoint_files import (
     start_staging,
     verify,
 )
-from lowprec.train.checkpoint_metadata import load_metadata, plain_name
+from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.checkpoint_reader import (
     MAX_VALUES_BYTES,
     VALUES,
@@ -170,7 +171,7 @@ def _verify_manifest(src: Path) -> bool:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {str(src)!r}: {MANIFEST} is corrupt ({type(e).__name__})") from None
     for name in names:
-        if not isinstance(name, str) or not plain_name(name):
+        if not is_plain_name(name):
             raise CheckpointError(
                 f"checkpoint {str(src)!r}: {MANIFEST} names {name!r}, which is not a plain file name inside the "
                 "checkpoint folder: refusing to read it"

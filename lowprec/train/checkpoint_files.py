@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lowprec.errors import CheckpointError
+from lowprec.storage import is_plain_name
 from lowprec.train.fault_points import reached
 
 MANIFEST = "manifest.json"
@@ -65,11 +66,6 @@ def write_manifest(folder: Path) -> dict:
 
 #: Cap on ``manifest.json`` (a checkpoint's is a few hundred bytes per file).
 MAX_MANIFEST_BYTES = 1 << 20
-
-
-def is_plain_name(name: str) -> bool:
-    """``name`` is one file name (no separator, not ``.`` or ``..``, no NUL, not empty)."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
 def verify(folder: Path) -> bool:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 from lowprec.errors import CheckpointError
+from lowprec.storage import is_plain_name
 from lowprec.train.pickle_limits import PickleLimitError, check_pickle
 
 #: Modules whose dataclasses and enums DCP's ``.metadata`` pickles (torch 2.8 - 2.13).
@@ -143,7 +144,7 @@ def check_records(meta: Metadata, where: str, byte_records: bool = False) -> Non
         if not isinstance(info, _StorageInfo):
             raise CheckpointError(f"checkpoint metadata {where!r}: a record's storage is a {type(info).__name__}")
         name = info.relative_path
-        if not isinstance(name, str) or not plain_name(name):
+        if not is_plain_name(name):
             raise CheckpointError(
                 f"checkpoint metadata {where!r}: record {getattr(index, 'fqn', '?')!r} is stored in {name!r}, "
                 "which is not a plain file name inside the checkpoint folder: refusing to read it"
@@ -156,12 +157,6 @@ def check_records(meta: Metadata, where: str, byte_records: bool = False) -> Non
                 f"checkpoint metadata {where!r}: record {getattr(index, 'fqn', '?')!r} names stream transforms "
                 f"{list(info.transform_descriptors)!r}, which lowprec never writes: refusing to read it"
             )
-
-
-def plain_name(name: str) -> bool:
-    """True for a file name that stays inside its folder: not empty, no path separator, not ``.`` or ``..``,
-    no NUL."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
 class SafeFileSystemReader(FileSystemReader):
