@@ -33,6 +33,17 @@ def bf16() -> Recipe:
     )
 
 
+def bf16_reordered() -> Recipe:
+    return replace(
+        bf16(),
+        name="bf16_reordered",
+        description="bf16 with every matmul of the training step (the autocast BF16 GEMMs and any FP32 one) summing "
+        "its contraction in reverse order: the same mathematics, other roundings; the negative control of an "
+        "ablation against bf16 (ablate.controls=true).",
+        compute=ComputeSpec(autocast_dtype="bf16", reduction_order="reversed"),
+    )
+
+
 def bf16_pure() -> Recipe:
     return replace(
         fp32(),
@@ -421,6 +432,7 @@ _BUILDERS: list[Callable[[], Recipe]] = [
     fp32,
     fp32_reordered,
     bf16,
+    bf16_reordered,
     bf16_pure,
     fp8_tensorwise,
     bf16_adamw8bit,

@@ -375,7 +375,9 @@ def build(
         compiled=train.compile,
         loss_fn=compile_loss(cross_entropy_fp32) if train.compile else cross_entropy_fp32,
         aux_loss=getattr(model, "aux_loss", lambda: None),
-        reduction_order=ReversedReductionOrder() if recipe.compute.reduction_order == "reversed" else None,
+        reduction_order=ReversedReductionOrder(DTYPES.get(recipe.compute.autocast_dtype))
+        if recipe.compute.reduction_order == "reversed"
+        else None,
     )
 
 
