@@ -25,7 +25,10 @@ class ModelArgs:
     """Shape of a Llama 3 model.
 
     ``ffn_hidden`` follows Llama 3: ``int(2 * 4 * dim / 3)``, times ``ffn_dim_multiplier``,
-    rounded up to ``multiple_of``.
+    rounded up to ``multiple_of``. ``qk_norm``: every attention normalises its queries and keys per head
+    (``Attention.q_norm`` / ``k_norm``, RMSNorm over ``head_dim`` with ``norm_eps``) after the projections and
+    before RoPE, the QK-layernorm of Wortsman et al. 2023 (arXiv 2309.14322, section 3.1) as OLMo 2 and Qwen3 place
+    it; off by default, and off adds no module or state-dict key.
     """
 
     dim: int = 256
@@ -38,6 +41,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -61,12 +65,17 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def qk_norm_params(self) -> int:
+        """Parameters of one block's ``q_norm`` and ``k_norm`` (``2 * head_dim``; 0 without ``qk_norm``)."""
+        return 2 * self.head_dim if self.qk_norm else 0
+
     def num_params(self) -> int:
         """Exact parameter count (embeddings and untied output included)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + self.n_heads * hd * d
         ffn = 3 * d * self.ffn_hidden
-        per_layer = attn + ffn + 2 * d
+        per_layer = attn + ffn + 2 * d + self.qk_norm_params
         return self.n_layers * per_layer + 2 * self.vocab_size * d + d
 
 
@@ -156,7 +165,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``.
+
+    With ``args.qk_norm``, ``q_norm`` and ``k_norm`` (``RMSNorm`` of weight shape ``(head_dim,)``) normalise each
+    head of the projected queries and keys before RoPE; otherwise both are ``None`` and hold no parameter.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -165,6 +178,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Norm modules rather than Linear, so no FP8 conversion or kernel swap selects them: they run in high
+        # precision like the block norms. Over the last dim only, so they see whatever heads a TP rank holds.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         #: The attention kernel (a function with ``F.scaled_dot_product_attention``'s signature); a slot so that
         #: ``lowprec.convert.convert_kernels`` can put an emulated one in, as it swaps linears.
         self.sdpa = F.scaled_dot_product_attention
@@ -174,6 +191,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
@@ -181,6 +200,13 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=2)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def reset_qk_norms(self) -> None:
+        """Set ``q_norm`` / ``k_norm`` weights to ones (nothing without ``qk_norm``); draws no random numbers, so
+        a seed gives the same other weights with and without the norms."""
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
 
 class SwiGLU(nn.Module):
@@ -253,6 +279,7 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(lin.weight, std=std_out, a=-3 * std_out, b=3 * std_out, generator=generator)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
+            block.attention.reset_qk_norms()
         self.norm.reset_parameters()
         std = self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std, generator=generator)

@@ -89,7 +89,11 @@ class MoEArgs(ModelArgs):
         shared = self.n_shared_experts * expert
         router = self.n_routed_experts * d
         n_moe = self.n_layers - self.n_dense_layers
-        base = self.n_layers * (attn + 2 * d) + self.n_dense_layers * dense + n_moe * (shared + router)
+        base = (
+            self.n_layers * (attn + 2 * d + self.qk_norm_params)
+            + self.n_dense_layers * dense
+            + n_moe * (shared + router)
+        )
         base += 2 * self.vocab_size * d + d
         return base + n_moe * self.n_routed_experts * expert, base + n_moe * self.top_k * expert
 
@@ -334,6 +338,7 @@ class MoETransformer(Transformer):
                 block.moe.router.init_buffers()
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
+            block.attention.reset_qk_norms()
         self.norm.reset_parameters()
         std = self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std, generator=generator)

@@ -145,30 +145,42 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, activation_all_gather: st
     )
     fp8 = activation_all_gather == "fp8"
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": Float8SequenceAllGather()
-                if fp8
-                else PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": _Colwise(),
-                "attention.wk": _Colwise(),
-                "attention.wv": _Colwise(),
-                "attention.wo": _Rowwise(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": Float8SequenceAllGather()
-                if fp8
-                else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": _Colwise(),
-                "feed_forward.w2": _Rowwise(output_layouts=Shard(1)),
-                "feed_forward.w3": _Colwise(),
-            },
-        )
+        parallelize_module(block, tp_mesh, {**_qk_norm_plan(block), **_block_plan(fp8)})
     _plain_scaling_buffers(model)
+
+
+def _qk_norm_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """The QK-norms (``ModelArgs.qk_norm``), when the block has them: replicated weights, each rank normalising the
+    heads its column-wise ``wq``/``wk`` produced (a local ``(batch, seq, heads/tp, head_dim)`` tensor, read as
+    ``Shard(2)``; torchtitan's Qwen3 plan). Left out of the plan, their weights would stay plain tensors whose
+    gradients cover only the local heads, and the ranks' copies would drift apart."""
+    if getattr(block.attention, "q_norm", None) is None:
+        return {}
+    return {
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    }
+
+
+def _block_plan(fp8: bool) -> dict[str, ParallelStyle]:
+    """torchtitan's plan of one transformer block (module docstring); ``fp8``: the FP8 sequence all-gather."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": Float8SequenceAllGather()
+        if fp8
+        else PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": _Colwise(),
+        "attention.wk": _Colwise(),
+        "attention.wv": _Colwise(),
+        "attention.wo": _Rowwise(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": Float8SequenceAllGather()
+        if fp8
+        else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": _Colwise(),
+        "feed_forward.w2": _Rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": _Colwise(),
+    }
 
 
 def _plain_scaling_buffers(model: nn.Module) -> None:

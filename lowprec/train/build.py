@@ -40,7 +40,7 @@ from lowprec.parallel.dims import ParallelDims, dp_coordinate
 from lowprec.parallel.runtime import DistContext
 from lowprec.recipe import DTYPES, Recipe, RecipeError
 from lowprec.train.ac import apply_ac
-from lowprec.train.compile import apply_compile, compile_loss, cross_entropy_fp32
+from lowprec.train.compile import apply_compile, build_z_loss, compile_loss, cross_entropy_fp32
 from lowprec.train.moe_balance import ExpertBalance, check_moe_layout
 from lowprec.train.schedule import build_scheduler
 from lowprec.train.spec import TrainSpec
@@ -76,6 +76,9 @@ class Built:
     #: ``(logits (B, S, V), targets (B, S) int64) -> 0-dim FP32 mean cross-entropy``; compiled under
     #: ``train.compile`` (torchtitan compiles the loss apart from the blocks).
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_fp32
+    #: ``train.z_loss`` > 0: ``logits (B, S, V) -> 0-dim FP32`` weighted z-loss term the training step adds to its
+    #: objective (``lowprec.train.compile.build_z_loss``, compiled under ``train.compile``); ``None``: off.
+    z_loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     #: The model's auxiliary loss of its last training forward, added to the objective (0-dim FP32), or
     #: ``None``: the MoE sequence-wise balance loss (``MoETransformer.aux_loss``); always ``None`` for Llama.
     aux_loss: Callable[[], torch.Tensor | None] = lambda: None
@@ -374,6 +377,7 @@ def build(
         ac=train.ac,
         compiled=train.compile,
         loss_fn=compile_loss(cross_entropy_fp32) if train.compile else cross_entropy_fp32,
+        z_loss_fn=build_z_loss(train.z_loss, train.compile),
         aux_loss=getattr(model, "aux_loss", lambda: None),
         reduction_order=ReversedReductionOrder(DTYPES.get(recipe.compute.autocast_dtype))
         if recipe.compute.reduction_order == "reversed"

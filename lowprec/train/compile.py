@@ -23,6 +23,8 @@ with one line, never run in eager.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,26 @@ def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """Mean cross-entropy (nats/token, 0-dim FP32) of ``logits`` (B, S, V) in any dtype against ``targets``
     (B, S) int64, computed in FP32 whatever the compute dtype (torchtitan does the same)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def z_loss_fp32(logits: torch.Tensor, weight: float) -> torch.Tensor:
+    """The z-loss term ``weight * mean(logsumexp(logits, -1) ** 2)`` (0-dim FP32) of ``logits`` (B, S, V) in any
+    dtype, computed in FP32 like ``cross_entropy_fp32`` (PaLM, Chowdhery et al. 2022, section 5; Wortsman et al.
+    2023, section 3.2): the mean is over every token position."""
+    return weight * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def build_z_loss(weight: float, compile: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``train.z_loss`` as the function the training step adds to its objective: ``logits -> z_loss_fp32(logits,
+    weight)``, compiled apart like the cross-entropy under ``compile``; ``None`` for ``weight`` 0 (off: the step
+    computes nothing more than without it)."""
+    if weight == 0:
+        return None
+
+    def z_loss(logits: torch.Tensor) -> torch.Tensor:
+        return z_loss_fp32(logits, weight)
+
+    return compile_loss(z_loss) if compile else z_loss
 
 
 #: Inductor settings for lowprec's own compiles only (``torch.compile(options=...)``), not process-global:

@@ -91,7 +91,8 @@ def run_training(
     Before the first step, ``RunMeter`` measures the bytes autograd saves for backward with one extra forward
     that no buffer sees. After the first step whose update ran, ``EffectiveInspector`` hands the effective
     recipe to ``on_effective``, then checks it (``EffectiveRecipeError``, also when no step ran an update).
-    Metrics per step: ``loss``, ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``tokens``, the
+    Metrics per step: ``loss`` (the cross-entropy), ``z_loss`` (under ``spec.z_loss`` > 0: the term added to the
+    objective), ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``tokens``, the
     ``built.after_step`` hooks' metrics, ``val_loss`` (and ``val_loss_ema`` under ``spec.eval_ema``:
     ``lowprec.train.ema``, updated after every kept step) when ``Validator`` ran, ``anomaly/*`` counters at an
     anomaly's step. ``Checkpointer`` writes ``<checkpoint_dir>/step_<N>`` after every ``spec.checkpoint_every``-th step;
@@ -148,6 +149,8 @@ def run_training(
         if ema is not None:  # every kept step, applied or skipped: the average's clock is the optimizer step
             ema.update()
         metrics = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": lr, **meter.after_step(step, res.applied)}
+        if res.z_loss is not None:  # the run has a z-loss (train.z_loss > 0): the term it added to the objective
+            metrics["z_loss"] = res.z_loss
         for hook in built.after_step:
             metrics.update(hook(step, built))
         if health.observe_fp8(step, metrics) and health.effective():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowprec.errors import ConfigError
@@ -39,6 +40,12 @@ class TrainSpec:
 
     ``eval_ema``: ``None`` (off) or a decay in (0, 1): the run keeps an FP32 EMA of the trained weights and every
     validation also evaluates it (``val_loss_ema``; ``lowprec.train.ema``), never changing the training trajectory.
+
+    ``z_loss``: weight of the z-loss, ``z_loss * mean(logsumexp(logits, -1) ** 2)`` added to the training objective
+    in FP32 (PaLM, Chowdhery et al. 2022, section 5; Wortsman et al. 2023, arXiv 2309.14322, section 3.2; 1e-4 is
+    typical); it pulls the softmax normaliser towards 1 and keeps output logits from drifting. 0 (the default) is off
+    and trains exactly as without it. The logged ``loss`` and ``val_loss`` stay the plain cross-entropy, so runs
+    with and without it compare on one quantity; the added term is logged as ``z_loss``.
     """
 
     steps: int = 200
@@ -68,6 +75,7 @@ class TrainSpec:
     skip_batches: tuple[int, ...] = ()
     fused_casts: str = "auto"
     eval_ema: float | None = None
+    z_loss: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_batches", tuple(self.skip_batches))
@@ -80,6 +88,11 @@ class TrainSpec:
         self._check_health()
         if self.eval_ema is not None:
             check_decay(self.eval_ema)
+        if not (0.0 <= self.z_loss < math.inf):  # also refuses NaN
+            raise ConfigError(
+                f"train.z_loss={self.z_loss} must be finite and >= 0 (the weight of mean(logsumexp(logits)**2) in "
+                "the objective, e.g. 1e-4; 0 turns it off)"
+            )
         if not (self.grad_clip > 0):  # also refuses NaN
             raise ConfigError(
                 f"train.grad_clip={self.grad_clip} must be > 0 (a negative bound reverses the update; "

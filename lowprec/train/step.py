@@ -62,12 +62,15 @@ def fail_on_nonfinite(step: int, loss: float, grad_norm: float, scaler_skips: bo
 class StepResult:
     """``loss``: mean cross-entropy (nats/token) over the step's micro-batches and ranks; ``grad_norm``: total
     L2 norm of the gradients before clipping (inf/NaN on a step the loss scaler skipped). ``applied``: the
-    optimizer update ran (False when the loss scaler or the health policy skipped it); ``decision``: the judge's."""
+    optimizer update ran (False when the loss scaler or the health policy skipped it); ``decision``: the judge's.
+    ``z_loss``: the weighted z-loss term added to the objective, averaged like ``loss`` (``None`` when
+    ``train.z_loss`` is off)."""
 
     loss: float
     grad_norm: float
     applied: bool = True
     decision: StepDecision = field(default_factory=StepDecision)
+    z_loss: float | None = None
 
 
 def forward_loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -79,6 +82,15 @@ def forward_loss(built: Built, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return built.loss_fn(logits, y)
 
 
+def forward_objective(built: Built, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward_loss``'s cross-entropy and, from the same logits, the weighted z-loss term ``built.z_loss_fn``
+    (0-dim FP32; ``None`` when the run has none)."""
+    with built.precision():
+        logits = built.model(x)
+    z = built.z_loss_fn(logits) if built.z_loss_fn is not None else None
+    return built.loss_fn(logits, y), z
+
+
 def train_step(
     built: Built, micro_batches: list[Batch], grad_clip: float, step: int, judge: Judge = fail_on_nonfinite
 ) -> StepResult:
@@ -87,35 +99,42 @@ def train_step(
     Gradients are zeroed at the start so they stay inspectable after the step. The loss scaler built from the recipe
     scales the loss, unscales the gradients and decides whether the step runs (a no-op scaler for recipes without
     loss scaling). The objective is the loss plus ``built.aux_loss()`` when the model has one (the MoE sequence-wise
-    balance loss); the reported ``loss`` is the cross-entropy alone. After clipping and before the optimizer step,
+    balance loss) plus the z-loss term when the run has one (``built.z_loss_fn``); the reported ``loss`` is the
+    cross-entropy alone. After clipping and before the optimizer step,
     ``judge`` sees the loss and the gradient norm: the default raises ``NonFiniteError`` if the loss is not finite,
     or the gradient norm is not finite and no loss scaler is there to skip the step; a health monitor may drop the
     update instead (``StepDecision.apply`` False: no optimizer step, no loss-scaler update, no LR-schedule step).
     """
     built.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=built.device)
+    z_total = torch.zeros((), device=built.device) if built.z_loss_fn is not None else None
     scaler = built.loss_scaler
     # The step context (the communication meter on sampled steps of sharded runs) covers forward, backward
     # and clipping, where every collective happens, and not the optimizer step, which torch.compile may trace.
     with built.step_context(step):
         for x, y in micro_batches:
             x, y = built.dist.shard_batch(x, y)
-            loss = forward_loss(built, x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True))
+            x, y = x.to(built.device, non_blocking=True), y.to(built.device, non_blocking=True)
+            loss, z = forward_objective(built, x, y)
             aux = built.aux_loss()  # the MoE balance loss joins the objective, not the reported loss
             objective = loss if aux is None else loss + aux
+            if z is not None:  # so does the z-loss: the reported loss stays comparable with runs without it
+                objective = objective + z
+                z_total += z.detach()
             scaler.scale(objective / len(micro_batches)).backward()
             total += loss.detach()
         loss_value = built.dist.mean(total) / len(micro_batches)
+        z_value = built.dist.mean(z_total) / len(micro_batches) if z_total is not None else None
         scaler.unscale_(built.optimizer)
         grad_norm = built.dist.clip_grad_norm_(built.model.parameters(), grad_clip)
     decision = judge(step, loss_value, grad_norm, scaler.skips_nonfinite)
     if not decision.apply:
         scaler.discard_step()
-        return StepResult(loss_value, grad_norm, applied=False, decision=decision)
+        return StepResult(loss_value, grad_norm, applied=False, decision=decision, z_loss=z_value)
     stepped = scaler.step(built.optimizer)  # with dynamic loss scaling, skipped on inf/NaN gradients
     scaler.update()
     built.scheduler.step()
-    return StepResult(loss=loss_value, grad_norm=grad_norm, applied=stepped, decision=decision)
+    return StepResult(loss=loss_value, grad_norm=grad_norm, applied=stepped, decision=decision, z_loss=z_value)
 
 
 @torch.no_grad()
