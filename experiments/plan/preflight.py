@@ -165,6 +165,52 @@ def check_writable_dirs(cfg: DictConfig) -> None:
             raise ConfigError(f"paths.{key}={folder} cannot hold lowprec's {key} ({reason}): name a writable folder")
 
 
+def slurm_partition_gpus(gres: str) -> int:
+    """GPUs of one node as ``sinfo``'s ``%G`` column says them (``gpu:8``, ``gpu:a100:4(S:0-1),shard:8``,
+    ``(null)``: none): the counts of its ``gpu`` entries summed; a ``gpu`` entry without a count is one."""
+    total = 0
+    for entry in re.sub(r"\([^)]*\)", "", gres).split(","):
+        fields = entry.strip().split(":")
+        if fields[0] == "gpu":
+            total += int(fields[-1]) if len(fields) > 1 and fields[-1].isdigit() else 1
+    return total
+
+
+def check_slurm_gpus(launcher, device: str, world_size: int, run=subprocess.run) -> None:
+    """On ``launcher=slurm`` each job asks sbatch for ``world_size`` GPUs unless ``device=cpu``
+    (``experiments.runner.submitit_jobs.job_gpus``); sbatch refuses every job of a partition without them
+    (``Invalid generic resource (gres) specification``), and this process cannot see the compute nodes' GPUs
+    (``device=auto`` resolves here, on the login node). So the partition's nodes are asked with ``sinfo`` (``run``:
+    how it is run): ``ConfigError`` (one line) when none has ``world_size`` GPUs, when ``sinfo`` fails or lists no
+    such partition. ``launcher`` is the ``LauncherSpec``; nothing is asked for other launchers or ``device=cpu``."""
+    if launcher.name != "slurm" or device == "cpu":
+        return
+    cmd = ["sinfo", "--noheader", "--format=%P|%G"]
+    if launcher.partition:
+        cmd += ["--partition", launcher.partition]
+    what = f"launcher=slurm with device={device}: each job asks for {world_size} GPU(s)"
+    try:
+        r = run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"{what}, and sinfo, asked for the partition's GPUs, did not answer ({e})") from None
+    if r.returncode != 0:
+        first = (r.stderr.strip() or "no message").splitlines()[0]
+        raise ConfigError(f"{what}, and sinfo, asked for the partition's GPUs, failed: {first}")
+    rows = [line.split("|", 1) for line in r.stdout.splitlines() if "|" in line]
+    if launcher.partition is None:  # the cluster's default partition, starred by sinfo
+        rows = [(p, g) for p, g in rows if p.endswith("*")]
+    name = launcher.partition or (rows[0][0].rstrip("*") if rows else "(the default)")
+    if not rows:
+        raise ConfigError(f"{what}, but sinfo lists no partition {name}; name one with launcher.partition=")
+    gpus = max(slurm_partition_gpus(g) for _, g in rows)
+    if gpus < world_size:
+        gres = ", ".join(sorted({g.strip() for _, g in rows}))
+        raise ConfigError(
+            f"{what}, but the nodes of partition {name} have {gpus or 'none'} (sinfo gres: {gres}); "
+            "train on their CPUs with device=cpu, or name a partition with GPUs (launcher.partition=)"
+        )
+
+
 def cores() -> int:
     """CPU cores this process may run on."""
     try:
@@ -345,6 +391,7 @@ def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
     if "recipes" in cfg:  # lowprec ablate
         # first: a launcher that cannot submit from here is said before the device and data are looked at
         check_launcher(launcher_from_cfg(cfg), parallel_from_cfg(cfg).world_size)
+        check_slurm_gpus(launcher_from_cfg(cfg), str(cfg.device), parallel_from_cfg(cfg).world_size)
         if not cfg.get("dry_run"):  # a dry run plans without the corpus and says how many tokens it needs
             check_corpus_path(str(cfg.data.source), cfg.data.get("path"))
         ablation = _ablation(cfg, recipes)

@@ -150,6 +150,7 @@ def fake_slurm(monkeypatch, tmp_path):
         "srun": "exit 0",
         "sacct": 'printf "JobID|State|NodeList\\n4242|OUT_OF_MEMORY|node7\\n"',
         "scancel": "exit 0",
+        "sinfo": 'echo "gpu*|gpu:8"',  # the partition's nodes have GPUs: device=auto's jobs may ask for one
     }
     for name, body in scripts.items():
         (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
