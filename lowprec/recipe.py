@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,27 +38,123 @@ import torch
 from lowprec.errors import RecipeError
 
 _BLOCK_RE = re.compile(r"^layers\.(\d+)\.")
-#: Float8Spec fields of block-scaled (microscaling) backends; others refuse them when set.
-BLOCK_FIELDS = ("mx_scale_mode", "rht_size", "weight_scaling_2d", "grad_rounding", "precision_switch_at")
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-#: Fields of other groups added after recipes were first hashed: group -> {field: default} (``Recipe.hash``).
-_HASH_OMITS_AT_DEFAULT_BY_GROUP: dict[str, dict[str, Any]] = {"compute": {"reduction_order": "natural"}}
-#: Float8Spec fields added after recipes were first hashed, with their defaults (``Recipe.hash``).
-_HASH_OMITS_AT_DEFAULT: dict[str, Any] = {
-    "amax_floor": 1e-12,
-    "promotion": True,
-    "grad_output_granularity": None,
-    "e5m6_inputs": [],
-    "swiglu_cache": "none",
-    "accum_rounding": "nearest",
-    "accum_group": None,
-}
 #: How the emulated accumulator drops bits (``lowprec.float8.accumulator.ROUNDINGS``; a pure value cannot import it,
 #: tests/unit/test_recipe_accumulator.py holds the two equal).
 ACCUM_ROUNDINGS = ("nearest", "truncate", "floor")
+#: ``lowprec.numerics.formats.AMAX_EPS`` (torchao's ``EPS``), the default ``amax_floor``: a pure value cannot import
+#: it; tests/unit/test_recipe_fields.py holds the two equal.
+AMAX_EPS = 1e-12
+
+#: The FP8 backends of lowprec's own per-tensor linear, and of it and the block-scaled one (``spec_field(backends=)``).
+_LOWPREC = ("lowprec",)
+_LOWPREC_MX = ("lowprec", "mx")
+
+
+def spec_field(
+    default: Any,
+    *,
+    backends: tuple[str, ...] | None = None,
+    short: str | Callable[[Any, Any], str] | None = None,
+    hash_omit_at_default: bool = False,
+    choices: tuple | None = None,
+    block: bool = False,
+) -> Any:
+    """A recipe dataclass field declared once, with the facts the lab derives from it (``dataclasses.field``
+    metadata; the pattern of torchao's ``Float8LinearConfig`` and Transformer Engine's recipe classes, where the
+    config is the one place an option is named).
+
+    ``default``: the value meaning "not asked for" (immutable: a tuple for a sequence).
+    ``backends``: the FP8 backends (``recipe.fp8.backend`` names) that implement any other value; ``None``: every
+    backend. The others refuse a recipe that sets it (``unimplemented_fields``, asked by ``lowprec.backends``)
+    instead of training without it.
+    ``short``: the field's token in the recipe's short name (``lowprec.backends.fp8_short``), in declaration order:
+    a format string given the value, emitted when the value differs from ``default``; or a callable
+    ``(spec, backend) -> str`` (``backend`` the registered ``Float8Backend``) for a token that reads other fields;
+    ``None``: no token.
+    ``hash_omit_at_default``: the field came after recipes were first hashed: ``Recipe.hash`` leaves it out at its
+    default, so those recipes (and their checkpoints) keep their hash. Every new field needs it.
+    ``choices``: the values construction accepts (``check_choices`` refuses others with ``RecipeError``).
+    ``block``: a block-scaling (microscaling) field (``BLOCK_FIELDS``): ``backends`` lists the backends whose
+    ``block_fields`` implement it.
+    Raises ``ValueError`` for a block field without ``backends`` or a default outside ``choices``.
+    """
+    if block and backends is None:
+        raise ValueError("a block-scaling field names the backends that implement it")
+    if choices is not None and default not in choices:
+        raise ValueError(f"default {default!r} is not one of the choices {list(choices)}")
+    meta = {
+        "backends": None if backends is None else tuple(backends),
+        "short": short,
+        "hash_omit_at_default": hash_omit_at_default,
+        "choices": None if choices is None else tuple(choices),
+        "block": block,
+    }
+    return field(default=default, metadata=meta)
+
+
+def _meta(f: dataclasses.Field, key: str) -> Any:
+    return f.metadata.get(key)
+
+
+def field_backends(spec_cls: type, name: str) -> tuple[str, ...] | None:
+    """The backends that implement a non-default value of ``spec_cls``'s field ``name`` (``None``: every one)."""
+    return next(_meta(f, "backends") for f in dataclasses.fields(spec_cls) if f.name == name)
+
+
+def unimplemented_fields(spec_cls: type, backend: str, *, block: bool = False) -> dict[str, Any]:
+    """``{field: default}`` of the fields of the dataclass ``spec_cls`` (block-scaling ones if ``block``, the others
+    if not) that ``backend`` does not implement (``spec_field(backends=...)`` without it), in declaration order: the
+    table a backend refuses a recipe by."""
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(spec_cls)
+        if bool(_meta(f, "block")) == block and _meta(f, "backends") is not None and backend not in _meta(f, "backends")
+    }
+
+
+def block_fields_of(spec_cls: type, backend: str) -> tuple[str, ...]:
+    """The block-scaling fields of ``spec_cls`` that ``backend`` implements (its ``Float8Backend.block_fields``)."""
+    return tuple(f.name for f in dataclasses.fields(spec_cls) if _meta(f, "block") and backend in _meta(f, "backends"))
+
+
+def hash_omits(spec_cls: type) -> dict[str, Any]:
+    """``{field: default}`` of the fields ``Recipe.hash`` leaves out at their default (``hash_omit_at_default``)."""
+    return {f.name: f.default for f in dataclasses.fields(spec_cls) if _meta(f, "hash_omit_at_default")}
+
+
+def short_tokens(spec: Any, backend: Any) -> str:
+    """The short-name tokens of the dataclass ``spec``'s fields (``spec_field(short=...)``), concatenated in
+    declaration order; ``backend`` is passed to callable tokens."""
+    out = []
+    for f in dataclasses.fields(spec):
+        short, value = _meta(f, "short"), getattr(spec, f.name)
+        if callable(short):
+            out.append(short(spec, backend))
+        elif short is not None and value != f.default:
+            out.append(short.format(value))
+    return "".join(out)
+
+
+def check_choices(spec: Any, group: str) -> None:
+    """Refuse (``RecipeError``) the first field of the dataclass ``spec`` whose value is not one of its
+    ``spec_field(choices=...)``; ``group`` names it (``recipe.<group>.<field>``)."""
+    for f in dataclasses.fields(spec):
+        if _meta(f, "choices") is not None:
+            _check_choice(group, f.name, getattr(spec, f.name), _meta(f, "choices"))
+
+
+def _strategy_token(spec: Any, backend: Any) -> str:
+    if spec.strategy == "delayed":
+        return f"/delayed{spec.amax_history_len}-{spec.amax_compute_algo}-m{spec.margin}"
+    return "/static" if spec.strategy == "static" else ""
+
+
+def _format_token(spec: Any, backend: Any) -> str:
+    # a backend fact: whether fp8_format is a free choice (torchao's scalings imply it); E2M1 scalings have none
+    return f"/{spec.fp8_format}" if backend.format_in_name and spec.scaling not in ("mxfp4", "nvfp4") else ""
 
 
 def refuse_inert(spec: Any, group: str, names: tuple[str, ...], because: str) -> None:
@@ -90,14 +187,12 @@ class WeightSpec:
     parameters without a master.
     """
 
-    param_dtype: str = "fp32"
-    master_dtype: str = "none"
-    update_rounding: str = "nearest"
+    param_dtype: str = spec_field("fp32", choices=("fp32", "bf16"))
+    master_dtype: str = spec_field("none", choices=("none", "fp32"))
+    update_rounding: str = spec_field("nearest", choices=("nearest", "stochastic", "kahan"))
 
     def __post_init__(self) -> None:
-        _check_choice("weights", "param_dtype", self.param_dtype, ("fp32", "bf16"))
-        _check_choice("weights", "master_dtype", self.master_dtype, ("none", "fp32"))
-        _check_choice("weights", "update_rounding", self.update_rounding, ("nearest", "stochastic", "kahan"))
+        check_choices(self, "weights")
         if self.master_dtype == "fp32" and self.param_dtype == "fp32":
             raise RecipeError(
                 "recipe.weights.master_dtype='fp32' conflicts with recipe.weights.param_dtype='fp32': "
@@ -124,16 +219,14 @@ class ComputeSpec:
     the negative control of the noise study (``experiment=noise``). Eager only (a dispatch mode is not traced).
     """
 
-    autocast_dtype: str = "none"
-    loss_scaling: str = "none"
+    autocast_dtype: str = spec_field("none", choices=("none", "bf16", "fp16"))
+    loss_scaling: str = spec_field("none", choices=("none", "dynamic"))
     init_scale: float = 65536.0
     growth_interval: int = 2000
-    reduction_order: str = "natural"
+    reduction_order: str = spec_field("natural", choices=("natural", "reversed"), hash_omit_at_default=True)
 
     def __post_init__(self) -> None:
-        _check_choice("compute", "autocast_dtype", self.autocast_dtype, ("none", "bf16", "fp16"))
-        _check_choice("compute", "loss_scaling", self.loss_scaling, ("none", "dynamic"))
-        _check_choice("compute", "reduction_order", self.reduction_order, ("natural", "reversed"))
+        check_choices(self, "compute")
         if not (0 < self.init_scale < float("inf")) or self.growth_interval < 1:
             raise RecipeError(
                 f"recipe.compute.init_scale={self.init_scale} must be finite and > 0 and "
@@ -166,9 +259,9 @@ class Float8Spec:
     ``promotion_interval``: N_C, elements of K accumulated before promotion to FP32 (null: 128 for
     blockwise, all of K otherwise); ``accum_mantissa_bits`` emulates a limited-precision accumulator.
     ``cache_fp8_activations``: save the FP8 input and its scales for backward instead of the input.
-    ``amax_floor``: current scaling computes ``scale = fmt.max / max(amax, amax_floor)``; 1e-12 is torchao's
-    ``EPS``, 1e-4 the clamp of DeepSeek's reference kernels (DeepSeek-V3 ``inference/kernel.py`` ``act_quant``,
-    DeepGEMM ``per_token_cast_to_fp8``), which flushes tiles whose amax is below about 1e-10 to zero.
+    ``amax_floor``: current scaling computes ``scale = fmt.max / max(amax, amax_floor)``; ``AMAX_EPS`` (1e-12) is
+    torchao's ``EPS``, 1e-4 the clamp of DeepSeek's reference kernels (DeepSeek-V3 ``inference/kernel.py``
+    ``act_quant``, DeepGEMM ``per_token_cast_to_fp8``), which flushes tiles whose amax is below about 1e-10 to zero.
     ``promotion``: False accumulates all of K in the emulated limited-precision accumulator (the tile/block
     scales applied per WGMMA step), i.e. Hopper without DeepSeek-V3's promotion; needs ``accum_mantissa_bits``.
     ``accum_rounding`` (``nearest`` | ``truncate`` | ``floor``) and ``accum_group`` (null, or the number of products
@@ -199,44 +292,59 @@ class Float8Spec:
     ``hp_last_blocks`` for the BF16 tail blocks.
     """
 
+    # Each field is declared once: which backends implement a non-default value, its short-name token (emitted in
+    # this order), whether the hash omits it at its default, its choices (``spec_field``).
     backend: str = "none"
     scaling: str = "tensorwise"
-    strategy: str = "current"
-    fp8_format: str = "hybrid"
+    strategy: str = spec_field("current", choices=("current", "delayed", "static"), short=_strategy_token)
+    fp8_format: str = spec_field("hybrid", choices=("hybrid", "e4m3"), short=_format_token)
     amax_history_len: int = 16
-    amax_compute_algo: str = "max"
+    amax_compute_algo: str = spec_field("max", choices=("max", "most_recent"))
     margin: int = 0
     static_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    power_of_2_scales: bool = False
-    gemm_backend: str = "scaled_mm"
-    promotion_interval: int | None = None
-    accum_mantissa_bits: int | None = None
-    accum_rounding: str = "nearest"
-    accum_group: int | None = None
-    cache_fp8_activations: bool = False
-    amax_floor: float = 1e-12
-    promotion: bool = True
-    grad_output_granularity: str | None = None
-    e5m6_inputs: tuple[str, ...] = ()
-    swiglu_cache: str = "none"
+    power_of_2_scales: bool = spec_field(False, backends=_LOWPREC)
+    gemm_backend: str = spec_field("scaled_mm", backends=_LOWPREC, choices=("scaled_mm", "emulated"))
+    promotion_interval: int | None = spec_field(None, backends=_LOWPREC)
+    # the emulated accumulator's token: /acc<bits>[-<rounding>][-g<group>][-nopromo]
+    accum_mantissa_bits: int | None = spec_field(None, backends=_LOWPREC, short="/acc{}")
+    accum_rounding: str = spec_field(
+        "nearest", backends=_LOWPREC, choices=ACCUM_ROUNDINGS, short="-{}", hash_omit_at_default=True
+    )
+    accum_group: int | None = spec_field(None, backends=_LOWPREC, short="-g{}", hash_omit_at_default=True)
+    promotion: bool = spec_field(True, backends=_LOWPREC_MX, short="-nopromo", hash_omit_at_default=True)
+    grad_output_granularity: str | None = spec_field(
+        None,
+        backends=_LOWPREC_MX,
+        choices=(None, "tile1x128", "block128x128"),
+        short="/dy:{}",
+        hash_omit_at_default=True,
+    )
+    amax_floor: float = spec_field(AMAX_EPS, backends=_LOWPREC_MX, short="/floor{:g}", hash_omit_at_default=True)
+    cache_fp8_activations: bool = spec_field(False, backends=_LOWPREC, short="+fp8cache")
+    e5m6_inputs: tuple[str, ...] = spec_field((), backends=_LOWPREC_MX, short="+e5m6", hash_omit_at_default=True)
+    swiglu_cache: str = spec_field(
+        "none", backends=_LOWPREC_MX, choices=("none", "fp8"), short="+swiglu:{}", hash_omit_at_default=True
+    )
+    # block-scaling fields (``BLOCK_FIELDS``)
+    mx_scale_mode: str = spec_field("rceil", backends=("mx",), block=True, choices=("rceil", "floor"), short="/{}")
+    rht_size: int = spec_field(0, backends=("mx", "te"), block=True, short="+rht{}")
+    weight_scaling_2d: bool = spec_field(False, backends=("mx", "te"), block=True, short="+w2d")
+    grad_rounding: str = spec_field(
+        "nearest", backends=("mx", "te"), block=True, choices=("nearest", "stochastic"), short="+sr"
+    )
+    precision_switch_at: float | None = spec_field(None, backends=("mx",), block=True, short="+hp@{:g}")
+    # which linears
     keep_hp_fqns: tuple[str, ...] = ("tok_embeddings", "output")
     hp_first_blocks: int = 0
-    hp_last_blocks: int = 0
+    hp_last_blocks: int = spec_field(0, short="+hplast{}")
     min_features: int = 0
-    mx_scale_mode: str = "rceil"
-    rht_size: int = 0
-    weight_scaling_2d: bool = False
-    grad_rounding: str = "nearest"
-    precision_switch_at: float | None = None
 
     def __post_init__(self) -> None:
         # Hydra hands lists; freeze them so the recipe stays hashable.
         object.__setattr__(self, "keep_hp_fqns", tuple(self.keep_hp_fqns))
         object.__setattr__(self, "static_scales", tuple(float(x) for x in self.static_scales))
         object.__setattr__(self, "e5m6_inputs", tuple(self.e5m6_inputs))
-        _check_choice("fp8", "swiglu_cache", self.swiglu_cache, ("none", "fp8"))
-        grans = (None, "tile1x128", "block128x128")
-        _check_choice("fp8", "grad_output_granularity", self.grad_output_granularity, grans)
+        check_choices(self, "fp8")
         if not 1e-30 <= self.amax_floor <= 1.0:
             raise RecipeError(f"recipe.fp8.amax_floor={self.amax_floor} must be in [1e-30, 1] (scales stay finite)")
         if not self.promotion and self.accum_mantissa_bits is None:
@@ -244,10 +352,6 @@ class Float8Spec:
                 "recipe.fp8.promotion=false needs recipe.fp8.accum_mantissa_bits: with an FP32 accumulator there is "
                 "nothing to promote"
             )
-        _check_choice("fp8", "strategy", self.strategy, ("current", "delayed", "static"))
-        _check_choice("fp8", "fp8_format", self.fp8_format, ("hybrid", "e4m3"))
-        _check_choice("fp8", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
-        _check_choice("fp8", "gemm_backend", self.gemm_backend, ("scaled_mm", "emulated"))
         if len(self.static_scales) != 3:
             raise RecipeError(
                 f"recipe.fp8.static_scales needs 3 values (input, weight, grad_output), got {self.static_scales}"
@@ -269,8 +373,6 @@ class Float8Spec:
         for name in ("hp_first_blocks", "hp_last_blocks", "min_features"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"recipe.fp8.{name}={getattr(self, name)} must be >= 0")
-        _check_choice("fp8", "mx_scale_mode", self.mx_scale_mode, ("rceil", "floor"))
-        _check_choice("fp8", "grad_rounding", self.grad_rounding, ("nearest", "stochastic"))
         if self.rht_size < 0 or self.rht_size & (self.rht_size - 1) or self.rht_size == 1:
             raise RecipeError(
                 f"recipe.fp8.rht_size={self.rht_size} must be 0 (off) or a power of 2 >= 2: the random Hadamard "
@@ -308,7 +410,6 @@ class Float8Spec:
     def _check_accumulator(self) -> None:
         """The accumulator model's fields (class doc): a known rounding, a group >= 1 that divides 128 where it
         meets tile/block scales without promotion, and both only with ``accum_mantissa_bits``."""
-        _check_choice("fp8", "accum_rounding", self.accum_rounding, ACCUM_ROUNDINGS)
         if self.accum_group is not None and self.accum_group < 1:
             raise RecipeError(f"recipe.fp8.accum_group={self.accum_group} must be >= 1 products (or null)")
         if self.accum_mantissa_bits is None:
@@ -352,6 +453,10 @@ class Float8Spec:
         return min(in_features, out_features) >= self.min_features
 
 
+#: Float8Spec fields of block-scaled (microscaling) backends; others refuse them when set (``spec_field(block=True)``).
+BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(Float8Spec) if f.metadata.get("block"))
+
+
 @dataclass(frozen=True)
 class OptimSpec:
     """AdamW state precision.
@@ -382,15 +487,13 @@ class CommSpec:
     tensor-parallel linears moves e4m3 with one scale per token.
     """
 
-    weight_all_gather: str = "compute"
-    grad_reduce: str = "fp32"
+    weight_all_gather: str = spec_field("compute", choices=("compute", "fp8"))
+    grad_reduce: str = spec_field("fp32", choices=("fp32", "bf16", "fp8"))
     grad_reduce_block: int = 128
-    activation_all_gather: str = "compute"
+    activation_all_gather: str = spec_field("compute", choices=("compute", "fp8"))
 
     def __post_init__(self) -> None:
-        _check_choice("comm", "weight_all_gather", self.weight_all_gather, ("compute", "fp8"))
-        _check_choice("comm", "grad_reduce", self.grad_reduce, ("fp32", "bf16", "fp8"))
-        _check_choice("comm", "activation_all_gather", self.activation_all_gather, ("compute", "fp8"))
+        check_choices(self, "comm")
         if self.grad_reduce_block < 1:
             raise RecipeError(f"recipe.comm.grad_reduce_block={self.grad_reduce_block} must be >= 1")
 
@@ -443,13 +546,10 @@ class Recipe:
         """Stable 12-hex-digit hash of every field that changes numerics (name and description excluded)."""
         d = self.to_dict()
         d.pop("name"), d.pop("description")
-        for name, default in _HASH_OMITS_AT_DEFAULT.items():
-            # fields added later hash only when set, so recipes (and checkpoints) from before keep their hash
-            if d["fp8"][name] == default:
-                del d["fp8"][name]
-        for group, omits in _HASH_OMITS_AT_DEFAULT_BY_GROUP.items():
-            for name, default in omits.items():
-                if d[group][name] == default:
+        for group in _GROUPS:
+            for name, default in hash_omits(_GROUPS[group]).items():
+                # fields added later hash only when set, so recipes (and checkpoints) from before keep their hash
+                if d[group][name] == (list(default) if isinstance(default, tuple) else default):
                     del d[group][name]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -464,13 +564,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recipe:
         """Build from a plain (e.g. Hydra) mapping. Unknown keys raise ``RecipeError`` naming them."""
-        groups = {
-            "weights": WeightSpec,
-            "compute": ComputeSpec,
-            "fp8": Float8Spec,
-            "optim": OptimSpec,
-            "comm": CommSpec,
-        }
+        groups = _GROUPS
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - top)
         if unknown:
@@ -487,3 +581,13 @@ class Recipe:
             else:
                 kwargs[k] = v
         return cls(**kwargs)
+
+
+#: The recipe's field groups (``recipe.<group>.<field>``) and their dataclasses.
+_GROUPS: dict[str, type] = {
+    "weights": WeightSpec,
+    "compute": ComputeSpec,
+    "fp8": Float8Spec,
+    "optim": OptimSpec,
+    "comm": CommSpec,
+}

@@ -15,6 +15,7 @@ from lowprec.float8 import Float8Linear, LinearFP8Config
 from lowprec.float8.swiglu import Float8CachedSwiGLU
 from lowprec.model.llama import SwiGLU
 from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
+from lowprec.recipe import field_backends, unimplemented_fields
 
 
 def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -30,6 +31,7 @@ class LowprecFloat8(Float8Backend):
 
     def validate(self, spec) -> None:
         super().validate(spec)
+        refuse_unimplemented(spec, self.name)
         if spec.scaling == "blockwise" and spec.promotion_interval not in (None, 128):
             raise RecipeError(
                 f"recipe.fp8.promotion_interval={spec.promotion_interval} conflicts with "
@@ -138,30 +140,20 @@ def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
 register_fp8_backend(LowprecFloat8())
 
 
-#: Options only lowprec's own FP8 linear honours, with the values that mean "not asked for". Another backend given
-#: any other value refuses the recipe (``refuse_lowprec_only``) instead of training without it.
-LOWPREC_ONLY = {
-    "gemm_backend": "scaled_mm",
-    "promotion_interval": None,
-    "accum_mantissa_bits": None,
-    "accum_rounding": "nearest",
-    "accum_group": None,
-    "cache_fp8_activations": False,
-    "power_of_2_scales": False,
-    "amax_floor": 1e-12,
-    "promotion": True,
-    "grad_output_granularity": None,
-    "e5m6_inputs": (),
-    "swiglu_cache": "none",
-}
-
-
-def refuse_lowprec_only(spec, backend: str) -> None:
-    """Raise ``RecipeError`` naming the first field of ``LOWPREC_ONLY`` that ``spec`` (a ``Float8Spec``) sets for
-    ``backend`` (``torchao``, ``te``), which would silently not apply there."""
-    bad = [k for k, v in LOWPREC_ONLY.items() if getattr(spec, k) != v]
-    if bad:
-        raise RecipeError(
-            f"recipe.fp8.{bad[0]} is a lowprec FP8 option; it conflicts with recipe.fp8.backend={backend!r} "
-            "(use backend=lowprec)"
-        )
+def refuse_unimplemented(spec, backend: str) -> None:
+    """Raise ``RecipeError`` naming the first field that ``spec`` (a ``Float8Spec``) sets although ``backend``
+    (``lowprec``, ``torchao``, ``te``, ``mx``) does not implement it (``lowprec.recipe.unimplemented_fields``, from
+    each field's ``spec_field(backends=...)``): the run would silently train without it. Block-scaling fields are
+    ``lowprec.backends.check_fp8``'s."""
+    for name, default in unimplemented_fields(type(spec), backend).items():
+        if getattr(spec, name) == default:
+            continue
+        implementers = field_backends(type(spec), name)
+        if backend == "mx" and implementers == ("lowprec",):
+            why = "is an option of the per-tensor FP8 linear (backend=lowprec)"
+        elif "lowprec" in implementers:
+            why = "is a lowprec FP8 option"
+        else:
+            why = f"is implemented by backend in {list(implementers)} only"
+        hint = "" if backend == "mx" else f" (use backend={implementers[0]})"
+        raise RecipeError(f"recipe.fp8.{name} {why}; it conflicts with recipe.fp8.backend={backend!r}{hint}")

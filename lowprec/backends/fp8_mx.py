@@ -6,33 +6,19 @@ from __future__ import annotations
 
 import math
 
-from lowprec.backends.fp8_lowprec import LOWPREC_ONLY, swap_module
+from lowprec.backends.fp8_lowprec import refuse_unimplemented, swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8.mx_linear import MX_SCALINGS, MXConfig, MXLinear
 from lowprec.kernels.block_scaled_mm import HAS_BLOCK_SCALED_OP
-
-#: Float8Spec fields of the per-tensor FP8 linear that this backend does not implement, with their neutral values:
-#: a subset of ``LOWPREC_ONLY`` (what this backend does with the others is its own validation's business).
-_FP8_ONLY = {
-    k: LOWPREC_ONLY[k]
-    for k in (
-        "gemm_backend",
-        "promotion_interval",
-        "accum_mantissa_bits",
-        "accum_rounding",
-        "accum_group",
-        "cache_fp8_activations",
-        "power_of_2_scales",
-    )
-}
+from lowprec.recipe import Float8Spec, block_fields_of
 
 
 class LowprecMX(Float8Backend):
     name = "mx"
     scalings = MX_SCALINGS
     module_class = "lowprec.float8.mx_linear.MXLinear"
-    block_fields = ("mx_scale_mode", "rht_size", "weight_scaling_2d", "grad_rounding", "precision_switch_at")
+    block_fields = block_fields_of(Float8Spec, "mx")
 
     def validate(self, spec) -> None:
         super().validate(spec)
@@ -41,12 +27,7 @@ class LowprecMX(Float8Backend):
                 f"recipe.fp8.strategy={spec.strategy!r} conflicts with recipe.fp8.backend='mx': block scales are "
                 "computed from each block's own amax (current scaling)"
             )
-        bad = [k for k, v in _FP8_ONLY.items() if getattr(spec, k) != v]
-        if bad:
-            raise RecipeError(
-                f"recipe.fp8.{bad[0]} is an option of the per-tensor FP8 linear (backend=lowprec); it conflicts "
-                "with recipe.fp8.backend='mx'"
-            )
+        refuse_unimplemented(spec, self.name)
         if spec.scaling != "mxfp8" and spec.fp8_format != "hybrid":
             raise RecipeError(
                 f"recipe.fp8.fp8_format={spec.fp8_format!r} has no effect with recipe.fp8.scaling={spec.scaling!r} "

@@ -3,11 +3,11 @@ an optional extra imported lazily by ``lowprec.float8.te``, so this module impor
 
 from __future__ import annotations
 
-from lowprec.backends.fp8_lowprec import refuse_lowprec_only, swap_module
+from lowprec.backends.fp8_lowprec import refuse_unimplemented, swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.float8.te import require_te, te_context, te_linear_from
-from lowprec.recipe import refuse_inert
+from lowprec.recipe import Float8Spec, block_fields_of, refuse_inert
 
 
 class TransformerEngineFloat8(Float8Backend):
@@ -15,7 +15,7 @@ class TransformerEngineFloat8(Float8Backend):
     scalings = ("tensorwise", "blockwise", "mxfp8", "nvfp4")
     module_class = "transformer_engine.pytorch.module.linear.Linear"
     #: NVFP4BlockScaling's switches (``disable_rht``, ``disable_2d_quantization``, ``disable_stochastic_rounding``)
-    block_fields = ("rht_size", "weight_scaling_2d", "grad_rounding")
+    block_fields = block_fields_of(Float8Spec, "te")
 
     def validate(self, spec) -> None:
         super().validate(spec)
@@ -28,7 +28,7 @@ class TransformerEngineFloat8(Float8Backend):
             )
         # the accumulator emulation, the FP8 activation cache and the scale options are lowprec's: TE would train
         # without them and the run would claim them
-        refuse_lowprec_only(spec, "te")
+        refuse_unimplemented(spec, self.name)
 
     def hardware_blocker(self, spec, capability) -> str | None:
         if spec.scaling in ("mxfp8", "nvfp4") and capability[0] < 10:

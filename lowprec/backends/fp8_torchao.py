@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowprec.backends.fp8_lowprec import refuse_lowprec_only
+from lowprec.backends.fp8_lowprec import refuse_unimplemented
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.parallel.fp8_all_gather import install_fp8_safe_all_gather
@@ -37,7 +37,7 @@ class TorchaoFloat8(Float8Backend):
                 f"recipe.fp8.scaling={spec.scaling!r}, whose torchao recipe uses {implied!r}; "
                 f"set recipe.fp8.fp8_format={implied}"
             )
-        refuse_lowprec_only(spec, "torchao")
+        refuse_unimplemented(spec, self.name)
 
     def supports_fp8_weight_all_gather(self, spec) -> bool:
         return spec.scaling == "tensorwise"  # torchao's only FSDP float8 all-gather

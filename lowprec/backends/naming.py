@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lowprec.backends.registry import fp8_backend
+from lowprec.recipe import short_tokens
 
 if TYPE_CHECKING:
     from lowprec.recipe import Float8Spec, Recipe
@@ -17,45 +18,12 @@ def fp8_short(spec: Float8Spec) -> str:
     """The FP8 part of ``short_str``: ``off``, or ``backend:scaling`` and each setting that differs from the
     usual, e.g. ``lowprec:blockwise/e4m3/floor0.0001+fp8cache`` or, with an emulated accumulator,
     ``lowprec:blockwise/e4m3/acc13-truncate-g32-nopromo`` (bits, rounding and group when not the defaults,
-    ``-nopromo`` without promotion). Raises ``RecipeError`` for an unregistered
-    backend."""
+    ``-nopromo`` without promotion): the fields' ``short`` tokens (``lowprec.recipe.spec_field``) in declaration
+    order. Raises ``RecipeError`` for an unregistered backend."""
     if not spec.enabled:
         return "off"
-    s = f"{spec.backend}:{spec.scaling}"
-    if spec.strategy == "delayed":
-        s += f"/delayed{spec.amax_history_len}-{spec.amax_compute_algo}-m{spec.margin}"
-    elif spec.strategy == "static":
-        s += "/static"
-    if fp8_backend(spec.backend).format_in_name and spec.scaling not in ("mxfp4", "nvfp4"):  # E2M1 only
-        s += f"/{spec.fp8_format}"
-    if spec.accum_mantissa_bits is not None:
-        s += f"/acc{spec.accum_mantissa_bits}"
-        s += "" if spec.accum_rounding == "nearest" else f"-{spec.accum_rounding}"
-        s += "" if spec.accum_group is None else f"-g{spec.accum_group}"
-        s += "" if spec.promotion else "-nopromo"
-    if spec.grad_output_granularity is not None:
-        s += f"/dy:{spec.grad_output_granularity}"
-    if spec.amax_floor != 1e-12:
-        s += f"/floor{spec.amax_floor:g}"
-    if spec.cache_fp8_activations:
-        s += "+fp8cache"
-    if spec.e5m6_inputs:
-        s += "+e5m6"
-    if spec.swiglu_cache != "none":
-        s += f"+swiglu:{spec.swiglu_cache}"
-    if spec.mx_scale_mode != "rceil":
-        s += f"/{spec.mx_scale_mode}"
-    if spec.rht_size:
-        s += f"+rht{spec.rht_size}"
-    if spec.weight_scaling_2d:
-        s += "+w2d"
-    if spec.grad_rounding == "stochastic":
-        s += "+sr"
-    if spec.precision_switch_at is not None:
-        s += f"+hp@{spec.precision_switch_at:g}"
-    if spec.hp_last_blocks:
-        s += f"+hplast{spec.hp_last_blocks}"
-    return s
+    # every other token is declared with its field (``lowprec.recipe.spec_field(short=...)``), in field order
+    return f"{spec.backend}:{spec.scaling}" + short_tokens(spec, fp8_backend(spec.backend))
 
 
 def short_str(recipe: Recipe) -> str:

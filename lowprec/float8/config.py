@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from lowprec.numerics.formats import Format, get_format
+from lowprec.numerics.formats import AMAX_EPS, Format, get_format
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -23,6 +24,10 @@ FORMAT_PRESETS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: LinearFP8Config field -> the Float8Spec field it is copied from, where the names differ.
+_SPEC_NAMES = {"power_of_2": "power_of_2_scales"}
+
+
 @dataclass(frozen=True)
 class RoleConfig:
     """How one operand role is cast: format, granularity, strategy (and the strategy's knobs)."""
@@ -35,7 +40,9 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class LinearFP8Config:
-    """Everything one FP8 linear needs. Built by ``from_spec`` from a recipe's ``Float8Spec``."""
+    """Everything one FP8 linear needs. Built by ``from_spec`` from a recipe's ``Float8Spec``: the three roles from
+    the presets, every other field copied from the spec field of the same name (``_SPEC_NAMES`` for the one that is
+    named otherwise), so a new spec field reaches the linear by a field here alone."""
 
     input: RoleConfig
     weight: RoleConfig
@@ -51,7 +58,7 @@ class LinearFP8Config:
     accum_rounding: str = "nearest"
     accum_group: int | None = None
     cache_fp8_activations: bool = False
-    amax_floor: float = 1e-12
+    amax_floor: float = AMAX_EPS
     promotion: bool = True
     #: ``fp8`` (or the input itself, as ``cache_fp8_activations`` says) | ``e5m6``: how the input is saved for
     #: backward (per linear: ``Float8Spec.e5m6_inputs`` names the linears).
@@ -59,6 +66,9 @@ class LinearFP8Config:
 
     @classmethod
     def from_spec(cls, spec) -> LinearFP8Config:
+        """From a recipe's ``Float8Spec`` (any object with its fields): roles from ``scaling`` /
+        ``grad_output_granularity``, ``fp8_format``, ``strategy`` and ``static_scales``; the other fields of this
+        config that the spec has, by name. Raises ``KeyError`` for a scaling or format without a preset."""
         grans = list(SCALING_PRESETS[spec.scaling])
         if spec.grad_output_granularity is not None:
             grans[2] = spec.grad_output_granularity
@@ -66,21 +76,12 @@ class LinearFP8Config:
         roles = [
             RoleConfig(get_format(f), g, spec.strategy, float(s)) for f, g, s in zip(fmts, grans, spec.static_scales)
         ]
-        return cls(
-            *roles,
-            power_of_2=spec.power_of_2_scales,
-            amax_history_len=spec.amax_history_len,
-            amax_compute_algo=spec.amax_compute_algo,
-            margin=spec.margin,
-            gemm_backend=spec.gemm_backend,
-            promotion_interval=spec.promotion_interval,
-            accum_mantissa_bits=spec.accum_mantissa_bits,
-            accum_rounding=spec.accum_rounding,
-            accum_group=spec.accum_group,
-            cache_fp8_activations=spec.cache_fp8_activations,
-            amax_floor=spec.amax_floor,
-            promotion=spec.promotion,
-        )
+        copied = {}
+        for f in dataclasses.fields(cls):
+            name = _SPEC_NAMES.get(f.name, f.name)
+            if f.name not in ROLES and hasattr(spec, name):
+                copied[f.name] = getattr(spec, name)
+        return cls(*roles, **copied)
 
     @property
     def runs_blockwise_gemm(self) -> bool:

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from lowprec.numerics.formats import Format, amax_to_scale, quantize
+from lowprec.numerics.formats import AMAX_EPS, Format, amax_to_scale, quantize
 from lowprec.numerics.scaling import QTensor, compute_amax, expand_scale
 
 FUSED_CASTS = ("auto", "on", "off")
@@ -49,7 +49,7 @@ def _compiled(key: tuple):
 
 @torch.no_grad()
 def fused_quantize_operand(
-    x: torch.Tensor, fmt: Format, granularity: str, power_of_2: bool = False, amax_floor: float = 1e-12
+    x: torch.Tensor, fmt: Format, granularity: str, power_of_2: bool = False, amax_floor: float = AMAX_EPS
 ) -> QTensor:
     """``quantize_operand(x, fmt, granularity, power_of_2=..., amax_floor=...)`` (current scaling) as one compiled
     kernel: the same data and compact scale, bit for bit; ``data`` may be laid out differently (inductor picks the

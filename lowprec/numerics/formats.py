@@ -59,7 +59,7 @@ def amax_to_scale(
     Computed in float64 then cast, as torchao does, so eager and compiled code agree bit for bit.
     ``power_of_2`` rounds the scale down to a power of two (exact dequantization; torchao's
     ``round_scales_to_power_of_2``, TE's ``power_2_scale``). ``margin`` is TE's ``DelayedScaling.margin``.
-    ``amax_floor``: 1e-12 is torchao's ``EPS``; DeepSeek's reference kernels clamp amax at 1e-4
+    ``amax_floor``: ``AMAX_EPS`` is torchao's ``EPS``; DeepSeek's reference kernels clamp amax at 1e-4
     (DeepSeek-V3 ``inference/kernel.py`` ``act_quant``, DeepGEMM ``per_token_cast_to_fp8``).
     """
     scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=amax_floor)).to(torch.float32)

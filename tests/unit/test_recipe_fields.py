@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lowprec.backends import check_recipe, fp8_backend, short_str
+from lowprec.backends import check_fp8, check_recipe, fp8_backends, short_str
 from lowprec.errors import RecipeError
-from lowprec.recipe import ComputeSpec, Float8Spec, Recipe
+from lowprec.float8 import LinearFP8Config
+from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, WeightSpec, spec_field
 
 DATA = Path(__file__).parent / "data"
 
@@ -81,3 +82,97 @@ def test_spec_variants_keep_their_hash_and_short_name():
     for name, want in pinned.items():
         r = check_recipe(Recipe(name=name, compute=ComputeSpec(autocast_dtype="bf16"), fp8=Float8Spec(**want["spec"])))
         assert (r.hash(), short_str(r)) == (want["hash"], want["short"]), name
+
+
+def test_derived_refusal_tables_equal_the_hand_written_ones():
+    from lowprec.recipe import BLOCK_FIELDS, unimplemented_fields
+
+    assert unimplemented_fields(Float8Spec, "torchao") == OLD_LOWPREC_ONLY
+    assert unimplemented_fields(Float8Spec, "te") == OLD_LOWPREC_ONLY
+    assert unimplemented_fields(Float8Spec, "mx") == OLD_MX_FP8_ONLY
+    assert unimplemented_fields(Float8Spec, "lowprec") == {}
+    assert BLOCK_FIELDS == OLD_BLOCK_FIELDS
+    assert {n: b.block_fields for n, b in fp8_backends().items()} == OLD_BACKEND_BLOCK_FIELDS
+
+
+def test_derived_hash_omissions_equal_the_hand_written_ones():
+    from lowprec.recipe import hash_omits
+
+    assert {g: hash_omits(c) for g, c in (("fp8", Float8Spec), ("compute", ComputeSpec))} == OLD_HASH_OMITS
+    assert hash_omits(WeightSpec) == hash_omits(OptimSpec) == hash_omits(CommSpec) == {}
+
+
+def test_amax_eps_is_one_value():
+    """The recipe (a pure value) cannot import the numerics' constant; the two stay equal."""
+    from lowprec.numerics.formats import AMAX_EPS
+    from lowprec.recipe import AMAX_EPS as RECIPE_AMAX_EPS
+
+    assert RECIPE_AMAX_EPS == AMAX_EPS == Float8Spec().amax_floor == LinearFP8Config.from_spec(Float8Spec()).amax_floor
+
+
+@pytest.mark.parametrize(
+    ("group", "field", "value"),
+    [
+        ("weights", "update_rounding", "up"),
+        ("compute", "reduction_order", "random"),
+        ("fp8", "strategy", "dynamic"),
+        ("fp8", "grad_output_granularity", "tile1x64"),
+        ("fp8", "accum_rounding", "ceil"),
+        ("fp8", "mx_scale_mode", "even"),
+        ("comm", "grad_reduce", "fp16"),
+    ],
+)
+def test_choices_declared_on_the_field_are_enforced(group, field, value):
+    with pytest.raises(RecipeError, match=rf"^recipe\.{group}\.{field}='{value}' is not one of \["):
+        Recipe(name="x").with_fields(group, **{field: value})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Toy:
+    """A throwaway spec declaring a field of every kind with ``spec_field``."""
+
+    plain: int = 0
+    only_lowprec: bool = spec_field(False, backends=("lowprec",), short="+only", hash_omit_at_default=True)
+    blocky: int = spec_field(0, backends=("mx",), block=True, short="/b{}")
+    mode: str = spec_field("a", choices=("a", "b"), short=lambda spec, backend: f"<{spec.mode}:{backend}>")
+
+
+def test_a_field_declared_with_metadata_shows_up_in_every_table():
+    from lowprec.recipe import block_fields_of, check_choices, field_backends, hash_omits, short_tokens
+    from lowprec.recipe import unimplemented_fields as unimpl
+
+    assert unimpl(_Toy, "torchao") == {"only_lowprec": False} and unimpl(_Toy, "lowprec") == {}
+    assert unimpl(_Toy, "lowprec", block=True) == {"blocky": 0} and unimpl(_Toy, "mx", block=True) == {}
+    assert block_fields_of(_Toy, "mx") == ("blocky",) and block_fields_of(_Toy, "te") == ()
+    assert field_backends(_Toy, "only_lowprec") == ("lowprec",) and field_backends(_Toy, "plain") is None
+    assert hash_omits(_Toy) == {"only_lowprec": False}
+    assert short_tokens(_Toy(), "be") == "<a:be>"
+    assert short_tokens(_Toy(only_lowprec=True, blocky=4, mode="b"), "be") == "+only/b4<b:be>"
+    check_choices(_Toy(), "toy")
+    with pytest.raises(RecipeError, match=r"^recipe\.toy\.mode='c' is not one of \['a', 'b'\]$"):
+        check_choices(_Toy(mode="c"), "toy")
+
+
+def test_spec_field_refuses_a_default_outside_its_choices_and_a_block_field_without_backends():
+    with pytest.raises(ValueError, match="not one of the choices"):
+        spec_field("c", choices=("a", "b"))
+    with pytest.raises(ValueError, match="names the backends"):
+        spec_field(0, block=True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "scaling", "field", "value", "needle"),
+    [
+        ("torchao", "tensorwise", "accum_mantissa_bits", 13, "recipe.fp8.accum_mantissa_bits is a lowprec FP8 option"),
+        ("te", "tensorwise", "swiglu_cache", "fp8", "recipe.fp8.swiglu_cache is a lowprec FP8 option"),
+        ("mx", "mxfp8", "power_of_2_scales", True, "an option of the per-tensor FP8 linear (backend=lowprec)"),
+        ("torchao", "tensorwise", "rht_size", 16, "recipe.fp8.rht_size=16 has no effect with recipe.fp8.backend="),
+        ("te", "tensorwise", "precision_switch_at", 0.5, "(a block-scaling field)"),
+        ("lowprec", "tensorwise", "mx_scale_mode", "floor", "(a block-scaling field)"),
+    ],
+)
+def test_backends_refuse_the_fields_they_do_not_implement(backend, scaling, field, value, needle):
+    spec = Float8Spec(backend=backend, scaling=scaling, **{field: value})
+    with pytest.raises(RecipeError) as e:
+        check_fp8(spec)
+    assert needle in str(e.value) and "\n" not in str(e.value)
