@@ -28,8 +28,10 @@ LAYERS: list[tuple[str, ...]] = [
     # Turning a recipe into mechanism, and predicting it.
     ("lowprec.convert", "lowprec.build_optim", "lowprec.build_parallel", "lowprec.estimate"),
     ("lowprec.train",),
-    ("lowprec",),
     ("recipes",),
+    # lowprec's __init__ (the library's front door, its names imported on first use) re-exports the catalog's
+    # get_recipe, so it sits above recipes; no module below it imports the package itself.
+    ("lowprec",),
     # The lab's wings (issue 30), bottom to top, as the code needs them: statistics over arrays; the config schema and
     # preflight; the store (tracker, spool, runs read back); the report built from the store; the studies, which
     # use the report's verdict table and plots and run as its ``after`` hook; the commands that drive them.
