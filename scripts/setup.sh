@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install lowprec with its test extra. Idempotent: a second call is quick.
+# Create .venv (if missing) and install lowprec with the lab and test extras. Idempotent: a second call is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,5 +11,6 @@ if ! .venv/bin/python -c "import lowprec, torch, torchao, bitsandbytes, hydra, m
     # No GPU: the CPU build of torch (on the lab's CPU machines a local wheel; ~20 s).
     .venv/bin/python -m pip install -q "torch==2.13.0"
   fi
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  # The library, the lab (`lab` extra: Hydra, MLflow, the report) and the test tools.
+  .venv/bin/python -m pip install -q -e ".[lab,dev]"
 fi
