@@ -276,6 +276,9 @@ class Float8Spec:
     E5M6 with power-of-2 1x128 tile scales (``lowprec.numerics.e5m6``; DeepSeek-V3 3.3.3: ``attention.wo``).
     ``swiglu_cache``: ``none`` or ``fp8``: the SwiGLU's inputs (``feed_forward.w1`` / ``w3`` outputs) are saved
     in e4m3 with power-of-2 1x128 tile scales and its output recomputed in backward (DeepSeek-V3 3.3.3).
+    ``pad_inner_dim``: zero-pad each GEMM's contraction dim to a multiple of 16 before ``torch._scaled_mm``
+    (torchao's ``Float8LinearConfig.pad_inner_dim``: e.g. a step's token count, the weight-gradient GEMM's inner
+    dim, need not be a multiple of 16); ``backend=torchao`` only.
     Which linears: all ``nn.Linear`` except those matching ``keep_hp_fqns`` (a pattern matches an FQN
     equal to it or ending with ``.<pattern>``), the first ``hp_first_blocks`` and last ``hp_last_blocks``
     transformer blocks, and linears with ``min(in, out) < min_features``.
@@ -325,6 +328,7 @@ class Float8Spec:
     swiglu_cache: str = spec_field(
         "none", backends=_LOWPREC_MX, choices=("none", "fp8"), short="+swiglu:{}", hash_omit_at_default=True
     )
+    pad_inner_dim: bool = spec_field(False, backends=("torchao",), short="+pad", hash_omit_at_default=True)
     # block-scaling fields (``BLOCK_FIELDS``)
     mx_scale_mode: str = spec_field("rceil", backends=("mx",), block=True, choices=("rceil", "floor"), short="/{}")
     rht_size: int = spec_field(0, backends=("mx", "te"), block=True, short="+rht{}")

@@ -57,7 +57,9 @@ class TorchaoFloat8(Float8Backend):
         self.check_shapes(spec, {f: (modules[f].in_features, modules[f].out_features) for f in fqns}, 0)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: ~1 s of import
 
-        config = Float8LinearConfig.from_recipe_name(spec.scaling)
+        config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(spec.scaling), pad_inner_dim=spec.pad_inner_dim
+        )
         if fp8_weight_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         if fp8_kernel == "emulated":

@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from lowprec.backends import check_fp8, check_recipe, fp8_backends, short_str
+from lowprec.backends import check_fp8, check_recipe, fp8_backend, fp8_backends, short_str
 from lowprec.errors import RecipeError
 from lowprec.float8 import LinearFP8Config
 from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, WeightSpec, spec_field
@@ -65,6 +66,9 @@ OLD_HASH_OMITS = {
     "compute": {"reduction_order": "natural"},
 }
 
+#: Fields added since, with their defaults: torchao's alone, omitted from the hash at their default.
+ADDED_TORCHAO_ONLY = {"pad_inner_dim": False}
+
 
 def test_every_catalog_recipe_keeps_its_hash_and_short_name():
     from recipes import CATALOG
@@ -88,9 +92,9 @@ def test_derived_refusal_tables_equal_the_hand_written_ones():
     from lowprec.recipe import BLOCK_FIELDS, unimplemented_fields
 
     assert unimplemented_fields(Float8Spec, "torchao") == OLD_LOWPREC_ONLY
-    assert unimplemented_fields(Float8Spec, "te") == OLD_LOWPREC_ONLY
-    assert unimplemented_fields(Float8Spec, "mx") == OLD_MX_FP8_ONLY
-    assert unimplemented_fields(Float8Spec, "lowprec") == {}
+    assert unimplemented_fields(Float8Spec, "te") == {**OLD_LOWPREC_ONLY, **ADDED_TORCHAO_ONLY}
+    assert unimplemented_fields(Float8Spec, "mx") == {**OLD_MX_FP8_ONLY, **ADDED_TORCHAO_ONLY}
+    assert unimplemented_fields(Float8Spec, "lowprec") == ADDED_TORCHAO_ONLY
     assert BLOCK_FIELDS == OLD_BLOCK_FIELDS
     assert {n: b.block_fields for n, b in fp8_backends().items()} == OLD_BACKEND_BLOCK_FIELDS
 
@@ -98,7 +102,8 @@ def test_derived_refusal_tables_equal_the_hand_written_ones():
 def test_derived_hash_omissions_equal_the_hand_written_ones():
     from lowprec.recipe import hash_omits
 
-    assert {g: hash_omits(c) for g, c in (("fp8", Float8Spec), ("compute", ComputeSpec))} == OLD_HASH_OMITS
+    omits = {g: hash_omits(c) for g, c in (("fp8", Float8Spec), ("compute", ComputeSpec))}
+    assert omits == {**OLD_HASH_OMITS, "fp8": {**OLD_HASH_OMITS["fp8"], **ADDED_TORCHAO_ONLY}}
     assert hash_omits(WeightSpec) == hash_omits(OptimSpec) == hash_omits(CommSpec) == {}
 
 
@@ -176,3 +181,43 @@ def test_backends_refuse_the_fields_they_do_not_implement(backend, scaling, fiel
     with pytest.raises(RecipeError) as e:
         check_fp8(spec)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _torchao_model(spec: Float8Spec) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False))
+    fp8_backend("torchao").convert(model, spec, ["0"], fp8_weight_all_gather=False, fp8_kernel="emulated")
+    return model
+
+
+def test_pad_inner_dim_reaches_torchao_and_is_named_and_refused_elsewhere():
+    """A field added with its metadata alone: torchao's linear gets it, the short name shows it, the hash of a recipe
+    without it is unchanged, and every backend that does not implement it refuses it in one line."""
+    padded = Float8Spec(backend="torchao", pad_inner_dim=True)
+    plain = Recipe(name="p", fp8=Float8Spec(backend="torchao"))
+    r = check_recipe(plain.with_fields("fp8", pad_inner_dim=True))
+    assert short_str(r).endswith("fp8=torchao:tensorwise+pad opt=param") and r.hash() != plain.hash()
+    assert plain.hash() == Recipe(name="p", fp8=Float8Spec(backend="torchao")).hash()
+
+    model = _torchao_model(padded)
+    assert (
+        model[0].config.pad_inner_dim is True
+        and _torchao_model(Float8Spec(backend="torchao"))[0].config.pad_inner_dim is False
+    )
+    x = torch.randn(7, 32, requires_grad=True)  # 7 tokens: the weight-gradient GEMM's inner dim is not a multiple of 16
+    model(x).sum().backward()
+    assert model[0].weight.grad.shape == (48, 32) and torch.isfinite(model[0].weight.grad).all()
+
+    for backend, scaling, needle in [
+        (
+            "lowprec",
+            "tensorwise",
+            "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only; it conflicts "
+            "with recipe.fp8.backend='lowprec' (use backend=torchao)",
+        ),
+        ("te", "tensorwise", "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only"),
+        ("mx", "mxfp8", "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only"),
+        ("none", "tensorwise", "recipe.fp8.pad_inner_dim=True has no effect with recipe.fp8.backend='none'"),
+    ]:
+        with pytest.raises(RecipeError) as e:
+            check_fp8(Float8Spec(backend=backend, scaling=scaling, pad_inner_dim=True))
+        assert str(e.value).startswith(needle), (backend, str(e.value))
