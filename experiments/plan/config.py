@@ -169,6 +169,16 @@ class AblateConfig(RunConfig):
     use or plan for; ``hardware``: the part the dry run predicts for (experiments/runner/dry_run.py)."""
 
     control: str | None = None
+    #: add a negative and a positive control to ``recipes`` (unless listed), judged like every recipe: the report's
+    #: first line says whether the experiment could see a difference of ``report.margin`` (negative control
+    #: ``non-inferior``, positive ``inferior``); experiments/plan/preflight.py ``ablation_controls``
+    controls: bool = False
+    #: the recipe that must come out non-inferior (null: the control with ``compute.reduction_order=reversed`` from
+    #: the catalog, e.g. ``bf16_reordered`` for ``bf16``); only with ``controls=true``
+    negative_control: str | None = None
+    #: the recipe that must come out inferior (null: ``bf16_pure``, preflight's ``POSITIVE_CONTROL``); only with
+    #: ``controls=true``
+    positive_control: str | None = None
     name: str = MISSING
     recipes: list[str] = MISSING
     #: an int >= 1, or ``auto`` (experiments/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)

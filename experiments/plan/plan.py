@@ -39,7 +39,9 @@ class Plan:
     ``command``: ``train`` or ``ablate``. ``recipes``: the recipes it trains (one for ``train``), validated against
     this machine, the model and the layout. ``seed``: the first seed; ``seeds``: those every recipe trains first
     (``seed .. seed+N-1``; ``seeds=auto``: the first 3) and ``spending`` the alpha-spending plan of the later ones
-    (None unless ``seeds=auto``). ``control``: the report's reference recipe (None for ``train``). ``model_name``
+    (None unless ``seeds=auto``). ``control``: the report's reference recipe (None for ``train``).
+    ``negative_control``/``positive_control``: with ``controls=true``, the recipes (among ``recipes``) that must come
+    out non-inferior / inferior against the control (None otherwise). ``model_name``
     and ``model``: the size's name and its ``ModelArgs`` (or ``MoEArgs``). ``train``, ``optim``, ``parallel``,
     ``data``, ``stability``, ``tracking``, ``paths``, ``faults``: the typed nodes. ``device``: as given (``auto``,
     ``cpu``, ``cuda:N``; each process resolves it). ``placement``: where the runs train, one slot per worker
@@ -90,6 +92,10 @@ class Plan:
     dry_run: bool = False
     gpus: int | None = None
     hardware: str | None = None
+    #: ``controls=true``: the recipe that must come out non-inferior (None without controls)
+    negative_control: str | None = None
+    #: ``controls=true``: the recipe that must come out inferior (None without controls)
+    positive_control: str | None = None
 
     @property
     def workers(self) -> int:

@@ -11,6 +11,7 @@ its typed value and checks it, once, and what it returns is all the runner reads
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 import signal
@@ -59,7 +60,11 @@ from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
 from lowprec.train.stop import STOP_SIGNALS
-from recipes import get_recipe
+from recipes import CATALOG, get_recipe
+
+#: The default positive control (``controls=true``, ``positive_control`` null): a recipe expected to come out
+#: ``inferior`` at the usual margins (BF16 weights with no master copy lose updates that round away).
+POSITIVE_CONTROL = "bf16_pure"
 
 if TYPE_CHECKING:  # the run path imports this module; scipy/statsmodels only where used
     from experiments.stats.sequential import SpendingPlan
@@ -327,7 +332,9 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
 
 
 def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
-    """``ablation_recipes``'s checks, once: ``(recipes, seeds, spending plan, placement, control)``."""
+    """``ablation_recipes``'s checks, once: ``(recipes, seeds, spending plan, placement, control, (negative,
+    positive) control or None)``; with ``controls=true`` the two controls are appended to the recipes unless
+    listed."""
     names = list(cfg.recipes)
     if not names:
         raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
@@ -338,10 +345,62 @@ def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
     if recipes is None:
         recipes = [get_recipe(n) for n in names]
     control = ablation_control(cfg, names)
+    roles = ablation_controls(cfg, control)
+    if roles is not None:
+        extra = [n for n in roles if n not in names]
+        recipes = [*recipes, *(get_recipe(n) for n in extra)]
     from experiments.stats.verdict import check_margin  # here: the run path imports this module, not scipy
 
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
-    return recipes, seeds, spending, placement, control
+    return recipes, seeds, spending, placement, control, roles
+
+
+def default_negative_control(control: str) -> str | None:
+    """The catalog recipe that is ``control`` with ``compute.reduction_order=reversed`` and nothing else changed
+    (``fp32`` -> ``fp32_reordered``, ``bf16`` -> ``bf16_reordered``): the same mathematics, other roundings, so it
+    must come out non-inferior. None when the catalog has none (or ``control`` is not a catalog recipe)."""
+    base = CATALOG.get(control)
+    if base is None or base.compute.reduction_order == "reversed":
+        return None
+    for name, r in CATALOG.items():
+        if r.compute.reduction_order != "reversed":
+            continue
+        natural = dataclasses.replace(r.compute, reduction_order="natural")
+        if dataclasses.replace(r, name=base.name, description=base.description, compute=natural) == base:
+            return name
+    return None
+
+
+def ablation_controls(cfg: DictConfig, control: str) -> tuple[str, str] | None:
+    """``(negative, positive)`` control recipes with ``controls=true`` (None when off): ``negative_control``, or
+    ``default_negative_control(control)``; ``positive_control``, or ``POSITIVE_CONTROL``.
+
+    Raises ``ConfigError`` (one line) for a control named while ``controls`` is off (it would be ignored), a control
+    without a default negative control, a name not in the catalog, a control equal to ``control`` or the two
+    controls equal."""
+    neg, pos = cfg.get("negative_control"), cfg.get("positive_control")
+    if not cfg.get("controls"):
+        for key, value in (("negative_control", neg), ("positive_control", pos)):
+            if value is not None:
+                raise ConfigError(f"{key}={value} is set but controls=false: add controls=true, or unset {key}")
+        return None
+    if neg is None:
+        neg = default_negative_control(control)
+        if neg is None:
+            raise ConfigError(
+                f"controls=true: control={control} has no default negative control (no catalog recipe is {control} "
+                "with compute.reduction_order=reversed); set negative_control=NAME, a recipe that must come out "
+                "non-inferior"
+            )
+    pos = POSITIVE_CONTROL if pos is None else pos
+    for key, value in (("negative_control", neg), ("positive_control", pos)):
+        if value not in CATALOG:
+            raise ConfigError(f"{key}={value} is not a catalog recipe (`lowprec recipes` lists them)")
+        if value == control:
+            raise ConfigError(f"{key}={value} is the control itself: name another recipe as {key}")
+    if neg == pos:
+        raise ConfigError(f"negative_control and positive_control are both {neg}: one recipe cannot be both")
+    return str(neg), str(pos)
 
 
 def ablation_control(cfg: DictConfig, names: list[str]) -> str:
@@ -465,8 +524,14 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
     one worker, on the CPU). ``trains``: per recipe, its resolved ``TrainSpec`` and tags (``Plan.trains``)."""
     seeds, spending, control, study, margin = [int(cfg.seed)], None, None, {}, None
     placement = Placement("cpu", 0, 1, (Slot(0),))
+    roles = None
+    settings = OmegaConf.to_container(cfg, resolve=True)
     if ablation is not None:
-        _, seeds, spending, placement, control = ablation
+        _, seeds, spending, placement, control, roles = ablation
+        if roles is not None:  # the resolved names reach the parent run's params: ``lowprec report ID`` reads them
+            settings["negative_control"], settings["positive_control"] = roles
+    elif cfg.get("controls"):  # a saved ablation config holds the names its preflight resolved
+        roles = (cfg.get("negative_control"), cfg.get("positive_control"))
     if "recipes" in cfg:
         control = control or cfg.get("control")
         study = cfg.get("study")
@@ -497,13 +562,15 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
         studies=tuple(cfg.get("studies") or ()),
         study=study,
         margin=margin,
-        settings=OmegaConf.to_container(cfg, resolve=True),
-        config_yaml=config_yaml(cfg),
+        settings=settings,
+        config_yaml=config_yaml(OmegaConf.create(settings)),
         trains=trains,
         dry_run=bool(cfg.get("dry_run", False)),
         gpus=None if cfg.get("gpus") is None else int(cfg.gpus),
         hardware=str(cfg.hardware) if cfg.get("hardware") else None,
         launcher=launcher_from_cfg(cfg),
+        negative_control=roles[0] if roles else None,
+        positive_control=roles[1] if roles else None,
     )
 
 
