@@ -11,6 +11,8 @@ what this run measured next to it:
    the main report's verdict at ``report.margin`` (the experiment sets 0.25%, the paper's figure).
 4. Component ablations (3.3, B.2): every ``deepseek_v3_*`` recipe of the ablation against ``deepseek_v3`` with the
    lab's paired verdicts (``experiments.report.verdict_table.build_table`` with ``deepseek_v3`` as the control).
+   The experiment's no-promotion arm is ``deepseek_v3_no_promotion_hopper``: training on the accumulator section 1
+   measures (``HOPPER_ACCUMULATOR``, fitted to an H200), so the two sections speak of one accumulator.
 
 Sections 3 and 4 run once per model of the ablation group (``models`` in the experiment: one ablation per model).
 The captured operands come from the control's lowest finished seed: its final checkpoint (the experiment sets
@@ -49,6 +51,8 @@ from lowprec.train.checkpoint import load_model_weights  # noqa: E402
 from lowprec.train.checkpoint_files import step_folders  # noqa: E402
 
 REFERENCE = "deepseek_v3"
+#: The no-promotion arm the experiment trains: ``deepseek_v3`` on section 1's accumulator (``HOPPER_ACCUMULATOR``).
+HOPPER_ARM = "deepseek_v3_no_promotion_hopper"
 CONTROL = "bf16"
 PAPER_ACCUM_MAX_REL_ERR = 0.02  # 3.3.2: "the maximum relative error is nearly 2%" (K = 4096, no promotion)
 PAPER_LOSS_ERR = 0.0025  # 3.3 / B.1: "relative loss error ... consistently remains below 0.25%"
@@ -222,6 +226,11 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
             f"{100 * PAPER_ACCUM_MAX_REL_ERR:.0f}%); with promotion every 128: {100 * p128:.4f}%.** {size}",
             "",
         ]
+    lines += [
+        f"What this error does to training: section 4's `{HOPPER_ARM}` trains `{REFERENCE}` without promotion on this "
+        "same emulated accumulator (every FP8 GEMM, all of K).",
+        "",
+    ]
     return lines, headline
 
 
@@ -391,7 +400,7 @@ def _headline_table(head: dict, margin: float) -> list[str]:
 
 COMPONENT_CLAIMS = {
     "deepseek_v3_no_promotion": "3.3.2: without promotion the 14-bit accumulation error grows with K",
-    "deepseek_v3_no_promotion_hopper": "3.3.2: without promotion the accumulation error grows with K (Hopper fit)",
+    HOPPER_ARM: "3.3.2: without promotion the accumulation error grows with K (section 1's fitted Hopper accumulator)",
     "deepseek_v3_tensorwise": "3.3.2: per-tensor scaling makes quantization sensitive to activation outliers",
     "deepseek_v3_fp32_moments": "3.3.3: BF16 moments 'without incurring observable performance degradation'",
     "deepseek_v3_no_fp8_cache": "3.3.3: FP8 (and E5M6) activation caching to save memory, at no stated loss",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -23,6 +24,29 @@ SECTIONS = (
 )
 
 
+@pytest.mark.parametrize("experiment", ["deepseek_v3", "deepseek_v3_quick"])
+def test_the_no_promotion_arm_trains_on_the_fitted_hopper_accumulator(experiment):
+    """The experiments' no-promotion arm is the recipe on section 1's accumulator (``HOPPER_ACCUMULATOR``), not the
+    14-bit round-to-nearest reading of the paper's prose; that one stays in the catalog."""
+    from omegaconf import OmegaConf
+
+    from lowprec.float8.accumulator import HOPPER_ACCUMULATOR
+    from recipes import CATALOG
+
+    root = Path(__file__).resolve().parents[2]
+    recipes = OmegaConf.load(root / "conf" / "experiment" / f"{experiment}.yaml").recipes
+    arms = [r for r in recipes if "no_promotion" in r]
+    assert arms == ["deepseek_v3_no_promotion_hopper"]
+    fp8 = CATALOG[arms[0]].fp8
+    assert (fp8.accum_mantissa_bits, fp8.accum_rounding, fp8.accum_group, fp8.promotion) == (
+        HOPPER_ACCUMULATOR.bits,
+        HOPPER_ACCUMULATOR.rounding,
+        HOPPER_ACCUMULATOR.group,
+        False,
+    )
+    assert "deepseek_v3_no_promotion" in CATALOG
+
+
 def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
     # The suite's form (~50 s): one model and one component; the whole quick experiment (dense + MoE, ~2 min) is the
     # long check below.
@@ -30,7 +54,7 @@ def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
         "ablate",
         "experiment=deepseek_v3_quick",
         "models=[debug]",
-        "recipes=[bf16,deepseek_v3,deepseek_v3_no_promotion]",
+        "recipes=[bf16,deepseek_v3,deepseek_v3_no_promotion_hopper]",
     ]
     assert main([*args, *run_dirs]) == 0
     (abl,) = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)
@@ -42,13 +66,14 @@ def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
     ):
         assert heading in text, heading
     assert "maximum relative error of nearly 2%" in text and "captured layers." in text
-    assert "| `deepseek_v3_no_promotion` |" in text
+    assert "| `deepseek_v3_no_promotion_hopper` |" in text
+    assert "section 4's `deepseek_v3_no_promotion_hopper` trains `deepseek_v3` without promotion" in text
     assert all(f.exists() for f in report_figures(out / "deepseek_v3.md"))
     head = json.loads((out / "deepseek_v3.json").read_text())
     none = {int(k): e for k, e in head["accumulation"]["gaussian_rel_err_by_k"]["none"].items()}
     assert none[max(none)] > 2.5 * none[min(none)]  # grows with K without promotion
     parity = head["models"]["debug"]["parity"]
-    assert parity["n"] == 2 and set(head["models"]["debug"]["components"]) == {"deepseek_v3_no_promotion"}
+    assert parity["n"] == 2 and set(head["models"]["debug"]["components"]) == {"deepseek_v3_no_promotion_hopper"}
 
 
 @pytest.mark.slow
@@ -65,7 +90,7 @@ def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, caps
         assert heading in text, heading
     assert "maximum relative error of nearly 2%" in text and "below 0.25%" in text  # the paper, quoted
     assert "captured layers." in text and "checkpoint `step_8`" in text  # operands from the trained control
-    assert "| `deepseek_v3_no_promotion` |" in text and "| `deepseek_v3_grad_blocks` |" in text
+    assert "| `deepseek_v3_no_promotion_hopper` |" in text and "| `deepseek_v3_grad_blocks` |" in text
     assert all(f.exists() for f in report_figures(out / "deepseek_v3.md"))
     assert {"dsv3_accumulation.png", "dsv3_outliers.png"} <= {f.name for f in report_figures(out / "deepseek_v3.md")}
 
@@ -82,7 +107,8 @@ def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, caps
     for model in ("debug", "moe_debug"):  # parity and components on the dense and the MoE model
         parity = head["models"][model]["parity"]
         assert parity["n"] == 2 and parity["verdict"] in ("non-inferior", "inferior", "inconclusive")
-        assert set(head["models"][model]["components"]) == {"deepseek_v3_no_promotion", "deepseek_v3_grad_blocks"}
+        components = set(head["models"][model]["components"])
+        assert components == {"deepseek_v3_no_promotion_hopper", "deepseek_v3_grad_blocks"}
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id

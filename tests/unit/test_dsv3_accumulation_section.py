@@ -49,3 +49,13 @@ def test_headline_row_names_the_accumulator_the_section_ran(tmp_path):
     (row,) = [r for r in study._headline_table({"accumulation": head, "models": {}}, 0.0025) if "K = 4096" in r]
     assert f"measured: {HOPPER_ACCUMULATOR.describe()}" in row and "14-bit accumulator" not in row
     assert f"{100 * head['k4096_no_promotion_max_rel_err']:.3f}%" in row
+
+
+def test_section_names_the_training_arm_on_the_same_accumulator(tmp_path):
+    """Section 1 measures ``HOPPER_ACCUMULATOR``; the experiments train their no-promotion arm on it, and the section
+    says which arm that is."""
+    lines, _ = study._accumulation_section(None, "", SETTINGS, tmp_path)
+    text = "\n".join(lines)
+    assert study.HOPPER_ARM == "deepseek_v3_no_promotion_hopper"
+    assert "section 4's `deepseek_v3_no_promotion_hopper` trains `deepseek_v3` without promotion" in text
+    assert "fitted Hopper accumulator" in study.COMPONENT_CLAIMS[study.HOPPER_ARM]
