@@ -47,7 +47,8 @@ LIBRARY_OPTIONAL = {
 }
 #: The lab's imports that are optional there: the report's browser check (``dev`` extra).
 LAB_OPTIONAL = {"playwright"}
-#: The lab's packages, none of which a base install has (refused by the subprocess below).
+#: The lab's packages: the library imports none (refused by the subprocess below). A base install may still hold
+#: some as another package's dependency (torch's inductor needs jinja2), never as the library's.
 LAB_ONLY = {
     "experiments",
     "hydra",
