@@ -21,7 +21,8 @@ HIDDEN = ("faults",)
 #: one line for the node.
 DOCS: dict[str, str] = {
     # top level, both commands
-    "model": "model size (config groups above); model.<field>=V overrides one field of it (model.n_layers=4)",
+    "model": "model size (config groups above); model.<field>=V overrides one field of it (model.n_layers=4; "
+    "model.qk_norm=true: RMSNorm of each query/key head before RoPE)",
     "seed": "random seed of the run (ablate: the first seed; seed .. seed+seeds-1)",
     "device": "auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)",
     "cpu_kernels": "auto | native | emulated: which kernels run low-precision GEMMs on a CPU (never the numerics)",
@@ -81,6 +82,7 @@ DOCS: dict[str, str] = {
     "train.skip_batches": "batch indices never trained on ([3,17])",
     "train.fused_casts": "auto | on | off: lowprec's FP8 casts as one compiled kernel each in eager runs",
     "train.eval_ema": "null (off) or a decay in (0, 1): also validate an FP32 EMA of the weights (val_loss_ema)",
+    "train.z_loss": "weight of the z-loss mean(logsumexp(logits)**2) in the objective (1e-4; 0: off), logged as z_loss",
     # stability (SpikeRule)
     "stability.ema_window": "loss-spike rule: EMA span in steps the loss is compared with",
     "stability.k": "loss-spike rule: a spike is k robust standard deviations above the EMA",
