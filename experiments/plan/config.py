@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.plan.launcher import LAUNCHER_OPTIONS, LauncherConfig, LauncherSpec
+from experiments.plan.launcher import LAUNCHER_OPTIONS, LauncherSpec
 from experiments.stats.stability import SpikeRule
 from lowprec.backends import check_recipe
 from lowprec.build_optim import OptimHParams
@@ -202,7 +202,7 @@ class AblateConfig(RunConfig):
     hardware: str | None = None
     #: group: launcher/<name> (local | slurm | submitit_local): where the runs are launched
     #: (experiments/plan/launcher.py; slurm: one SLURM job per run through submitit)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    launcher: LauncherSpec = field(default_factory=LauncherSpec)
 
 
 #: Group ``data``: what each source changes from ``DataSpec``'s defaults. ``stdlib``: the Python standard
@@ -448,7 +448,7 @@ def launcher_from_cfg(cfg: DictConfig) -> LauncherSpec:
     node = cfg.get("launcher")
     if node is None:
         return LauncherSpec()
-    d = typed(LauncherConfig, node, "launcher")
+    d = typed(LauncherSpec, node, "launcher")
     return LauncherSpec(**{**d, "setup": tuple(str(s) for s in d["setup"])})
 
 

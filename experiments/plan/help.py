@@ -3,7 +3,7 @@
 The keys of ``train`` and ``ablate`` are their schemas' (``experiments.plan.argcheck.schema``, read from the config
 dataclasses' source: a new field shows up by itself); ``DOCS`` says what each means, condensed from the
 dataclasses' docstrings (``TrainSpec``, ``DataSpec``, ``OptimHParams``, ``ParallelDims``, ``SpikeRule``,
-``LauncherConfig`` and those of experiments/plan/config.py). tests/config/test_cli_wording.py keeps ``DOCS`` equal
+``LauncherSpec`` and those of experiments/plan/config.py). tests/config/test_cli_wording.py keeps ``DOCS`` equal
 to the composed configs' keys. The ``faults.*`` keys (fault injection, for the lab's own tests) are left out.
 Nothing here imports Hydra or torch: a help page prints at once.
 """
@@ -109,7 +109,7 @@ DOCS: dict[str, str] = {
     "dry_run": "print the plan (runs, placement, tokens, corpus epochs, predicted time) and train nothing",
     "gpus": "GPUs of the node to use or plan for (null: all visible)",
     "hardware": "the part the dry run predicts for (lowprec estimate's names; null: the detected GPU)",
-    # launcher (LauncherConfig)
+    # launcher (LauncherSpec)
     "launcher.name": "where the runs are launched: local | slurm (one SLURM job per run) | submitit_local",
     "launcher.partition": "SLURM partition (null: the cluster's default)",
     "launcher.gpus_per_node": "GPUs of one node of the partition (null: not checked)",

@@ -6,11 +6,11 @@ through ``submitit`` (SLURM, or submitit's local executor: the same submission p
 (``experiments.runner.submitit_jobs``) and waits for them; ``launcher=submitit_local`` does the same with
 submitit's ``LocalExecutor`` (each job a process of this machine), which is what the tests run.
 
-The Hydra group ``launcher`` holds one option per name, each a ``LauncherConfig`` node;
-``experiments.plan.config.launcher_from_cfg`` turns the composed node into the frozen ``LauncherSpec`` the ``Plan``
-carries, and ``check_launcher`` refuses, in one line before any MLflow run, what cannot be submitted from here (no
-``submitit``, no ``sbatch`` on PATH, a layout larger than a node, a value out of range). A parallel layout runs
-under torchrun inside each job (``experiments.runner.job_ranks``).
+The Hydra group ``launcher`` holds one option per name of the executor registry (``experiments.runner.executors``),
+each a ``LauncherSpec`` node; ``experiments.plan.config.launcher_from_cfg`` turns the composed node into the checked
+``LauncherSpec`` the ``Plan`` carries, and ``check_launcher`` refuses, in one line before any MLflow run, what
+cannot be submitted from here (no ``submitit``, no ``sbatch`` on PATH, a layout larger than a node, a value out of
+range). A parallel layout runs under torchrun inside each job (``experiments.runner.job_ranks``).
 """
 
 from __future__ import annotations
@@ -20,51 +20,35 @@ import os
 import shutil
 import stat
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.plan.launch import under_torchrun
+from experiments.runner.executors import EXECUTORS
 from lowprec.errors import ConfigError
-
-#: ``launcher.name`` values. ``local``: this machine (the default); ``slurm``: one SLURM job per run
-#: (submitit's ``SlurmExecutor``); ``submitit_local``: one process per run through submitit's ``LocalExecutor``.
-LAUNCHERS = ("local", "slurm", "submitit_local")
 
 #: Free-text fields submitit writes into the job's sbatch script (``#SBATCH --partition=...``, the ``--output`` path
 #: of the job folder) or, for ``setup``, as one line each: a newline there would start a line of its own.
 TEXT_FIELDS = ("partition", "account", "qos", "constraint", "folder")
 
 
-@dataclass
-class LauncherConfig:
-    """Group ``launcher`` (conf: ``launcher=local|slurm|submitit_local``). ``name``: the option. For the submitit
-    launchers: ``partition`` (SLURM partition; null: the cluster's default), ``gpus_per_node`` (GPUs of one node
-    of the partition; null: not checked; a run's layout must fit one node), ``time`` (each job's time limit,
-    minutes; SLURM sends SIGUSR2 90 s before it, the run stops after its step with a checkpoint and is recorded
-    KILLED, so ``resume=`` continues it), ``cpus_per_task``, ``mem_gb``, ``account``, ``qos``, ``constraint``
-    (sbatch's own options; null: not passed), ``setup`` (shell lines each job runs first, e.g.
-    ``source .venv/bin/activate``), ``folder`` (submitit's job folder: pickles and logs; null:
-    ``<paths.runs>/submitit/<ablation id>``), ``max_running`` (jobs in flight at once; null: every run at once on
-    SLURM, ``workers`` with ``submitit_local``), ``poll_s`` (how often the ablation looks at its jobs, seconds)."""
-
-    name: str = "local"
-    partition: str | None = None
-    gpus_per_node: int | None = None
-    time: int = 60
-    cpus_per_task: int | None = None
-    mem_gb: float | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    setup: list[str] = field(default_factory=list)
-    folder: str | None = None
-    max_running: int | None = None
-    poll_s: float = 1.0
-
-
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class LauncherSpec:
-    """``LauncherConfig`` checked and frozen, as the ``Plan`` carries it (``setup`` a tuple)."""
+    """Group ``launcher`` (conf: ``launcher=local|slurm|submitit_local``, the names of the executor registry
+    ``experiments.runner.executors``), as the Hydra schema and, checked, as the ``Plan`` carries it. ``name``: the
+    option. For the submitit launchers: ``partition`` (SLURM partition; null: the cluster's default),
+    ``gpus_per_node`` (GPUs of one node of the partition; null: not checked; a run's layout must fit one node),
+    ``time`` (each job's time limit, minutes; SLURM sends SIGUSR2 90 s before it, the run stops after its step with
+    a checkpoint and is recorded KILLED, so ``resume=`` continues it), ``cpus_per_task``, ``mem_gb``, ``account``,
+    ``qos``, ``constraint`` (sbatch's own options; null: not passed), ``setup`` (shell lines each job runs first,
+    e.g. ``source .venv/bin/activate``; a tuple once checked), ``folder`` (submitit's job folder: pickles and logs;
+    null: ``<paths.runs>/submitit/<ablation id>``), ``max_running`` (jobs in flight at once; null: every run at
+    once on SLURM, ``workers`` with ``submitit_local``), ``poll_s`` (how often the ablation looks at its jobs,
+    seconds).
+
+    Not declared ``frozen``: OmegaConf makes a frozen dataclass's node read-only, and Hydra could not override
+    ``launcher.time=...``. Instead an instance refuses any assignment once built (``AttributeError``), so the
+    ``Plan`` that carries one is still a value."""
 
     name: str = "local"
     partition: str | None = None
@@ -80,19 +64,48 @@ class LauncherSpec:
     max_running: int | None = None
     poll_s: float = 1.0
 
+    def __setattr__(self, key, value) -> None:
+        if "poll_s" in self.__dict__:  # the last field ``__init__`` sets: built (no extra attribute marks it)
+            raise AttributeError(f"LauncherSpec is a value: launcher.{key} cannot be assigned (dataclasses.replace)")
+        object.__setattr__(self, key, value)
+
+    def _kind(self):
+        """The executor class registered for ``name`` (``experiments.runner.executors``; imported here, when asked:
+        the runner imports this module). Raises ``ConfigError`` (one line) for a name not registered."""
+        from experiments.runner.executors import executor_class
+
+        return executor_class(self.name)
+
     @property
     def submitit(self) -> bool:
         """True when runs are submitted as submitit jobs (``slurm``, ``submitit_local``)."""
-        return self.name != "local"
+        return self._kind().submitit
+
+    @property
+    def cluster(self) -> bool:
+        """True when the jobs go to a SLURM cluster: every job submitted at once (the cluster queues them), each
+        alone on its own allocation, and ``sbatch`` needed on PATH."""
+        return self._kind().cluster
+
+    @property
+    def needs_sbatch(self) -> bool:
+        """True when submitting needs ``sbatch`` on PATH (``cluster``)."""
+        return self._kind().cluster
+
+    @property
+    def local_jobs(self) -> bool:
+        """True when each run is a submitit job process of this machine (submitit's ``LocalExecutor``)."""
+        kind = self._kind()
+        return kind.submitit and not kind.cluster
 
     @property
     def job_id_tag(self) -> str:
         """The run tag naming the job that trained it: ``slurm_job_id`` on SLURM, ``submitit_job_id`` otherwise."""
-        return "slurm_job_id" if self.name == "slurm" else "submitit_job_id"
+        return self._kind().job_id_tag
 
 
 #: One option per launcher name in the Hydra group ``launcher`` (experiments/plan/config.py registers them).
-LAUNCHER_OPTIONS = {name: LauncherConfig(name=name) for name in LAUNCHERS}
+LAUNCHER_OPTIONS = {name: LauncherSpec(name=name) for name in EXECUTORS}
 
 
 def check_one_line(name: str, value: str | None) -> None:
@@ -137,9 +150,7 @@ def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> N
     layout, ``world_size`` > 1, starts torchrun with its ranks itself); ``time``, ``cpus_per_task``, ``mem_gb``,
     ``gpus_per_node``, ``max_running`` or ``poll_s`` out of range; a layout that needs more GPUs than
     ``gpus_per_node`` (one run per node at most: a job's torchrun is ``--standalone``)."""
-    if spec.name not in LAUNCHERS:
-        raise ConfigError(f"launcher.name={spec.name} is not one of {', '.join(LAUNCHERS)}")
-    if not spec.submitit:
+    if not spec.submitit:  # an unknown name is refused here (the registry's one line)
         return
     for key in TEXT_FIELDS:
         check_one_line(f"launcher.{key}", getattr(spec, key))
@@ -149,7 +160,7 @@ def check_launcher(spec: LauncherSpec, world_size: int, which=shutil.which) -> N
         check_private_folder(Path(spec.folder))
     if importlib.util.find_spec("submitit") is None:
         raise ConfigError(f"launcher={spec.name} needs the submitit package: pip install submitit")
-    if spec.name == "slurm" and which("sbatch") is None:
+    if spec.needs_sbatch and which("sbatch") is None:
         raise ConfigError(
             "launcher=slurm: sbatch is not on PATH; run lowprec ablate on a SLURM login node "
             "(launcher=submitit_local runs the same submission path on this machine)"

@@ -188,7 +188,7 @@ def check_slurm_gpus(launcher, device: str, world_size: int, run=subprocess.run)
     (``device=auto`` resolves here, on the login node). So the partition's nodes are asked with ``sinfo`` (``run``:
     how it is run): ``ConfigError`` (one line) when none has ``world_size`` GPUs, when ``sinfo`` fails or lists no
     such partition. ``launcher`` is the ``LauncherSpec``; nothing is asked for other launchers or ``device=cpu``."""
-    if launcher.name != "slurm" or device == "cpu":
+    if not launcher.cluster or device == "cpu":
         return
     cmd = ["sinfo", "--noheader", "--format=%P|%G"]
     if launcher.partition:
@@ -311,7 +311,7 @@ def ablation_placement(cfg: DictConfig) -> Placement:
             raise ConfigError(f"gpus={gpus} but this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES); lower gpus=")
         visible = seen if gpus is None else int(gpus)
     # a local parallel ablation runs under one torchrun (one slot); submitit's local jobs each start their own
-    many = launcher_from_cfg(cfg).name == "submitit_local"
+    many = launcher_from_cfg(cfg).local_jobs
     return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=many)
 
 

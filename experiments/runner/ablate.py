@@ -17,12 +17,11 @@ from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, 
 from experiments.report.build import build_report
 from experiments.report.markdown import pct
 from experiments.runner.dry_run import Corpus, plan_text
+from experiments.runner.executors import Launch, launch
 from experiments.runner.orphans import close_orphans, owner_tags
 from experiments.runner.progress import AblationProgress, printable
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome
-from experiments.runner.scheduler import run_jobs
-from experiments.runner.submitit_jobs import run_submitit
 from experiments.stats.auto_seeds import replay_results
 from experiments.stats.verdict import LEVEL
 from experiments.studies import GROUP_TAG, report_studies
@@ -162,12 +161,9 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
             todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
             display.add_runs(len(todo))
             cont = resume.continued if resume is not None else None
-            if plan.launcher.submitit:  # one submitit job per run (SLURM, or this machine's local executor)
-                ran = iter(run_submitit(plan, todo, tracker, parent, ablation_id, show, cont))
-            else:
-                ran = iter(
-                    run_jobs(plan, todo, data, tracker, parent, ablation_id, plan.placement, show, cont, display)
-                )
+            # the launcher's executor (experiments.runner.executors): this process, worker processes, or one
+            # submitit job per run (SLURM, or this machine's local executor)
+            ran = iter(launch(Launch(plan, tracker, parent, ablation_id, data, cont or {}, display), todo, show))
             out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
 
         by_name = dict(zip(names, recipes, strict=True))
@@ -318,7 +314,7 @@ def _concurrency_tags(plan: Plan) -> dict[str, str]:
     """The parent's ``workers`` (runs at a time) and ``runs_per_device`` (1: each run alone on its device(s)). On
     SLURM every run is its own job on its own allocation: as many at a time as the cluster starts, each alone."""
     launcher = plan.launcher
-    if launcher.name == "slurm":
+    if launcher.cluster:
         return {"workers": str(launcher.max_running or len(plan.recipes) * len(plan.seeds)), "runs_per_device": "1"}
     workers = launcher.max_running if launcher.submitit and launcher.max_running else plan.workers
     alone = plan.placement.alone_on_device and workers <= plan.workers
@@ -389,7 +385,7 @@ def launcher_line(plan: Plan) -> str:
     asks = [f"{job_gpus(plan)} GPU(s)", f"{spec.time} min"]
     asks += [f"{k} {v}" for k, v in (("partition", spec.partition), ("cpus", spec.cpus_per_task)) if v is not None]
     asks += [f"{spec.mem_gb:g} GB"] if spec.mem_gb is not None else []
-    at_once = spec.max_running or (n if spec.name == "slurm" else plan.workers)
+    at_once = spec.max_running or (n if spec.cluster else plan.workers)
     k = plan.parallel.world_size
     inside = f"; each runs torchrun with {k} ranks ({plan.parallel.short()})" if k > 1 else ""
     line = f"launcher={spec.name}: {n} job(s), one per run, {min(at_once, n)} at a time; each asks {', '.join(asks)}"

@@ -55,6 +55,7 @@ from experiments.plan.placement import Placement, Slot, physical_ids
 from experiments.plan.plan import Plan
 from experiments.plan.preflight import cores
 from experiments.runner.continued_runs import Continuation
+from experiments.runner.executors import Launch, SlotLost, schedule
 from experiments.runner.progress import AblationProgress
 from experiments.runner.run import RunOutcome, run_one
 from lowprec.data import TokenData
@@ -226,6 +227,168 @@ def _run_in_worker(
 # --- in the ablation process ----------------------------------------------------------------------------------
 
 
+class LocalExecutor:
+    """The ``local`` launcher (registered in ``experiments.runner.executors``): every run in this process, one
+    after another, when there is one slot or one run (a single GPU slot: CUDA device 0 of this process's own);
+    otherwise ``create`` gives a ``PoolExecutor``."""
+
+    submitit = False
+    cluster = False
+    job_id_tag = ""
+    no_slot_reason = "not started: no slot"
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.display = launch.display or AblationProgress()  # not live: draws nothing
+
+    @classmethod
+    def create(cls, launch: Launch, n_jobs: int, workers: int | Placement | None = None):
+        """In this process for one slot or one job, else a ``PoolExecutor`` over the slots of ``workers``
+        (default: the plan's placement), as many as there are jobs."""
+        workers = launch.plan.placement if workers is None else workers
+        n_slots = workers.workers if isinstance(workers, Placement) else workers
+        if n_slots == 1 or n_jobs == 1:
+            return cls(launch), [Slot(0)]
+        slots = list(workers.slots) if isinstance(workers, Placement) else [Slot(i) for i in range(workers)]
+        return PoolExecutor(launch), slots[:n_jobs]
+
+    def open(self, slots: list[Slot]) -> None:
+        pass
+
+    def start(self, slot: Slot, job: Job) -> RunOutcome:
+        """Train ``job`` here, to its end; a stop signal during it is its KILLED outcome (recorded so by
+        ``run_one``)."""
+        recipe, seed = job
+        ln = self.launch
+        self.display.run_started(0, recipe.name, seed)
+        try:
+            with self.display.in_process(0):
+                return run_one(
+                    ln.plan,
+                    recipe,
+                    seed,
+                    ln.data,
+                    ln.tracker,
+                    parent_id=ln.parent_id,
+                    ablation_id=ln.ablation_id,
+                    continuation=ln.continuations.get((recipe.name, seed)),
+                )
+        except StopSignal as stop:
+            return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+
+    def poll(self, handles: list) -> list:
+        return []  # nothing runs in flight: each job ends in ``start``
+
+    def release(self, slot: Slot) -> bool:
+        self.display.run_ended(0)
+        return True
+
+    def stop(self, handles: list) -> None:
+        pass  # the run in this process saw the signal itself
+
+    def interrupt(self, handles: list) -> None:
+        pass  # the run in this process marks itself KILLED
+
+    def close(self, results: dict) -> None:
+        pass
+
+    def started(self, outcome: RunOutcome) -> bool:
+        return True
+
+
+class PoolExecutor:
+    """``local`` with more than one slot: one worker process per slot (``start_slot_pool``), one run at a time
+    each; a worker that dies fails its run in flight and its slot is not used again (module docstring)."""
+
+    submitit = False
+    cluster = False
+    job_id_tag = ""
+    no_slot_reason = "not started: every worker process died"
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.display = launch.display or AblationProgress()  # not live: draws nothing
+        self.pools: dict[int, tuple[ProcessPoolExecutor, list, threading.Thread | None]] = {}
+        self.dead: set[int] = set()  # slots whose worker died: not used again (a failed GPU stays failed)
+        self.jobs: dict[Future, tuple[Job, Slot]] = {}
+        self.forwarded = False
+
+    def open(self, slots: list[Slot]) -> None:
+        threads = max(1, cores() // len(slots))
+        plan = self.launch.plan
+        with _stop_signals_blocked():  # each worker starts with the stop signals blocked
+            for slot in slots:
+                env = slot_env(slot)
+                channel = self.display.channel(slot.index)
+                pool = start_slot_pool(slot, _init_worker, (threads, plan, os.getpid(), env, channel))
+                self.pools[slot.index] = (pool, *pool_internals(pool))
+        if all(procs for _pool, procs, _m in self.pools.values()):  # each worker holds its end of its display pipe
+            self.display.started()
+
+    def start(self, slot: Slot, job: Job) -> Future:
+        recipe, seed = job
+        ln = self.launch
+        pool = self.pools[slot.index][0]
+        cont = ln.continuations.get((recipe.name, seed))
+        try:
+            f = pool.submit(_run_in_worker, recipe, seed, ln.parent_id, ln.ablation_id, cont)
+        except BrokenProcessPool:  # its worker died while idle: the run goes back to the queue
+            self.dead.add(slot.index)
+            raise SlotLost from None
+        self.jobs[f] = (job, slot)
+        return f
+
+    def poll(self, handles: list) -> list:
+        done, _ = wait(handles, timeout=0.5, return_when=FIRST_COMPLETED)
+        out: list = []
+        for f in handles:
+            if f.cancelled():  # by forward_stop: not started
+                # ``wait`` never returns a future cancelled by the pool's shutdown (it is not "notified")
+                out.append((f, None))
+        for f in done:
+            if f.cancelled():
+                continue  # listed above
+            (recipe, seed), slot = self.jobs[f]
+            try:
+                o = f.result()
+            except Exception as e:  # the worker process died: its run is failed, the other workers go on
+                self.dead.add(slot.index)
+                o = RunOutcome("", recipe.name, seed, "FAILED", reason=f"worker process died: {type(e).__name__}: {e}")
+            if isinstance(o, NotStarted):  # the worker had been asked to stop: so is the ablation
+                request_stop(o.signum)
+                o = None
+            out.append((f, o))
+        return out
+
+    def release(self, slot: Slot) -> bool:
+        self.display.run_ended(slot.index)
+        return slot.index not in self.dead
+
+    def stop(self, handles: list) -> None:
+        if not self.forwarded:  # this process got the signal: each worker stops after its step
+            for pool, procs, _m in self.pools.values():
+                forward_stop(pool, procs)
+            self.forwarded = True
+
+    def interrupt(self, handles: list) -> None:
+        for pool, _p, _m in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self, results: dict) -> None:
+        for pool, procs, manager in self.pools.values():
+            for pid in close_pool(pool, procs, manager):
+                print(
+                    f"worker process {pid} had not exited {EXIT_GRACE_S:.0f} s after its last run; killed (its runs "
+                    "are recorded)",
+                    file=sys.stderr,
+                )
+        if any(o.run_id == "" for o in results.values()):
+            fail_orphans(self.launch.tracker, self.launch.parent_id)
+
+    def started(self, outcome: RunOutcome) -> bool:
+        return True
+
+
 def run_jobs(
     plan: Plan,
     jobs: Sequence[Job],
@@ -238,7 +401,8 @@ def run_jobs(
     continuations: Continuations | None = None,
     display: AblationProgress | None = None,
 ) -> list[RunOutcome]:
-    """Train every (recipe, seed) of ``jobs`` under the parent run; ``on_done`` sees each outcome as it lands.
+    """Train every (recipe, seed) of ``jobs`` under the parent run with the ``local`` launcher (``schedule``);
+    ``on_done`` sees each outcome as it lands. ``workers``: the slots (a ``Placement``, or a count of CPU slots).
     A job in ``continuations`` continues that interrupted run in place (``run_one``'s ``continuation``).
     ``display``: the ablation's progress display (``experiments.runner.progress``), fed each worker's run and steps.
 
@@ -250,134 +414,9 @@ def run_jobs(
     """
     if not jobs:  # every run of this batch kept by a resume: no worker to start (and no slot to share cores)
         return []
-    cont = continuations or {}
-    display = display or AblationProgress()  # not live: draws nothing
-    n_slots = workers.workers if isinstance(workers, Placement) else workers
-    if n_slots == 1 or len(jobs) == 1:  # in this process (a single GPU slot: CUDA device 0 of this process's own)
-        out = []
-        for recipe, seed in jobs:
-            if local_stop():  # stopped between two runs: start no other
-                raise _ablation_stop(out, len(jobs) - len(out))
-            display.run_started(0, recipe.name, seed)
-            try:
-                with display.in_process(0):
-                    o = run_one(
-                        plan,
-                        recipe,
-                        seed,
-                        data,
-                        tracker,
-                        parent_id=parent_id,
-                        ablation_id=ablation_id,
-                        continuation=cont.get((recipe.name, seed)),
-                    )
-            except StopSignal as stop:
-                o = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
-                on_done(o)
-                display.run_ended(0)
-                raise _ablation_stop([*out, o], len(jobs) - len(out) - 1) from None
-            on_done(o)
-            display.run_ended(0)
-            out.append(o)
-        return out
-    if local_stop():  # stopped before this batch of runs: start no worker
-        raise _ablation_stop([], len(jobs))
-    slots = list(workers.slots) if isinstance(workers, Placement) else [Slot(i) for i in range(workers)]
-    slots = slots[: len(jobs)]
-    threads = max(1, cores() // len(slots))
-    queue = list(enumerate(jobs))  # (index in jobs, job) not yet handed to a worker
-    pools: dict[int, tuple[ProcessPoolExecutor, list, threading.Thread | None]] = {}
-    dead: set[int] = set()  # slots whose worker died: not used again (a failed GPU stays failed)
-    results: dict[int, RunOutcome] = {}
-    pending: dict[Future, tuple[int, int]] = {}  # future -> (index in jobs, slot)
-
-    def feed(slot: int) -> None:
-        """Hand the next queued run to ``slot``'s worker (one run in flight per worker)."""
-        i, (recipe, seed) = queue.pop(0)
-        pool = pools[slot][0]
-        try:
-            f = pool.submit(_run_in_worker, recipe, seed, parent_id, ablation_id, cont.get((recipe.name, seed)))
-        except BrokenProcessPool:  # its worker died while idle: the run goes back to the queue
-            dead.add(slot)
-            queue.insert(0, (i, jobs[i]))
-            return
-        pending[f] = (i, slot)
-
-    with _stop_signals_blocked():  # each worker starts with the stop signals blocked
-        for slot in slots:
-            env = slot_env(slot)
-            channel = display.channel(slot.index)
-            pool = start_slot_pool(slot, _init_worker, (threads, plan, os.getpid(), env, channel))
-            pools[slot.index] = (pool, *pool_internals(pool))
-    if all(procs for _pool, procs, _m in pools.values()):  # each worker holds its own end of its display pipe now
-        display.started()
-    for slot in slots:
-        feed(slot.index)
-    try:
-        forwarded = False
-        while pending:
-            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            if local_stop() and not forwarded:  # this process got the signal: each worker stops after its step
-                for pool, procs, _m in pools.values():
-                    forward_stop(pool, procs)
-                forwarded = True
-            for f in [f for f in pending if f.cancelled()]:  # by forward_stop: not started
-                # ``wait`` never returns a future cancelled by the pool's shutdown (it is not "notified"): drop it
-                pending.pop(f)
-            for f in done:
-                if f not in pending or f.cancelled():  # dropped above, or queued when the stop came: not started
-                    pending.pop(f, None)
-                    continue
-                i, slot = pending.pop(f)
-                try:
-                    o = f.result()
-                except Exception as e:  # the worker process died: its run is failed, the other workers go on
-                    dead.add(slot)
-                    recipe, seed = jobs[i]
-                    o = RunOutcome(
-                        "", recipe.name, seed, "FAILED", reason=f"worker process died: {type(e).__name__}: {e}"
-                    )
-                if isinstance(o, NotStarted):  # the worker had been asked to stop: so is the ablation
-                    request_stop(o.signum)
-                    continue
-                results[i] = o
-                on_done(o)
-                display.run_ended(slot)
-                if queue and not local_stop() and slot not in dead:
-                    feed(slot)
-            if queue and not local_stop():  # a slot freed by a dead worker: its queued runs go to the others
-                for slot in [s.index for s in slots if s.index not in dead]:
-                    if queue and not any(sl == slot for _, sl in pending.values()):
-                        feed(slot)
-    except KeyboardInterrupt:
-        for pool, _p, _m in pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    if queue and not local_stop():  # every worker died: nothing is left to run them
-        for i, (recipe, seed) in queue:
-            o = RunOutcome("", recipe.name, seed, "FAILED", reason="not started: every worker process died")
-            results[i] = o
-            on_done(o)
-    for pool, procs, manager in pools.values():
-        for pid in close_pool(pool, procs, manager):
-            print(
-                f"worker process {pid} had not exited {EXIT_GRACE_S:.0f} s after its last run; killed (its runs "
-                "are recorded)",
-                file=sys.stderr,
-            )
-    if any(o.run_id == "" for o in results.values()):
-        fail_orphans(tracker, parent_id)
-    if local_stop():
-        raise _ablation_stop(list(results.values()), len(jobs) - len(results))
-    return [results[i] for i in range(len(jobs))]
-
-
-def _ablation_stop(outcomes: list[RunOutcome], not_started: int) -> StopSignal:
-    killed = [o for o in outcomes if o.status == "KILLED"]
-    name = signal.Signals(local_stop()).name
-    msg = f"stopped by {name}: {len(killed)} run(s) stopped after their current step and recorded KILLED"
-    msg += f" (each tagged resume_checkpoint when it wrote one), {not_started} not started"
-    return StopSignal(local_stop(), message=msg)
+    launch = Launch(plan, tracker, parent_id, ablation_id, data, continuations or {}, display)
+    executor, slots = LocalExecutor.create(launch, len(jobs), workers)
+    return schedule(jobs, executor, slots, on_done)
 
 
 def pool_internals(pool: ProcessPoolExecutor) -> tuple[list, threading.Thread | None]:

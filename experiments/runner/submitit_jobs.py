@@ -47,8 +47,8 @@ from experiments.plan.plan import Plan
 from experiments.plan.preflight import cores
 from experiments.runner import job_ranks
 from experiments.runner.continued_runs import Continuation
+from experiments.runner.executors import Launch, schedule
 from experiments.runner.run import RunOutcome, run_one
-from experiments.runner.scheduler import _ablation_stop
 from experiments.tracking.tracker import PARENT_TAG
 from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
@@ -285,7 +285,7 @@ def read_job_outcome(folder: Path, recipe: str, seed: int) -> RunOutcome | str |
 def job_gpus(plan: Plan) -> int:
     """GPUs each job asks for: none for ``device=cpu`` (or a local job on a machine without CUDA), else the run's
     layout (one per rank; ``device=auto`` on SLURM asks for them, the login node need not have any)."""
-    local_cpu = plan.launcher.name == "submitit_local" and plan.placement.device_type != "cuda"
+    local_cpu = plan.launcher.local_jobs and plan.placement.device_type != "cuda"
     return 0 if plan.device == "cpu" or local_cpu else plan.parallel.world_size
 
 
@@ -295,7 +295,7 @@ def make_executor(plan: Plan, folder: Path):
     import submitit
 
     spec = plan.launcher
-    if spec.name == "slurm":
+    if spec.cluster:
         ex = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
         opts = {
             "slurm_partition": spec.partition,
@@ -322,14 +322,14 @@ def make_executor(plan: Plan, folder: Path):
 def _slots(plan: Plan, cap: int) -> list[Slot]:
     """The slots local jobs run in (a GPU slot's GPUs become the job's ``CUDA_VISIBLE_DEVICES``); on SLURM, ``cap``
     slots without GPUs (the cluster places the jobs)."""
-    if plan.launcher.name == "submitit_local" and plan.placement.device_type == "cuda":
+    if plan.launcher.local_jobs and plan.placement.device_type == "cuda":
         return list(plan.placement.slots)[:cap]
     return [Slot(i) for i in range(cap)]
 
 
 def _submit(executor, plan: Plan, slot: Slot, job: Job, parent_id, ablation_id, cont, threads):
     recipe, seed = job
-    if plan.launcher.name == "submitit_local":
+    if plan.launcher.local_jobs:
         ids = physical_ids(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if slot.gpus else ""
         gpus = [int(g) for g in ids.split(",")] if ids else []
         executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
@@ -346,7 +346,7 @@ def _submit(executor, plan: Plan, slot: Slot, job: Job, parent_id, ablation_id, 
 def _stop_job(plan: Plan, job) -> None:
     """Ask ``job`` to stop: locally SIGTERM to its controller (which forwards it to the job's process), on SLURM
     ``scancel`` (SIGTERM, then SIGKILL after the cluster's KillWait; a pending job never starts)."""
-    if plan.launcher.name == "submitit_local":
+    if plan.launcher.local_jobs:
         try:
             os.kill(int(job.job_id), signal.SIGTERM)  # a local job's id is its controller's pid
         except ProcessLookupError:  # it ended meanwhile
@@ -381,7 +381,7 @@ def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str)
     try:
         check_job_folder(folder.parent, folder.name)
         found = read_job_outcome(folder, recipe, seed)
-        if found is None and name == "slurm" and (job.paths.result_pickle.exists() or _completed(job)):
+        if found is None and plan.launcher.cluster and (job.paths.result_pickle.exists() or _completed(job)):
             deadline = time.monotonic() + job._results_timeout_s  # a network filesystem may show it late
             while found is None and time.monotonic() < deadline:
                 time.sleep(1)
@@ -398,12 +398,12 @@ def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str)
         return RunOutcome(run_id, recipe, seed, "FAILED", reason=reason)
     state = str(job.state)
     status = "KILLED" if state.upper().startswith(KILLED_STATES) else "FAILED"
-    if name == "slurm":
+    if plan.launcher.cluster:
         reason = f"SLURM job {job.job_id} ended {state} without a result"
     elif status == "KILLED":
-        reason = f"submitit_local job {job.job_id} was interrupted ({state}) before it returned a result"
+        reason = f"{name} job {job.job_id} was interrupted ({state}) before it returned a result"
     else:
-        reason = f"submitit_local job {job.job_id}: its process ended without a result (killed by a signal?)"
+        reason = f"{name} job {job.job_id}: its process ended without a result (killed by a signal?)"
     reason += f"; log: {job.paths.stderr}"
     run_id = _close_run(tracker, parent_id, recipe, seed, status, reason, {"job_state": state})
     return RunOutcome(run_id, recipe, seed, status, reason=reason)
@@ -411,6 +411,93 @@ def outcome_of(plan: Plan, job, recipe: str, seed: int, tracker, parent_id: str)
 
 def _completed(job) -> bool:
     return str(job.state).upper().startswith("COMPLETED")
+
+
+class SubmititExecutor:
+    """One submitit job per run (module docstring); ``SlurmExecutor`` and ``SubmititLocalExecutor`` are its two
+    registered launchers (``experiments.runner.executors``). A job that cannot be submitted is a FAILED run not
+    started; a job's outcome is read from its folder's JSON only (``outcome_of``)."""
+
+    submitit = True
+    cluster = False
+    job_id_tag = "submitit_job_id"
+    no_slot_reason = "not started: no slot"
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.plan = launch.plan
+        self.executor = None
+        self.threads: int | None = None
+        self.jobs: dict[object, tuple[Job, Slot]] = {}
+        self.last_stop: float | None = None
+
+    @classmethod
+    def create(cls, launch: Launch, n_jobs: int):
+        """At most ``launcher.max_running`` jobs in flight (default: every job on a cluster, ``workers`` here)."""
+        plan = launch.plan
+        spec = plan.launcher
+        cap = max(1, min(n_jobs, spec.max_running or (n_jobs if spec.cluster else plan.workers)))
+        return cls(launch), _slots(plan, cap)
+
+    def open(self, slots: list[Slot]) -> None:
+        folder = job_folder(self.plan, self.launch.ablation_id)
+        prepare_job_folder(folder)
+        self.executor = make_executor(self.plan, folder)
+        self.threads = None if self.cluster else max(1, cores() // len(slots))
+
+    def start(self, slot: Slot, job: Job):
+        recipe, seed = job
+        ln = self.launch
+        c = ln.continuations.get((recipe.name, seed))
+        try:
+            handle = _submit(self.executor, self.plan, slot, job, ln.parent_id, ln.ablation_id, c, self.threads)
+        except Exception as e:  # sbatch refused it (a bad partition, account, limit): this run only
+            return RunOutcome("", recipe.name, seed, "FAILED", reason=f"not submitted: {type(e).__name__}: {e}")
+        self.jobs[handle] = (job, slot)
+        return handle
+
+    def poll(self, handles: list) -> list:
+        out = []
+        for job in handles:
+            if job.done():
+                (recipe, seed), _slot = self.jobs.pop(job)
+                out.append(
+                    (job, outcome_of(self.plan, job, recipe.name, seed, self.launch.tracker, self.launch.parent_id))
+                )
+        if len(out) < len(handles):
+            time.sleep(self.plan.launcher.poll_s)
+        return out
+
+    def release(self, slot: Slot) -> bool:
+        return True
+
+    def stop(self, handles: list) -> None:
+        now = time.monotonic()
+        if self.last_stop is None or (not self.cluster and now - self.last_stop > RESEND_S):
+            for job in handles:
+                _stop_job(self.plan, job)
+            self.last_stop = now
+
+    def interrupt(self, handles: list) -> None:
+        for job in handles:
+            job.cancel(check=False)
+
+    def close(self, results: dict) -> None:
+        pass
+
+    def started(self, outcome: RunOutcome) -> bool:
+        return bool(outcome.run_id)  # a job stopped before its run began returns an outcome without a run
+
+
+class SlurmExecutor(SubmititExecutor):
+    """``launcher=slurm``: each run a SLURM job (``sbatch`` through submitit), all submitted at once by default."""
+
+    cluster = True
+    job_id_tag = "slurm_job_id"
+
+
+class SubmititLocalExecutor(SubmititExecutor):
+    """``launcher=submitit_local``: each run a process of this machine through submitit's ``LocalExecutor``."""
 
 
 def run_submitit(
@@ -423,66 +510,16 @@ def run_submitit(
     continuations: dict[tuple[str, int], Continuation] | None = None,
 ) -> list[RunOutcome]:
     """Train every (recipe, seed) of ``jobs`` as one submitit job each (``plan.launcher``), under the parent run
-    ``parent_id``; ``on_done`` sees each outcome as it lands; a job in ``continuations`` continues that interrupted
-    run in place. Returns the outcomes in the order of ``jobs``.
+    ``parent_id`` (``schedule`` with the launcher's ``SubmititExecutor``); ``on_done`` sees each outcome as it
+    lands; a job in ``continuations`` continues that interrupted run in place. Returns the outcomes in the order of
+    ``jobs``.
 
     At most ``launcher.max_running`` jobs are in flight (default: all of them on SLURM, ``workers`` locally). A job
     that cannot be submitted (sbatch refused it) is a FAILED run not started; the others go on. A stop signal to
     this process stops every job in flight (module docstring), submits no other, and raises ``StopSignal`` once the
     jobs have ended; ``KeyboardInterrupt`` cancels them and propagates."""
-    spec = plan.launcher
-    cont = continuations or {}
-    if local_stop():
-        raise _ablation_stop([], len(jobs))
-    folder = job_folder(plan, ablation_id)
-    prepare_job_folder(folder)
-    executor = make_executor(plan, folder)
-    local = spec.name == "submitit_local"
-    cap = max(1, min(len(jobs), spec.max_running or (plan.workers if local else len(jobs))))
-    free = _slots(plan, cap)
-    threads = max(1, cores() // len(free)) if local else None
-    queue = list(enumerate(jobs))
-    flight: dict[int, tuple[object, Slot]] = {}
-    results: dict[int, RunOutcome] = {}
-    last_stop = None
+    from experiments.runner.executors import executor_class
 
-    def done(i: int, o: RunOutcome) -> None:
-        results[i] = o
-        on_done(o)
-
-    try:
-        while queue or flight:
-            if local_stop():
-                queue.clear()  # not started
-                now = time.monotonic()
-                if last_stop is None or (local and now - last_stop > RESEND_S):
-                    for job, _ in flight.values():
-                        _stop_job(plan, job)
-                    last_stop = now
-            while queue and free and not local_stop():
-                i, (recipe, seed) = queue.pop(0)
-                slot = free.pop(0)
-                c = cont.get((recipe.name, seed))
-                try:
-                    job = _submit(executor, plan, slot, (recipe, seed), parent_id, ablation_id, c, threads)
-                except Exception as e:  # sbatch refused it (a bad partition, account, limit): this run only
-                    free.append(slot)
-                    why = f"not submitted: {type(e).__name__}: {e}"
-                    done(i, RunOutcome("", recipe.name, seed, "FAILED", reason=why))
-                    continue
-                flight[i] = (job, slot)
-            for i in [i for i, (job, _) in flight.items() if job.done()]:
-                job, slot = flight.pop(i)
-                free.append(slot)
-                recipe, seed = jobs[i]
-                done(i, outcome_of(plan, job, recipe.name, seed, tracker, parent_id))
-            if queue or flight:
-                time.sleep(spec.poll_s)
-    except KeyboardInterrupt:
-        for job, _ in flight.values():
-            job.cancel(check=False)
-        raise
-    if local_stop():
-        started = [o for o in results.values() if o.run_id]
-        raise _ablation_stop(started, len(jobs) - len(started))
-    return [results[i] for i in range(len(jobs))]
+    launch = Launch(plan, tracker, parent_id, ablation_id, None, continuations or {})
+    executor, slots = executor_class(plan.launcher.name).create(launch, len(jobs))
+    return schedule(jobs, executor, slots, on_done)
