@@ -221,6 +221,7 @@ def build_report(
         predicted=predicted,
         predicted_setup=predicted_setup,
         auto=auto_seeds_of(parent, runs, order, control, margin),
+        controls=controls_of(parent),
     )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
     sections = {
@@ -318,6 +319,22 @@ def _workers_note(workers: str | None, alone: bool = False) -> str:
             "`gpus`), so each run's tokens/s is its device's own"
         )
     return f"; {workers} runs trained at a time (`workers`), so each run's tokens/s was measured under the others' load"
+
+
+def controls_of(parent: Run) -> tuple[str, str] | None:
+    """``(negative, positive)`` control recipes of the ablation from its parent run's params (``controls``,
+    ``negative_control``, ``positive_control``: preflight records the names it resolved), or None when the ablation
+    ran without controls (or predates them). Raises ``ReportError`` for ``controls`` on without both names: the
+    report would otherwise judge the experiment's sensitivity from a guess."""
+    params = parent.data.params
+    if params.get("controls", "False") != "True":
+        return None
+    names = (params.get("negative_control"), params.get("positive_control"))
+    if any(n in (None, "", "None") for n in names):
+        raise ReportError(
+            f"the parent run says controls=True but names negative_control={names[0]} and positive_control={names[1]}"
+        )
+    return names[0], names[1]
 
 
 def _forest(table: verdict_table.VerdictTable, out: Path) -> str | None:

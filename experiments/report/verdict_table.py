@@ -139,6 +139,14 @@ class VerdictTable:
     auto_final_alpha: float | None = None
     #: seeds=auto: (seeds, recipes in its Holm families) of every look taken
     auto_holm: tuple[tuple[int, int], ...] = ()
+    #: ``controls=true``: (negative, positive) control recipes, rows of the table like any other; None: no controls
+    controls: tuple[str, str] | None = None
+
+    def role(self, recipe: str) -> str | None:
+        """``negative control`` / ``positive control`` for a control recipe of the ablation, else None."""
+        if self.controls is None:
+            return None
+        return {self.controls[0]: "negative control", self.controls[1]: "positive control"}.get(recipe)
 
     @property
     def control_sd(self) -> float | None:
@@ -245,6 +253,7 @@ def build_table(
     predicted: dict[str, Prediction] | None = None,
     predicted_setup: str | None = None,
     auto: AutoSeeds | None = None,
+    controls: tuple[str, str] | None = None,
 ) -> VerdictTable:
     """The verdicts of every recipe of ``order`` (but the control) against ``control`` from the report's
     ``RunData``: final validation loss, and the mean over the last quarter of the ``steps`` optimizer steps where
@@ -252,7 +261,9 @@ def build_table(
     Stability: ``stability_verdict`` of each recipe's judged runs (``judged_stability``) against the control's.
     ``predicted``: ``{recipe: Prediction}`` for the predicted ratio columns, ``predicted_setup`` what they assume.
     ``auto``: the replayed ``seeds=auto`` procedure (``experiments.stats.auto_seeds``); each recipe's final-loss verdict
-    is then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict."""
+    is then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict.
+    ``controls``: ``(negative, positive)`` control recipes (``controls=true``): rows of ``order`` judged by the same
+    rule and Holm family as every recipe; only the report's words about them differ (``controls_line``)."""
     predicted = predicted or {}
     ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
     ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
@@ -343,6 +354,7 @@ def build_table(
         auto_note=_auto_note(auto) if auto is not None else None,
         auto_final_alpha=auto.final_alpha if auto is not None else None,
         auto_holm=tuple((lk.n, _tested(lk.verdicts)) for lk in auto.looks) if auto is not None else (),
+        controls=controls,
     )
 
 
@@ -360,6 +372,47 @@ def _auto_note(auto: AutoSeeds) -> str:
 
 
 _pct = markdown.pct
+
+
+def shown_name(t: VerdictTable, recipe: str) -> str:
+    """The recipe as the tables print it: its code span, with its role after it for a control recipe
+    (```bf16_reordered` (negative control)``)."""
+    role = t.role(recipe)
+    return markdown.code(recipe) + (f" ({role})" if role else "")
+
+
+#: What each control must come out as for the experiment to have shown it could see the margin.
+EXPECTED = {"negative control": NON_INFERIOR, "positive control": INFERIOR}
+
+
+def controls_line(t: VerdictTable) -> str:
+    """The report's first line: whether the controls came out as they must (negative ``non-inferior``, positive
+    ``inferior``, by the same rule as every recipe); when one did not, the experiment could not tell at the margin
+    and its verdicts are not evidence. Without controls: says so, and that ``controls=true`` adds them."""
+    margin = f"{100 * t.margin:.3g}%"
+    if t.controls is None:
+        return (
+            f"This experiment ran without controls: nothing shows it could see a difference of the {margin} margin "
+            "(`controls=true` adds a negative and a positive control)."
+        )
+    rows = {r.recipe: r for r in t.rows}
+    failed, passed = [], []
+    for name in t.controls:
+        role = t.role(name)
+        row = rows.get(name)
+        v = row.final if row is not None else None
+        if v is None:
+            got = NO_DATA if row is None or not _is_diverged(row) else DIVERGED
+            failed.append(f"the {role} {markdown.code(name)} has no verdict ({got})")
+            continue
+        what = f"{v.label} ({_effect_cell(v)})"
+        (passed if v.verdict == EXPECTED[role] else failed).append(f"the {role} {markdown.code(name)} came out {what}")
+    if failed:
+        return (
+            f"**This experiment could not tell at the {margin} margin**: {' and '.join(failed)}; its verdicts are "
+            "not evidence."
+        )
+    return f"**Controls passed at the {margin} margin**: {' and '.join(passed)}."
 
 
 def _level(level: float) -> str:
@@ -453,12 +506,17 @@ def _throughput_cell(x: float | None, contended: int) -> str:
     return f"{_ratio_cell(x)} (contended: {contended} runs at a time)"
 
 
-def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1) -> list[str]:
-    """The cells of a recipe's row of the verdict table."""
+def _row(row: RecipeRow, with_late: bool, auto: bool = False, contended: int = 1, name: str | None = None) -> list[str]:
+    """The cells of a recipe's row of the verdict table (``name``: the recipe as shown, ``shown_name``)."""
     v = row.final
     mdd = "n/a" if v is None or v.mdd is None else f"{100 * v.mdd:.3f}%"
     needed = "n/a" if v is None or v.seeds_needed is None else str(v.seeds_needed)
-    cells = [markdown.code(row.recipe), _seeds_cell(row), _effect_cell(v, auto), _verdict_cell(v, row.stability)]
+    cells = [
+        name or markdown.code(row.recipe),
+        _seeds_cell(row),
+        _effect_cell(v, auto),
+        _verdict_cell(v, row.stability),
+    ]
     if with_late:
         cells += [_effect_cell(row.late, auto), _verdict_cell(row.late, row.stability)]
     cells += [_spikes_cell(row.stability), _diverged_cell(row.stability), _stability_cell(row.stability_verdict)]
@@ -510,7 +568,14 @@ def verdict_section(
     and ``noise_floor.md.j2``."""
     if t.no_verdict:
         head, rows = _runs_table(finished_runs or [])
-        return markdown.lines("verdicts.md.j2", t=t, runs_head=head, runs_rows=rows, diverged=_diverged_line(t))
+        return markdown.lines(
+            "verdicts.md.j2",
+            t=t,
+            runs_head=head,
+            runs_rows=rows,
+            diverged=_diverged_line(t),
+            controls=controls_line(t),
+        )
     with_late = t.late_reason is None
     auto = t.auto_note is not None
     sd = t.control_sd
@@ -520,14 +585,17 @@ def verdict_section(
         "verdicts.md.j2",
         t=t,
         diverged=None,
+        controls=controls_line(t),
         summary=summary_line(t, finished_runs or [], warmup),
         advice=add_seeds_line(t),
         forest=forest,
         compact_cols=_compact_columns(t.level, auto),
-        compact_rows=[_compact_row(r, auto) for r in t.rows],
+        compact_rows=[_compact_row(r, auto, shown_name(t, r.recipe)) for r in t.rows],
+        resolution_cols=RESOLUTION_COLUMNS,
+        resolution_rows=[_resolution_row(r, shown_name(t, r.recipe)) for r in t.rows],
         cols=_columns(with_late, t.predicted_hardware, t.level, auto),
         control=_control_row(t, with_late),
-        rows=[_row(r, with_late, auto, contended) for r in t.rows],
+        rows=[_row(r, with_late, auto, contended, shown_name(t, r.recipe)) for r in t.rows],
         on_cpu=on_cpu,
         auto=auto,
         rule=_rule(t),
@@ -727,11 +795,13 @@ def forest_rows(t: VerdictTable) -> list:
         v = r.final
         kind = "diverged" if _is_diverged(r) else (v.verdict if v and v.verdict in CONCLUSIVE else "open")
         label = _compact_verdict(r, short=True).replace("**", "")
+        role = t.role(r.recipe)
+        name = f"{r.recipe} ({role})" if role else r.recipe
         if v is None:
-            out.append(ForestRow(r.recipe, None, None, None, label, kind))
+            out.append(ForestRow(name, None, None, None, label, kind))
         else:
             e = v.effect
-            out.append(ForestRow(r.recipe, e.mean, e.lo, e.hi, label, kind))
+            out.append(ForestRow(name, e.mean, e.lo, e.hi, label, kind))
     return out
 
 
@@ -753,8 +823,8 @@ def _compact_columns(level: float, auto: bool) -> list[str]:
     return ["recipe", f"final val loss vs control {ci}", "verdict", "seeds needed", "stability"]
 
 
-def _compact_row(row: RecipeRow, auto: bool = False) -> list[str]:
-    """The cells of a recipe's row of the compact table at the top of the report."""
+def _compact_row(row: RecipeRow, auto: bool = False, name: str | None = None) -> list[str]:
+    """The cells of a recipe's row of the compact table at the top of the report (``name``: as shown)."""
     v = row.final
     if v is not None and v.verdict in CONCLUSIVE:
         needed = f"{v.effect.n} sufficed"
@@ -763,7 +833,24 @@ def _compact_row(row: RecipeRow, auto: bool = False) -> list[str]:
     else:
         needed = f"{v.seeds_needed} ({v.effect.n} ran)"
     stab = f"**{row.stability_verdict.verdict}**" if row.stability_verdict else NO_DATA
-    return [markdown.code(row.recipe), _effect_cell(v, auto), _compact_verdict(row), needed, stab]
+    return [name or markdown.code(row.recipe), _effect_cell(v, auto), _compact_verdict(row), needed, stab]
+
+
+#: The resolution table under the compact one: what each comparison could resolve at the seeds it ran.
+RESOLUTION_COLUMNS = ["recipe", "paired sd", "MDD at the seeds run", "seeds needed"]
+
+
+def _resolution_row(row: RecipeRow, name: str) -> list[str]:
+    """A recipe's resolution on the final loss: the paired sd of its relative differences to the control, the
+    minimum detectable difference at the seeds its verdict used (``minimum_detectable_difference``) and the seeds
+    the verdict would need at the observed mean and sd (``seeds_needed``); ``n/a`` where undefined."""
+    v = row.final
+    if v is None:
+        return [name, "n/a", "n/a", "n/a"]
+    sd = "n/a" if not _finite(v.effect.sd) or v.effect.n < 2 else f"{100 * v.effect.sd:.3f}%"
+    mdd = "n/a" if v.mdd is None else f"{100 * v.mdd:.3f}% ({v.effect.n} seeds)"
+    needed = "n/a" if v.seeds_needed is None else str(v.seeds_needed)
+    return [name, sd, mdd, needed]
 
 
 def _perm_line(v: Verdict) -> str:
@@ -807,7 +894,9 @@ def _num(x, fmt: str) -> str:
 def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     """The tags and metrics that record ``t`` on the parent run (names: module docstring)."""
     status = "ok" if not t.no_verdict else ("no-control" if not t.control_values else "nothing-to-compare")
-    tags = {"verdict_status": status, "verdict_control": t.control}
+    tags = {"verdict_status": status, "verdict_control": t.control, "verdict_controls": _controls_status(t)}
+    if t.controls is not None:
+        tags["verdict_negative_control"], tags["verdict_positive_control"] = t.controls
     metrics: dict[str, float] = {"verdict/margin": t.margin}
     _record_stability_and_predictions(t, tags, metrics)
     if t.no_verdict:
@@ -833,6 +922,13 @@ def parent_records(t: VerdictTable) -> tuple[dict[str, str], dict[str, float]]:
     if t.min_mdd is not None:
         metrics["noise/min_margin"] = t.min_mdd[0]
     return tags, metrics
+
+
+def _controls_status(t: VerdictTable) -> str:
+    """``off`` (no controls), ``passed`` or ``failed`` (``controls_line``), for the parent run's tag."""
+    if t.controls is None:
+        return "off"
+    return "failed" if controls_line(t).startswith("**This experiment could not tell") else "passed"
 
 
 def _record_stability_and_predictions(t: VerdictTable, tags: dict, metrics: dict) -> None:

@@ -1,0 +1,103 @@
+"""The controls in the report (``ablate controls=true``): a real MLflow sqlite store whose child runs are logged with
+known per-seed losses (no training). The control rows are judged by the same rule and Holm family as every recipe,
+marked by their role; the report's first line says whether the experiment could see a difference of the margin."""
+
+from __future__ import annotations
+
+import fabricated_ablation
+import pytest
+from fabricated_ablation import CONTROL, CONTROL_LOSS, SEEDS, fabricate_ablation
+
+from experiments.report.build import build_report
+from experiments.report.verdict_table import build_table, controls_line, forest_rows
+from experiments.tracking.runs import load_runs
+from experiments.tracking.tracker import Tracker
+
+NEG, POS = "bf16_reordered", "bf16_pure"
+#: relative differences to the control by seed: the reordered control within roundings, bf16_pure 2% worse
+TINY, WORSE, ZERO = [1e-5, -1e-5, 2e-5, 0.0], [0.020, 0.021, 0.019, 0.022], [0.002, -0.003, 0.001, -0.0005]
+
+
+def _runs(neg: list[float], pos: list[float]) -> dict[str, dict[int, float]]:
+    runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS))}
+    runs["fp8_rowwise"] = {s: CONTROL_LOSS[s] * (1 + 0.001 * (s - 1.5)) for s in SEEDS}
+    runs[NEG] = {s: CONTROL_LOSS[s] * (1 + neg[s]) for s in SEEDS}
+    runs[POS] = {s: CONTROL_LOSS[s] * (1 + pos[s]) for s in SEEDS}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    # the fabricated runs' throughput is looked up by recipe; the reordered control's is the control's
+    fabricated_ablation.TOKENS_PER_S.setdefault(NEG, fabricated_ablation.TOKENS_PER_S[CONTROL])
+    root = tmp_path_factory.mktemp("controls")
+    tracker = Tracker(f"sqlite:///{root / 'runs' / 'mlflow.db'}", "lowprec", root / "runs")
+    cases = {"abl-pass": (TINY, WORSE), "abl-flatpos": (TINY, ZERO), "abl-badneg": (WORSE, WORSE)}
+    for abl, (neg, pos) in cases.items():
+        parent = fabricate_ablation(tracker, abl, _runs(neg, pos), margin=0.0025)
+        # what preflight records on the parent run (Plan.params): the resolved names
+        tracker.log_params(parent, {"controls": "True", "negative_control": NEG, "positive_control": POS})
+    fabricate_ablation(tracker, "abl-off", _runs(TINY, WORSE), margin=0.0025)
+    return tracker, root
+
+
+def _report(store, abl: str) -> str:
+    tracker, root = store
+    return build_report(tracker, abl, root / "reports").read_text()
+
+
+def _first_line(text: str) -> str:
+    return text.split("## Verdicts", 1)[1].strip().splitlines()[0]
+
+
+def test_both_controls_passing_say_so_and_rows_are_marked(store):
+    text = _report(store, "abl-pass")
+    first = _first_line(text)
+    assert first.startswith(
+        "**Controls passed at the 0.25% margin**: the negative control `bf16_reordered` came out non-inferior"
+    ), first
+    assert "the positive control `bf16_pure` came out inferior" in first
+    assert "| `bf16_reordered` (negative control) |" in text and "| `bf16_pure` (positive control) |" in text
+    assert "Resolution at the 0.25% margin" in text
+    html = (store[1] / "reports" / "abl-pass" / "report.html").read_text()
+    assert "Controls passed at the 0.25% margin" in html.split("Verdicts", 1)[1][:600]
+
+
+def test_a_positive_control_with_no_effect_means_the_experiment_could_not_tell(store):
+    first = _first_line(_report(store, "abl-flatpos"))
+    assert first.startswith(
+        "**This experiment could not tell at the 0.25% margin**: the positive control `bf16_pure` came out "
+    ), first
+    assert first.endswith("its verdicts are not evidence.") and "negative control" not in first
+
+
+def test_a_negative_control_with_a_large_effect_means_the_experiment_could_not_tell(store):
+    first = _first_line(_report(store, "abl-badneg"))
+    assert first.startswith(
+        "**This experiment could not tell at the 0.25% margin**: the negative control "
+        "`bf16_reordered` came out inferior"
+    ), first
+
+
+def test_without_controls_the_first_line_says_so(store):
+    first = _first_line(_report(store, "abl-off"))
+    assert first.startswith("This experiment ran without controls") and "`controls=true`" in first
+    assert "(negative control)" not in _report(store, "abl-off")
+
+
+def test_control_rows_are_judged_by_the_same_rule_and_holm_family(store):
+    tracker, _ = store
+    parent = tracker.client.search_runs(
+        [tracker.experiment_id], "tags.`lowprec.ablation_id` = 'abl-pass' and tags.`lowprec.kind` = 'ablation'"
+    )[0]
+    runs = load_runs(tracker, parent.info.run_id, [])
+    order = [CONTROL, "fp8_rowwise", NEG, POS]
+    with_roles = build_table(runs, order, CONTROL, 0.0025, 100, controls=(NEG, POS))
+    plain = build_table(runs, order, CONTROL, 0.0025, 100)
+    # the roles change nothing in the statistics: same verdicts, same Holm family (all three recipes)
+    assert [r.final for r in with_roles.rows] == [r.final for r in plain.rows]
+    assert {r.final.n_tests for r in with_roles.rows} == {3}
+    assert controls_line(with_roles).startswith("**Controls passed")
+    names = [r.name for r in forest_rows(with_roles)]
+    assert names == ["fp8_rowwise", "bf16_reordered (negative control)", "bf16_pure (positive control)"]
+    assert parent.data.tags.get("verdict_controls") in (None, "passed")  # the parent's tag once the report ran
