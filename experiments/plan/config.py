@@ -55,44 +55,6 @@ class PathsConfig:
 
 
 @dataclass(frozen=True)
-class FaultsConfig:
-    """Fault injection, for testing failure handling (experiments/runner/faults.py): applies to the run of
-    ``recipe`` (any recipe if null). ``crash_at_step``: raise RuntimeError before this step.
-    ``nan_at_step``: poison the final norm's weight with NaN before this step (the real NaN path).
-    ``exit_at_step``: end the process at once before this step (``os._exit``: a worker killed mid-run).
-    ``kill_at_step``: send SIGKILL to this process before this step (a real ``kill -9``: no handler, no flush).
-    ``signal_at_step``: send ``signal`` (SIGTERM, SIGINT or SIGUSR1) to this process before this step, as a
-    scheduler's pre-emption would (the run stops after that step). ``nan_into``: where ``nan_at_step``'s NaN lands,
-    ``weight`` (the final norm's weight), ``activation`` (the final norm's output) or ``gradient`` (the final norm
-    weight's gradient); ``nan_steps``: how many consecutive steps from ``nan_at_step`` are poisoned, each the first
-    time it runs (a rollback's replay runs clean). ``fp8_overflow_at_step``: for ``fp8_overflow_steps`` steps,
-    multiply the input of the FP8 linear ``fp8_overflow_layer`` (null: the first) by ``fp8_overflow_factor`` to the
-    power 1, 2, ...: a delayed-scaling layer saturates on each of them. ``at_point``: a named point inside a
-    checkpoint save, the metric flush or a run's creation (``lowprec.train.fault_points.POINTS``: ``save.start``,
-    ``save.shards``, ``save.trainer_state``, ``save.manifest``, ``save.rename``, ``save.prune``, ``log.flush``,
-    ``run.created``) where, the ``point_hit``-th time it is reached, ``point_action`` happens: ``kill`` (SIGKILL
-    there) or ``stop`` (SIGSTOP there, for a harness to inject a fault and send SIGCONT;
-    ``experiments.runner.faults.arm_point``)."""
-
-    recipe: str | None = None
-    crash_at_step: int | None = None
-    nan_at_step: int | None = None
-    nan_into: str = "weight"
-    nan_steps: int = 1
-    exit_at_step: int | None = None
-    kill_at_step: int | None = None
-    signal_at_step: int | None = None
-    signal: str = "SIGTERM"
-    fp8_overflow_at_step: int | None = None
-    fp8_overflow_steps: int = 3
-    fp8_overflow_layer: str | None = None
-    fp8_overflow_factor: float = 1000.0
-    at_point: str | None = None
-    point_action: str = "kill"
-    point_hit: int = 1
-
-
-@dataclass(frozen=True)
 class TrainNode(TrainSpec):
     """The ``train`` node: ``TrainSpec``'s fields, with ``compile`` and ``ac`` also ``auto`` (the default: resolved
     per device and recipe by ``experiments.plan.auto_train``; ``train_from_cfg`` returns the resolved
@@ -134,7 +96,6 @@ class RunConfig:
     resume: str | None = None
     train: TrainNode = field(default_factory=TrainNode)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: SpikeRule = field(default_factory=SpikeRule)
 
 
@@ -193,6 +154,10 @@ class AblateConfig(RunConfig):
     #: every other setting shared), tagged with the first one's id as ``ablation_group``; the studies of the last
     #: one see every model's ablation
     models: list[str] = field(default_factory=list)
+    #: empty: one ablation. Settings mirroring the config's nesting whose leaves are lists of >= 2 values
+    #: (``grid.optim.lr=[0.001,0.002]``): one ablation per point of their product, every other setting shared,
+    #: grouped like ``models`` (experiments/plan/grid.py; only model/optim/train/stability settings)
+    grid: dict[str, Any] = field(default_factory=dict)
     report: ReportConfig = field(default_factory=ReportConfig)
     #: print the plan (runs, placement, steps, tokens, corpus epochs, predicted wall time) and train nothing
     dry_run: bool = False
@@ -270,7 +235,7 @@ def register_configs() -> None:
     ``recipe.fp8.scaling=rowwise`` or ``model.n_layers=2`` override it and multirun can sweep it); ``data/*``,
     ``optim/adamw``, ``parallel/single`` and ``tracking/sqlite`` from ``GROUPS``; ``launcher/*`` from
     ``ABLATE_GROUPS``; ``train_schema`` and ``ablate_schema`` (``TrainConfig``, ``AblateConfig``: ``train``,
-    ``paths``, ``faults`` and the top-level keys) from ``SCHEMAS``.
+    ``paths`` and the top-level keys) from ``SCHEMAS``.
     """
     global _registered
     if _registered:
@@ -397,12 +362,6 @@ def spike_rule_from_cfg(cfg: DictConfig) -> SpikeRule:
 
 def data_from_cfg(cfg: DictConfig) -> DataSpec:
     return DataSpec(**typed(DataSpec, cfg.data, "data"))
-
-
-def faults_from_cfg(cfg: DictConfig) -> FaultsConfig:
-    """``FaultsConfig`` from the ``faults`` node (no fault when absent)."""
-    node = cfg.get("faults")
-    return FaultsConfig(**typed(FaultsConfig, node, "faults")) if node is not None else FaultsConfig()
 
 
 def check_store_uri(uri: str) -> None:

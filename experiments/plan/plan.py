@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.plan.config import FaultsConfig, PathsConfig, TrackingConfig, flat_params
+from experiments.plan.config import PathsConfig, TrackingConfig, flat_params
 from experiments.plan.launcher import LauncherSpec
 from experiments.plan.placement import Placement
 from experiments.stats.stability import SpikeRule
@@ -43,7 +43,7 @@ class Plan:
     ``negative_control``/``positive_control``: with ``controls=true``, the recipes (among ``recipes``) that must come
     out non-inferior / inferior against the control (None otherwise). ``model_name``
     and ``model``: the size's name and its ``ModelArgs`` (or ``MoEArgs``). ``train``, ``optim``, ``parallel``,
-    ``data``, ``stability``, ``tracking``, ``paths``, ``faults``: the typed nodes. ``device``: as given (``auto``,
+    ``data``, ``stability``, ``tracking``, ``paths``: the typed nodes. ``device``: as given (``auto``,
     ``cpu``, ``cuda:N``; each process resolves it). ``placement``: where the runs train, one slot per worker
     (``experiments.plan.placement``; ``workers``: their count, ``auto`` resolved). ``trains``: per recipe name, the
     ``TrainSpec`` with ``train.compile``/``ac=auto`` resolved for that recipe and the tags saying so
@@ -54,7 +54,8 @@ class Plan:
     folder (``train``) or an ablation id (``ablate``).
     ``name``, ``studies``, ``study``, ``margin``: the ablation's experiment name, studies and their settings, and the
     report's margin.
-    ``group``: with ``models=[...]``, one ``Plan`` per model, in order (this one is the first); empty otherwise.
+    ``group``: with ``models=[...]`` or a ``grid``, one ``Plan`` per model and grid point, in order (this one is the
+    first); empty otherwise. ``point``: a grid plan's settings, ``((dotted key, value), ...)``.
     ``settings``: the composed config, resolved, as plain data (MLflow params: ``params``; ``config.yaml``:
     ``yaml``).
     """
@@ -74,7 +75,6 @@ class Plan:
     stability: SpikeRule
     tracking: TrackingConfig
     paths: PathsConfig
-    faults: FaultsConfig
     device: str
     cpu_kernels: str
     placement: Placement
@@ -96,6 +96,8 @@ class Plan:
     negative_control: str | None = None
     #: ``controls=true``: the recipe that must come out inferior (None without controls)
     positive_control: str | None = None
+    #: with ``grid``: this plan's point, ``((dotted key, value), ...)`` (experiments/plan/grid.py); empty otherwise
+    point: tuple[tuple[str, Any], ...] = ()
 
     @property
     def workers(self) -> int:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import os
 import re
-import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.plan.config import (
     data_from_cfg,
-    faults_from_cfg,
     launcher_from_cfg,
     model_from_cfg,
     model_node,
@@ -36,6 +35,7 @@ from experiments.plan.config import (
     train_from_cfg,
     train_resolved,
 )
+from experiments.plan.grid import apply_point, grid_points
 from experiments.plan.launch import under_torchrun
 from experiments.plan.launcher import check_launcher
 from experiments.plan.placement import Placement, Slot, plan_placement, visible_gpus
@@ -45,7 +45,6 @@ from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
 from lowprec.kernels import check_cpu_kernels, resolve_kernels
 from lowprec.recipe import Recipe
-from lowprec.train import fault_points
 from lowprec.train.build import (
     build_model_meta,
     check_compile,
@@ -59,7 +58,6 @@ from lowprec.train.checkpoint_files import newest_checkpoint
 from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.data_position import resumed_position
 from lowprec.train.moe_balance import check_moe_layout
-from lowprec.train.stop import STOP_SIGNALS
 from recipes import CATALOG, get_recipe
 
 #: The default positive control (``controls=true``, ``positive_control`` null): a recipe expected to come out
@@ -87,39 +85,6 @@ def check_ablation_id(value) -> str:
             "lowprec train ... resume=runs/checkpoints/<run id>"
         )
     return text
-
-
-#: ``faults.point_action``: what happens at ``faults.at_point``.
-POINT_ACTIONS = ("kill", "stop")
-
-
-def check_point(name: str | None, action: str, hit: int) -> None:
-    """``faults.at_point``/``point_action``/``point_hit`` checked; raises ``ConfigError`` naming the bad one."""
-    if name is not None and name not in fault_points.POINTS:
-        raise ConfigError(f"faults.at_point={name} is not one of {', '.join(fault_points.POINTS)}")
-    if action not in POINT_ACTIONS:
-        raise ConfigError(f"faults.point_action={action} is not one of {', '.join(POINT_ACTIONS)}")
-    if hit < 1:
-        raise ConfigError(f"faults.point_hit={hit} must be >= 1 (1: the first time the point is reached)")
-
-
-def stop_signal(name: str) -> int:
-    """The signal ``faults.signal`` names; raises ``ConfigError`` for one that is not a stop signal."""
-    known = {signal.Signals(s).name: s for s in STOP_SIGNALS}
-    if name not in known:
-        raise ConfigError(f"faults.signal={name} is not one of {', '.join(known)}")
-    return known[name]
-
-
-#: ``faults.nan_into``: where a NaN fault lands.
-NAN_TARGETS = ("weight", "activation", "gradient")
-
-
-def nan_target(name: str) -> str:
-    """``faults.nan_into`` checked; raises ``ConfigError`` for another value."""
-    if name not in NAN_TARGETS:
-        raise ConfigError(f"faults.nan_into={name} is not one of {', '.join(NAN_TARGETS)}")
-    return name
 
 
 #: Seeds feed torch.manual_seed and numpy's generators: numpy takes 0 .. 2**32 - 1.
@@ -429,19 +394,26 @@ def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
     naming the field and the fix.
     """
     resolve_data_source(cfg)  # first: every plan below (one per model) reads the source the path implies
-    models = list(cfg.get("models") or []) if "recipes" in cfg else []
-    if not models:
+    ablation = "recipes" in cfg
+    models = list(cfg.get("models") or []) if ablation else []
+    points = grid_points(cfg) if ablation else []  # ConfigError for a bad axis, before anything else is read
+    if not models and not points:
         return _preflight_one(cfg, recipes)
     if cfg.get("resume"):
-        raise ConfigError(f"resume={cfg.resume} with models={models}: resume each model's ablation by its own id")
+        what = f"models={models}" if models else "a grid"
+        raise ConfigError(f"resume={cfg.resume} with {what}: resume each ablation of the group by its own id")
     nodes = {m: model_node(m) for m in models}  # ConfigError for an unknown name
     group = []
-    for m in models:
-        one = copy.deepcopy(cfg)
-        with open_dict(one):
-            one.model = OmegaConf.create(nodes[m])
-            one.models = []
-        group.append(_preflight_one(one, recipes))  # every model's recipes checked before the first trains
+    for m in models or [None]:
+        for point in points or [{}]:
+            one = copy.deepcopy(cfg)
+            with open_dict(one):
+                if m is not None:
+                    one.model = OmegaConf.create(nodes[m])
+                    one.models = []
+                apply_point(one, point)
+            plan = _preflight_one(one, recipes)  # every point's recipes checked before the first trains
+            group.append(dataclasses.replace(plan, point=tuple(point.items())))
     return with_group(group[0], group)
 
 
@@ -497,9 +469,6 @@ def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
     check_seed(cfg)
     check_tracking_uri(str(cfg.tracking.uri))
     check_writable_dirs(cfg)
-    stop_signal(cfg.faults.signal)  # a fault-injection typo is refused here, not recorded as a failed run
-    nan_target(cfg.faults.nan_into)
-    check_point(cfg.faults.at_point, cfg.faults.point_action, int(cfg.faults.point_hit))
     resume = cfg.get("resume")
     if resume and "recipes" in cfg:  # lowprec ablate: resume= names an ablation (experiments/runner/resume.py)
         check_ablation_id(resume)
@@ -553,7 +522,6 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
         stability=spike_rule_from_cfg(cfg),
         tracking=tracking_from_cfg(cfg),
         paths=paths_from_cfg(cfg),
-        faults=faults_from_cfg(cfg),
         device=str(cfg.device),
         cpu_kernels=str(cfg.cpu_kernels),
         placement=placement,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from experiments.plan.grid import POINT_TAG, point_text
 from experiments.plan.plan import Plan
 from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
 from experiments.report.build import build_report
@@ -57,10 +58,10 @@ def ablation_description(plan: Plan, how: str) -> str:
 
 
 def ablate(plan: Plan, echo=print) -> AblationOutcome:
-    """``plan.group`` empty: ``ablate_one``. Otherwise one ``ablate_one`` per model's plan, in order (``model=<name>``
-    with every other setting shared; each checked by preflight before the first trains), all tagged with the first
-    one's id as ``ablation_group`` so the last one's studies read every model's ablation; returns the last outcome
-    (``group`` lists every id)."""
+    """``plan.group`` empty: ``ablate_one``. Otherwise one ``ablate_one`` per model's and grid point's plan, in order
+    (``model=<name>`` and the point's settings, every other setting shared; each checked by preflight before the first
+    trains), all tagged with the first one's id as ``ablation_group`` so the last one's studies read every ablation of
+    the group; returns the last outcome (``group`` lists every id)."""
     if not plan.group:
         return ablate_one(plan, echo)
     group: str | None = None
@@ -131,6 +132,7 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
         echo(
             f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={plan.model_name}, "
             f"{plan.train.steps} steps each; layout {dims.short()}"
+            + (f"; grid point {point_text(dict(plan.point))}" if plan.point else "")
             + (f"; {plan.placement.describe()}" if workers > 1 and not plan.launcher.submitit else "")
             + (f"; launcher={plan.launcher.name}: one job per run" if plan.launcher.submitit else "")
             + f"; data: {data.description}"
@@ -294,6 +296,7 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
             "control": plan.control,
             "studies": dumps(list(plan.studies)),
             GROUP_TAG: group,
+            **({POINT_TAG: dumps(dict(plan.point))} if plan.point else {}),
             "model": plan.model_name,
             "corpus_fingerprint": data.fingerprint,
             "corpus": data.description,

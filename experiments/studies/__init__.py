@@ -10,13 +10,14 @@ Register one with ``@register("name")`` (``experiments.studies.registry``) in a 
 ``check_studies`` refuses unknown names before any training.
 """
 
-from experiments.studies import deepseek_v3, noise, nvfp4  # each registers its study
+from experiments.studies import deepseek_v3, lr, noise, nvfp4  # each registers its study
 from experiments.studies.registry import (
     GROUP_TAG,
     SETTINGS_CHECKS,
     STUDIES,
     StudyContext,
     check_studies,
+    group_ablations,
     register,
     report_studies,
     run_studies,
@@ -28,7 +29,9 @@ __all__ = [
     "STUDIES",
     "StudyContext",
     "check_studies",
+    "group_ablations",
     "deepseek_v3",
+    "lr",
     "noise",
     "nvfp4",
     "register",

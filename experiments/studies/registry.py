@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.report.build import ReportContext
+from experiments.tracking.tracker import ABLATION_TAG
 from lowprec.errors import ConfigError
 
 #: What a study gets (``experiments.report.build.ReportContext``): the store, the ablation, its runs and the main
@@ -17,8 +18,8 @@ from lowprec.errors import ConfigError
 StudyContext = ReportContext
 
 
-#: Parent-run tag naming the first ablation of a ``models`` list (``experiments.runner.ablate.ablate``); an ablation run
-#: alone is its own group.
+#: Parent-run tag naming the first ablation of a ``models`` list or a ``grid`` (``experiments.runner.ablate.ablate``);
+#: an ablation run alone is its own group.
 GROUP_TAG = "ablation_group"
 
 #: name -> study function; each returns the markdown path it wrote.
@@ -61,6 +62,19 @@ def check_studies(names: list[str], settings: dict | None = None) -> list[str]:
         if n in SETTINGS_CHECKS:
             SETTINGS_CHECKS[n](dict(d or {}))
     return names
+
+
+def group_ablations(ctx: StudyContext) -> list[tuple[str, Any]]:
+    """``(ablation id, parent run)`` of every ablation of ``ctx``'s group (tag ``GROUP_TAG``: a ``models`` list or a
+    ``grid``), oldest first, ``ctx``'s own ablation last."""
+    group = ctx.parent.data.tags.get(GROUP_TAG, ctx.ablation_id)
+    found = ctx.tracker.client.search_runs(
+        [ctx.tracker.experiment_id],
+        filter_string=f"tags.`{GROUP_TAG}` = '{group}' and tags.`lowprec.kind` = 'ablation'",
+    )
+    found = sorted(found, key=lambda r: r.info.start_time)
+    out = [(r.data.tags[ABLATION_TAG], r) for r in found if r.data.tags[ABLATION_TAG] != ctx.ablation_id]
+    return [*out, (ctx.ablation_id, ctx.parent)]
 
 
 def run_studies(names: list[str], ctx: StudyContext) -> list[Path]:

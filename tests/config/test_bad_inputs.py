@@ -111,7 +111,8 @@ BAD = [
     (["train", "resume=/no/such/checkpoint"], "no checkpoint at '/no/such/checkpoint'"),
     (["train", "train.keep_checkpoints=-1"], "train.keep_checkpoints=-1 must be >= 0"),
     (["ui", "tracking.urx=3"], "unknown key tracking.urx, did you mean tracking.uri?"),
-    (["train", "faults.signal=SIGKILL"], "faults.signal=SIGKILL is not one of SIGTERM, SIGINT, SIGUSR1"),
+    # fault injection is a test channel (LOWPREC_FAULTS), not a config key
+    (["train", "faults.signal=SIGTERM"], "unknown key faults"),
     (["sync", "/no/such/spool"], "no spool file or folder at '/no/such/spool'"),
     (["sync", "NOTASPOOL"], "is not a lowprec spool file (its first line is not a spool header)"),
     # resume= of an ablation takes its id: an unknown one, or a run's checkpoint folder, is refused (no MLflow write)
@@ -149,7 +150,6 @@ BAD = [
         "train.fp8_fallback=layer cannot run with train.compile=true",
     ),
     (["train", "train.skip_batches=[3,-1]"], "train.skip_batches holds -1: batch indices are >= 0"),
-    (["train", "faults.nan_into=bias"], "faults.nan_into=bias is not one of weight, activation, gradient"),
     # issue 16: the DeepSeekMoE model (model=moe_*)
     (
         ["train", "model=moe_debug", "+model.n_experts=4"],
@@ -186,6 +186,15 @@ BAD = [
     (["train", "tracking.uri=foo://bar"], "tracking.uri=foo://bar: MLflow has no tracking store for 'foo'://"),
     (["train", "paths.runs=/dev/null"], "paths.runs=/dev/null cannot hold lowprec's runs"),
     (["ablate", "recipes=[fp32]", "paths.reports=/dev/null/x"], "paths.reports=/dev/null/x cannot hold"),
+    # a grid of training settings (experiments/plan/grid.py): every point checked before the first trains
+    (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003]"], "grid.optim.lr=[0.003]: a grid axis needs at least 2"),
+    (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003,-0.001]"], "optim.lr=-0.001"),
+    (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003,0]"], "optim.lr=0"),
+    (["ablate", "recipes=[bf16,fp32]", "+grid.seeds=[1,2]"], "grid.seeds: only training settings can be an axis"),
+    (
+        ["ablate", "recipes=[bf16,fp32]", "control=fp8_rowwise", "+grid.optim.lr=[0.001,0.003]"],
+        "control=fp8_rowwise is not among recipes",
+    ),
 ]
 
 
