@@ -200,3 +200,39 @@ def test_z_loss_is_logged_beside_the_plain_loss(token_data):
     run_training(_built(spec), data, spec, sink)
     steps = [r for r in sink.rows if "loss" in r]
     assert len(steps) == 3 and all(0 < r["z_loss"] < 1 for r in steps)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_qk_norm_under_activation_checkpointing_gives_the_same_step(ac):
+    """Activation checkpointing recomputes the norms in backward: same loss and gradients as without it."""
+    spec = dict(SPEC, telemetry_every=0, progress=False)
+    args = model_args("debug", qk_norm=True)
+    plain, ckpt = (
+        build(CATALOG["fp32"], args, TrainSpec(**spec, ac=a), OptimHParams(lr=3e-3), 0, torch.device("cpu"))
+        for a in ("none", ac)
+    )
+    micro = _batch(TrainSpec(**spec))
+    r0, r1 = train_step(plain, micro, 1.0, 0), train_step(ckpt, micro, 1.0, 0)
+    assert r0.loss == r1.loss and r0.grad_norm == pytest.approx(r1.grad_norm, rel=1e-6)
+    g0 = plain.model.layers["0"].attention.q_norm.weight
+    g1 = ckpt.model.layers["0"].attention.q_norm.weight
+    torch.testing.assert_close(g0, g1)
+
+
+def test_qk_norm_trains_under_an_fp8_recipe_with_its_effective_recipe_checked(token_data):
+    """FP8 conversion leaves the norms in high precision; the effective-recipe check (which linears ran in FP8)
+    passes with them in the blocks."""
+    spec = TrainSpec(**SPEC, telemetry_every=0, progress=False)
+    b = build(
+        CATALOG["fp8_current"], model_args("debug", qk_norm=True), spec, OptimHParams(lr=3e-3), 0, torch.device("cpu")
+    )
+    assert type(b.model.layers["0"].attention.q_norm) is RMSNorm
+    assert b.model.layers["0"].attention.q_norm.weight.dtype == torch.float32
+
+    class Sink:
+        def log_metrics(self, m, step):
+            pass
+
+    res = run_training(b, TokenBatches(token_data.train, token_data.val, 32, 2, 0), spec, Sink())
+    assert res.effective_checked and res.effective["fp8_linears"]
+    assert not any("norm" in f for f in res.effective["fp8_linears"])
