@@ -1,7 +1,7 @@
 """Real disk faults for the fault campaign (benchmarks/faults.py): a small tmpfs mounted on a folder of a run, filled
-to its last byte or remounted read-only while a ``lowprec`` process waits at a named point
-(``faults.point_action=stop``), then given its space back (or made writable) for the recovery. The kernel itself
-then refuses the run's next write (``ENOSPC``, ``EROFS``): no Python function is patched.
+to its last byte or remounted read-only while a ``lowprec`` process waits at a named point (``LOWPREC_FAULTS``
+``point_action=stop``), then given its space back (or made writable) for the recovery. The kernel itself then refuses
+the run's next write (``ENOSPC``, ``EROFS``): no Python function is patched.
 
 Mounting needs root (or ``CAP_SYS_ADMIN``); ``mount_refused`` says why not where it cannot be done, and the
 campaign skips its disk cases with that reason.

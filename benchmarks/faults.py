@@ -9,23 +9,24 @@ to an uninterrupted run of the same configuration.
 Kinds:
 
 - ``kill9``: a ``lowprec train`` run (``debug`` model, 12 steps, a checkpoint every 3) is killed with SIGKILL, half
-  of the cases by the run itself before a random step (``faults.kill_at_step``: the steps it finished are known),
-  half from outside after a random delay (``os.killpg``: the kill can land anywhere, a checkpoint write included).
+  of the cases by the run itself before a random step (``LOWPREC_FAULTS=kill_at_step=N``: the steps it finished are
+  known), half from outside after a random delay (``os.killpg``: the kill can land anywhere, a checkpoint write
+  included).
   Recipes in turn: ``fp32``, ``fp8_delayed`` (amax histories), ``bf16_adamw8bit`` (8-bit moments), ``fp8_current``,
   ``bf16``, and ``fp32`` under FSDP2 with world size 2 (torchrun, gloo). Recovery: ``lowprec train <same>
   resume=runs/checkpoints/<run id>`` (the newest complete checkpoint), or the same command without ``resume=``
   when the kill came before the first checkpoint. Detected: the next command found the dead run and recorded it
   FAILED. Metrics lost: steps of the 12 with a ``loss`` in neither the killed nor the resumed run.
   Bit-identical: every logged loss equals the uninterrupted run's (``==``).
-- ``savekill``: SIGKILL at a named point inside the save of ``step_6`` (``faults.at_point=<point>
-  faults.point_action=kill``; ``lowprec.train.fault_points``): the staging folder just made, a shard file part
+- ``savekill``: SIGKILL at a named point inside the save of ``step_6`` (``LOWPREC_FAULTS=at_point=<point>,
+  point_action=kill``; ``lowprec.train.fault_points``): the staging folder just made, a shard file part
   written, every shard written but not ``trainer_state.pt``, every file but not the manifest, the manifest but not
   the rename, and after the commit while the checkpoint before is pruned (``train.keep_checkpoints=1``); recipes in
   turn, two of the points under FSDP2 (world size 2, every rank that reaches the point kills itself). Recovery and
   figures as for ``kill9``; steps lost: 6 minus the step of the checkpoint the resume loaded.
 - ``disk``: real disk faults: each case's ``paths.runs`` (the sqlite store and MLflow's artifacts), its ``spool/``
   and its ``checkpoints/`` are small tmpfs mounts (``fault_disks.py``; needs root, else the kind is skipped with
-  the reason). The run stops itself at a named point (``faults.point_action=stop``); the campaign fills disks to the
+  the reason). The run stops itself at a named point (``point_action=stop``); the campaign fills disks to the
   last byte or remounts them read-only, and continues it: the kernel refuses the next write (``ENOSPC``,
   ``EROFS``). Cases: the checkpoint disk fills while a shard is written, before ``trainer_state.pt``, before the
   manifest; it turns read-only before the rename; one disk for everything fills mid-save; the store's disk fills
@@ -37,7 +38,7 @@ Kinds:
   flipped, a byte of ``trainer_state.pt`` flipped); the resume must refuse it by name, fall back to the previous
   complete checkpoint and continue bit for bit.
 
-- ``nan``: a NaN injected into the activations, the gradients or a weight (``faults.nan_into``) before step 7 of an
+- ``nan``: a NaN injected into the activations, the gradients or a weight (``nan_into``) before step 7 of an
   ``fp8_delayed`` run, under each ``train.on_anomaly`` policy. Detected: the event at step 7 in ``anomalies.json``.
   Handled: what the policy promises (``fail``: FAILED naming step 7; ``skip``: FINISHED, each later step equal to
   the run that never saw batch 7 one schedule position earlier; a NaN weight under ``skip`` fails after
@@ -53,7 +54,7 @@ Kinds:
   random delay, then the resume command it printed. Bit-identical: every run's ``loss`` series equals an
   uninterrupted ablation's.
 
-- ``lifecycle``: a SIGKILL between a child run's creation and its params (``faults.at_point=run.created``), in an
+- ``lifecycle``: a SIGKILL between a child run's creation and its params (``at_point=run.created``), in an
   ablation with one worker (the ablation process dies) and with two (a worker dies), then ``resume=<id>``; and
   ``resume=<id>`` of an ablation that had already finished, with one and two workers. Recovered: the resume exits
   0, every (recipe, seed) has a FINISHED run equal to an uninterrupted ablation's, the parent is FINISHED and
@@ -170,18 +171,19 @@ class Store:
         signal_after: float | None = None,
         at_stop: Callable[[], None] | None = None,
         env: dict[str, str] | None = None,
+        faults: str = "",
     ) -> tuple[int, str]:
         """Run ``lowprec <args>`` (the store's paths appended) in a new session; with ``kill_after``, SIGKILL its
         whole process group (torchrun and its ranks too) that many seconds after the start; with ``signal_after``,
         send SIGTERM to the command's process alone (as a scheduler would) and wait for it; with ``at_stop``, call it
-        once when a process of the command has stopped itself (``faults.point_action=stop``), then SIGCONT every
-        stopped one; ``env``: added to the environment. Returns the exit code (negative: the signal) and stdout and
+        once when a process of the command has stopped itself (``point_action=stop``), then SIGCONT every
+        stopped one; ``env``: added to the environment; ``faults``: the command's ``LOWPREC_FAULTS`` (empty: none,
+        whatever this process's environment says). Returns the exit code (negative: the signal) and stdout and
         stderr together."""
         cmd = [sys.executable, "-m", "experiments", *args, *self.overrides]
         with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(
-                cmd, stdout=err, stderr=err, text=True, start_new_session=True, env={**os.environ, **(env or {})}
-            )
+            env = {**os.environ, **(env or {}), "LOWPREC_FAULTS": faults}
+            proc = subprocess.Popen(cmd, stdout=err, stderr=err, text=True, start_new_session=True, env=env)
             if at_stop is not None:
                 _continue_after(proc, at_stop, timeout)
             first = kill_after if kill_after is not None else signal_after
@@ -341,7 +343,7 @@ def kill9_cases(store: Store, n: int, rng: random.Random) -> list[Case]:
         if inside:
             at = rng.randint(1, STEPS - 1)
             label = f"{recipe} {' '.join(extra)} SIGKILL before step {at}".replace("  ", " ")
-            rc, _ = store.lowprec(args + [f"faults.kill_at_step={at}"])
+            rc, _ = store.lowprec(args, faults=f"kill_at_step={at}")
         else:
             delay = rng.uniform(0.5, 0.8) * wall  # the process start takes the first half of the wall time
             label = f"{recipe} {' '.join(extra)} SIGKILL from outside after {delay:.1f} s".replace("  ", " ")
@@ -381,7 +383,7 @@ def corrupt_cases(store: Store, rng: random.Random) -> list[Case]:
         args = _args(recipe, extra)
         before = {r.info.run_id for r in store.runs()}
         t0 = time.perf_counter()
-        store.lowprec(args + ["faults.kill_at_step=10"])  # checkpoints step_3, step_6, step_9
+        store.lowprec(args, faults="kill_at_step=10")  # checkpoints step_3, step_6, step_9
         killed = _new_run(store, before)
         ckpt_dir = Path(killed.data.tags["checkpoint_dir"])
         _damage(ckpt_dir / "step_9", how)
@@ -402,9 +404,10 @@ def corrupt_cases(store: Store, rng: random.Random) -> list[Case]:
 NAN_AT = 7
 
 
-def _nan_args(policy: str, into: str) -> list[str]:
+def _nan_args(policy: str, into: str) -> tuple[list[str], str]:
+    """The command's arguments and its ``LOWPREC_FAULTS``."""
     extra = ["train.on_anomaly=" + policy] + (["train.max_consecutive_skips=2"] if policy == "skip" else [])
-    return _args("fp8_delayed", ()) + [f"faults.nan_at_step={NAN_AT}", f"faults.nan_into={into}", *extra]
+    return _args("fp8_delayed", ()) + extra, f"nan_at_step={NAN_AT},nan_into={into}"
 
 
 def nan_cases(store: Store, rng: random.Random) -> list[Case]:
@@ -418,7 +421,8 @@ def nan_cases(store: Store, rng: random.Random) -> list[Case]:
         for into in ("activation", "gradient", "weight"):
             before = {r.info.run_id for r in store.runs()}
             t0 = time.perf_counter()
-            rc, _ = store.lowprec(_nan_args(policy, into))
+            args, faults = _nan_args(policy, into)
+            rc, _ = store.lowprec(args, faults=faults)
             run = _new_run(store, before)
             case = Case("nan", f"NaN into the {into} before step {NAN_AT}, on_anomaly={policy}")
             try:
@@ -597,7 +601,7 @@ def _ablation_state(store: Store, ref: dict, case: Case) -> bool:
 
 
 def lifecycle_cases(store: Store, rng: random.Random, only: str | None = None) -> list[Case]:
-    """Kills that land between a run's creation and its params (``faults.at_point=run.created``: the run exists with
+    """Kills that land between a run's creation and its params (``at_point=run.created``: the run exists with
     its tags and no params), then ``resume=``; and resumes of an ablation that had already finished, with one and two
     workers (a no-op that leaves the parent FINISHED). After each: ``lowprec report <id>`` must build the report."""
     base = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=2", "train.telemetry_every=0"]
@@ -621,8 +625,7 @@ def lifecycle_cases(store: Store, rng: random.Random, only: str | None = None) -
         t0 = time.perf_counter()
         if what == "kill":
             case = Case("lifecycle", f"SIGKILL at the creation of {recipe}'s first run (workers={workers}), resume=")
-            faults = [f"faults.recipe={recipe}", "faults.at_point=run.created", "faults.point_action=kill"]
-            rc, err = cut.lowprec(args + faults)
+            rc, err = cut.lowprec(args, faults=f"recipe={recipe},at_point=run.created,point_action=kill")
             killed = [r for r in cut.runs() if r.data.tags.get("recipe") == recipe and not r.data.params]
             # with one worker the ablation's own process dies (the next command's sweep finds it); with two, each
             # worker's first run of the recipe is killed at its creation and the ablation records it FAILED
@@ -657,7 +660,7 @@ SAVED_AT = 6
 SAVE_KILLS_QUICK = [("save.prune", "fp32", ())]
 DISK_FAULTS_QUICK: list = []  # filled below DISK_FAULTS
 
-#: ``savekill``: SIGKILL at a named point of the save of ``step_6`` (``faults.at_point``; lowprec.train.fault_points):
+#: ``savekill``: SIGKILL at a named point of the save of ``step_6`` (``at_point``; lowprec.train.fault_points):
 #: (point, recipe, extra overrides). Under FSDP2 every rank that reaches the point kills itself.
 SAVE_KILLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("save.start", "fp32", ()),
@@ -671,11 +674,11 @@ SAVE_KILLS: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def _point(point: str, action: str) -> list[str]:
-    """The ``faults.*`` overrides that act at ``point`` of the save of ``step_6`` (``save.prune``: the first prune,
+def _point(point: str, action: str) -> str:
+    """The ``LOWPREC_FAULTS`` that acts at ``point`` of the save of ``step_6`` (``save.prune``: the first prune,
     of ``step_3`` after ``step_6`` is committed; ``log.flush``: the flush before that save)."""
     hit = 1 if point == "save.prune" else 2
-    return [f"faults.at_point={point}", f"faults.point_action={action}", f"faults.point_hit={hit}"]
+    return f"at_point={point},point_action={action},point_hit={hit}"
 
 
 def _keep(point: str | None) -> list[str]:
@@ -699,7 +702,7 @@ def savekill_cases(store: Store, rng: random.Random, plan=SAVE_KILLS) -> list[Ca
         args = _args(recipe, extra) + _keep(point)
         before = {r.info.run_id for r in store.runs()}
         t0 = time.perf_counter()
-        rc, _ = store.lowprec(args + _point(point, "kill"), timeout=300)
+        rc, _ = store.lowprec(args, timeout=300, faults=_point(point, "kill"))
         label = f"{recipe} {' '.join(extra)} SIGKILL at {point}".replace("  ", " ")
         case = Case("save kill", label)
         killed = _new_run(store, before)
@@ -831,7 +834,9 @@ def _disk_case(dstore: Store, fault: DiskFault, disks: dict[str, Tmpfs], ref: di
         inject()
         rc, said = dstore.lowprec(args, timeout=300)
     else:
-        rc, said = dstore.lowprec(args + _point(fault.point, "stop"), timeout=300, at_stop=inject, env=dict(fault.env))
+        rc, said = dstore.lowprec(
+            args, timeout=300, at_stop=inject, env=dict(fault.env), faults=_point(fault.point, "stop")
+        )
     for name in {*fault.fill, *fault.read_only}:
         disks[name].restore()
     case.detected = _one_line(said) and not notes

@@ -172,10 +172,13 @@ def _check_ascii(override: str) -> None:
 
 def plan_of(cfg: DictConfig) -> Plan:
     """The command's ``Plan``, built once: ``experiments.plan.preflight.preflight`` and, for an ablation, its
-    ``studies`` (their registry sits above the plan wing). Raises what they raise (``UserError`` subclasses)."""
+    ``studies`` (their registry sits above the plan wing), and the faults ``LOWPREC_FAULTS`` injects (a test
+    channel, read by the runner wing). Raises what they raise (``UserError`` subclasses)."""
     from experiments.plan.preflight import preflight
+    from experiments.runner.faults import from_env
 
     plan = preflight(cfg)
+    from_env()  # a fault-injection typo is refused here, before any run exists, not recorded as a failed run
     if plan.command == "ablate":
         from experiments.studies import check_studies
 
@@ -272,7 +275,7 @@ def _run_composed(config_name: str, argv: list[str], task) -> int:
         return 2
     except StopSignal as stop:
         print(f"lowprec {config_name}: {stop.reason()}", file=sys.stderr)
-        again = [a for a in argv if not a.lstrip("+").startswith(("resume=", "faults."))]
+        again = [a for a in argv if not a.lstrip("+").startswith("resume=")]
         # quoted for Hydra (a comma in a runs path would make a sweep of it), then for the shell (`recipes=[a,b]`
         # is a glob to it)
         if stop.checkpoint and config_name == "train":

@@ -4,7 +4,7 @@ The keys of ``train`` and ``ablate`` are their schemas' (``experiments.plan.argc
 dataclasses' source: a new field shows up by itself); ``DOCS`` says what each means, condensed from the
 dataclasses' docstrings (``TrainSpec``, ``DataSpec``, ``OptimHParams``, ``ParallelDims``, ``SpikeRule``,
 ``LauncherSpec`` and those of experiments/plan/config.py). tests/config/test_cli_wording.py keeps ``DOCS`` equal
-to the composed configs' keys. The ``faults.*`` keys (fault injection, for the lab's own tests) are left out.
+to the composed configs' keys.
 Nothing here imports Hydra or torch: a help page prints at once.
 """
 
@@ -13,9 +13,6 @@ from __future__ import annotations
 import textwrap
 
 from experiments.plan.argcheck import group_options, schema
-
-#: Sections of keys a help page leaves out: fault injection is for testing the lab's failure handling.
-HIDDEN = ("faults",)
 
 #: key -> its meaning in one line (the default when it helps). Open nodes (``model``, ``recipe``, ``study``) have
 #: one line for the node.
@@ -257,12 +254,12 @@ STORE_KEYS = {
 
 def keys(command: str) -> list[str]:
     """The keys a help page of ``train`` / ``ablate`` lists: the schema's leaves (an open node as one key), in
-    the schema's order, without ``HIDDEN`` sections."""
+    the schema's order."""
     out: list[str] = []
 
     def walk(node: dict, prefix: str) -> None:
         for k, sub in node.items():
-            if k == "hydra" or (not prefix and k in HIDDEN):
+            if k == "hydra":
                 continue
             if isinstance(sub, dict):
                 walk(sub, f"{prefix}{k}.")

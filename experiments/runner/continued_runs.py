@@ -2,7 +2,7 @@
 ``lowprec train resume=`` continues it in a new run, and read back what it logged before its checkpoint.
 
 An interrupted run is KILLED (a stop signal), FAILED by a crash (a bug, a worker process that died), or still
-RUNNING in MLflow because its process died without a word (kill -9, the OOM killer, ``faults.exit_at_step``).
+RUNNING in MLflow because its process died without a word (kill -9, the OOM killer, ``LOWPREC_FAULTS=exit_at_step=N``).
 Its checkpoints live in ``runs/checkpoints/<run id>/step_<N>`` (the ``checkpoint_dir`` tag), so the folder name
 is the run id.
 """

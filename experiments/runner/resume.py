@@ -52,13 +52,12 @@ from experiments.runner.run import CONFIG_ARTIFACT, RESULT_FAILURES, RunOutcome
 from experiments.tracking.runs import INCOMPLETE_KIND, incomplete_record
 from experiments.tracking.tracker import ABLATION_TAG, PARENT_TAG, Tracker, check_reachable, dumps, resolve_uri
 
-#: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, fault injection
-#: (``faults.*``: the fault that interrupted it is left out of the resume command), the progress bar, and
+#: Configuration keys that may differ between an ablation and its resume: ``resume`` itself, the progress bar, and
 #: ``workers`` (how many runs train at once; on a CPU it also sets each run's intra-op threads, which may change
 #: the last bits of the numerics: resume with the same ``workers`` for bit-identical continuations), and ``gpus``,
 #: ``hardware``, ``dry_run``, ``launcher`` (where the runs are placed or launched and what a plan predicts, never what
 #: a run trains: an ablation started here may be resumed on SLURM and the other way round).
-MAY_DIFFER = ("resume", "faults", "train.progress", "workers", "gpus", "hardware", "dry_run", "launcher")
+MAY_DIFFER = ("resume", "train.progress", "workers", "gpus", "hardware", "dry_run", "launcher")
 
 
 def lock_ablation(runs: str, ablation_id: str) -> FileLock:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from experiments.plan.plan import Plan
 from experiments.plan.startup import corpus_tags
 from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
-from experiments.runner.faults import fault_hooks
+from experiments.runner.faults import fault_hooks, from_env
 from experiments.runner.orphans import owner_tags
 from experiments.tracking.anomaly_log import AnomalyLog
 from experiments.tracking.stability_log import StabilityRecorder, rule_tag
@@ -218,7 +218,7 @@ def run_one(
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id
-    hooks = fault_hooks(plan.faults, recipe.name)  # armed before the run exists: a point may be its creation
+    hooks = fault_hooks(from_env(), recipe.name)  # armed before the run exists: a point may be its creation
     if continuation is None:
         run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
         reached("run.created")

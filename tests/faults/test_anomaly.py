@@ -20,6 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from fault_env import injected
 from mlflow.tracking import MlflowClient
 from store_dirs import dirs_under
 
@@ -30,7 +31,7 @@ from lowprec.train.checkpoint import read_trainer_state
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp8_delayed", "train.steps=8"]
 AT = 4
-NAN = [f"faults.nan_at_step={AT}"]
+NAN = f"nan_at_step={AT}"  # LOWPREC_FAULTS
 INTO = ["activation", "gradient", "weight"]
 ROLLBACK = ["train.on_anomaly=rollback", "train.checkpoint_every=3"]
 
@@ -53,8 +54,9 @@ class Runs:
         return json.loads(open(self.client.download_artifacts(run.info.run_id, name, str(self.root))).read())
 
 
-def _train(root, *overrides) -> tuple[int, Runs]:
-    rc = main(["train", *RUN, *dirs_under(root), *overrides])
+def _train(root, *overrides, faults: str = "") -> tuple[int, Runs]:
+    with injected(faults):
+        rc = main(["train", *RUN, *dirs_under(root), *overrides])
     return rc, Runs(root)
 
 
@@ -77,7 +79,7 @@ KIND = {"activation": "nonfinite_loss", "gradient": "nonfinite_grad_norm", "weig
 
 @pytest.mark.parametrize("into", INTO)
 def test_fail_stops_the_run_at_the_poisoned_step_and_records_it(into, tmp_path):
-    rc, runs = _train(tmp_path, *NAN, f"faults.nan_into={into}")
+    rc, runs = _train(tmp_path, faults=f"{NAN},nan_into={into}")
     (run,) = runs.all()
     assert rc == 1 and run.info.status == "FAILED"
     what = "loss is nan" if KIND[into] == "nonfinite_loss" else "grad_norm is nan"
@@ -90,7 +92,7 @@ def test_fail_stops_the_run_at_the_poisoned_step_and_records_it(into, tmp_path):
 
 @pytest.mark.parametrize("into", ["activation", "gradient"])
 def test_skip_drops_the_update_and_goes_on_as_a_run_that_never_saw_the_batch(into, tmp_path, never_saw_batch_4):
-    rc, runs = _train(tmp_path, *NAN, f"faults.nan_into={into}", "train.on_anomaly=skip")
+    rc, runs = _train(tmp_path, "train.on_anomaly=skip", faults=f"{NAN},nan_into={into}")
     (run,) = runs.all()
     assert rc == 0 and run.info.status == "FINISHED" and run.data.tags["effective_matches"] == "true"
     loss = runs.series(run, "loss")
@@ -105,7 +107,7 @@ def test_skip_drops_the_update_and_goes_on_as_a_run_that_never_saw_the_batch(int
 
 def test_skip_cannot_fix_a_nan_weight_and_fails_after_the_consecutive_limit(tmp_path):
     rc, runs = _train(
-        tmp_path, *NAN, "faults.nan_into=weight", "train.on_anomaly=skip", "train.max_consecutive_skips=2"
+        tmp_path, "train.on_anomaly=skip", "train.max_consecutive_skips=2", faults=f"{NAN},nan_into=weight"
     )
     (run,) = runs.all()
     assert rc == 1 and run.info.status == "FAILED"
@@ -118,7 +120,7 @@ def test_skip_cannot_fix_a_nan_weight_and_fails_after_the_consecutive_limit(tmp_
 
 @pytest.mark.parametrize("into", INTO)
 def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_never_saw_the_batch(into, tmp_path, never_saw_batch_4):
-    rc, runs = _train(tmp_path, *NAN, f"faults.nan_into={into}", *ROLLBACK)
+    rc, runs = _train(tmp_path, *ROLLBACK, faults=f"{NAN},nan_into={into}")
     (run,) = runs.all()
     assert rc == 0 and run.info.status == "FINISHED"
     assert runs.series(run, "loss") == never_saw_batch_4  # every step, bit for bit; the replay is logged once
@@ -130,9 +132,7 @@ def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_never_saw_the_bat
 
 def test_rollback_fails_with_the_reason_once_max_rollbacks_is_exhausted(tmp_path):
     # Steps 4, 5 and 6 are each poisoned the first time they run: two rollbacks recover two of them, the third fails.
-    rc, runs = _train(
-        tmp_path, *NAN, "faults.nan_into=activation", "faults.nan_steps=3", "train.max_rollbacks=2", *ROLLBACK
-    )
+    rc, runs = _train(tmp_path, "train.max_rollbacks=2", *ROLLBACK, faults=f"{NAN},nan_into=activation,nan_steps=3")
     (run,) = runs.all()
     assert rc == 1 and run.info.status == "FAILED"
     assert run.data.tags["failure_reason"] == "NonFiniteError: loss is nan at step 6: train.max_rollbacks=2 exhausted"
@@ -147,7 +147,7 @@ def test_rollback_fails_with_the_reason_once_max_rollbacks_is_exhausted(tmp_path
 
 
 def test_a_run_resumed_after_a_rollback_keeps_skipping_the_batch(tmp_path):
-    rc, runs = _train(tmp_path, *NAN, "faults.nan_into=activation", *ROLLBACK)
+    rc, runs = _train(tmp_path, *ROLLBACK, faults=f"{NAN},nan_into=activation")
     (rolled,) = runs.all()
     ckpt = f"{rolled.data.tags['checkpoint_dir']}/step_6"
     health = read_trainer_state(ckpt)["health"]
@@ -170,12 +170,12 @@ def test_skip_batches_on_a_resume_must_lie_ahead_of_the_checkpoint(tmp_path, cap
 
 
 FALLBACK = ["train.telemetry_every=1", "train.fp8_fallback=layer", "train.fp8_fallback_samples=2"]
-OVERFLOW = ["faults.fp8_overflow_at_step=3", "faults.fp8_overflow_layer=layers.0.attention.wq"]
+OVERFLOW = "fp8_overflow_at_step=3,fp8_overflow_layer=layers.0.attention.wq"  # LOWPREC_FAULTS
 WQ = "layers.0.attention.wq"
 
 
 def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_records_it(tmp_path):
-    rc, runs = _train(tmp_path, *FALLBACK, *OVERFLOW, "train.checkpoint_every=6")
+    rc, runs = _train(tmp_path, *FALLBACK, "train.checkpoint_every=6", faults=OVERFLOW)
     (run,) = runs.all()
     assert rc == 0 and run.info.status == "FINISHED" and run.data.tags["effective_matches"] == "true"
     events = runs.json(run, "anomalies.json")["events"]
@@ -204,8 +204,9 @@ def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_recor
 
 def test_the_report_lists_each_runs_anomalies_and_leaves_a_fallen_back_run_out(tmp_path):
     args = ["ablate", "recipes=[fp32,fp8_delayed]", "seeds=1", *RUN[:-2], "train.steps=8", *dirs_under(tmp_path)]
-    args += [*FALLBACK, *OVERFLOW, "faults.recipe=fp8_delayed"]
-    assert main(args) == 0
+    args += FALLBACK
+    with injected(f"{OVERFLOW},recipe=fp8_delayed"):
+        assert main(args) == 0
     runs = Runs(tmp_path)
     fp8 = next(r for r in runs.all() if r.data.tags.get("recipe") == "fp8_delayed")
     assert fp8.info.status == "FINISHED" and "fp8_fallback" in fp8.data.tags

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+from fault_env import env_with
 from mlflow.tracking import MlflowClient
 
 from experiments.cli import main
@@ -34,9 +35,8 @@ def test_owner_of_this_process_is_alive_and_a_dead_or_foreign_one_is_told_apart(
 def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(run_dirs, tmp_path, capsys):
     # the first run SIGKILLs itself before step 3: no handler runs, its MLflow run stays RUNNING
     args = ["train", *RUN, *run_dirs]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments", *args, "faults.kill_at_step=3"], stderr=subprocess.PIPE, text=True
-    )
+    cmd = [sys.executable, "-m", "experiments", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env_with("kill_at_step=3"))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err
     client, exp, (dead,) = _runs(tmp_path)
@@ -60,8 +60,9 @@ def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(run_dirs, 
 def test_every_step_up_to_a_checkpoint_is_in_mlflow_when_the_process_is_killed(run_dirs, tmp_path):
     # metrics are buffered (one MLflow write per 25 steps) but flushed after each checkpoint: a kill -9 loses only
     # steps after the last checkpoint, which the resumed run trains (and logs) again
-    args = ["train", *RUN, *run_dirs, "train.steps=10", "train.checkpoint_every=3", "faults.kill_at_step=7"]
-    proc = subprocess.run([sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=300)
+    args = ["train", *RUN, *run_dirs, "train.steps=10", "train.checkpoint_every=3"]
+    cmd = [sys.executable, "-m", "experiments", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with("kill_at_step=7"))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     client, _, (dead,) = _runs(tmp_path)
     logged = sorted(m.step for m in client.get_metric_history(dead.info.run_id, "loss"))

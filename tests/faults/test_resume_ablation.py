@@ -3,7 +3,7 @@ the finished runs, continues the interrupted ones in place from their checkpoint
 ablation ends as an uninterrupted one would: one FINISHED run per (recipe, seed), the same per-step losses bit for
 bit (fp32 and fp8_delayed, whose amax history must come back from the checkpoint), the same report tables; and
 ``lowprec train resume=`` of a run killed with ``os._exit`` closes the dead run. Real signals, real processes
-(``faults.exit_at_step`` ends one with ``os._exit``, as kill -9 would), real MLflow, real checkpoints."""
+(``LOWPREC_FAULTS=exit_at_step=N`` ends one with ``os._exit``, as kill -9 would), real MLflow, real checkpoints."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fault_env import env_with, injected
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
@@ -117,10 +118,11 @@ def _assert_same_runs(root: Path, ablation_id: str, baseline, keys) -> None:
 def test_sigterm_then_resume_continues_in_place_and_equals_an_uninterrupted_ablation(baseline, tmp_path, capsys):
     args = ["ablate", RECIPES, "seeds=2", "workers=1", *RUN, *dirs_under(tmp_path)]
     # SIGTERM, for real, to the ablation process during fp8_delayed seed 0 (after fp32 seed 0 finished)
-    assert main([*args, "faults.recipe=fp8_delayed", "faults.signal_at_step=3"]) == 143
+    with injected("recipe=fp8_delayed,signal_at_step=3"):
+        assert main(args) == 143
     err = capsys.readouterr().err
     line = err.strip().splitlines()[-1]
-    assert line.startswith("resume it: lowprec ablate ") and "faults." not in line, err
+    assert line.startswith("resume it: lowprec ablate "), err
     ablation_id = line.rsplit("resume=", 1)[1]
     parent, kids = _ablation(tmp_path, ablation_id)
     assert parent.info.status == "KILLED" and sorted(kids) == [("fp32", 0), ("fp8_delayed", 0)]
@@ -222,14 +224,15 @@ def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(base
     assert client.search_runs([exp], "attributes.status = 'RUNNING'") == []
 
 
-def _subprocess(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=300)
+def _subprocess(args: list[str], faults: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "experiments", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with(faults))
 
 
 def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoint(baseline, tmp_path, capsys):
     args = ["ablate", RECIPES, "seeds=2", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
     # the ablation process itself dies before step 5 of fp8_delayed seed 0: no handler, no MLflow update
-    p = _subprocess([*args, "workers=1", "faults.recipe=fp8_delayed", "faults.exit_at_step=5"])
+    p = _subprocess([*args, "workers=1"], "recipe=fp8_delayed,exit_at_step=5")
     assert p.returncode == 13, p.stderr[-3000:]
     ablation_id = _id(p.stdout)
     parent, kids = _ablation(tmp_path, ablation_id)
@@ -287,7 +290,7 @@ def test_keys_that_may_differ_on_a_resume():
         return yaml.safe_load(config_yaml(compose("ablate", [RECIPES, *RUN, *over])))
 
     original = plain([])
-    same = plain(["resume=abl-20261125-101500-ab12", "faults.crash_at_step=3", "workers=2", "train.progress=false"])
+    same = plain(["resume=abl-20261125-101500-ab12", "workers=2", "train.progress=false"])
     assert config_difference(original, same) is None
     assert config_difference(original, plain(["seed=1"])) == "seed=1 differs from the ablation's 0"
     assert config_difference(original, plain(["train.checkpoint_every=5"])) == (
@@ -297,7 +300,7 @@ def test_keys_that_may_differ_on_a_resume():
 
 def test_train_resume_of_a_killed_run_closes_it_and_continues_bit_identically(baseline, tmp_path):
     args = ["train", "recipe=fp8_delayed", "seed=0", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
-    p = _subprocess([*args, "faults.exit_at_step=5"])
+    p = _subprocess(args, "exit_at_step=5")
     assert p.returncode == 13, p.stderr[-3000:]
     client = _client(tmp_path)
     exp = client.get_experiment_by_name("lowprec").experiment_id
@@ -320,7 +323,8 @@ def test_train_resume_of_a_killed_run_closes_it_and_continues_bit_identically(ba
 def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline, tmp_path, capsys):
     args = ["ablate", "recipes=[fp32]", "seeds=1", "workers=1", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
     # a crash (a bug) before step 5: the run is FAILED, its metrics up to step 4 flushed, its newest checkpoint step_4
-    assert main([*args, "faults.crash_at_step=5"]) == 0
+    with injected("crash_at_step=5"):
+        assert main(args) == 0
     crashed_id = _id(capsys.readouterr().out)
     (crashed,) = _ablation(tmp_path, crashed_id)[1].values()
     assert crashed.info.status == "FAILED" and crashed.data.tags["failure_kind"] == "crash"
@@ -334,7 +338,8 @@ def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline
 
     # a NaN loss is the recipe's result: a resume keeps it FAILED, as it was; with nothing else to run, the finished
     # ablation is not reopened (one line, its parent stays FINISHED as it ended)
-    assert main([*args, "faults.nan_at_step=3"]) == 0
+    with injected("nan_at_step=3"):
+        assert main(args) == 0
     nan_id = _id(capsys.readouterr().out)
     parent, (diverged,) = _ablation(tmp_path, nan_id)[0], _ablation(tmp_path, nan_id)[1].values()
     assert diverged.info.status == "FAILED" and diverged.data.tags["failure_kind"] == "non_finite"

@@ -1,8 +1,8 @@
 """Stop signals (issue 15, item 1): SIGTERM, SIGINT and SIGUSR1 during ``lowprec train`` and ``lowprec ablate`` end
 the current step, write a checkpoint (``train.checkpoint_on_signal``), mark the runs and the parent KILLED in MLflow
 with the reason and the last step, print where to resume, and exit with 128 + signal; the resumed run continues the
-interrupted one bit for bit. Signals are real: ``faults.signal_at_step`` sends one to the process itself, and the
-ablation test sends SIGTERM to a ``lowprec ablate`` subprocess from outside, as a scheduler would."""
+interrupted one bit for bit. Signals are real: ``LOWPREC_FAULTS=signal_at_step=N`` sends one to the process itself,
+and the ablation test sends SIGTERM to a ``lowprec ablate`` subprocess from outside, as a scheduler would."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import pytest
+from fault_env import injected
 from mlflow.tracking import MlflowClient
 from stalled_exit import stall_at_exit
 from stop_handlers import restored_stop_handlers
@@ -52,7 +53,8 @@ def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_sign
     sig, run_dirs, tmp_path, capsys, own_handlers
 ):
     args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *run_dirs]
-    rc = main([*args, "faults.signal_at_step=3", f"faults.signal={sig}"])
+    with injected(f"signal_at_step=3,signal={sig}"):
+        rc = main(args)
     assert rc == 128 + signal.Signals[sig]
     err = capsys.readouterr().err
     client, (run,) = _runs(tmp_path)
@@ -62,7 +64,6 @@ def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_sign
     assert tags["stopped_by"] == sig and tags["stopped_after_step"] == "3" and ckpt.endswith("/step_4")
     assert tags["failure_reason"] == f"stopped by {sig} after step 3; checkpoint {ckpt}"
     assert f"lowprec train: stopped by {sig} after step 3" in err and f"resume={ckpt}" in err
-    assert "faults." not in err.splitlines()[-1]  # the printed resume command leaves the injected fault out
     assert verify(ckpt) and sorted(_losses(client, run)) == [0, 1, 2, 3]  # the step in flight was completed
 
 
@@ -70,7 +71,8 @@ def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(run_dirs, tmp_pat
     args = ["train", *RUN, "train.steps=7", *run_dirs]
     assert main(args) == 0  # uninterrupted
     clear_stop()
-    assert main([*args, "train.checkpoint_on_signal=true", "faults.signal_at_step=2"]) == 143
+    with injected("signal_at_step=2"):
+        assert main([*args, "train.checkpoint_on_signal=true"]) == 143
     client, (full, stopped) = _runs(tmp_path)
     clear_stop()
     assert main([*args, f"resume={stopped.data.tags['resume_checkpoint']}"]) == 0
@@ -81,7 +83,8 @@ def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(run_dirs, tmp_pat
 
 
 def test_without_a_checkpoint_setting_the_stop_says_so(run_dirs, tmp_path, capsys, own_handlers):
-    assert main(["train", *RUN, "train.steps=6", *run_dirs, "faults.signal_at_step=1"]) == 143
+    with injected("signal_at_step=1"):
+        assert main(["train", *RUN, "train.steps=6", *run_dirs]) == 143
     _, (run,) = _runs(tmp_path)
     assert run.data.tags["failure_reason"] == "stopped by SIGTERM after step 1; no checkpoint written"
     assert "resume it" not in capsys.readouterr().err

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from fault_env import injected
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 from store_dirs import dirs_under
@@ -96,7 +97,8 @@ def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
 def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path):
     args = [*RUN, "launcher=submitit_local", "workers=2", "train.checkpoint_every=2", *dirs_under(tmp_path)]
     # SIGKILL to bf16's job process before its step 5: no handler runs, the job returns nothing
-    rc, out = _ablate([*args, "faults.recipe=bf16", "faults.kill_at_step=5"])
+    with injected("recipe=bf16,kill_at_step=5"):  # inherited by the job processes submitit starts
+        rc, out = _ablate(args)
     assert rc == 0, out
     ablation_id = _id(out)
     assert (tmp_path / "reports" / ablation_id / "report.md").exists()  # the ablation went on to its report

@@ -67,16 +67,15 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     assert report.read_text() == first
 
 
-def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_path, capsys):
+def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_path, capsys, monkeypatch):
     args = [
         "ablate",
         "experiment=smoke",
         "recipes=[fp32,bf16,bf16_pure]",
         "train.steps=4",
         "train.val_every=2",
-        "faults.recipe=bf16",
-        "faults.crash_at_step=2",
     ]
+    monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,crash_at_step=2")
     assert main(args + run_dirs) == 0
     abl = _ablation_id(capsys.readouterr().out)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")

@@ -56,7 +56,7 @@ def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys,
     monkeypatch.setattr(preflight_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
     # bf16 dies at its first step, while at least fp8_rowwise is still queued (4 runs, 2 workers)
     args = ["ablate", "recipes=[fp32,bf16,bf16_pure,fp8_rowwise]", "control=fp32", "seeds=1", "workers=auto"]
-    args += ["faults.recipe=bf16", "faults.exit_at_step=1"]
+    monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=1")  # inherited by the worker processes
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     parent, kids = _parent_and_kids(tmp_path, out)

@@ -100,12 +100,14 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
     assert run.data.metrics["stability/diverged"] == 0 and "stability/divergence_step" not in run.data.metrics
 
 
-def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path):
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32", "faults.nan_at_step=3"]) == 1
+def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWPREC_FAULTS", "nan_at_step=3")
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32"]) == 1
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED"
     assert run.data.tags["failure_reason"] == "NonFiniteError: loss is nan at step 3"
+    assert not [k for k in run.data.params if k.startswith("faults")]  # a test channel, not the run's config
     # the steps before the failure are kept
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]
     # and the stability metrics count the NaN step as the run's divergence, logged at that step

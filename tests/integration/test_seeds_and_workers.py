@@ -76,8 +76,9 @@ def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path
 
 
 @pytest.mark.slow  # ~15 s; the same fault in one worker: test_node_runner.py's failing-GPU test (suite)
-def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dirs, tmp_path, capsys):
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2", "faults.recipe=bf16", "faults.exit_at_step=2"]
+def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=2")  # inherited by the worker processes
+    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2"]
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     assert "bf16             seed 0: FAILED (worker process died:" in out

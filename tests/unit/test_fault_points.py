@@ -1,13 +1,13 @@
-"""The named fault points of a checkpoint save (``lowprec.train.fault_points``, ``faults.at_point``): each is reached
-once per save, in order, with the files on disk that ``POINTS`` describes (a real DCP save of a small model), so a
-kill or a full disk injected there lands where the campaign (benchmarks/faults.py) says it does."""
+"""The named fault points of a checkpoint save (``lowprec.train.fault_points``, ``at_point`` of ``LOWPREC_FAULTS``):
+each is reached once per save, in order, with the files on disk that ``POINTS`` describes (a real DCP save of a small
+model), so a kill or a full disk injected there lands where the campaign (benchmarks/faults.py) says it does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from experiments.plan.preflight import check_point
+from experiments.runner.faults import parse
 from lowprec.errors import ConfigError
 from lowprec.train import fault_points
 from lowprec.train.checkpoint import save_checkpoint
@@ -61,11 +61,11 @@ def test_each_save_point_is_reached_once_in_order_with_the_files_it_describes(tm
 
 
 def test_an_unknown_point_or_action_is_refused_by_name():
-    with pytest.raises(ConfigError, match="faults.at_point=save.middle is not one of save.start"):
-        check_point("save.middle", "kill", 1)
-    with pytest.raises(ConfigError, match="faults.point_action=explode"):
-        check_point("save.shards", "explode", 1)
-    with pytest.raises(ConfigError, match="faults.point_hit=0"):
-        check_point("save.shards", "kill", 0)
+    with pytest.raises(ConfigError, match="LOWPREC_FAULTS: at_point=save.middle is not one of save.start"):
+        parse("at_point=save.middle")
+    with pytest.raises(ConfigError, match="LOWPREC_FAULTS: point_action=explode"):
+        parse("at_point=save.shards,point_action=explode")
+    with pytest.raises(ConfigError, match="LOWPREC_FAULTS: point_hit=0"):
+        parse("at_point=save.shards,point_hit=0")
     with pytest.raises(KeyError, match="no fault point"):
         fault_points.arm("save.middle", print)
