@@ -209,13 +209,6 @@ def train_main(cfg: DictConfig, echo=print):
     return train(plan_of(cfg), echo)
 
 
-def ablate_main(cfg: DictConfig, echo=print):
-    """The ablation ``cfg`` describes (validated first: ``plan_of``); returns its ``AblationOutcome``."""
-    from experiments.runner.ablate import ablate
-
-    return ablate(plan_of(cfg), echo)
-
-
 def _hydra_main(config_name: str, task, argv: list[str]) -> int:
     import hydra
 

@@ -280,11 +280,6 @@ def ablation_placement(cfg: DictConfig) -> Placement:
     return plan_placement(visible, k, cfg.workers, kind, cores(), multi_gpu_slots=many)
 
 
-def ablation_workers(cfg: DictConfig) -> int:
-    """Runs trained at once (``ablation_placement``)."""
-    return ablation_placement(cfg).workers
-
-
 def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
     """The recipes of ``cfg.recipes`` (catalog names), validated with the ablation's own fields.
 

@@ -24,7 +24,7 @@ training, ``torchao.prototype.moe_training``), which this module does not do (un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -141,13 +141,6 @@ MOE_CONFIGS: dict[str, MoEArgs] = {
         n_dense_layers=1,
     ),  # fmt: skip
 }
-
-
-def moe_args(name: str, **overrides) -> MoEArgs:
-    """Named MoE size with optional field overrides; ``ConfigError`` for an unknown name or field."""
-    if name not in MOE_CONFIGS:
-        raise ConfigError(f"unknown MoE model size {name!r}; known: {', '.join(MOE_CONFIGS)}")
-    return replace(MOE_CONFIGS[name], **overrides)
 
 
 class RouterGate(nn.Module):

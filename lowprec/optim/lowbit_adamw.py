@@ -204,33 +204,3 @@ class LowBitAdamW(torch.optim.Optimizer):
                 if isinstance(value, Tensor):
                     device = value.device if key == "step" else p.device
                     self.state[p][key] = value.detach().to(device=device, copy=True)
-
-
-class KahanAdamW(LowBitAdamW):
-    """``LowBitAdamW`` with ``update_rounding="kahan"``: BF16 parameters without an FP32 master copy, a BF16
-    compensation buffer per parameter (Zamirai et al., "Revisiting BFloat16 Training", 2020). Same arguments
-    as ``LowBitAdamW`` except ``update_rounding``."""
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        *,
-        state_dtype="fp32",
-        min_lowbit_numel=0,
-        power_of_2_scales=False,
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            state_dtype=state_dtype,
-            update_rounding="kahan",
-            min_lowbit_numel=min_lowbit_numel,
-            power_of_2_scales=power_of_2_scales,
-        )

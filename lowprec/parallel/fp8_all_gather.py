@@ -253,13 +253,6 @@ def lowprec_wire_granularity(fqn: str, module: nn.Module) -> str | None:
     return "rowwise"
 
 
-def dequantized_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The plain high-precision tensor behind a (possibly DTensor-sharded) ``Float8AllGatherWeight``."""
-    if isinstance(weight, DTensor):
-        weight = weight._local_tensor
-    return weight._tensor if isinstance(weight, Float8AllGatherWeight) else weight
-
-
 # -- torchao's float8 all-gather on gloo --------------------------------------------------------------------------
 
 

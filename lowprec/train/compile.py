@@ -92,11 +92,6 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def compiled_blocks(model: nn.Module) -> int:
-    """How many blocks of ``model.layers`` are compiled (for the effective recipe)."""
-    return sum(is_compiled(b) for b in model.layers.values())
-
-
 def compile_time_now() -> float:
     """Seconds this process has spent compiling so far (dynamo + AOTAutograd + inductor for forward graphs,
     ``_compile.compile_inner``, and the lazily compiled backward graphs, ``backward._backward_impl``, from

@@ -12,7 +12,7 @@ from torch import nn
 from lowprec.build_optim import moment_kind
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.optim.loss_scale import DynamicLossScaler, NoLossScaler, grad_underflow_share
-from lowprec.optim.lowbit_adamw import KahanAdamW, LowBitAdamW
+from lowprec.optim.lowbit_adamw import LowBitAdamW
 from lowprec.optim.master import MasterWeightOptimizer
 from lowprec.optim.rounding import stochastic_round_bf16
 from lowprec.optim.state_telemetry import OptimStateTelemetry, dequantized_moments
@@ -150,7 +150,7 @@ def test_bf16_update_below_resolution_is_lost_without_master_and_kept_with_one()
 def test_kahan_compensation_keeps_the_lost_update():
     lr = 1e-4
     p = _ones_bf16()
-    opt = KahanAdamW([p], lr=lr, weight_decay=0.0)
+    opt = LowBitAdamW([p], lr=lr, weight_decay=0.0, update_rounding="kahan")
     _const_grad_steps(opt, p, 1)
     comp = opt.state[p]["kahan_comp"]
     assert comp.dtype == torch.bfloat16 and torch.all(p == 1.0)
