@@ -69,9 +69,10 @@ def _runs(root: Path, ablation_id: str):
     return parent, {k.data.tags["recipe"]: k for k in kids}
 
 
-def _when_training(root: Path, act, over: threading.Event) -> threading.Thread:
-    """A thread that calls ``act(job_id)`` once the one job's run has logged a step (a metric in MLflow) and the
-    job is RUNNING in squeue, as a user or a scheduler acting from outside would."""
+def _when_training(root: Path, act, over: threading.Event, after_s: float = 3.0) -> threading.Thread:
+    """A thread that calls ``act(job_id)`` ``after_s`` seconds after the one job's run appears RUNNING in MLflow
+    (the job has started training it: its metrics reach MLflow only at the end), as a user or a scheduler acting
+    from outside would."""
     db = root / "runs" / "mlflow.db"
 
     def watch() -> None:
@@ -79,9 +80,10 @@ def _when_training(root: Path, act, over: threading.Event) -> threading.Thread:
             try:
                 client = MlflowClient(f"sqlite:///{db}")
                 exp = client.get_experiment_by_name("lowprec")
-                kids = client.search_runs([exp.experiment_id], "tags.`lowprec.kind` != 'ablation'") if exp else []
-                if kids and kids[0].data.metrics and kids[0].data.tags.get("slurm_job_id"):
-                    act(kids[0].data.tags["slurm_job_id"])
+                kids = client.search_runs([exp.experiment_id], "tags.`mlflow.parentRunId` != ''") if exp else []
+                if kids and kids[0].info.status == "RUNNING" and kids[0].data.tags.get("slurm_job_id"):
+                    if not over.wait(after_s):
+                        act(kids[0].data.tags["slurm_job_id"])
                     return
             except Exception:  # the store is being created
                 pass
@@ -108,7 +110,7 @@ def test_an_ablation_on_slurm_finishes_every_run_and_writes_its_report(slurm_clu
 
 
 def test_scancel_of_a_running_job_ends_its_run_killed_and_resume_finishes_it(slurm_cluster, tmp_path):
-    args = [*RUN, "recipes=[fp32]", "train.steps=150", "train.checkpoint_every=50", "device=cpu"]
+    args = [*RUN, "recipes=[fp32]", "train.steps=300", "train.checkpoint_every=100", "device=cpu"]
     args += [f"launcher.partition={slurm_cluster.partition}", *dirs_under(tmp_path)]
     over = threading.Event()
     cancelled = []
@@ -130,22 +132,26 @@ def test_scancel_of_a_running_job_ends_its_run_killed_and_resume_finishes_it(slu
     assert run.info.status == "KILLED", run.data.tags.get("failure_reason")
     assert run.data.tags["stopped_by"] == "SIGTERM" and run.data.tags["resume_checkpoint"]
     step = int(run.data.tags["stopped_after_step"])
-    assert step < 149 and run.data.tags["slurm_job_id"] == cancelled[0]
+    assert step < 299 and run.data.tags["slurm_job_id"] == cancelled[0]
 
     rc, out = _ablate([*args, f"resume={ablation_id}"])
     assert rc == 0, out
     parent, kids = _runs(tmp_path, ablation_id)
     again = kids["fp32"]
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"  # continued in place
-    assert again.data.tags["resumed_step"] == str(step) and again.data.tags["slurm_job_id"] != cancelled[0]
+    assert again.data.tags["resumed_step"] == run.data.tags["resume_checkpoint"].rsplit("/step_", 1)[1]
+    assert again.data.tags["slurm_job_id"] != cancelled[0]  # by a new job
     assert parent.info.status == "FINISHED"
 
 
+# ~100 s measured on the 2-core machine (two job start-ups and up to 30 s until slurmctld's periodic check sends
+# the warning): over the suite's budget for one test; the scancel test covers the same stop, checkpoint and resume
+@pytest.mark.slow
 def test_slurms_time_limit_signal_stops_the_run_with_a_checkpoint_and_resume_finishes_it(slurm_cluster, tmp_path):
     """``launcher.time`` is in minutes (1 at least) and submitit asks for SIGUSR2 90 s before it: the job's limit
     is lowered to 1 minute once it trains, so slurmctld's next periodic check (every 30 s) sends the warning at
     once, rather than waiting out a limit."""
-    args = [*RUN, "recipes=[fp32]", "train.steps=400", "device=cpu"]
+    args = [*RUN, "recipes=[fp32]", "train.steps=600", "device=cpu"]
     args += [f"launcher.partition={slurm_cluster.partition}", *dirs_under(tmp_path)]
     over = threading.Event()
     limited = []
@@ -173,7 +179,8 @@ def test_slurms_time_limit_signal_stops_the_run_with_a_checkpoint_and_resume_fin
     _, kids = _runs(tmp_path, ablation_id)
     again = kids["fp32"]
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
-    assert again.data.tags["resumed_step"] == str(step)
+    assert again.data.tags["resumed_step"] == run.data.tags["resume_checkpoint"].rsplit("/step_", 1)[1]
+    assert step < 599
 
 
 def test_device_auto_on_a_partition_without_gpus_is_refused_in_one_line(slurm_cluster, tmp_path, capsys):
