@@ -179,7 +179,7 @@ def _literal_list(module: str, name: str) -> list[str] | None:
 def group_options(group: str) -> list[str] | None:
     """The options of a config group, read from the source (None when they cannot be read): ``recipe`` (the
     catalog's builders, whose function names are the recipe names), ``model`` (``MODEL_CONFIGS``), ``data``
-    (``DATA_SOURCES``), ``launcher`` (``EXECUTORS``), ``experiment`` (the files of conf/experiment/)."""
+    (``DATA_SOURCES``), ``launcher`` (``LAUNCHERS``), ``experiment`` (the files of conf/experiment/)."""
     if group == "recipe":
         return _literal_list("recipes.catalog", "_BUILDERS")
     if group == "model":
@@ -187,7 +187,7 @@ def group_options(group: str) -> list[str] | None:
     if group == "data":
         return _literal_keys(CONFIG_MODULE, "DATA_SOURCES")
     if group == "launcher":
-        return _literal_keys("experiments.runner.executors", "EXECUTORS")
+        return _literal_keys("experiments.plan.launcher", "LAUNCHERS")
     if group == "experiment":
         f = _module_file(CONFIG_MODULE)
         folder = f.parents[2] / "conf" / "experiment" if f else None

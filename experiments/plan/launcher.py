@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.plan.launch import under_torchrun
-from experiments.runner.executors import EXECUTORS
 from lowprec.errors import ConfigError
 
 #: Free-text fields submitit writes into the job's sbatch script (``#SBATCH --partition=...``, the ``--output`` path
@@ -32,10 +31,35 @@ from lowprec.errors import ConfigError
 TEXT_FIELDS = ("partition", "account", "qos", "constraint", "folder")
 
 
+@dataclass(frozen=True)
+class LauncherKind:
+    """One launcher's registry entry: ``executor``, its executor class as ``"module:Class"`` (resolved by
+    ``experiments.runner.executors.executor_class``, so the plan never imports the runner), and its traits:
+    ``submitit`` (runs are submitit jobs), ``cluster`` (jobs go to a SLURM cluster: ``sbatch`` needed, the cluster
+    queues every job, each alone on its allocation), ``job_id_tag`` (the run tag naming the job; "" when runs are no
+    jobs)."""
+
+    executor: str
+    submitit: bool = False
+    cluster: bool = False
+    job_id_tag: str = ""
+
+
+#: ``launcher.name`` -> its ``LauncherKind``: the one registry of launchers. Adding a launcher is one executor class
+#: (``experiments.runner.executors.Executor``) and one line here.
+LAUNCHERS = {
+    "local": LauncherKind("experiments.runner.scheduler:LocalExecutor"),
+    "slurm": LauncherKind("experiments.runner.submitit_jobs:SlurmExecutor", True, True, "slurm_job_id"),
+    "submitit_local": LauncherKind(
+        "experiments.runner.submitit_jobs:SubmititLocalExecutor", True, False, "submitit_job_id"
+    ),
+}
+
+
 @dataclass(unsafe_hash=True)
 class LauncherSpec:
-    """Group ``launcher`` (conf: ``launcher=local|slurm|submitit_local``, the names of the executor registry
-    ``experiments.runner.executors``), as the Hydra schema and, checked, as the ``Plan`` carries it. ``name``: the
+    """Group ``launcher`` (conf: ``launcher=local|slurm|submitit_local``, the names of the launcher registry
+    ``LAUNCHERS``), as the Hydra schema and, checked, as the ``Plan`` carries it. ``name``: the
     option. For the submitit launchers: ``partition`` (SLURM partition; null: the cluster's default),
     ``gpus_per_node`` (GPUs of one node of the partition; null: not checked; a run's layout must fit one node),
     ``time`` (each job's time limit, minutes; SLURM sends SIGUSR2 90 s before it, the run stops after its step with
@@ -69,12 +93,13 @@ class LauncherSpec:
             raise AttributeError(f"LauncherSpec is a value: launcher.{key} cannot be assigned (dataclasses.replace)")
         object.__setattr__(self, key, value)
 
-    def _kind(self):
-        """The executor class registered for ``name`` (``experiments.runner.executors``; imported here, when asked:
-        the runner imports this module). Raises ``ConfigError`` (one line) for a name not registered."""
-        from experiments.runner.executors import executor_class
-
-        return executor_class(self.name)
+    def _kind(self) -> LauncherKind:
+        """The traits registered for ``name`` in ``LAUNCHERS``. Raises ``ConfigError`` (one line) for a name not
+        registered."""
+        kind = LAUNCHERS.get(self.name)
+        if kind is None:
+            raise ConfigError(f"launcher.name={self.name} is not one of {', '.join(LAUNCHERS)}")
+        return kind
 
     @property
     def submitit(self) -> bool:
@@ -105,7 +130,7 @@ class LauncherSpec:
 
 
 #: One option per launcher name in the Hydra group ``launcher`` (experiments/plan/config.py registers them).
-LAUNCHER_OPTIONS = {name: LauncherSpec(name=name) for name in EXECUTORS}
+LAUNCHER_OPTIONS = {name: LauncherSpec(name=name) for name in LAUNCHERS}
 
 
 def check_one_line(name: str, value: str | None) -> None:

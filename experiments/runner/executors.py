@@ -2,10 +2,10 @@
 
 An executor starts one job, a (recipe, seed), in a slot and reports its ``RunOutcome``; ``schedule`` fills the
 slots, records each outcome as it lands, and stops starting jobs once a stop signal arrived. The registry
-``EXECUTORS`` maps each ``launcher.name`` to its executor class (imported when asked: the plan reads the names and
-traits without the runner's imports); a class declares the launcher's traits (``submitit``, ``cluster``,
-``job_id_tag``), read through the ``LauncherSpec``'s properties, so no other module compares a launcher's name.
-Adding a launcher is one class and one line of ``EXECUTORS``.
+``experiments.plan.launcher.LAUNCHERS`` maps each ``launcher.name`` to its executor class (``executor_class``:
+imported when asked) and holds each launcher's traits (``submitit``, ``cluster``,
+``job_id_tag``, read through the ``LauncherSpec``'s properties), so no other module compares a launcher's name and
+the plan never imports the runner. Adding a launcher is one class and one line of ``LAUNCHERS``.
 
 Registered: ``local`` (``experiments.runner.scheduler``: in this process, or one worker process per slot),
 ``slurm`` and ``submitit_local`` (``experiments.runner.submitit_jobs``: one submitit job per run).
@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from experiments.plan.launcher import LAUNCHERS
 from experiments.plan.placement import Slot
 from lowprec.errors import ConfigError
 from lowprec.train.stop import StopSignal, local_stop
@@ -30,21 +31,13 @@ if TYPE_CHECKING:
 Job = tuple["Recipe", int]
 """(recipe, seed) of one run."""
 
-#: ``launcher.name`` -> ``"module:Class"`` of its executor (``executor_class``). One line per launcher.
-EXECUTORS = {
-    "local": "experiments.runner.scheduler:LocalExecutor",
-    "slurm": "experiments.runner.submitit_jobs:SlurmExecutor",
-    "submitit_local": "experiments.runner.submitit_jobs:SubmititLocalExecutor",
-}
-
-
 def executor_class(name: str) -> type:
-    """The executor class registered as ``name`` in ``EXECUTORS``. Raises ``ConfigError`` (one line) for a name
-    not registered."""
-    where = EXECUTORS.get(name)
-    if where is None:
-        raise ConfigError(f"launcher.name={name} is not one of {', '.join(EXECUTORS)}")
-    module, cls = where.split(":")
+    """The executor class registered as ``name`` (``experiments.plan.launcher.LAUNCHERS``: ``"module:Class"``,
+    imported when asked). Raises ``ConfigError`` (one line) for a name not registered."""
+    kind = LAUNCHERS.get(name)
+    if kind is None:
+        raise ConfigError(f"launcher.name={name} is not one of {', '.join(LAUNCHERS)}")
+    module, cls = kind.executor.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -70,16 +63,12 @@ class SlotLost(Exception):
 
 
 class Executor(Protocol):
-    """One way of running jobs, registered by ``launcher.name`` in ``EXECUTORS``.
+    """One way of running jobs, registered by ``launcher.name`` in ``LAUNCHERS``.
 
-    Class attributes (the launcher's traits, read through ``LauncherSpec``): ``submitit`` (runs are submitit
-    jobs), ``cluster`` (jobs go to a SLURM cluster: ``sbatch`` needed, the cluster queues every job),
-    ``job_id_tag`` (the run tag naming the job; "" when runs are no jobs). ``no_slot_reason``: the reason of a
-    job left queued once every slot was lost."""
+    The launcher's traits (``submitit``, ``cluster``, ``job_id_tag``) are its ``LAUNCHERS`` entry, read through
+    ``plan.launcher``. Class attribute ``no_slot_reason``: the reason of a job left queued once every slot was
+    lost."""
 
-    submitit: bool
-    cluster: bool
-    job_id_tag: str
     no_slot_reason: str
 
     @classmethod

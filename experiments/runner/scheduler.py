@@ -232,9 +232,6 @@ class LocalExecutor:
     after another, when there is one slot or one run (a single GPU slot: CUDA device 0 of this process's own);
     otherwise ``create`` gives a ``PoolExecutor``."""
 
-    submitit = False
-    cluster = False
-    job_id_tag = ""
     no_slot_reason = "not started: no slot"
 
     def __init__(self, launch: Launch):
@@ -300,9 +297,6 @@ class PoolExecutor:
     """``local`` with more than one slot: one worker process per slot (``start_slot_pool``), one run at a time
     each; a worker that dies fails its run in flight and its slot is not used again (module docstring)."""
 
-    submitit = False
-    cluster = False
-    job_id_tag = ""
     no_slot_reason = "not started: every worker process died"
 
     def __init__(self, launch: Launch):

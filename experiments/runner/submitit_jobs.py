@@ -418,9 +418,6 @@ class SubmititExecutor:
     registered launchers (``experiments.runner.executors``). A job that cannot be submitted is a FAILED run not
     started; a job's outcome is read from its folder's JSON only (``outcome_of``)."""
 
-    submitit = True
-    cluster = False
-    job_id_tag = "submitit_job_id"
     no_slot_reason = "not started: no slot"
 
     def __init__(self, launch: Launch):
@@ -443,7 +440,7 @@ class SubmititExecutor:
         folder = job_folder(self.plan, self.launch.ablation_id)
         prepare_job_folder(folder)
         self.executor = make_executor(self.plan, folder)
-        self.threads = None if self.cluster else max(1, cores() // len(slots))
+        self.threads = None if self.plan.launcher.cluster else max(1, cores() // len(slots))
 
     def start(self, slot: Slot, job: Job):
         recipe, seed = job
@@ -473,7 +470,7 @@ class SubmititExecutor:
 
     def stop(self, handles: list) -> None:
         now = time.monotonic()
-        if self.last_stop is None or (not self.cluster and now - self.last_stop > RESEND_S):
+        if self.last_stop is None or (not self.plan.launcher.cluster and now - self.last_stop > RESEND_S):
             for job in handles:
                 _stop_job(self.plan, job)
             self.last_stop = now
@@ -491,9 +488,6 @@ class SubmititExecutor:
 
 class SlurmExecutor(SubmititExecutor):
     """``launcher=slurm``: each run a SLURM job (``sbatch`` through submitit), all submitted at once by default."""
-
-    cluster = True
-    job_id_tag = "slurm_job_id"
 
 
 class SubmititLocalExecutor(SubmititExecutor):

@@ -130,14 +130,14 @@ def test_the_schema_read_from_source_is_the_composed_config(cmd):
 
 def test_group_options_read_from_source_are_the_registered_ones():
     from experiments.plan.config import DATA_SOURCES
-    from experiments.runner.executors import EXECUTORS
+    from experiments.plan.launcher import LAUNCHERS
     from lowprec.model import MODEL_CONFIGS
     from recipes import CATALOG
 
     assert argcheck.group_options("recipe") == list(CATALOG)
     assert argcheck.group_options("model") == list(MODEL_CONFIGS)
     assert argcheck.group_options("data") == list(DATA_SOURCES)
-    assert argcheck.group_options("launcher") == list(EXECUTORS)
+    assert argcheck.group_options("launcher") == list(LAUNCHERS)
     assert "smoke" in argcheck.group_options("experiment")
 
 

@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-from experiments.plan.launcher import LauncherSpec, check_launcher
+from experiments.plan.launcher import LAUNCHERS, LauncherKind, LauncherSpec, check_launcher
 from experiments.plan.placement import Slot
 from experiments.runner import executors
-from experiments.runner.executors import EXECUTORS, Launch, SlotLost, executor_class, launch, schedule
+from experiments.runner.executors import Launch, SlotLost, executor_class, launch, schedule
 from experiments.runner.run import RunOutcome
 from lowprec.errors import ConfigError
 from lowprec.train import stop as stop_mod
@@ -32,9 +32,6 @@ class FakeExecutor:
     """Jobs in flight for one poll each; ``fail``: names whose job ends FAILED; ``stop_after``: a stop signal
     arrives once that many jobs have been started; ``lose``: slots lost on their first start."""
 
-    submitit = False
-    cluster = False
-    job_id_tag = ""
     no_slot_reason = "not started: no slot left"
 
     def __init__(self, fail=(), stop_after=None, lose=()):
@@ -107,8 +104,10 @@ def test_unknown_launcher_name_is_refused_in_one_line():
 
 
 def test_registered_launchers_declare_their_traits():
-    # the spec's properties read the registered class: a trait changed there changes what the plan sees
-    assert [executor_class(n).submitit for n in EXECUTORS] == [False, True, True]
+    # the spec's properties read the registry entry: a trait changed there changes what the plan sees
+    assert [LauncherSpec(name=n).submitit for n in LAUNCHERS] == [False, True, True]
+    names = ["LocalExecutor", "SlurmExecutor", "SubmititLocalExecutor"]
+    assert [executor_class(n).__name__ for n in LAUNCHERS] == names
     assert LauncherSpec(name="slurm").cluster and LauncherSpec(name="slurm").needs_sbatch
     assert not LauncherSpec(name="submitit_local").cluster and LauncherSpec(name="submitit_local").local_jobs
     assert not LauncherSpec().submitit and not LauncherSpec().local_jobs
@@ -118,9 +117,10 @@ def test_registered_launchers_declare_their_traits():
 
 def test_a_launcher_registered_in_a_test_is_used_by_launch(monkeypatch):
     module = types.ModuleType("fake_launchers")
-    module.FakeExecutor = type("FakeExecutor", (FakeExecutor,), {"submitit": True, "job_id_tag": "fake_job_id"})
+    module.FakeExecutor = FakeExecutor
     monkeypatch.setitem(sys.modules, "fake_launchers", module)
-    monkeypatch.setitem(EXECUTORS, "fake", "fake_launchers:FakeExecutor")
+    kind = LauncherKind("fake_launchers:FakeExecutor", submitit=True, job_id_tag="fake_job_id")
+    monkeypatch.setitem(LAUNCHERS, "fake", kind)
     spec = LauncherSpec(name="fake")
     assert spec.submitit and spec.job_id_tag == "fake_job_id"
     plan = types.SimpleNamespace(launcher=spec)
