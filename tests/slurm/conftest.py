@@ -5,6 +5,7 @@ with the reason when it cannot run here (not root, no apt-get, a daemon that doe
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -27,6 +28,7 @@ def slurm_cluster(tmp_path_factory) -> Cluster:
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.root / "db", ignore_errors=True)  # MariaDB's 100 MB, in each kept pytest folder
         if before is None:
             os.environ.pop("SLURM_CONF", None)
         else:
