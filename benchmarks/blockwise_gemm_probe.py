@@ -1,4 +1,4 @@
-"""Probe of the blockwise FP8 GEMM kernels on this GPU (issue 32, item 3): does each run, how close is it to the
+"""Probe of the blockwise FP8 GEMM kernels on this GPU: does each run, how close is it to the
 emulated reference, and how fast is it against a BF16 matmul of the same shape.
 
     python benchmarks/blockwise_gemm_probe.py [--shapes 8192x4096x14336,...] [--reps 10] [--out F.json] [--dry-run]

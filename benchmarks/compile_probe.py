@@ -2,7 +2,7 @@
 
     python benchmarks/compile_probe.py [--device cuda] [--model debug] [--recipes a,b] [--out F.json]
 
-Issue 32: on an H100/H200 with torch 2.11.0+cu130 the FP8 activation cache and blockwise scaling failed to trace
+On an H100/H200 with torch 2.11.0+cu130 the FP8 activation cache and blockwise scaling failed to trace
 ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer" inside the FP8 autograd Function,
 or a fake-tensor dtype mismatch at SDPA). This probe found the causes (a stride query in the backward, a global
 decode table; fixed 2026-11-26; on a CPU, inductor's loop split of the expanded tile/block scales, fixed the

@@ -13,7 +13,7 @@ those runs left behind changes which allocations glibc serves with fresh ``mmap`
 first touch), and a compiled block allocates fewer, larger intermediates than eager; with glibc's
 ``mmap_threshold``/``trim_threshold`` tunables raised so that nothing is mmapped, eager got 12% faster and the pair
 measured 1.00: on a CPU, where GEMMs are three quarters of an FP32 step and inductor does not change them,
-compile's gain is the fused elementwise work and the allocations it saves. Targets (issue 13):
+compile's gain is the fused elementwise work and the allocations it saves. Targets:
 with ``emulated``, ``bf16``/``fp32`` <= 1.3 and every FP8 recipe/``fp32`` <= 1.8; compiled ``fp32``/eager
 ``fp32`` <= 0.95. CPU timings say nothing about GPU speed; the CPU model and ISA flags are printed with them.
 

@@ -1,4 +1,4 @@
-"""Fault-injection campaign (issue 15): real faults against real ``lowprec`` processes, then the recovery a user
+"""Fault-injection campaign: real faults against real ``lowprec`` processes, then the recovery a user
 would run, and what it cost. Prints, per kind of fault: faults injected, detected, recovered, steps lost beyond
 the last checkpoint, metrics lost, runs left RUNNING in MLflow, and whether every continuation was bit-identical
 to an uninterrupted run of the same configuration.
@@ -63,7 +63,7 @@ Kinds:
 Per case (a table row each): steps trained again, metrics lost (steps whose ``loss`` neither the faulted nor the
 resumed run holds), runs left RUNNING, bit-identical continuation; then a table per kind.
 
-Targets (issues 15 and 33): at least 20 kill -9 cases, 5 kills during saves, 5 disk faults and 30 faults in all
+Targets: at least 20 kill -9 cases, 5 kills during saves, 5 disk faults and 30 faults in all
 (each counted for the kinds that ran; not with ``--quick``), 0 metrics lost beyond the steps a resume trains
 again, 0 runs left RUNNING, every continuation bit-identical, every fault detected and recovered. The exit code is
 1 when one is missed. ``--quick`` (the test suite, tests/integration/test_fault_campaign.py): one save kill
@@ -907,7 +907,7 @@ def _line(c: Case) -> str:
     )
 
 
-#: The counts the full campaign must reach (issues 15 and 33), of the kinds it ran.
+#: The counts the full campaign must reach, of the kinds it ran.
 MIN_CASES = {"kill9": 20, "save kill": 5, "disk": 5}
 MIN_TOTAL = 30
 COUNT_TARGETS = ">= 20 kill -9, >= 5 kills during saves, >= 5 disk faults, >= 30 faults in all, "

@@ -1,4 +1,4 @@
-"""GEMM and FP8-cast rates measured on this GPU beside what the cost model assumes for them (issue 17).
+"""GEMM and FP8-cast rates measured on this GPU beside what the cost model assumes for them.
 
     python benchmarks/gemm_rates.py [--tokens 8192] [--model llama3_8b] [--reps 30] [--out gemm_rates.json]
 

@@ -1,5 +1,5 @@
-"""lowprec's own training step on one GPU beside the cost model's and the memory model's predictions (issue 17),
-with torchao's FP8 training as peer rows in the same process and loop (issue 32).
+"""lowprec's own training step on one GPU beside the cost model's and the memory model's predictions,
+with torchao's FP8 training as peer rows in the same process and loop.
 
     python benchmarks/gpu_step_vs_model.py [--model llama3_1b] [--layers N] [--batch 1] [--seq 8192] [--steps 12]
                                            [--eager] [--recipes bf16,fp8_tensorwise,fp8_current,fp8_rowwise]

@@ -1,4 +1,4 @@
-"""Hopper's FP8 accumulator measured directly, and lowprec's emulated accumulator fitted to it (issue 32, item 5).
+"""Hopper's FP8 accumulator measured directly, and lowprec's emulated accumulator fitted to it.
 
     python benchmarks/hopper_accumulation.py [--out benchmarks/results/hopper_accumulation.json]    # CUDA
     python benchmarks/hopper_accumulation.py --emulate [--bits 14 --rounding nearest --group 0]     # CPU

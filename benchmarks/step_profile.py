@@ -1,4 +1,5 @@
-"""Where a training step's wall time goes: the device busy or the host feeding it (issue 32's eager gap).
+"""Where a training step's wall time goes: the device busy or the host feeding it (an eager step
+can leave the GPU idle while the host launches its kernels).
 
 ``summarize(events, steps, wall_s)`` reads the events of ``torch.profiler`` over ``steps`` training steps that took
 ``wall_s`` seconds in all and returns, per step:

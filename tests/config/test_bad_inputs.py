@@ -1,5 +1,5 @@
 """Bad input ends in one line naming the field and the fix, before any MLflow run exists; a bug keeps its
-traceback (issue 11, items 3 and 4)."""
+traceback."""
 
 import json
 from pathlib import Path
@@ -64,12 +64,12 @@ BAD = [
     (["train", "recipe=fp9"], "unknown recipe 'fp9'; known: fp32, fp32_reordered, bf16"),
     (["train", "recipe=fp8_current", "recipe.fp8.hp_first_blocks=99"], "select no linear"),
     (["train", "recipe=fp8_blockwise", "recipe.fp8.min_features=100000"], "select no linear"),
-    # issue 16: E5M6 asked of a layer with no such activation; the recipe's new fields out of range
+    # DeepSeek-V3's recipe: E5M6 asked of a layer with no such activation; the recipe's new fields out of range
     (["train", "recipe=deepseek_v3", "recipe.fp8.e5m6_inputs=[feed_forward.w9]"], "match no FP8 linear"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.e5m6_inputs=[output]"], "match no FP8 linear"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.promotion=false"], "needs recipe.fp8.accum_mantissa_bits"),
     (["train", "recipe=deepseek_v3", "recipe.fp8.amax_floor=0"], "recipe.fp8.amax_floor=0"),
-    # issue 32: the emulated accumulator's model; it needs the accumulator
+    # the emulated accumulator's model; it needs the accumulator
     (["train", "recipe=deepseek_v3", "recipe.fp8.accum_rounding=truncate"], "accum_rounding='truncate' has no effect"),
     (["train", "recipe=deepseek_v3_no_promotion", "recipe.fp8.accum_rounding=up"], "accum_rounding='up' is not one"),
     (["train", "recipe=deepseek_v3_no_promotion_hopper", "recipe.fp8.accum_group=48"], "accum_group=48 conflicts"),
@@ -150,7 +150,7 @@ BAD = [
         "train.fp8_fallback=layer cannot run with train.compile=true",
     ),
     (["train", "train.skip_batches=[3,-1]"], "train.skip_batches holds -1: batch indices are >= 0"),
-    # issue 16: the DeepSeekMoE model (model=moe_*)
+    # the DeepSeekMoE model (model=moe_*)
     (
         ["train", "model=moe_debug", "+model.n_experts=4"],
         "unknown key model.n_experts: the model size has no field 'n_experts'",
@@ -162,7 +162,7 @@ BAD = [
     ),
     (["train", "model=moe_debug", "parallel.tp=2"], "parallel.tp=2 is not supported for MoE models"),
     (["train", "model=moe_debug", "train.compile=true"], "train.compile=true is not supported for MoE models"),
-    # block-scaled recipes (issue 18): lowprec refuses, never pads, a block that does not divide a contraction dim
+    # block-scaled recipes: lowprec refuses, never pads, a block that does not divide a contraction dim
     (
         ["train", "recipe=mxfp8", "recipe.fp8.min_features=0"],
         "multiples of its 32-element blocks (lowprec refuses rather than pads); layers.0.attention.wk is 32->16",
@@ -173,7 +173,7 @@ BAD = [
     (["train", "recipe=te_mxfp8"], "recipe.fp8.backend='te' needs a CUDA GPU"),
     (["train", "recipe=bf16", "recipe.fp8.rht_size=16"], "recipe.fp8.rht_size=16 has no effect with"),
     (["train", "recipe=mxfp8", "recipe.fp8.weight_scaling_2d=true"], "weight_scaling_2d=true needs"),
-    # issue 33, item 8: refused at preflight, not a traceback or a FAILED run
+    # refused at preflight, not a traceback or a FAILED run
     (["train", "seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
     (["train", "seed=99999999999999999999"], "seed=99999999999999999999 must be an integer in [0, 4294967295]"),
     (["ablate", "recipes=[fp32]", "seed=4294967295", "seeds=2"], "with 2 seeds runs past 4294967295"),
@@ -187,7 +187,10 @@ BAD = [
     (["train", "paths.runs=/dev/null"], "paths.runs=/dev/null cannot hold lowprec's runs"),
     (["ablate", "recipes=[fp32]", "paths.reports=/dev/null/x"], "paths.reports=/dev/null/x cannot hold"),
     # a grid of training settings (experiments/plan/grid.py): every point checked before the first trains
-    (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003]"], "grid.optim.lr=[0.003]: a grid axis needs at least 2"),
+    (
+        ["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003]"],
+        "grid.optim.lr=[0.003]: a grid axis needs at least 2",
+    ),
     (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003,-0.001]"], "optim.lr=-0.001"),
     (["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003,0]"], "optim.lr=0"),
     (["ablate", "recipes=[bf16,fp32]", "+grid.seeds=[1,2]"], "grid.seeds: only training settings can be an axis"),
@@ -249,8 +252,8 @@ def test_a_bug_inside_a_run_is_recorded_failed_with_its_traceback(run_dirs, tmp_
 
 
 BAD_ESTIMATE = [
-    # issue 17 item 5: what a new user tried on `lowprec estimate`, each refused with one line; since issue 30 the
-    # keys are lowprec train's and so are the messages
+    # what a new user tried on `lowprec estimate`, each refused with one line; the keys are lowprec train's and so
+    # are the messages
     (["model=llama3_8b", "recipe=bf16", "model.n_layers=-10"], "model.n_layers=-10 must be >= 1"),
     (["model=llama3_8b", "recipe=bf16", "train.ac=sometimes"], "train.ac='sometimes' is not one of none"),
     (["model=llama3_8b", "recipe=fp8_tensorwise", "hardware=a100"], "has no FP8 tensor cores"),

@@ -1,4 +1,4 @@
-"""Health monitor and anomaly policies end to end (issue 15, item 4): a NaN injected into the activations, the
+"""Health monitor and anomaly policies end to end: a NaN injected into the activations, the
 gradients or a weight at step 4 of a real ``lowprec train`` run (``fp8_delayed``: delayed-scaling histories are part
 of what a dropped step must not touch), under ``train.on_anomaly=fail|skip|rollback``; and an FP8 linear forced to
 saturate under ``train.fp8_fallback=layer``. Each run is checked in MLflow: status and reason, the ``anomaly/*``

@@ -1,4 +1,4 @@
-"""A disk that fills during a checkpoint save (issue 33, item 5), on real ``lowprec train`` runs of the ``debug``
+"""A disk that fills during a checkpoint save, on real ``lowprec train`` runs of the ``debug``
 model with a real MLflow sqlite store: ``ENOSPC`` is injected at the file-system layer (the write of DCP's
 ``FileSystemWriter``, or ``torch.save`` of the trainer state). The run ends FAILED (``failure_kind`` ``disk``) with
 one line naming the error and the disk, every step before the save is in the store, the ``.partial`` folder is
@@ -65,7 +65,7 @@ def _fail_trainer_state(monkeypatch):
 
     real_save = torch.save
 
-    def save(obj, f, *a, **k):  # lowprec before issue 33 handed torch.save the path itself
+    def save(obj, f, *a, **k):  # lowprec once handed torch.save the path itself
         if "step_4.partial" in str(f) and str(f).endswith("trainer_state.pt"):
             calls["n"] += 1
             raise _enospc(f)
@@ -103,7 +103,7 @@ def test_a_full_disk_during_a_save_fails_the_run_in_one_line_and_loses_nothing(
     assert verify(ckpts / "step_2")  # the checkpoint before is intact (its sha256 manifest holds)
 
 
-# --- the sqlite store's disk (issue 33, item 6) --------------------------------------------------------------------
+# --- the sqlite store's disk --------------------------------------------------------------------
 
 STORE_RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0"]
 STORE_RUN += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.steps=4"]
@@ -223,7 +223,7 @@ def test_a_full_store_whose_spool_is_full_too_is_one_line_and_the_next_command_c
 
 
 def test_a_store_whose_file_system_turns_read_only_spools_the_run_in_one_line(run_dirs, tmp_path, capsys):
-    # issue 33's fault campaign: a store remounted read-only mid-run (sqlite: "attempt to write a readonly
+    # the fault campaign found it: a store remounted read-only mid-run (sqlite: "attempt to write a readonly
     # database", no errno) gave MLflow's traceback, and the run was left RUNNING with its metrics lost
     with full_store(message="attempt to write a readonly database") as state:
         assert main([*STORE_RUN, *run_dirs]) == 0
@@ -241,7 +241,7 @@ def test_a_store_whose_file_system_turns_read_only_spools_the_run_in_one_line(ru
 
 
 def test_a_full_disk_when_the_store_is_created_is_one_line(run_dirs, tmp_path, capsys):
-    # issue 33: a full disk in Tracker.__init__ (MLflow creating a new store's tables) was a traceback
+    # a full disk in Tracker.__init__ (MLflow creating a new store's tables) was a traceback
     with full_store(first="CREATE TABLE") as state:
         assert main([*STORE_RUN, *run_dirs]) == 2
     assert state["refused"] >= 1

@@ -1,4 +1,4 @@
-"""A run's owner is a process of one PID namespace on one boot (issue 33 item 7): the orphan sweep
+"""A run's owner is a process of one PID namespace on one boot: the orphan sweep
 (experiments/runner/orphans.py) and ``resume=`` of a run's checkpoint (experiments/runner/continued_runs.py
 ``supersede``) end a
 RUNNING run only when its owner is provably dead; a run owned from another container that shares the hostname, or

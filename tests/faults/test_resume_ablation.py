@@ -1,4 +1,4 @@
-"""Resumable ablations (issue 15, item 2) and runs whose process died: ``lowprec ablate ... resume=ABLATION_ID`` keeps
+"""Resumable ablations and runs whose process died: ``lowprec ablate ... resume=ABLATION_ID`` keeps
 the finished runs, continues the interrupted ones in place from their checkpoints and starts the rest, so that the
 ablation ends as an uninterrupted one would: one FINISHED run per (recipe, seed), the same per-step losses bit for
 bit (fp32 and fp8_delayed, whose amax history must come back from the checkpoint), the same report tables; and

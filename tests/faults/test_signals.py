@@ -1,4 +1,4 @@
-"""Stop signals (issue 15, item 1): SIGTERM, SIGINT and SIGUSR1 during ``lowprec train`` and ``lowprec ablate`` end
+"""Stop signals: SIGTERM, SIGINT and SIGUSR1 during ``lowprec train`` and ``lowprec ablate`` end
 the current step, write a checkpoint (``train.checkpoint_on_signal``), mark the runs and the parent KILLED in MLflow
 with the reason and the last step, print where to resume, and exit with 128 + signal; the resumed run continues the
 interrupted one bit for bit. Signals are real: ``LOWPREC_FAULTS=signal_at_step=N`` sends one to the process itself,
@@ -142,7 +142,7 @@ def _spawned_workers(pid: int) -> list[int]:
 # the process group's form is the same race reached another way: a long check (marker slow), not in the suite
 @pytest.mark.parametrize("to", ["ablation", pytest.param("process_group", marks=pytest.mark.slow)])
 def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to, run_dirs, tmp_path):
-    # Issue 29, item 5: a SIGTERM that reached workers still importing (no stop handler yet: forwarded by the
+    # A SIGTERM that reached workers still importing (no stop handler yet: forwarded by the
     # ablation, or sent to the process group as `timeout` and a terminal's Ctrl-C do) killed them. Forwarded, the
     # pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
     # InvalidStateError traceback); either way the runs were "FAILED (worker process died)", not "not started".
@@ -169,7 +169,7 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to
 
 
 def test_a_worker_whose_exit_stalls_is_killed_after_the_grace_period_not_waited_for():
-    # Issue 29, item 5: with every run recorded, the ablation waited in ProcessPoolExecutor.shutdown() for its
+    # With every run recorded, the ablation waited in ProcessPoolExecutor.shutdown() for its
     # workers' exit, without limit (py-spy: the pool's thread in Process.join, the workers in their interpreter's
     # final garbage collection). A real worker process whose exit stalls, a real pool.
     pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"))

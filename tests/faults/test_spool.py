@@ -1,4 +1,4 @@
-"""The tracking spool's format and replay (issue 15, item 5), against a real MLflow sqlite store (the same SQL store
+"""The tracking spool's format and replay, against a real MLflow sqlite store (the same SQL store
 an ``mlflow server`` runs on): records replay in order with their original timestamps and the end last; an
 interrupted replay resumes from its cursor and a record sent twice is not duplicated; a truncated last line is
 skipped with a warning, a corrupt line in the middle stops the replay by name; writes to a server that refuses
@@ -212,7 +212,7 @@ def test_sync_of_a_missing_path_or_a_file_that_is_not_a_spool_is_one_line(tmp_pa
     assert main(["sync", str(empty)]) == 0 and "nothing spooled" in capsys.readouterr().out
 
 
-# ---- a spool someone sent is data (issue 33, items 2 and 8) ----------------------------------------------------
+# ---- a spool someone sent is data ----------------------------------------------------
 
 
 def _foreign_spool(store, tmp_path, path_in_record: str, uri: str | None = None):
@@ -309,7 +309,7 @@ def _nearly_full_disk(monkeypatch, room: int) -> None:
 
 @pytest.mark.parametrize("room", [0, 20, 50])  # a record line is ~70 bytes, a header ~110
 def test_an_append_on_a_full_disk_leaves_the_spool_as_it_was(store, tmp_path, monkeypatch, room):
-    # issue 33's fault campaign: the store's and the spool's disks full at a metric flush left a spool file without
+    # the fault campaign found it: the store's and the spool's disks full at a metric flush left a spool file without
     # its header (or with half a line), and every later command's orphan sweep refused it ("not a lowprec spool file")
     client, run_id, folder = store
     new, old = spool_path(folder, "a" * 32), spool_path(folder, run_id)

@@ -1,4 +1,4 @@
-"""``launcher=submitit_local`` (issue 31 item 3): each run of an ablation is a job of submitit's real
+"""``launcher=submitit_local``: each run of an ablation is a job of submitit's real
 ``LocalExecutor`` (its own controller and process), submitted, polled and collected by the ablation process, the
 path ``launcher=slurm`` takes on a cluster. The ablation ends with the report ``launcher=local`` writes; a job whose
 process is killed (SIGKILL, as SLURM's hard kill or the OOM killer would) fails its run only, never left RUNNING, with

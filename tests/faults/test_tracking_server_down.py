@@ -1,4 +1,4 @@
-"""A tracking server that dies during a run (issue 15, items 5 and 6): a real ``mlflow server`` subprocess is
+"""A tracking server that dies during a run: a real ``mlflow server`` subprocess is
 SIGKILLed while a real ``lowprec train`` process logs to it. Restarted during the run, it receives the spooled writes
 when the run writes next, in order; kept down to the run's end, the run ends FINISHED locally and ``lowprec sync``
 delivers everything afterwards. Either way the server's ``loss`` series is the run's own: every step once, each value

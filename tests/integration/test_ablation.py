@@ -46,7 +46,7 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_
     assert parent.data.tags["verdict_control"] == "bf16"
     (found,) = client.search_runs([exp], filter_string="tags.`verdict.fp8_rowwise` = 'no-interval'")
     assert found.data.tags[ABLATION_TAG] == abl
-    # issue 19: the parent run holds the report, its figures and its config; each child its config and effective
+    # the parent run holds the report, its figures and its config; each child its config and effective
     # recipe, under a name that reads in the UI; the parent's description sums the ablation up in one line
     logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.md", "report.html", "config.yaml"} | {f.name for f in report_figures(report)} <= logged

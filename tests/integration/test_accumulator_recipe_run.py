@@ -1,4 +1,4 @@
-"""``lowprec train`` with the emulated accumulator's model set from the command line (issue 32, item 5): the run
+"""``lowprec train`` with the emulated accumulator's model set from the command line: the run
 trains with it and its MLflow record (params, short name, hash) says so."""
 
 from mlflow.tracking import MlflowClient

@@ -1,4 +1,4 @@
-"""Checkpoints that cannot be half-written (issue 15, item 3), on real training runs of the ``debug`` model: a save
+"""Checkpoints that cannot be half-written, on real training runs of the ``debug`` model: a save
 is staged and committed by rename with a sha256 manifest; a save killed midway leaves no checkpoint; a truncated or
 altered file is refused by name and the resume falls back to the previous complete checkpoint with a warning naming
 both, continuing bit for bit as an uninterrupted run; ``train.keep_checkpoints`` prunes; a checkpoint written

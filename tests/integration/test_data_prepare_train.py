@@ -1,6 +1,6 @@
-"""``lowprec data prepare`` then ``lowprec train data.source=tokens data.path=...`` (issue 31, item 5): from a parquet
+"""``lowprec data prepare`` then ``lowprec train data.source=tokens data.path=...``: from a parquet
 file and from a text folder, through the real command line, Hydra composition and a real MLflow sqlite store; the run
-records the corpus fingerprint, its token count and the epochs it read. Bad data input (item 8): one line, no run."""
+records the corpus fingerprint, its token count and the epochs it read. Bad data input: one line, no run."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""`lowprec ablate experiment=deepseek_v3_quick` (issue 16): one command writes reports/<id>/deepseek_v3.md with
+"""`lowprec ablate experiment=deepseek_v3_quick`: one command writes reports/<id>/deepseek_v3.md with
 every section, the paper's figures quoted beside the measured ones, and an accumulation error that grows with K
 without promotion and is removed by promotion."""
 

@@ -1,4 +1,4 @@
-"""A checkpoint someone sent is data (issue 33, item 1): DCP's ``.metadata`` is a pickle, and a planted
+"""A checkpoint someone sent is data: DCP's ``.metadata`` is a pickle, and a planted
 ``__reduce__`` ran a shell command on ``lowprec train resume=<folder>``. The payload here writes a marker file; it
 must be refused in one line before anything runs, with a manifest that matches (the sender writes it), and every
 checkpoint the project writes must still load."""

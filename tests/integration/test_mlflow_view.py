@@ -1,4 +1,4 @@
-"""What a user sees of a lowprec store in MLflow's own UI (issue 29, sections 4 and 6), on real sqlite stores.
+"""What a user sees of a lowprec store in MLflow's own UI, on real sqlite stores.
 
 - provenance never stops a run: a library without distribution metadata is recorded as "not installed";
 - the experiment's kind is "model training", so MLflow 3 does not open it in its GenAI view;

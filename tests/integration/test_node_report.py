@@ -1,4 +1,4 @@
-"""The report of an ablation placed one run per GPU (issue 31): runs alone on their GPUs are not contended, and a
+"""The report of an ablation placed one run per GPU: runs alone on their GPUs are not contended, and a
 recipe that ``train.compile=auto`` ran eager is said not comparable. A fabricated ablation, a real MLflow store."""
 
 from fabricated_ablation import fabricate_ablation

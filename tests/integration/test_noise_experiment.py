@@ -1,4 +1,4 @@
-"""``lowprec ablate experiment=noise_quick`` (issue 31 item 6, shortened): the fp32 control and its negative control
+"""``lowprec ablate experiment=noise_quick`` (the noise study, shortened): the fp32 control and its negative control
 (and bf16) trained with the same seeds, and the printed curves of seeds-needed against tokens recomputed here from
 the MLflow metrics of the runs (not from the study's own numbers)."""
 

@@ -1,4 +1,4 @@
-"""``lowprec recommend`` (issue 17 item 4): offline on an empty store, and on a real sqlite MLflow store holding an
+"""``lowprec recommend``: offline on an empty store, and on a real sqlite MLflow store holding an
 ablation whose verdicts are known (the fabricated ablation of ``fabricated_ablation.py``: real MLflow runs with
 known per-seed losses, verdicts recorded on the parent run by the real report)."""
 
@@ -22,7 +22,7 @@ def test_empty_store_is_offline_published_evidence_only(tmp_path, capsys):
     assert main(["recommend", *argv]) == 0
     out = capsys.readouterr().out
     assert not db.exists()  # read only: an absent store stays absent
-    # every row without evidence points at one ablation, printed whole: device, layout, batch, steps (issue 29)
+    # every row without evidence points at one ablation, printed whole: device, layout, batch, steps
     assert "no evidence: ablation [a1] below" in out
     assert (
         "lowprec ablate 'recipes=[bf16,fp8_tensorwise_fsdp8,fp8_rowwise,fp8_blockwise]' model=llama3_8b device=cuda "

@@ -1,4 +1,4 @@
-"""``lowprec recommend`` over every catalog recipe x every hardware entry, and what it must say (issue 29).
+"""``lowprec recommend`` over every catalog recipe x every hardware entry, and what it must say.
 
 The README's first example failed with ``lowprec recommend: error: mxfp8`` (a ``KeyError`` of the citation table
 printed as a user's mistake) on every part but the A100, and recommend timed MXFP8 on an H100, where training
@@ -147,7 +147,7 @@ def test_a_layout_outside_every_published_point_is_marked(no_store):
 
 
 def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
-    """Issue 29: the printed ablation for a 70B run had no device, layout or steps. It is now the multi-node torchrun
+    """The printed ablation for a 70B run once had no device, layout or steps. It is now the multi-node torchrun
     line; its ``ablate`` arguments compose with Hydra and pass every check ``lowprec ablate`` makes before
     training, on a (stubbed) CUDA device of the part's compute capability."""
     r = _rec(no_store, "model=llama3_70b", "hardware=h100", "gpus=256", "tokens=2e12", "recipes=[fp8_rowwise]")
@@ -173,7 +173,7 @@ def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
 
 @pytest.mark.parametrize("exc", [KeyError("mxfp8"), IndexError("list index out of range")])
 def test_a_bug_in_recommend_keeps_its_traceback(exc, monkeypatch, no_store):
-    """Issue 29 (issue 11's rule): the KeyError of a table is a bug; it propagates instead of ``error: mxfp8``."""
+    """The KeyError of a table is a bug, not bad input; it propagates instead of ``error: mxfp8``."""
 
     def bug(*a, **k):
         raise exc

@@ -1,4 +1,4 @@
-"""``lowprec recommend`` prints the ``lowprec train`` and ``lowprec ablate`` lines of its top choice (issue 30 item 4),
+"""``lowprec recommend`` prints the ``lowprec train`` and ``lowprec ablate`` lines of its top choice,
 and they run: each printed line, with ``train.steps=2 model=debug`` appended, composes with the real Hydra config of
 its command and passes ``lowprec``'s preflight (every check before data, MLflow or torchrun; no training). The
 estimator and recommend take ``lowprec train``'s keys with its defaults."""
@@ -17,7 +17,7 @@ from lowprec.train.spec import TrainSpec
 
 #: appended to each printed line: the acceptance's ``train.steps=2 model=debug``, and the timing warmup below 2 steps
 #: (``TrainSpec`` refuses ``train.timing_warmup_steps=3`` >= ``train.steps``, for every ``lowprec train`` line)
-SMALL = ["train.steps=2", "model=debug"]  # the acceptance of issue 30: these two overrides, nothing else
+SMALL = ["train.steps=2", "model=debug"]  # the smallest run: these two overrides, nothing else
 
 
 def _printed(capsys, argv: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""``report.html`` (issue 19, items 2-3): one self-contained page, verdicts first, then figures, then the detail
+"""``report.html``: one self-contained page, verdicts first, then figures, then the detail
 tables; rendered in a real headless Chromium (Debian's ``chromium``, driven by Playwright), whose DOM must show the
 tables and every image loaded, with no console error. The ablation is fabricated in a real MLflow store
 (``fabricated_ablation``: no training), the report is built by the real code."""

@@ -1,4 +1,4 @@
-"""What the report says beside its numbers (issue 29, section 6), on a fabricated ablation in a real MLflow store:
+"""What the report says beside its numbers, on a fabricated ablation in a real MLflow store:
 
 - a throughput measured while several runs trained at a time is marked as contended next to the number (the
   verdict table's ratio, the summary's tokens/s, the throughput figure), not only in the setup section;

@@ -1,4 +1,4 @@
-"""The report on a tracking server and ``lowprec ui`` (issue 19, items 1, 2 and 4): ``lowprec ui`` serves a store
+"""The report on a tracking server and ``lowprec ui``: ``lowprec ui`` serves a store
 (a real ``mlflow ui`` server), lists its ablations and stops on Ctrl-C; ``lowprec report ID`` against that server
 rebuilds the report from the server alone (into a folder that never held it), logs it as the parent run's artifacts
 there, and links recipe names to their runs in the server's UI; bad input ends in one line.

@@ -105,7 +105,7 @@ def busy_cores(n: int, seconds: float = 150.0):
 
 @pytest.mark.slow  # ~35 s of stress-ng load; the grace period itself: test_signals.py's stalled-exit test
 def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(run_dirs, tmp_path, capsys):
-    # Issue 29, item 5: with both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
+    # With both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
     # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
     # load of 6), without limit. The workers now exit at once (experiments/runner/scheduler.py `_exit_now`).
     args = ["ablate", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK

@@ -1,4 +1,4 @@
-"""The embedded sqlite store under concurrent writers (issue 15, item 5): two ablations, each an ablation process
+"""The embedded sqlite store under concurrent writers: two ablations, each an ablation process
 and a worker, are four processes opening one new database at the same moment and logging runs, params, tags,
 artifacts and buffered metrics into it. Nothing is lost and no process fails.
 

@@ -1,4 +1,4 @@
-"""``lowprec ui`` on a network (issue 33, item 3): a host that other machines can reach needs ``--expose`` and says
+"""``lowprec ui`` on a network: a host that other machines can reach needs ``--expose`` and says
 what it exposes; ports outside 1-65535 and hosts that do not resolve are one line each (not a traceback, not "port
 in use"); ``--auth`` runs MLflow's basic-auth app. None of these cases starts a server."""
 

@@ -1,4 +1,4 @@
-"""The verdict table that leads the report (issue 14, items 2, 4, 7, 9), built from a real MLflow sqlite store whose
+"""The verdict table that leads the report, built from a real MLflow sqlite store whose
 child runs are logged directly with known per-seed losses (no training), so every verdict is known in advance.
 
 Expected intervals are recomputed here with scipy from the same numbers, not with the report's code. Also: the loss

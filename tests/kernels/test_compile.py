@@ -110,8 +110,8 @@ def test_blockwise_fp8_compiles_on_cpu_after_another_model_was_traced_in_the_pro
       over a blocked reshape, the same products;
     - a sequential ablation worker compiles one run's model after another's: dynamo remembered the first model's
       ``amax_floor`` (1e-12), made the second's (1e-4, as ``deepseek_v3``'s) a SymFloat and failed inside the FP8
-      autograd Function ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", the H100's
-      error of issue 32); every built model now compiles from a fresh dynamo state. The first model is ``debug``
+      autograd Function ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", the error
+      seen on an H100); every built model now compiles from a fresh dynamo state. The first model is ``debug``
       (one compiled training step under the same AC mode: a first model under another AC mode, whose blocks are
       another code object, or a forward alone did not trigger it).
 

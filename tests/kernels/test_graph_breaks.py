@@ -1,6 +1,6 @@
 """Every FP8 catalog recipe's training step traces as one graph: ``torch._dynamo.explain`` reports no graph break.
 
-Issue 32 item 1: a graph break inside an FP8 linear (a tensor read as a Python value, a closure over a tensor, a
+A graph break inside an FP8 linear (a tensor read as a Python value, a closure over a tensor, a
 global table) is what made ``train.compile`` fail with ``fullgraph=True`` on CUDA. ``explain`` runs dynamo alone (no
 AOTAutograd, no inductor code generation), so this holds on a CPU whatever inductor's C++ backend can compile. The
 step is the lab's: the model built by ``lowprec.train.build`` with the recipe applied, ``forward_loss`` under the
@@ -47,7 +47,7 @@ REPRESENTATIVES = _representatives()
 
 
 def test_the_catalog_has_every_kind_of_fp8_step():
-    # the kinds issue 32 names; a catalog change that drops one should be seen here, not by a silent shorter list
+    # every kind of FP8 step compile must trace; a change that drops one should be seen here, not by a shorter list
     specs = [CATALOG[n].fp8 for n in REPRESENTATIVES]
     assert {s.backend for s in specs} >= {"lowprec", "torchao", "mx"}
     assert {s.scaling for s in specs} >= {"tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"}

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's recipe pieces (issue 16 item 2) against computations written here from their definitions: the
+"""DeepSeek-V3's recipe pieces against computations written here from their definitions: the
 tiny-tile amax floor of DeepSeek's reference kernels, the E5M6-saved attention.wo input, the FP8-cached SwiGLU
 inputs, the limited accumulator without promotion, 128x128 activation-gradient blocks, and the build's refusals."""
 

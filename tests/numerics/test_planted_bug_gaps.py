@@ -1,4 +1,4 @@
-"""Two planted bugs that survived the suite (issue 29, section 3), each pinned by the input that tells it apart.
+"""Two planted bugs that survived the suite, each pinned by the input that tells it apart.
 
 - ``stochastic_round_bf16`` with ``rand <= low_bits`` instead of ``<``: values already exactly representable in
   BF16 (low 16 bits zero) would move up one ulp with probability 2**-16. SR of such values must be the identity.

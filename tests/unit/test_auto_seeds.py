@@ -87,7 +87,7 @@ def test_bad_plans_are_one_line_config_errors():
 
 
 def test_a_stopped_recipes_mdd_and_seeds_needed_are_stated_at_the_final_analysis_alpha():
-    """Issue 29: at the first look's level (one-sided alpha 0.00025 with 3 seeds) the MDD is about ten times the
+    """At the first look's level (one-sided alpha 0.00025 with 3 seeds) the MDD is about ten times the
     one at alpha 0.025; the table states them at the final analysis' alpha."""
     plan = plan_for(8)
     effects = {"fp8_clear": [0.0001, 0.00012, 0.00011], "fp8_open": [0.002, -0.001, 0.004]}
@@ -123,7 +123,7 @@ def _run(recipe: str, seed: int, final: float, late: float):
 
 
 def test_the_seeds_auto_table_prints_each_rows_level_and_judges_the_last_quarter_at_it():
-    """Issue 29 items 1 and 6: under seeds=auto the rows' intervals have different levels (0.9995 at 3 seeds,
+    """Under seeds=auto the rows' intervals have different levels (0.9995 at 3 seeds,
     lower later): the header may not say 95%, each row says its level, the rule is not the first row's, MDD is
     labelled with the final analysis' alpha, and the last quarter is judged at the same look and level."""
     effects = {"fp8_clear": [0.0001, 0.00012, 0.00011], "fp8_open": [0.002, -0.001, 0.004, 0.003, 0.001]}

@@ -1,5 +1,5 @@
 """One object per FP8 backend and optimizer implementation: a backend defined in this file alone, registered,
-builds, trains, is inspected and estimated like the built-in ones (issue 12)."""
+builds, trains, is inspected and estimated like the built-in ones."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The per-op cost model and its calibration on published measurements (issue 17 items 1-3).
+"""The per-op cost model and its calibration on published measurements.
 
 The validation tests read ``lowprec/estimate/published.yaml``: every held-out point must be predicted within
 15%, and the predicted recipe order must be
@@ -201,7 +201,7 @@ def test_the_estimator_pages_table_is_generated_from_the_data_file(rows):
     text = estimator_page().read_text()
     block = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)].strip()
     assert block == markdown_table(rows)
-    # the corrections of issue 17: torchtitan's batch 2, selective AC, the 96 GB / 500 W H100, FP8 all-gather
+    # the published points' corrections: torchtitan's batch 2, selective AC, the 96 GB / 500 W H100, FP8 all-gather
     row = next(line for line in block.splitlines() if "`tt_8b_8gpu_fp8`" in line)
     assert "batch 2" in row and "AC selective" in row and "h100_96gb_500w" in row and "`fp8_tensorwise_fsdp8`" in row
 

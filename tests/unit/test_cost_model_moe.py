@@ -1,4 +1,4 @@
-"""A DeepSeekMoE model in the estimator (issue 17 item 3, issue 16 item 3): FLOPs per token from the activated
+"""A DeepSeekMoE model in the estimator: FLOPs per token from the activated
 parameters, the cost model's per-expert GEMMs at the expected tokens per expert, the memory model's all-expert
 state; hand computations from ``moe_debug``'s config numbers written here, not read from lowprec. Dense models
 keep the predictions they had before MoE support (``DENSE_BEFORE``)."""

@@ -1,4 +1,4 @@
-"""The front door and the documentation (issue 30): README.md stays a front door of at most 200 lines with the two
+"""The front door and the documentation: README.md stays a front door of at most 200 lines with the two
 commands of a fresh clone, every page of docs/ is in the MkDocs navigation, no page or the README refers outside the
 repository (a link is an http(s) address or a file of this checkout; no absolute machine path in the text), and
 ``mkdocs build --strict`` passes (broken links and anchors fail it)."""

@@ -1,4 +1,4 @@
-"""``lowprec estimate`` over every catalog recipe x every hardware entry (issue 29): a recipe the part cannot run is
+"""``lowprec estimate`` over every catalog recipe x every hardware entry: a recipe the part cannot run is
 refused (or, under ``--emulate``, estimated without a step time) with the reason training gives, never timed; what
 it says about runnability is the FP8 backend's own check (``Float8Backend.check_runtime``) at the part's compute
 capability; the FP8 GEMMs of Llama-3-8B shapes are charged at the FP8 rate; no step time where a layout does not
@@ -126,7 +126,7 @@ def test_estimate_all_gives_no_step_time_to_a_recipe_the_part_cannot_run(hardwar
 
 
 def test_fp8_gemms_of_llama3_8b_run_at_the_fp8_rate_on_an_h100():
-    """Issue 29: the cost model's FP8 GEMMs at the BF16 rate survived every unit test. Tensorwise FP8 GEMMs of a
+    """The cost model's FP8 GEMMs at the BF16 rate once survived every unit test. Tensorwise FP8 GEMMs of a
     Llama-3-8B step on an H100 take at most 0.6x the BF16 GEMM time (measured ratio of the H100 datasheet peaks
     1979/989 = 2.0, less the lower FP8 efficiency and the BF16 output head: 0.50 predicted); rowwise (CUTLASS,
     ``rowwise_gemm``: 0.69 predicted) stays below 0.75x. No recompute: the selective policy recomputes every FP8
@@ -140,7 +140,7 @@ def test_fp8_gemms_of_llama3_8b_run_at_the_fp8_rate_on_an_h100():
 
 
 def test_no_step_time_where_the_layout_does_not_fit(capsys):
-    """Issue 29: Llama-3-8B bf16 on one H100 (200 GiB without recompute) printed a step time under "does NOT fit"."""
+    """Llama-3-8B bf16 on one H100 (200 GiB without recompute) once printed a step time under "does NOT fit"."""
     at_8k = ["train.batch_size=1", "train.seq_len=8192"]  # the old defaults: one 8k sequence per GPU
     eager = ["train.compile=false", "train.ac=none"]
     assert estimate_main(["model=llama3_8b", "recipe=bf16", *at_8k, *eager]) == 0
@@ -167,7 +167,7 @@ def test_no_step_time_where_the_layout_does_not_fit(capsys):
 
 
 def test_sizes_are_gib(capsys):
-    """Issue 29: GB (1e9) in estimate against GiB (2**30) in recommend; both print GiB now."""
+    """GB (1e9) in estimate against GiB (2**30) in recommend; both print GiB now."""
     assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8", "--json"]) == 0
     state = json.loads(capsys.readouterr().out)["state"]["model_and_optimizer"]
     assert estimate_main(["model=llama3_8b", "recipe=bf16", "parallel.dp_shard=8"]) == 0
@@ -181,7 +181,7 @@ def test_sizes_are_gib(capsys):
 
 @pytest.mark.parametrize("exc", [KeyError("a table's missing key"), IndexError("list index out of range")])
 def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
-    """Issue 29 (issue 11's rule): a KeyError/IndexError from the program's own tables is a bug, not bad input."""
+    """A KeyError/IndexError from the program's own tables is a bug, not bad input."""
 
     def bug(*a, **k):
         raise exc

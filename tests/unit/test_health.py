@@ -1,4 +1,4 @@
-"""The health monitor's parts (issue 15, item 4), without training: the online spike rule against the offline one,
+"""The health monitor's parts, without training: the online spike rule against the offline one,
 the data position, the policy's decisions on given losses and gradient norms, and the FP8 fallback's streaks and
 switch on a real ``Float8Linear``.
 """

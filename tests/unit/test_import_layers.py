@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # lowprec's __init__ (the library's front door, its names imported on first use) re-exports the catalog's
     # get_recipe, so it sits above recipes; no module below it imports the package itself.
     ("lowprec",),
-    # The lab's wings (issue 30), bottom to top, as the code needs them: statistics over arrays; the config schema and
+    # The lab's wings, bottom to top, as the code needs them: statistics over arrays; the config schema and
     # preflight; the store (tracker, spool, runs read back); the report built from the store; the studies, which
     # use the report's verdict table and plots and run as its ``after`` hook; the commands that drive them.
     ("experiments.stats",),

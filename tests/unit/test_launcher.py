@@ -1,4 +1,4 @@
-"""``launcher=...`` refused in one line before any MLflow run (issue 31 items 3 and 8): SLURM without ``sbatch``
+"""``launcher=...`` refused in one line before any MLflow run: SLURM without ``sbatch``
 on PATH or without the ``submitit`` package, an unknown launcher, a value out of range, a parallel layout larger
 than ``launcher.gpus_per_node`` (each job runs its run's ranks with torchrun on one node), a submitit launcher under
 torchrun; and the typed ``LauncherSpec`` the ``Plan`` carries. Real Hydra composition through the command line."""

@@ -1,10 +1,10 @@
-"""The recipe is a pure value and ``lowprec`` has no package-level import cycle (issue 30, item 3).
+"""The recipe is a pure value and ``lowprec`` has no package-level import cycle.
 
 Package level: each module counts as its package one below ``lowprec`` (``lowprec.backends.registry`` is
 ``lowprec.backends``, ``lowprec.recipe`` itself), with every import read by ``test_import_layers._graph`` (top-level
 and function-level alike; only ``if TYPE_CHECKING:`` blocks are skipped). Module-level cycles are
-``test_import_layers.test_no_import_cycle``'s; a package cycle can hide between modules that form none (before
-issue 30: ``lowprec.backends.fp8_lowprec -> lowprec.parallel.fp8_all_gather`` and ``lowprec.parallel.apply ->
+``test_import_layers.test_no_import_cycle``'s; a package cycle can hide between modules that form none (there were
+some: ``lowprec.backends.fp8_lowprec -> lowprec.parallel.fp8_all_gather`` and ``lowprec.parallel.apply ->
 lowprec.backends``, four such cycles in all).
 """
 

@@ -1,4 +1,4 @@
-"""Issue 30: the typed door. The composed Hydra config (``DictConfig``) stops at the door, ``experiments/cli.py`` and
+"""The typed door. The composed Hydra config (``DictConfig``) stops at the door, ``experiments/cli.py`` and
 ``experiments/plan/`` (config schema, preflight, the ``Plan``); every function below takes the ``Plan`` or its typed
 parts. Read with ``ast``: no function outside the door has a parameter named ``cfg``/``config`` or annotated
 ``DictConfig``, and no module outside the door imports ``omegaconf`` (at the top or inside a function)."""

@@ -30,7 +30,7 @@ def test_short_str_states_every_group():
 
 
 def test_lowprec_recipes_spells_autocast_out(capsys):
-    """Issue 30: ``ac`` meant autocast in ``lowprec recipes`` and activation checkpointing (``train.ac``) everywhere
+    """``ac`` meant autocast in ``lowprec recipes`` and activation checkpointing (``train.ac``) everywhere
     else; the catalog's lines (and ``--json``'s ``short``) now say ``autocast=``."""
     import json
 

@@ -1,4 +1,4 @@
-"""The emulated FP8 accumulator's model as recipe fields (issue 32, item 5): ``recipe.fp8.accum_rounding`` and
+"""The emulated FP8 accumulator's model as recipe fields: ``recipe.fp8.accum_rounding`` and
 ``recipe.fp8.accum_group`` are validated in the recipe, reach the FP8 linear's GEMM from a Hydra override, and
 leave every recipe that does not set them as it was (hash, short string, numerics)."""
 

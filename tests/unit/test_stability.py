@@ -108,7 +108,7 @@ def _noisy(noise: str, seed: int, steps: int = 2000) -> np.ndarray:
 
 @pytest.mark.parametrize(("noise", "most"), [("ar", 0.2), ("t5", 2.0), ("t3", 5.0)])
 def test_autocorrelated_and_heavy_tailed_noise_gives_few_false_spikes(noise, most):
-    """Issue 29: the former rule (MAD of step differences) flagged 8.5 spike events per 2,000 steps of spike-free
+    """The former rule (MAD of step differences) flagged 8.5 spike events per 2,000 steps of spike-free
     AR(1) rho 0.8 noise, 3.0 for t(5) and 9.2 for t(3). This one, measured over 40 curves: 0.03, 1.2 and 3.5 (t(3)
     has values beyond 10 robust sds about once per 1,000 steps). Here: mean over 10 fixed-seed 2,000-step curves,
     bounds about 2.5 Poisson standard errors above the measured rates."""
@@ -218,7 +218,7 @@ def test_spike_events_are_tested_over_runs_by_exact_permutation():
     assert v.verdict == "less stable" and v.p_loss_spikes == pytest.approx(1 / 20) and "loss-spike" in v.reason
     v = stability_verdict([_run(2), _run(2), _run(0)], control)  # 4 of the 20 splits put both spiky runs first
     assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(4 / 20)
-    # Issue 29: one run with 5 spike events against none is one bad run, not a less stable recipe (old: p = 0.031).
+    # One run with 5 spike events against none is one bad run, not a less stable recipe (old: p = 0.031).
     v = stability_verdict([_run(5), _run(), _run()], control)
     assert v.verdict == "as stable" and v.p_loss_spikes == pytest.approx(0.5)
     # Unequal run counts: 2 recipe runs against 4 control runs, C(6, 2) = 15 splits.
@@ -278,7 +278,7 @@ def _identical_ablations(trials: int, runs: int, seed: int) -> float:
 
 @pytest.mark.parametrize("runs", [3, 5])
 def test_identical_spike_processes_are_called_less_stable_at_most_alpha_of_the_time(runs):
-    """Issue 29: the old per-step Poisson test and the untested divergence rule said "less stable" 12-33% of the
+    """The old per-step Poisson test and the untested divergence rule said "less stable" 12-33% of the
     time for identical processes. 2,000 simulated ablations (fixed seed): the rate must be <= alpha = 0.05 plus
     2.5 Monte Carlo standard errors (0.012)."""
     rate = _identical_ablations(2000, runs, seed=runs)

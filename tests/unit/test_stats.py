@@ -146,7 +146,7 @@ def test_each_verdict_class(expected):
     assert "Piaggio" in v.rule and "0.0025" in v.rule
 
 
-#: Issue 29's examples: +0.100% [+0.071%, +0.129%] and +0.300% [+0.182%, +0.418%] are significantly worse than the
+#: Two examples: +0.100% [+0.071%, +0.129%] and +0.300% [+0.182%, +0.418%] are significantly worse than the
 #: control though the first is non-inferior and the second inconclusive at a 0.25% margin. With one recipe (no
 #: correction) "(better than control)" beside an inconclusive cannot occur (an interval below 0 is below the margin)
 #: and "diverged" comes from ``mark_diverged``; both are tested in test_verdict_labels.py.
@@ -398,7 +398,7 @@ def test_spending_plan_schedule():
 
 
 def test_exact_boundaries_are_narrower_than_the_union_bound():
-    """The exact critical t at the last of looks 3..8 is 2.64 (issue 29's independent calibration), not the union
+    """The exact critical t at the last of looks 3..8 is 2.64 (an independent Monte Carlo calibration), not the union
     bound's 3.12; tolerance 0.02 (the Monte Carlo calibration's error is about 0.005)."""
     plan = SpendingPlan(max_seeds=8)
     union = {n: stats.t.isf(plan.spent(n) - (plan.spent(n - 1) if n > 3 else 0), n - 1) for n in plan.looks}
@@ -440,7 +440,7 @@ TRIALS = 40_000
 
 
 def test_exact_spending_has_the_promised_type_one_rate_and_more_power_than_the_union_bound():
-    """Issue 29: the union bound (summed per-look alphas) spends only about 1.5% of the promised 2.5% and loses
+    """The union bound (summed per-look alphas) spends only about 1.5% of the promised 2.5% and loses
     power. Simulated recipes, fixed seeds: at a true difference equal to the margin the rate of a wrong
     non-inferior verdict is 2.5% +- 0.3% (3.8 standard errors); at a true difference of 0, paired sd 0.3%, max 8
     seeds, the exact boundaries declare non-inferiority at least as often as the union bound (issue: 0.475 vs 0.35)

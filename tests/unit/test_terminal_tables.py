@@ -1,4 +1,4 @@
-"""Terminal tables drawn by rich (issue 30 item 6): a recipe name longer than the hand-made tables' fixed columns
+"""Terminal tables drawn by rich: a recipe name longer than the hand-made tables' fixed columns
 widens its column instead of pushing its row out of line, and the text is plain (no colour codes, no rich markup
 read into cells). Real catalog recipes, the ``estimate`` command's own code; milliseconds on the ``debug`` model."""
 

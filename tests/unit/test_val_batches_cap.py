@@ -1,4 +1,4 @@
-"""``train.val_batches`` beyond the validation split (issue 33, item 8: 100,000 batches on a 4-step run were still
+"""``train.val_batches`` beyond the validation split (100,000 batches on a 4-step run were still
 evaluating after 150 s): capped to the batches of distinct windows the split holds, with a warning that says so."""
 
 from __future__ import annotations
