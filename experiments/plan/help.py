@@ -101,6 +101,7 @@ DOCS: dict[str, str] = {
     "studies": "the experiment's own reports beside report.md (registered study names)",
     "study": "study.<name>.<key>=V: a study's own settings (study.deepseek_v3.capture_batches=4)",
     "models": "one ablation per model, 'models=[debug,tiny]' (empty: the ablation runs on model)",
+    "grid": "one ablation per point of training settings, '+grid.optim.lr=[0.001,0.003]' (experiment=lr_sweep)",
     "report.margin": "non-inferiority margin, relative, on the validation loss (0.0025 = 0.25%): a recipe is "
     "non-inferior when its paired 95% interval's upper bound is below +margin",
     "dry_run": "print the plan (runs, placement, tokens, corpus epochs, predicted time) and train nothing",

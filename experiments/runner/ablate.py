@@ -233,7 +233,8 @@ def verdict_summary(tracker, parent_run_id: str, recipes: list[str]) -> list[str
     margin = metrics.get("verdict/margin")
     head = f"verdicts on the final validation loss vs {control}" + (f" (margin {margin:.3%})" if margin else "")
     width = max([len(r) for r in recipes] + [6])
-    lines = [head + "; + is worse:", f"  {'recipe':<{width}}  {'effect [interval]':<30}  verdict"]
+    lines = [_controls_summary(tags, margin), head + "; + is worse:"]
+    lines.append(f"  {'recipe':<{width}}  {'effect [interval]':<30}  verdict")
     for r in recipes:
         e, lo, hi = (metrics.get(f"verdict/{k}.{r}") for k in ("effect", "lo", "hi"))
         if e is None:
@@ -246,6 +247,23 @@ def verdict_summary(tracker, parent_run_id: str, recipes: list[str]) -> list[str
         stability = printable(tags.get(f"stability.{r}", "no-data"))
         lines.append(f"  {r:<{width}}  {effect:<30}  {label}; stability: {stability}")
     return lines
+
+
+def _controls_summary(tags: dict, margin: float | None) -> str:
+    """The report's first line in short, from the parent's ``verdict_controls`` tag: whether the negative control
+    came out non-inferior and the positive control inferior (the experiment could see the margin), or why not."""
+    at = f" at the {margin:.3%} margin" if margin else ""
+    status = tags.get("verdict_controls", "off")
+    if status == "off":
+        return f"controls: none; nothing shows the experiment could see a difference{at} (controls=true adds them)"
+    names = [tags.get(f"verdict_{k}_control", "?") for k in ("negative", "positive")]
+    got = ", ".join(
+        f"{k} {printable(n)}: {printable(tags.get(f'verdict_label.{n}', 'no-data'))}"
+        for k, n in zip(("negative", "positive"), names, strict=True)
+    )
+    if status == "passed":
+        return f"controls passed{at} ({got})"
+    return f"THE EXPERIMENT COULD NOT TELL{at}: a control failed ({got}); its verdicts are not evidence"
 
 
 def _resume_plan(plan: Plan) -> ResumePlan:

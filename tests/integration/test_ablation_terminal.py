@@ -90,6 +90,8 @@ def test_a_two_worker_ablation_on_a_terminal_draws_a_bar_per_worker_and_states_t
         assert "━" not in r and "worker" not in r
     assert not any(re.match(r"  worker \d: ", r) for r in final)  # the bars are gone at the end
     done = final.index(next(r for r in final if re.match(r"ablation abl-[\w-]+ done in \d+ s \(0 failed\)", r)))
+    assert final[done + 1].startswith("controls: none; nothing shows the experiment could see a difference")
+    done += 1
     assert final[done + 1].startswith("verdicts on the final validation loss vs bf16 (margin 0.250%)")
     assert re.match(r"  fp32 +[+-]\d\.\d{3}% \[[+-]\d\.\d{3}%, [+-]\d\.\d{3}%\] +\S.*; stability: ", final[done + 3])
     assert final[done + 4].startswith("report: ") and final[done + 4].endswith("/report.md")

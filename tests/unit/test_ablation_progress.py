@@ -157,11 +157,25 @@ def test_the_verdict_summary_reads_the_parent_run_and_shows_store_strings_as_tex
         client.log_metric(run, k, v)
     tracker = SimpleNamespace(client=client)
     lines = verdict_summary(tracker, run, ["fp8", "fp32"])
+    assert lines[0].startswith("controls: none; nothing shows the experiment could see a difference at the 0.250%")
+    lines = lines[1:]
     assert lines[0] == "verdicts on the final validation loss vs bf16 (margin 0.250%); + is worse:"
     assert lines[2].split()[:4] == ["fp8", "+0.400%", "[+0.300%,", "+0.500%]"]
     assert lines[2].endswith("inferior [2J [32m ok; stability: as stable")  # the tag's escapes are text
     assert "\x1b" not in "".join(lines)
     assert lines[3].split() == ["fp32", "-0.001%", "no-interval;", "stability:", "no", "test", "possible"]
+    # the controls' outcome, first: passed, or the experiment could not tell (their labels read as text)
+    for k, v in {"verdict_negative_control": "neg", "verdict_positive_control": "pos",
+                 "verdict_label.neg": "non-inferior\x1b[2J", "verdict_label.pos": "inferior"}.items():  # fmt: skip
+        client.set_tag(run, k, v)
+    client.set_tag(run, "verdict_controls", "passed")
+    first = verdict_summary(tracker, run, ["fp8"])[0]
+    assert first == "controls passed at the 0.250% margin (negative neg: non-inferior [2J, positive pos: inferior)"
+    client.set_tag(run, "verdict_controls", "failed")
+    client.set_tag(run, "verdict_label.pos", "inconclusive")
+    first = verdict_summary(tracker, run, ["fp8"])[0]
+    assert first.startswith("THE EXPERIMENT COULD NOT TELL at the 0.250% margin: a control failed (negative neg: ")
+    assert "positive pos: inconclusive); its verdicts are not evidence" in first
     client.set_tag(run, "verdict_status", "no-control")
     client.set_tag(run, "verdict_reason", "no finished control run\nnext line")
     assert verdict_summary(SimpleNamespace(client=client), run, ["fp8"]) == [
