@@ -40,10 +40,9 @@ from experiments.report import plots, verdict_table  # noqa: E402
 from experiments.report.verdict_table import LEVEL  # noqa: E402
 from experiments.stats import relative_loss_error  # noqa: E402
 from experiments.studies import deepseek_numerics as dn  # noqa: E402
-from experiments.studies.registry import GROUP_TAG, StudyContext, register  # noqa: E402
+from experiments.studies.registry import StudyContext, group_ablations, register  # noqa: E402
 from experiments.tracking.checkpoint_dirs import own_checkpoint_dir, tagged_checkpoint_dir  # noqa: E402
 from experiments.tracking.runs import load_runs  # noqa: E402
-from experiments.tracking.tracker import ABLATION_TAG  # noqa: E402
 from lowprec.data import TokenBatches  # noqa: E402
 from lowprec.errors import ConfigError  # noqa: E402
 from lowprec.model import build_model  # noqa: E402
@@ -91,18 +90,6 @@ def _plan(tracker, run_id: str) -> Plan:
     """The plan run ``run_id`` trained under, from its ``config.yaml`` artifact."""
     with tempfile.TemporaryDirectory() as d:
         return saved_plan(Path(tracker.client.download_artifacts(run_id, "config.yaml", d)).read_text())
-
-
-def _siblings(ctx: StudyContext) -> list[tuple[str, object]]:
-    """``(ablation id, parent run)`` of every ablation of this one's group, oldest first (this one included)."""
-    group = ctx.parent.data.tags.get(GROUP_TAG, ctx.ablation_id)
-    found = ctx.tracker.client.search_runs(
-        [ctx.tracker.experiment_id],
-        filter_string=f"tags.`{GROUP_TAG}` = '{group}' and tags.`lowprec.kind` = 'ablation'",
-    )
-    found = sorted(found, key=lambda r: r.info.start_time)
-    out = [(r.data.tags[ABLATION_TAG], r) for r in found if r.data.tags[ABLATION_TAG] != ctx.ablation_id]
-    return [*out, (ctx.ablation_id, ctx.parent)]
 
 
 # ---- captured operands -------------------------------------------------------------------------------------------
@@ -439,7 +426,7 @@ def deepseek_v3_study(ctx: StudyContext) -> Path:
         "",
     ]
     headline = {"accumulation": acc_head, "models": {}}
-    for aid, parent in _siblings(ctx):
+    for aid, parent in group_ablations(ctx):
         runs = ctx.runs if aid == ctx.ablation_id else load_runs(ctx.tracker, parent.info.run_id)
         model = parent.data.tags.get("model", "?")
         steps = int(parent.data.params.get("train.steps", 0))
