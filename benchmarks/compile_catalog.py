@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
+
+from _support import max_gap, train_losses
 
 from lowprec.data import DataSpec, prepare
 from lowprec.kernels import cpu_model, isa_flags
 from recipes import CATALOG
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "kernels"))
-from parity import max_gap, train_losses  # noqa: E402
 
 ONE_PROCESS = [
     n

@@ -456,8 +456,7 @@ def nan_cases(store: Store, rng: random.Random) -> list[Case]:
 
 
 def server_cases(store: Store, rng: random.Random, n: int = 3) -> list[Case]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "faults"))
-    from mlflow_server import MlflowServer  # the fault tests' real server: start, SIGKILL, restart
+    from _support import MlflowServer  # a real server: start, SIGKILL, restart (the fault tests use it too)
 
     steps = 300  # about 10 s of training on 2 cores: room for a kill and a restart inside the run
     args = [a for a in _args("fp32", ()) if not a.startswith(("train.steps", "train.checkpoint"))]

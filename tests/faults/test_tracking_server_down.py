@@ -20,9 +20,9 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
-from mlflow_server import MlflowServer
 from stop_handlers import restored_stop_handlers
 
+from benchmarks._support import MlflowServer
 from experiments.cli import main
 from experiments.tracking.spool import SPOOLED_TAG
 

@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-from parity import max_gap, train_losses
 
+from benchmarks._support import max_gap, train_losses
 from lowprec.build_optim import OptimHParams
 from lowprec.errors import RecipeError
 from lowprec.model import model_args

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from parity import max_gap, train_losses
 
+from benchmarks._support import max_gap, train_losses
 from recipes import CATALOG
 
 MULTIPLE = 10
