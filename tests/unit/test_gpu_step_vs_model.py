@@ -1,6 +1,6 @@
 """``benchmarks/gpu_step_vs_model.py`` on a CPU: its arguments, its rows (lowprec recipes and torchao peers) and
-``--dry-run``, so that the GPU check (``scripts/gpu_check_32.sh``) cannot fail on a typo. The measurement itself
-needs CUDA (``scripts/gpu_check_32.sh``)."""
+``--dry-run``, so that the GPU check (``scripts/gpu_check.sh``'s step tables) cannot fail on a typo. The
+measurement itself needs CUDA."""
 
 from __future__ import annotations
 
