@@ -208,15 +208,18 @@ class WeightSpec:
 
 @dataclass(frozen=True)
 class ComputeSpec:
-    """Compute dtype of the non-FP8 ops, loss scaling and the FP32 matmuls' summation order.
+    """Compute dtype of the non-FP8 ops, loss scaling and the matmuls' summation order.
 
     ``autocast_dtype``: ``none``, ``bf16`` or ``fp16``. ``loss_scaling``: ``none`` or ``dynamic``
     (GradScaler semantics: ``init_scale``, doubled after ``growth_interval`` clean steps, halved and the
     step skipped on inf/NaN gradients); dynamic scaling needs FP16 compute.
     ``reduction_order``: ``natural`` or ``reversed``: every FP32 matmul of a training step (forward, backward,
-    clipping; not the optimizer step nor validation) sums its contraction in reverse order
-    (``lowprec.numerics.reorder.ReversedReductionOrder``): the same mathematics with another FP32 rounding sequence,
-    the negative control of the noise study (``experiment=noise``). Eager only (a dispatch mode is not traced).
+    clipping; not the optimizer step nor validation) sums its contraction in reverse order, and so does every
+    matmul whose two matrix operands are in the recipe's ``autocast_dtype`` (under autocast the linears' GEMMs see
+    that dtype, not FP32, so the mode would otherwise reverse almost none of them):
+    ``lowprec.numerics.reorder.ReversedReductionOrder`` with ``autocast_dtype``. The same mathematics with another
+    rounding sequence, the negative control of the noise study (``experiment=noise``). Eager only (a dispatch mode
+    is not traced).
     """
 
     autocast_dtype: str = spec_field("none", choices=("none", "bf16", "fp16"))
