@@ -15,8 +15,9 @@ from experiments.tracking.tracker import PARENT_TAG, Tracker
 
 #: Metrics whose whole history each run carries (``RunData.curves``).
 CURVES = ("loss", "val_loss", "grad_norm")
-#: Curves only some runs log (``val_loss_ema``: ``train.eval_ema``), read only from the runs that did.
-OPTIONAL_CURVES = ("val_loss_ema",)
+#: Curves only some runs log (``val_loss_ema``: ``train.eval_ema``; ``z_loss``: ``train.z_loss`` > 0, the term added
+#: to the objective beside the plain cross-entropy ``loss``), read only from the runs that did.
+OPTIONAL_CURVES = ("val_loss_ema", "z_loss")
 #: (role or GEMM, stat) drawn as heatmaps over layers x steps.
 TELEMETRY_PANELS = [
     ["output", "sqnr_db"],

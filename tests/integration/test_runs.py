@@ -181,3 +181,25 @@ def test_stochastic_rounding_runs_are_reproducible_whatever_the_global_rng(token
         torch.manual_seed(outside)  # what another process, or an earlier run, left in the global RNG
         runs.append(_losses("bf16_sr", token_data, 0)[0])
     assert runs[0] == runs[1]
+
+
+def test_a_run_with_z_loss_carries_its_curve_and_runs_without_it_do_not(tmp_path):
+    """``z_loss`` is read back only from the runs that logged it (``train.z_loss`` > 0), and the report builds from
+    an ablation where some runs did and some did not."""
+    from fabricated_ablation import fabricate_ablation
+    from mlflow.entities import Metric
+
+    from experiments.report.build import build_report
+    from experiments.tracking.runs import load_runs
+    from experiments.tracking.tracker import PARENT_TAG, Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "lowprec", tmp_path)
+    parent = fabricate_ablation(tracker, "abl-z", {"bf16": {0: 4.0, 1: 4.05}, "fp8_rowwise": {0: 4.001, 1: 4.049}})
+    z = [(0, 3e-4), (1, 2e-4), (2, 1e-4)]
+    for c in tracker.client.search_runs([tracker.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'"):
+        if c.data.tags["recipe"] == "fp8_rowwise":
+            tracker.client.log_batch(c.info.run_id, metrics=[Metric("z_loss", v, 0, s) for s, v in z])
+    runs = load_runs(tracker, parent)
+    assert {(r.recipe, "z_loss" in r.curves) for r in runs} == {("bf16", False), ("fp8_rowwise", True)}
+    assert next(r for r in runs if r.recipe == "fp8_rowwise").curves["z_loss"] == z
+    assert build_report(tracker, "abl-z", tmp_path / "reports").read_text().startswith("#")
