@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 Job = tuple["Recipe", int]
 """(recipe, seed) of one run."""
 
+
 def executor_class(name: str) -> type:
     """The executor class registered as ``name`` (``experiments.plan.launcher.LAUNCHERS``: ``"module:Class"``,
     imported when asked). Raises ``ConfigError`` (one line) for a name not registered."""

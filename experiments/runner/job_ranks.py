@@ -32,9 +32,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.runner.run import RunOutcome
+from experiments.runner.tracked_run import RunOutcome
 from lowprec.train.pickle_limits import PickleLimitError, check_pickle
-from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
+from lowprec.train.stop import STOP_SIGNALS, install_stop_handlers, local_stop, request_stop
 
 #: The job's arguments for its ranks, in the job folder.
 ARGS = "ranks_args.pkl"
@@ -215,9 +215,8 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from experiments.plan.startup import prepare_data, start_parallel
-    from experiments.runner.run import run_one
-    from experiments.tracking.tracker import make_tracker
+    from experiments.plan.startup import start_parallel
+    from experiments.runner.session import RunSession
     from lowprec.parallel.runtime import is_rank0
 
     folder = Path(argv[0])
@@ -228,22 +227,9 @@ def main(argv: list[str]) -> int:
     if a["threads"]:
         torch.set_num_threads(max(1, a["threads"] // plan.parallel.world_size))
     start_parallel(plan.parallel, plan.device)
-    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)  # rank 0: MLflow
-    data = prepare_data(plan.data, plan.train.progress)
-    try:
-        outcome = run_one(
-            plan,
-            recipe,
-            seed,
-            data,
-            tracker,
-            parent_id=a["parent_id"],
-            ablation_id=a["ablation_id"],
-            continuation=a["continuation"],
-            extra_tags=a["tags"],
-        )
-    except StopSignal as stop:  # recorded KILLED by run_one (rank 0); a result, so the ablation sees it
-        outcome = RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+    session = RunSession.start(plan)  # rank 0 talks to MLflow
+    # a stop is the run's KILLED outcome (recorded by rank 0): a result, so the ablation sees it
+    outcome = session.run(recipe, seed, a["continuation"], a["parent_id"], a["ablation_id"], extra_tags=a["tags"])
     if is_rank0():
         write_outcome(folder / OUTCOME, outcome)
     if dist.is_initialized():

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from experiments.plan.plan import Plan
-from experiments.plan.startup import corpus_tags
-from experiments.runner.continued_runs import Continuation, history_before, reopen_run, supersede
+from experiments.runner.continued_runs import Continuation, history_before, supersede
 from experiments.runner.faults import fault_hooks, from_env
-from experiments.runner.orphans import owner_tags
+from experiments.runner.tracked_run import RESULT_FAILURES as RESULT_FAILURES
+from experiments.runner.tracked_run import RunOutcome as RunOutcome
+from experiments.runner.tracked_run import TrackedRun, shared_tags
+from experiments.runner.tracked_run import failure_kind as failure_kind
 from experiments.tracking.anomaly_log import AnomalyLog
 from experiments.tracking.stability_log import StabilityRecorder, rule_tag
-from experiments.tracking.tracker import ABLATION_TAG, MetricBuffer, Tracker, device_name, dumps, provenance_tags
+from experiments.tracking.tracker import ABLATION_TAG, Tracker, device_name, dumps
 from lowprec.backends import short_str
 from lowprec.data import TokenBatches, TokenData, check_vocab_fits
-from lowprec.errors import DiskError, UserError
 from lowprec.estimate.activations import predict_saved_activations
 from lowprec.estimate.estimator import flops_per_token, mfu, predict_state_bytes
 from lowprec.estimate.hardware import hardware_from_device_name
@@ -29,9 +28,7 @@ from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
 from lowprec.train.build import build, resolve_device
 from lowprec.train.effective import EffectiveRecipeError
-from lowprec.train.fault_points import reached
-from lowprec.train.loop import AnomalyError, run_training
-from lowprec.train.stop import StopSignal
+from lowprec.train.loop import run_training
 
 
 def release_memory() -> None:
@@ -143,35 +140,6 @@ def _rank0_value(value: str) -> str:
     return box[0]
 
 
-@dataclass
-class RunOutcome:
-    run_id: str
-    recipe: str
-    seed: int
-    status: str  # FINISHED | FAILED
-    reason: str = ""
-    summary: dict | None = None
-    #: The traceback of a failure that is not a user error (a bug); also logged as ``failure_traceback.txt``.
-    traceback: str | None = None
-
-
-#: ``failure_kind`` of a FAILED run (a tag): ``user_error`` (bad input the run met, e.g. a checkpoint of another
-#: recipe), ``non_finite`` (a NaN/inf loss or gradient norm: the recipe's result), ``crash`` (anything else: a bug,
-#: an injected crash, out of memory), ``disk`` (a full or read-only disk: ``lowprec.errors.DiskError``). An
-#: ablation's resume keeps the first two as results (a rerun would fail the same way) and continues the others
-#: (``experiments.runner.resume``).
-RESULT_FAILURES = ("user_error", "non_finite")
-
-
-def failure_kind(e: BaseException) -> str:
-    """The ``failure_kind`` tag of a run that raised ``e`` (see ``RESULT_FAILURES``)."""
-    if isinstance(e, AnomalyError):  # NonFiniteError, or an anomaly policy that gave up: the recipe's result
-        return "non_finite"
-    if isinstance(e, DiskError):  # told in one line like a user error, but a resume after freeing space continues
-        return "disk"
-    return "user_error" if isinstance(e, UserError) else "crash"
-
-
 def run_one(
     plan: Plan,
     recipe: Recipe,
@@ -189,7 +157,7 @@ def run_one(
     Any exception after the run is created (build error, effective-recipe mismatch, NaN loss, crash)
     marks the run FAILED with ``failure_reason`` and ``failure_kind`` (``RESULT_FAILURES``) and returns; metrics
     logged before it are kept. ``KeyboardInterrupt`` and ``StopSignal`` (a stop signal, after the step it arrived
-    in and its checkpoint) mark the run KILLED with the reason and propagate.
+    in and its checkpoint) mark the run KILLED with the reason and propagate (``TrackedRun``).
 
     ``continuation`` (an ablation's resume): instead of a new run, reopen ``continuation.run_id`` and continue it
     from ``continuation.checkpoint`` (from step 0 when None), in the same checkpoint folder; its params and
@@ -199,29 +167,42 @@ def run_one(
     (``experiments.runner.continued_runs.supersede``).
     """
     device = resolve_device(plan.device)
-    model_name = plan.model_name
-    dims = plan.parallel
+    hooks = fault_hooks(from_env(), recipe.name)  # armed before the run exists: a point may be its creation
+    run, resume = open_run(plan, recipe, seed, data, tracker, device, parent_id, ablation_id, continuation, extra_tags)
+    release_memory()
+    with run:
+        train_run(run, plan, recipe, seed, data, device, resume, hooks)
+    return run.outcome
+
+
+def open_run(
+    plan: Plan,
+    recipe: Recipe,
+    seed: int,
+    data: TokenData,
+    tracker: Tracker,
+    device,
+    parent_id: str | None,
+    ablation_id: str | None,
+    continuation: Continuation | None,
+    extra_tags: dict[str, str] | None,
+) -> tuple[TrackedRun, str | Path | None]:
+    """``run_one``'s run, opened: a new run with its tags, params, corpus and ``config.yaml`` (superseding the run
+    of ``plan.resume``), or ``continuation``'s reopened; ``extra_tags`` and the stability rule set, its stability
+    sink ready. Returns the ``TrackedRun`` and the checkpoint to resume from (None: from step 0)."""
     tags = {
         "recipe": recipe.name,
         "recipe_short": short_str(recipe),
         "recipe_hash": recipe.hash(),
         "recipe_json": dumps(recipe.to_dict()),
-        "model": model_name,
         "seed": str(seed),
-        "corpus_fingerprint": data.fingerprint,
-        "corpus": data.description,
-        **corpus_tags(plan.train, data),
-        "parallel": dims.short(),
-        "world_size": str(dims.world_size),
-        **provenance_tags(device),
-        **owner_tags(),  # a later command ends the run FAILED if this process dies without a word (kill -9)
+        **shared_tags(plan, data, device),
     }
     if ablation_id:
         tags[ABLATION_TAG] = ablation_id
-    hooks = fault_hooks(from_env(), recipe.name)  # armed before the run exists: a point may be its creation
+    run = TrackedRun(tracker, run_name(recipe.name, seed), tags, recipe.name, seed, parent_id, continuation)
+    run_id = run.open()
     if continuation is None:
-        run_id = tracker.start_run(run_name(recipe.name, seed), tags, parent_id)
-        reached("run.created")
         tracker.log_params(run_id, plan.params(recipe) | {"seed": str(seed)})
         tracker.log_corpus(run_id, data)
         tracker.log_text(run_id, plan.yaml(seed), CONFIG_ARTIFACT)
@@ -229,98 +210,66 @@ def run_one(
         if resume and is_rank0():
             supersede(tracker, resume, run_id)
     else:
-        run_id = continuation.run_id
-        if is_rank0():
-            reopen_run(tracker, continuation)
         resume = continuation.checkpoint
     if extra_tags:
         tracker.set_tags(run_id, extra_tags)
-    rule = plan.stability
-    tracker.set_tags(run_id, {"stability_rule": rule_tag(rule)})
-    buffer = MetricBuffer(tracker, run_id)
-    sink = StabilityRecorder(buffer, rule)  # the loop flushes it after every checkpoint
+    tracker.set_tags(run_id, {"stability_rule": rule_tag(plan.stability)})
+    run.sink = StabilityRecorder(run.buffer, plan.stability)  # the loop flushes it after every checkpoint
+    return run, resume
+
+
+def train_run(run: TrackedRun, plan: Plan, recipe: Recipe, seed: int, data: TokenData, device, resume, hooks) -> None:
+    """``run_one``'s training inside the open ``run``: build, train (checkpoints, resume from ``resume``), log the
+    summary, predicted and utilization metrics, and end the run FINISHED (``run.finish``). Raises what the build or
+    the loop raises (``TrackedRun`` records it)."""
+    tracker, run_id, buffer, sink = run.tracker, run.run_id, run.buffer, run.sink
+    rule, dims, args = plan.stability, plan.parallel, plan.model
 
     def on_resume(r) -> None:
         tracker.set_tags(run_id, resume_tags(r))
-        if continuation is not None and is_rank0():
+        if run.continuation is not None and is_rank0():
             sink.carry(*history_before(tracker.client, run_id, r.step))
 
-    release_memory()
-    try:
-        args = plan.model
-        check_vocab_fits(data, args.vocab_size)
-        spec = plan.train_for(recipe)
-        tracker.set_tags(run_id, plan.train_tags(recipe))  # train.compile/ac=auto: resolved, fallback
-        built = build(recipe, args, spec, plan.optim, seed, device, dims, plan.cpu_kernels)
-        tracker.set_tags(run_id, built.kernels.tags())
-        if built.parallel is not None:
-            tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
-        batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
-        ckpt_dir = (
-            Path(plan.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
-            if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
-            else None
-        )
-        if ckpt_dir or resume:
-            tracker.set_tags(
-                run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v}
-            )
-        result = run_training(
-            built,
-            batches,
-            spec,
-            sink,
-            before_step=hooks,
-            on_effective=lambda eff: record_effective(tracker, run_id, eff),
-            checkpoint_dir=ckpt_dir,
-            resume_from=resume,
-            on_resume=on_resume,
-            spike_rule=rule,
-            on_anomaly=AnomalyLog(tracker, run_id).record,
-        )
-        sink.log_summary()
-        buffer.flush()
-        if not result.effective_checked:  # a loop that skipped the check must not produce a comparable run
-            raise EffectiveRecipeError("the effective recipe was never inspected and checked")
-        buffer.log_metrics(
-            {
-                **result.summary,
-                **predicted_metrics(args, recipe, spec, device, dims),
-                **utilization_metrics(args, recipe, spec, device, result.summary["mean_tokens_per_s"], dims.world_size),
-            },
-            spec.steps,
-        )
-        buffer.flush()
-        tracker.set_tags(run_id, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})
-        tracker.end_run(run_id, "FINISHED")
-        return RunOutcome(run_id, recipe.name, seed, "FINISHED", summary=result.summary)
-    except StopSignal as stop:  # every step before it is logged; the run can resume from stop.checkpoint
-        sink.log_summary()
-        buffer.flush()
-        tags = {"stopped_by": stop.name, "stopped_after_step": str(stop.step)}
-        if stop.checkpoint:
-            tags["resume_checkpoint"] = str(stop.checkpoint)
-        tracker.set_tags(run_id, tags)
-        tracker.end_run(run_id, "KILLED", stop.reason())
-        stop.run_id = run_id
-        raise
-    except KeyboardInterrupt:
-        sink.log_summary()
-        buffer.flush()
-        tracker.end_run(run_id, "KILLED", "interrupted by the user")
-        raise
-    except Exception as e:  # recorded, explained, and the caller goes on with the next run
-        reason = f"{type(e).__name__}: {e}"
-        if isinstance(e, AnomalyError):  # the failing step never reached the sink
-            sink.record_failed_step(e.loss, e.grad_norm)
-        sink.log_summary()  # the stability of the steps that ran: a NaN loss is the run's divergence
-        buffer.flush()
-        if isinstance(e, EffectiveRecipeError):
-            tracker.set_tags(run_id, {"effective_matches": "false"})
-        tb = traceback.format_exc()
-        tracker.set_tags(run_id, {"failure_kind": failure_kind(e)})
-        tracker.log_text(run_id, tb, "failure_traceback.txt")
-        tracker.end_run(run_id, "FAILED", reason)
-        return RunOutcome(
-            run_id, recipe.name, seed, "FAILED", reason=reason, traceback=None if isinstance(e, UserError) else tb
-        )
+    check_vocab_fits(data, args.vocab_size)
+    spec = plan.train_for(recipe)
+    tracker.set_tags(run_id, plan.train_tags(recipe))  # train.compile/ac=auto: resolved, fallback
+    built = build(recipe, args, spec, plan.optim, seed, device, dims, plan.cpu_kernels)
+    tracker.set_tags(run_id, built.kernels.tags())
+    if built.parallel is not None:
+        tracker.set_tags(run_id, {"parallel_mechanisms": dumps(built.parallel.mechanisms)})
+    batches = TokenBatches(data.train, data.val, spec.seq_len, spec.batch_size, seed)
+    ckpt_dir = (
+        Path(plan.paths.runs).resolve() / "checkpoints" / _rank0_value(run_id)
+        if spec.checkpoint_every > 0 or spec.checkpoint_on_signal
+        else None
+    )
+    if ckpt_dir or resume:
+        tracker.set_tags(run_id, {k: str(v) for k, v in (("checkpoint_dir", ckpt_dir), ("resumed_from", resume)) if v})
+    result = run_training(
+        built,
+        batches,
+        spec,
+        sink,
+        before_step=hooks,
+        on_effective=lambda eff: record_effective(tracker, run_id, eff),
+        checkpoint_dir=ckpt_dir,
+        resume_from=resume,
+        on_resume=on_resume,
+        spike_rule=rule,
+        on_anomaly=AnomalyLog(tracker, run_id).record,
+    )
+    sink.log_summary()
+    buffer.flush()
+    if not result.effective_checked:  # a loop that skipped the check must not produce a comparable run
+        raise EffectiveRecipeError("the effective recipe was never inspected and checked")
+    tokens_per_s = result.summary["mean_tokens_per_s"]
+    buffer.log_metrics(
+        {
+            **result.summary,
+            **predicted_metrics(args, recipe, spec, device, dims),
+            **utilization_metrics(args, recipe, spec, device, tokens_per_s, dims.world_size),
+        },
+        spec.steps,
+    )
+    buffer.flush()
+    run.finish(result.summary, {"effective_matches": "true", "mem_peak_kind": result.peak_kind})

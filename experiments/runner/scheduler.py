@@ -4,9 +4,9 @@ On a CPU, a small model's GEMMs split poorly across intra-op threads: two ``fp8_
 thread each trained 544 + 574 tokens/s against 954-986 tokens/s for one run on both threads (2-core AVX2 EPYC,
 nothing else running), about 1.15x; for the ``debug`` model of the tests the gain is larger (the second thread's
 spin-wait costs more than it adds). ``workers=N`` therefore trains N runs at once, each in its own spawned process
-with ``cores // N`` intra-op threads and its own MLflow client on the same store; every run is still one ``run_one``
-call, recorded exactly as a sequential run is. Throughput figures of concurrent
-runs are measured under each other's load: compare them only within one ablation (the report says how many runs
+with ``cores // N`` intra-op threads and its own MLflow client on the same store (its ``RunSession``); every run is
+still one ``RunSession.run`` call, recorded exactly as a sequential run is. Throughput figures of concurrent runs are
+measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
 On CUDA each worker is a slot of ``experiments.plan.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
@@ -57,10 +57,11 @@ from experiments.plan.preflight import cores
 from experiments.runner.continued_runs import Continuation
 from experiments.runner.executors import Launch, SlotLost, schedule
 from experiments.runner.progress import AblationProgress
-from experiments.runner.run import RunOutcome, run_one
+from experiments.runner.session import RunSession
+from experiments.runner.tracked_run import RunOutcome
 from lowprec.data import TokenData
 from lowprec.recipe import Recipe
-from lowprec.train.stop import STOP_SIGNALS, StopSignal, install_stop_handlers, local_stop, request_stop
+from lowprec.train.stop import STOP_SIGNALS, install_stop_handlers, local_stop, request_stop
 
 Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
@@ -171,14 +172,10 @@ def _init_worker(
 
     import torch
 
-    from experiments.plan.startup import prepare_data
-    from experiments.tracking.tracker import make_tracker
-
     torch.set_num_threads(threads)
     _state.update(parent=parent, busy=False)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="lowprec-watch-parent").start()
-    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
-    _state.update(plan=plan, data=prepare_data(plan.data, plan.train.progress), tracker=tracker)
+    _state["session"] = RunSession.start(plan)
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:
@@ -203,21 +200,12 @@ def _run_in_worker(
     if s.get("channel") is not None:
         s["channel"].run_started(recipe.name, seed)
     try:
-        o = run_one(
-            s["plan"],
-            recipe,
-            seed,
-            s["data"],
-            s["tracker"],
-            parent_id=parent_id,
-            ablation_id=ablation_id,
-            continuation=continuation,
-        )
-        if o.run_id and worker_visible_devices() is not None:  # which GPU(s) ran it (the parent has the placement)
-            s["tracker"].set_tags(o.run_id, {"gpus": worker_visible_devices()})
+        # a stop is the run's KILLED outcome: a result, so the pool stays usable
+        o = s["session"].run(recipe, seed, continuation, parent_id, ablation_id)
+        # which GPU(s) ran it (the parent has the placement); a stopped run is recorded as it stopped
+        if o.run_id and o.status != "KILLED" and worker_visible_devices() is not None:
+            s["session"].tracker.set_tags(o.run_id, {"gpus": worker_visible_devices()})
         return o
-    except StopSignal as stop:  # recorded KILLED by run_one; a result, so the pool stays usable
-        return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
     finally:
         s["busy"] = False
         if os.getppid() != s["parent"]:  # the ablation died during the run, which is now recorded: nothing waits
@@ -237,6 +225,7 @@ class LocalExecutor:
     def __init__(self, launch: Launch):
         self.launch = launch
         self.display = launch.display or AblationProgress()  # not live: draws nothing
+        self.session = RunSession(launch.plan, launch.data, launch.tracker)
 
     @classmethod
     def create(cls, launch: Launch, n_jobs: int, workers: int | Placement | None = None):
@@ -253,25 +242,14 @@ class LocalExecutor:
         pass
 
     def start(self, slot: Slot, job: Job) -> RunOutcome:
-        """Train ``job`` here, to its end; a stop signal during it is its KILLED outcome (recorded so by
-        ``run_one``)."""
+        """Train ``job`` here, to its end; a stop signal during it is its KILLED outcome (recorded so by the run:
+        ``RunSession.run``)."""
         recipe, seed = job
         ln = self.launch
         self.display.run_started(0, recipe.name, seed)
-        try:
-            with self.display.in_process(0):
-                return run_one(
-                    ln.plan,
-                    recipe,
-                    seed,
-                    ln.data,
-                    ln.tracker,
-                    parent_id=ln.parent_id,
-                    ablation_id=ln.ablation_id,
-                    continuation=ln.continuations.get((recipe.name, seed)),
-                )
-        except StopSignal as stop:
-            return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+        with self.display.in_process(0):
+            cont = ln.continuations.get((recipe.name, seed))
+            return self.session.run(recipe, seed, cont, ln.parent_id, ln.ablation_id)
 
     def poll(self, handles: list) -> list:
         return []  # nothing runs in flight: each job ends in ``start``

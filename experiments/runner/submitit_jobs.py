@@ -48,11 +48,12 @@ from experiments.plan.preflight import cores
 from experiments.runner import job_ranks
 from experiments.runner.continued_runs import Continuation
 from experiments.runner.executors import Launch, schedule
-from experiments.runner.run import RunOutcome, run_one
+from experiments.runner.session import RunSession
+from experiments.runner.tracked_run import RunOutcome
 from experiments.tracking.tracker import PARENT_TAG
 from lowprec.errors import ConfigError
 from lowprec.recipe import Recipe
-from lowprec.train.stop import StopSignal, install_stop_handlers, local_stop, request_stop
+from lowprec.train.stop import install_stop_handlers, local_stop, request_stop
 
 Job = tuple[Recipe, int]
 """(recipe, seed) of one run."""
@@ -125,9 +126,6 @@ def _run_job(plan, recipe, seed, parent_id, ablation_id, continuation, threads) 
     import submitit
     import torch
 
-    from experiments.plan.startup import prepare_data
-    from experiments.tracking.tracker import make_tracker
-
     spec = plan.launcher
     env = submitit.JobEnvironment()
     tags = {"launcher": spec.name, spec.job_id_tag: str(env.job_id)}
@@ -137,24 +135,11 @@ def _run_job(plan, recipe, seed, parent_id, ablation_id, continuation, threads) 
         return _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, threads, tags, env)
     if threads:
         torch.set_num_threads(threads)
-    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
-    data = prepare_data(plan.data, plan.train.progress)
+    session = RunSession.start(plan)
     if local_stop():
         return RunOutcome("", recipe.name, seed, "KILLED", reason=f"not started: stopped by signal {local_stop()}")
-    try:
-        return run_one(
-            plan,
-            recipe,
-            seed,
-            data,
-            tracker,
-            parent_id=parent_id,
-            ablation_id=ablation_id,
-            continuation=continuation,
-            extra_tags=tags,
-        )
-    except StopSignal as stop:  # recorded KILLED by run_one; a result, so the ablation sees it
-        return RunOutcome(getattr(stop, "run_id", ""), recipe.name, seed, "KILLED", reason=stop.reason())
+    # a stop is the run's KILLED outcome: a result, so the ablation sees it
+    return session.run(recipe, seed, continuation, parent_id, ablation_id, extra_tags=tags)
 
 
 def _run_on_ranks(plan, recipe, seed, parent_id, ablation_id, continuation, threads, tags, env) -> RunOutcome:

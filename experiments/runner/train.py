@@ -5,12 +5,10 @@ from __future__ import annotations
 import sys
 
 from experiments.plan.plan import Plan
-from experiments.plan.startup import prepare_data, start_parallel, warn_repeated_data
-from experiments.runner.orphans import close_orphans
-from experiments.runner.run import RunOutcome, run_one
-from experiments.tracking.tracker import make_tracker
+from experiments.plan.startup import start_parallel
+from experiments.runner.session import RunSession
+from experiments.runner.tracked_run import RunOutcome
 from lowprec.backends import short_str
-from lowprec.data import check_vocab_fits
 from lowprec.parallel.runtime import is_rank0
 
 
@@ -18,28 +16,23 @@ def train(plan: Plan, echo=print) -> RunOutcome:
     """Train ``plan.recipes[0]`` with ``plan.seed`` (a checked ``train`` plan: ``experiments.plan.preflight``) and
     return its ``RunOutcome``; a failure is recorded on the run (FAILED, with its reason), its traceback printed on
     stderr when it is not a user error. Raises ``DataError`` (before any run exists) for data that cannot be
-    prepared or whose vocabulary exceeds the model's, and what ``run_one`` propagates (a stop signal, Ctrl-C)."""
+    prepared or whose vocabulary exceeds the model's, and what ``RunSession.run`` propagates (a stop signal, Ctrl-C)."""
     recipe = plan.recipes[0]
     dims = start_parallel(plan.parallel, plan.device)
-    data = prepare_data(plan.data, plan.train.progress)
-    check_vocab_fits(data, plan.model.vocab_size)
-    tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
-    if is_rank0():
-        warn_repeated_data(plan.data, plan.train, data, "train")
+    session = RunSession.start(plan, "train")
     if not is_rank0():
         echo = lambda *a, **k: None  # noqa: E731
-    for run_id in close_orphans(tracker, echo):
-        echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
+    session.close_orphans(echo)
     echo(
         f"train {recipe.name} ({short_str(recipe)}) on model={plan.model_name}, {plan.train.steps} steps, seed "
         f"{plan.seed}" + (f", layout {dims.short()} ({dims.world_size} ranks)" if dims.enabled else "")
     )
-    o = run_one(plan, recipe, plan.seed, data, tracker)
+    o = session.run(recipe, plan.seed, stop_raises=True)
     if o.status == "FINISHED":
         s = o.summary
         echo(
             f"FINISHED run {o.run_id}: val_loss {s['final_val_loss']:.4f}, {s['mean_tokens_per_s']:.0f} tokens/s, "
-            f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {tracker.uri}"
+            f"{s['state_bytes_per_param']:.2f} state B/param; tracking: {session.tracker.uri}"
         )
     else:
         echo(f"FAILED run {o.run_id}: {o.reason}")
