@@ -409,8 +409,54 @@ def version() -> str:
     return f"lowprec {of('lowprec')} (torch {of('torch')}, mlflow {of('mlflow')})"
 
 
+#: The lab's dependencies (pyproject.toml's ``lab`` extra), by the top-level name each is imported as. ``pip install
+#: .`` installs the library alone; a lab command that imports one of these then ends in one line naming the extra
+#: (tests/unit/test_cli_lab_extra.py keeps this set equal to the extra).
+LAB_MODULES = frozenset(
+    {
+        "hydra",
+        "omegaconf",
+        "mlflow",
+        "sqlalchemy",
+        "requests",
+        "yaml",
+        "matplotlib",
+        "scipy",
+        "statsmodels",
+        "markdown_it",
+        "jinja2",
+        "rich",
+        "psutil",
+        "submitit",
+    }
+)
+
+
+def missing_lab_module(e: BaseException) -> str | None:
+    """The top-level name of the lab dependency whose absence raised ``e`` (a ``ModuleNotFoundError`` for a module
+    of ``LAB_MODULES`` or below it), else None: any other ImportError is a bug or a broken install and keeps its
+    traceback."""
+    if not isinstance(e, ModuleNotFoundError) or not e.name:
+        return None
+    top = e.name.split(".")[0]
+    return top if top in LAB_MODULES else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``lowprec`` command line; returns the exit status."""
+    """The ``lowprec`` command line; returns the exit status (2 with one line on stderr when a lab dependency is
+    not installed: the ``lab`` extra is missing)."""
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        name = missing_lab_module(e)
+        if name is None:
+            raise
+        msg = f"lowprec: the lab's commands need its extra: pip install 'lowprec[lab]' (missing: {name})"
+        print(msg, file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from experiments.plan.completion import COMPLETION_FLAGS, completion_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
