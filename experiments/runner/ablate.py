@@ -6,6 +6,7 @@ import secrets
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,20 +15,20 @@ import torch.distributed as dist
 
 from experiments.plan.grid import POINT_TAG, point_text
 from experiments.plan.plan import Plan
-from experiments.plan.startup import corpus_tags, prepare_data, start_parallel, warn_repeated_data
+from experiments.plan.startup import prepare_data, start_parallel
 from experiments.report.build import build_report
 from experiments.report.markdown import pct
 from experiments.runner.dry_run import Corpus, plan_text
 from experiments.runner.executors import Launch, launch
-from experiments.runner.orphans import close_orphans, owner_tags
 from experiments.runner.progress import AblationProgress, printable
 from experiments.runner.resume import ResumePlan, end_leftovers, lock_ablation, plan_resume, reopen_parent
 from experiments.runner.run import CONFIG_ARTIFACT, RunOutcome
+from experiments.runner.session import RunSession
+from experiments.runner.tracked_run import shared_tags
 from experiments.stats.auto_seeds import replay_results
 from experiments.stats.verdict import LEVEL
 from experiments.studies import GROUP_TAG, report_studies
-from experiments.tracking.tracker import ABLATION_TAG, dumps, make_tracker, provenance_tags
-from lowprec.data import check_vocab_fits
+from experiments.tracking.tracker import ABLATION_TAG, dumps
 from lowprec.errors import UserError
 from lowprec.parallel.runtime import is_rank0
 from lowprec.recipe import Recipe
@@ -86,9 +87,6 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
     written. A stop signal marks the parent KILLED and propagates as ``StopSignal`` with ``ablation_id`` set.
     """
     t0 = time.perf_counter()
-    recipes = list(plan.recipes)
-    names = [r.name for r in recipes]
-    seeds, spending, workers, control = list(plan.seeds), plan.spending, plan.workers, plan.control
     if plan.dry_run:  # the plan, printed: no data prepared unless it is already there, no MLflow run
         echo(dry_run_text(plan))
         return AblationOutcome("", "")
@@ -102,121 +100,167 @@ def ablate_one(plan: Plan, echo=print, group: str | None = None) -> AblationOutc
             if is_rank0():
                 echo(resume.finished_line())
             return AblationOutcome(resume.ablation_id, resume.parent_id, list(resume.kept.values()))
-        data = prepare_data(plan.data, plan.train.progress)
-        check_vocab_fits(data, plan.model.vocab_size)
-        if resume is not None:
-            resume.check_corpus(data.fingerprint)
-        tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
-        if is_rank0():
-            warn_repeated_data(plan.data, plan.train, data, "ablate")
-        if not is_rank0():
-            echo = lambda *a, **k: None  # noqa: E731
-        if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
-            for run_id in close_orphans(tracker, echo):
-                echo(f"run {run_id} was left RUNNING by a process that died; recorded FAILED")
-        how = f"{len(seeds)} seeds" if spending is None else f"seeds=auto (3 to {spending.max_seeds})"
-        if resume is None:
-            ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-            if is_rank0():
-                held.callback(lock_ablation(plan.paths.runs, ablation_id).release)
-            parent = _start_parent(plan, tracker, ablation_id, data, group or ablation_id)
-            tracker.set_description(parent, ablation_description(plan, how))
-        else:
-            ablation_id, parent = resume.ablation_id, resume.parent_id
-            if is_rank0():
-                reopen_parent(tracker, resume)
-            for line in resume.describe():
-                echo(line)
-        out = AblationOutcome(ablation_id, parent)
-        before_s = resume.wall_s_before if resume is not None else 0.0  # earlier sessions' recorded wall time
-        echo(
-            f"ablation {ablation_id}: {len(recipes)} recipes x {how} on model={plan.model_name}, "
-            f"{plan.train.steps} steps each; layout {dims.short()}"
-            + (f"; grid point {point_text(dict(plan.point))}" if plan.point else "")
-            + (f"; {plan.placement.describe()}" if workers > 1 and not plan.launcher.submitit else "")
-            + (f"; launcher={plan.launcher.name}: one job per run" if plan.launcher.submitit else "")
-            + f"; data: {data.description}"
-        )
-
-        # One display for every run's progress: live bars on a terminal (rank 0), plain lines elsewhere.
-        live = is_rank0() and plan.train.progress and sys.stderr.isatty()
-        display = AblationProgress(echo, live=live, auto=spending is not None)
-        # Other ranks draw no bar of their own over rank 0's (their steps are rank 0's steps).
-        quiet_rank = reporting_steps(lambda r: None) if not is_rank0() else nullcontext()
-
-        def show(o: RunOutcome) -> None:
-            if o.status == "FINISHED":
-                s = o.summary
-                display.result(
-                    f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
-                    f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
-                )
-            else:
-                display.result(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
-
-        kept = resume.kept if resume is not None else {}
-
-        def train(jobs: list[tuple[Recipe, int]]) -> None:
-            for r, s in jobs:
-                if (r.name, s) in kept:
-                    display.line(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
-            todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
-            display.add_runs(len(todo))
-            cont = resume.continued if resume is not None else None
-            # the launcher's executor (experiments.runner.executors): this process, worker processes, or one
-            # submitit job per run (SLURM, or this machine's local executor)
-            ran = iter(launch(Launch(plan, tracker, parent, ablation_id, data, cont or {}, display), todo, show))
-            out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
-
-        by_name = dict(zip(names, recipes, strict=True))
-        try:
-            with display, quiet_rank:
-                train([(r, s) for s in seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
-                while spending is not None:
-                    state = auto_state(out.runs, control, names, plan.seed, spending, plan.margin)
-                    if state.next_seed is None:
-                        break
-                    display.line(
-                        f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)"
-                    )
-                    train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
-        except KeyboardInterrupt:
-            tracker.end_run(parent, "KILLED", "interrupted by the user")
-            raise
-        except StopSignal as stop:
-            done = sum(o.status == "FINISHED" for o in out.runs)
-            tracker.set_tags(parent, {"stopped_by": stop.name, "wall_s": f"{before_s + time.perf_counter() - t0:.1f}"})
-            tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
-            stop.ablation_id = ablation_id  # the command line prints the resume command with it
-            raise
-        if resume is not None and is_rank0():
-            end_leftovers(tracker, resume)
-        n_failed = sum(o.status != "FINISHED" for o in out.runs)
-        out.wall_s = before_s + time.perf_counter() - t0
-        tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
-        tracker.end_run(parent, "FINISHED")
-        # The report reads every run from the store: first what the runs spooled while the server did not answer.
-        left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
-        if left:
-            echo(
-                f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the {tracker.spool.what} "
-                f"{tracker.spool.down}: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync "
-                f"{shlex.quote(str(left[0].parent))} {shlex.quote('tracking.uri=' + tracker.uri)}, then "
-                f"lowprec report {ablation_id}"
-            )
-            return out
-        if is_rank0():
-            out.report = build_report(
-                tracker, ablation_id, Path(plan.paths.reports), margin=plan.margin, after=report_studies
-            )
-            answer = verdict_summary(tracker, parent, [n for n in names if n != control])
-    echo(f"ablation {ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed)")
+        ab = _open_ablation(plan, echo, group, resume, held, dims)
+        _train_all(ab, t0)
+        n_failed, answer = _close_ablation(ab, t0)
+        if answer is None:  # spooled: the report waits for ``lowprec sync``
+            return ab.out
+    out, echo = ab.out, ab.echo
+    echo(f"ablation {ab.ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed)")
     if out.report is not None:
         for line in answer:
             echo(line)
         echo(f"report: {out.report}")
         echo(f"        {out.report.with_name('report.html')}")
     return out
+
+
+@dataclass
+class _Ablation:
+    """One ablation under way: its ``plan``, run ``session``, ids, the ``resume`` it continues (or None), this rank's
+    ``echo`` (silent off rank 0), the wall time of earlier sessions (``before_s``) and the outcome so far."""
+
+    plan: Plan
+    session: RunSession
+    ablation_id: str
+    parent: str
+    resume: ResumePlan | None
+    echo: Callable
+    how: str
+    before_s: float
+    out: AblationOutcome
+
+
+def _open_ablation(plan: Plan, echo, group: str | None, resume: ResumePlan | None, held: ExitStack, dims):
+    """``ablate_one``'s set-up: the data and tracker (``RunSession``), the runs dead processes left closed (not on a
+    resume), the parent run started (its lock held by ``held``) or reopened; prints the ablation's first line."""
+    check = None if resume is None else (lambda data: resume.check_corpus(data.fingerprint))
+    session = RunSession.start(plan, "ablate", check)
+    tracker = session.tracker
+    if not is_rank0():
+        echo = lambda *a, **k: None  # noqa: E731
+    if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
+        session.close_orphans(echo)
+    seeds, spending = list(plan.seeds), plan.spending
+    how = f"{len(seeds)} seeds" if spending is None else f"seeds=auto (3 to {spending.max_seeds})"
+    if resume is None:
+        ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        if is_rank0():
+            held.callback(lock_ablation(plan.paths.runs, ablation_id).release)
+        parent = _start_parent(plan, tracker, ablation_id, session.data, group or ablation_id)
+        tracker.set_description(parent, ablation_description(plan, how))
+    else:
+        ablation_id, parent = resume.ablation_id, resume.parent_id
+        if is_rank0():
+            reopen_parent(tracker, resume)
+        for line in resume.describe():
+            echo(line)
+    before_s = resume.wall_s_before if resume is not None else 0.0  # earlier sessions' recorded wall time
+    out = AblationOutcome(ablation_id, parent)
+    ab = _Ablation(plan, session, ablation_id, parent, resume, echo, how, before_s, out)
+    workers = plan.workers
+    echo(
+        f"ablation {ablation_id}: {len(plan.recipes)} recipes x {how} on model={plan.model_name}, "
+        f"{plan.train.steps} steps each; layout {dims.short()}"
+        + (f"; grid point {point_text(dict(plan.point))}" if plan.point else "")
+        + (f"; {plan.placement.describe()}" if workers > 1 and not plan.launcher.submitit else "")
+        + (f"; launcher={plan.launcher.name}: one job per run" if plan.launcher.submitit else "")
+        + f"; data: {session.data.description}"
+    )
+    return ab
+
+
+def _train_all(ab: _Ablation, t0: float) -> None:
+    """``ablate_one``'s runs: every recipe x seed (seed-major), then, for ``seeds=auto``, a seed more where the
+    verdict is still open; each outcome shown as it lands and appended to ``ab.out.runs`` (a resume's kept runs in
+    their place). Ctrl-C ends the parent KILLED; a stop signal ends it KILLED with the runs finished so far and
+    propagates with ``ablation_id`` set."""
+    plan, tracker, parent, resume, out = ab.plan, ab.session.tracker, ab.parent, ab.resume, ab.out
+    recipes, spending, control = list(plan.recipes), plan.spending, plan.control
+    names = [r.name for r in recipes]
+    # One display for every run's progress: live bars on a terminal (rank 0), plain lines elsewhere.
+    live = is_rank0() and plan.train.progress and sys.stderr.isatty()
+    display = AblationProgress(ab.echo, live=live, auto=spending is not None)
+    # Other ranks draw no bar of their own over rank 0's (their steps are rank 0's steps).
+    quiet_rank = reporting_steps(lambda r: None) if not is_rank0() else nullcontext()
+
+    def show(o: RunOutcome) -> None:
+        if o.status == "FINISHED":
+            s = o.summary
+            display.result(
+                f"  {o.recipe:<16} seed {o.seed}: val_loss {s['final_val_loss']:.4f}  "
+                f"{s['mean_tokens_per_s']:.0f} tok/s  {s['state_bytes_per_param']:.2f} B/param"
+            )
+        else:
+            display.result(f"  {o.recipe:<16} seed {o.seed}: {o.status} ({o.reason})")
+
+    kept = resume.kept if resume is not None else {}
+
+    def train(jobs: list[tuple[Recipe, int]]) -> None:
+        for r, s in jobs:
+            if (r.name, s) in kept:
+                display.line(f"  {r.name:<16} seed {s}: {kept[r.name, s].status} before the resume, kept")
+        todo = [(r, s) for r, s in jobs if (r.name, s) not in kept]
+        display.add_runs(len(todo))
+        cont = resume.continued if resume is not None else None
+        # the launcher's executor (experiments.runner.executors): this process, worker processes, or one
+        # submitit job per run (SLURM, or this machine's local executor)
+        batch = Launch(plan, tracker, parent, ab.ablation_id, ab.session.data, cont or {}, display)
+        ran = iter(launch(batch, todo, show))
+        out.runs.extend(kept[r.name, s] if (r.name, s) in kept else next(ran) for r, s in jobs)
+
+    by_name = dict(zip(names, recipes, strict=True))
+    try:
+        with display, quiet_rank:
+            train([(r, s) for s in plan.seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
+            while spending is not None:
+                state = auto_state(out.runs, control, names, plan.seed, spending, plan.margin)
+                if state.next_seed is None:
+                    break
+                display.line(
+                    f"  seeds=auto: seed {state.next_seed} for {', '.join(state.wanting)} (still inconclusive)"
+                )
+                train([(by_name[n], state.next_seed) for n in [control, *state.wanting]])
+    except KeyboardInterrupt:
+        tracker.end_run(parent, "KILLED", "interrupted by the user")
+        raise
+    except StopSignal as stop:
+        done = sum(o.status == "FINISHED" for o in out.runs)
+        tracker.set_tags(parent, {"stopped_by": stop.name, "wall_s": f"{ab.before_s + time.perf_counter() - t0:.1f}"})
+        tracker.end_run(parent, "KILLED", f"stopped by {stop.name} after {done} finished run(s)")
+        stop.ablation_id = ab.ablation_id  # the command line prints the resume command with it
+        raise
+
+
+def _close_ablation(ab: _Ablation, t0: float) -> tuple[int, list[str] | None]:
+    """``ablate_one``'s end: the resume's leftovers ended, the parent FINISHED with ``n_failed`` and ``wall_s``,
+    the spooled writes drained, then (rank 0) the report and the verdicts' terminal lines. Returns the number of
+    runs that failed and those lines (empty off rank 0), or None for the lines when runs are still spooled (the
+    line saying how to sync them printed)."""
+    plan, tracker, parent, out = ab.plan, ab.session.tracker, ab.parent, ab.out
+    if ab.resume is not None and is_rank0():
+        end_leftovers(tracker, ab.resume)
+    n_failed = sum(o.status != "FINISHED" for o in out.runs)
+    out.wall_s = ab.before_s + time.perf_counter() - t0
+    tracker.set_tags(parent, {"n_failed": str(n_failed), "wall_s": f"{out.wall_s:.1f}"})
+    tracker.end_run(parent, "FINISHED")
+    # The report reads every run from the store: first what the runs spooled while the server did not answer.
+    left = tracker.drain_spools([parent, *(o.run_id for o in out.runs if o.run_id)])
+    if left:
+        ab.echo(
+            f"ablation {ab.ablation_id} done in {out.wall_s:.0f} s ({n_failed} failed); the {tracker.spool.what} "
+            f"{tracker.spool.down}: {len(left)} run(s) spooled in {left[0].parent}; lowprec sync "
+            f"{shlex.quote(str(left[0].parent))} {shlex.quote('tracking.uri=' + tracker.uri)}, then "
+            f"lowprec report {ab.ablation_id}"
+        )
+        return n_failed, None
+    answer: list[str] = []
+    if is_rank0():
+        out.report = build_report(
+            tracker, ab.ablation_id, Path(plan.paths.reports), margin=plan.margin, after=report_studies
+        )
+        answer = verdict_summary(tracker, parent, [r.name for r in plan.recipes if r.name != plan.control])
+    return n_failed, answer
 
 
 def verdict_summary(tracker, parent_run_id: str, recipes: list[str]) -> list[str]:
@@ -296,7 +340,6 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
     seeds_tags = {"seeds": dumps(list(plan.seeds))}
     if plan.spending is not None:
         seeds_tags = {"seeds": "auto", "max_seeds": str(plan.spending.max_seeds), "seed0": str(plan.seed)}
-    dims = plan.parallel
     recipes = plan.recipes
     parent = tracker.start_run(
         parent_run_name(plan, ablation_id),
@@ -315,14 +358,7 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
             "studies": dumps(list(plan.studies)),
             GROUP_TAG: group,
             **({POINT_TAG: dumps(dict(plan.point))} if plan.point else {}),
-            "model": plan.model_name,
-            "corpus_fingerprint": data.fingerprint,
-            "corpus": data.description,
-            **corpus_tags(plan.train, data),
-            "parallel": dims.short(),
-            "world_size": str(dims.world_size),
-            **provenance_tags(resolve_device(plan.device)),
-            **owner_tags(),
+            **shared_tags(plan, data, resolve_device(plan.device)),
         },
     )
     tracker.log_params(parent, {k: v for k, v in plan.params(recipes[0]).items() if not k.startswith("recipe.")})

@@ -11,6 +11,7 @@ outcome (an ablation's runs: the ablation counts it and goes on to stop) or prop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from experiments.plan.plan import Plan
@@ -35,14 +36,20 @@ class RunSession:
     tracker: object
 
     @classmethod
-    def start(cls, plan: Plan, command: str | None = None) -> RunSession:
+    def start(
+        cls, plan: Plan, command: str | None = None, check: Callable[[TokenData], None] | None = None
+    ) -> RunSession:
         """Prepare ``plan``'s data, then make its tracker. ``command`` (``"train"``, ``"ablate"``: the process the
         user started, not a worker or a job of it): the data's vocabulary is checked against the model's and, on
-        rank 0, a corpus read more than once is warned about. Raises ``DataError`` (before any run exists) for data
-        that cannot be prepared or does not fit the model, ``TrackingError`` for a store that cannot be reached."""
+        rank 0, a corpus read more than once is warned about. ``check``: called with the data before the tracker
+        exists (a resume's corpus check). Raises ``DataError`` (before any run exists) for data that cannot be
+        prepared or does not fit the model, what ``check`` raises, ``TrackingError`` for a store that cannot be
+        reached."""
         data = prepare_data(plan.data, plan.train.progress)
         if command is not None:
             check_vocab_fits(data, plan.model.vocab_size)
+        if check is not None:
+            check(data)
         tracker = make_tracker(plan.tracking.uri, plan.tracking.experiment, plan.paths.runs)
         if command is not None and is_rank0():
             warn_repeated_data(plan.data, plan.train, data, command)
