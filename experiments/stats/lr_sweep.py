@@ -5,8 +5,9 @@ seeds, how many of its runs spiked (the stability detector's loss and grad-norm 
 ``experiments.stats.stability``), and the paired relative difference of one real precision change against the
 control (e.g. ``fp32`` against ``bf16``): its sd over seeds is the noise a verdict at that setting rests on.
 
-The choice (``choose``): among the points whose control did not spike in any run and whose mean final loss is within
-``within`` (1%) of the best point's, the one with the smallest paired sd (ties: the lower loss). Turning the learning
+The choice (``choose``): among the points whose control had no loss spike and no divergence in any run and whose mean
+final loss is within ``within`` (1%) of the best point's, the one with the smallest paired sd (ties: the lower
+loss). Turning the learning
 rate down until every pair agrees is the degenerate way to a conclusive verdict; the loss condition is what keeps
 the control trained well.
 """
@@ -56,8 +57,11 @@ class SweepRow:
 
     @property
     def stable(self) -> bool:
-        """No control run spiked or diverged, and at least one finished."""
-        return self.seeds > 0 and self.spiking_runs == 0 and self.diverged == 0
+        """No control run had a loss spike or diverged, and at least one finished. Grad-norm spikes are counted
+        but do not disqualify: on ``tiny`` the detector flags them at every learning rate of the sweep, down to
+        7.5e-4 where ``bf16`` and ``fp32`` stay within 0.004% of each other (docs/lr-study.md), so they do not mark
+        the instability that parts the pairs; the paired sd measures that directly."""
+        return self.seeds > 0 and self.loss_spikes == 0 and self.diverged == 0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "stable": self.stable}

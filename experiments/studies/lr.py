@@ -7,7 +7,9 @@ the store and writes, per point: the control's final validation loss (mean and s
 best point, the control runs that spiked (the stability detector's loss and grad-norm events) or diverged, and the
 paired sd of the precision change with the seeds a 0.25% verdict of a zero-gap recipe would need there
 (``experiments.stats.lr_sweep``). It then names the setting a verdict experiment should train: no spiking control
-run, the control within 1% (``study.lr.within``) of the best final loss, and the smallest paired sd among those.
+run (loss spikes and divergence; grad-norm spikes are tabulated, ``experiments.stats.lr_sweep.SweepRow.stable``
+says why they do not count), the control within 1% (``study.lr.within``) of the best final loss, and the smallest
+paired sd among those.
 
 Settings (``study.lr``): ``pair`` (the compared recipe; default: the first recipe of the ablation that is not the
 control), ``within`` (default 0.01). Writes ``lr.md``, ``lr.json`` and ``lr.csv`` beside the report and prints the
@@ -149,16 +151,17 @@ def choice_line(chosen: SweepRow | None, rows: list[SweepRow], within: float) ->
     if chosen is not None:
         point = " ".join(f"{k}={v}" for k, v in chosen.point.items())
         return (
-            f"Chosen: {code(point)}: no control run spiked, its control ends {_pct(chosen.gap_to_best, True)} from "
-            f"the best point (within {within:.0%}), paired sd {_pct(chosen.paired_sd)} "
+            f"Chosen: {code(point)}: no control run had a loss spike, its control ends "
+            f"{_pct(chosen.gap_to_best, True)} from the best point (within {within:.0%}), "
+            f"paired sd {_pct(chosen.paired_sd)} "
             f"({chosen.seeds_needed if chosen.seeds_needed is not None else 'n/a'} seeds for a zero-gap verdict)."
         )
     stable = [r for r in rows if r.stable]
     if not stable:
-        return "No point qualifies: the control spiked or diverged at every point of the grid."
+        return "No point qualifies: the control had a loss spike or diverged at every point of the grid."
     return (
-        f"No point qualifies: every point whose control did not spike ends more than {within:.0%} above the best "
-        "point; a stabiliser (warm-up, QK-norm, z-loss) must let the best learning rate train without spikes."
+        f"No point qualifies: every point whose control had no loss spike ends more than {within:.0%} above the "
+        "best point; a stabiliser (warm-up, QK-norm, z-loss) must let the best learning rate train without spikes."
     )
 
 
@@ -174,7 +177,8 @@ def lr_study(ctx: StudyContext) -> Path:
         "",
         f"One ablation per grid point, control {code(ctx.control)}, margin {ctx.margin:.2%}. Control loss: mean "
         "final validation loss over seeds (nats); gap to best: against the lowest mean of the grid; spiking runs: "
-        "control runs with a loss or grad-norm spike (the report's stability rule); paired sd: sd over seeds of "
+        "control runs with a loss or grad-norm spike (the report's stability rule; only loss spikes and divergence "
+        "rule a point out); paired sd: sd over seeds of "
         f"(pair - control) / control; seeds needed: for a zero-gap recipe at that paired sd to come out "
         f"`non-inferior` at {ctx.margin:.2%} with power 0.8 (one-sided alpha {alpha:.3g}, before Holm).",
         "",

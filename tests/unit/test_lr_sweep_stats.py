@@ -55,10 +55,20 @@ def test_the_choice_is_the_smallest_paired_sd_among_stable_points_near_the_best(
 
 @pytest.mark.parametrize("gap, ok", [(WITHIN_BEST, True), (WITHIN_BEST * 1.001, False)])
 def test_within_one_percent_is_the_boundary(gap, ok):
-    best = _row(0.006, {0: 6.0, 1: 6.0}, spikes={0: (0, 1, False), 1: (0, 0, False)})
+    best = _row(0.006, {0: 6.0, 1: 6.0}, spikes={0: (1, 0, False), 1: (0, 0, False)})
     near = _row(0.003, {0: 6.0 * (1 + gap), 1: 6.0 * (1 + gap)})
     _, chosen = rank([best, near])
     assert (chosen is not None) is ok
+
+
+def test_grad_norm_spikes_are_counted_but_do_not_disqualify():
+    """The detector flags grad-norm spikes at every learning rate of the tiny sweep, pairs agreeing or not: only
+    loss spikes and divergence make a point unstable."""
+    grad = _row(0.003, {0: 6.0, 1: 6.0}, spikes={0: (0, 3, False), 1: (0, 0, False)})
+    loss = _row(0.003, {0: 6.0, 1: 6.0}, spikes={0: (1, 0, False), 1: (0, 0, False)})
+    div = _row(0.003, {0: 6.0, 1: 6.0}, spikes={0: (0, 0, True), 1: (0, 0, False)})
+    assert grad.stable and grad.spiking_runs == 1 and grad.grad_spikes == 3
+    assert not loss.stable and not div.stable
 
 
 def test_no_point_qualifies_when_every_stable_point_is_undertrained():
