@@ -779,9 +779,19 @@ def add_seeds_line(t: VerdictTable) -> str | None:
         if best is not None and best[0] > t.margin
         else ""
     )
+    # what the advice costs, in this ablation's own runs: the runs the open recipes and the control would need
+    # against the runs it trained (a verdict at this scale may need more compute than the experiment's budget)
+    ran_runs = sum(r.runs for r in t.rows) + len(t.control_values)
+    need_runs = sum(r.final.seeds_needed for r in rows) + most
+    cost = (
+        f" That is about {need_runs} runs against the {ran_runs} this ablation trained ({need_runs / ran_runs:.1f}x "
+        "its compute at this model and schedule)."
+        if ran_runs and need_runs > ran_runs
+        else ""
+    )
     return (
         f"**Add seeds:** {how}. Seeds for a conclusive verdict with power {POWER}, if the observed mean and paired "
-        f"sd are the truth: {each}{wider}."
+        f"sd are the truth: {each}{wider}.{cost}"
     )
 
 

@@ -75,6 +75,10 @@ def test_the_summary_counts_the_conclusive_recipes_and_states_seeds_needed_and_t
     advice = add_seeds_line(t)
     assert advice.startswith(f"**Add seeds:** rerun with `seeds={needed[-1]}`"), advice
     assert all(f"`{r.recipe}` {r.final.seeds_needed}" in advice for r in t.rows)
+    # what the advice costs: the runs the open recipes and the control need against the 12 this ablation trained
+    need = sum(needed) + needed[-1]
+    assert advice.endswith(f"That is about {need} runs against the 12 this ablation trained ({need / 12:.1f}x its "
+                           "compute at this model and schedule)."), advice  # fmt: skip
 
 
 def test_a_diverged_recipe_is_named_first_and_a_conclusive_one_has_no_advice():
