@@ -82,7 +82,8 @@ def sweep_rows(ctx: StudyContext, settings: Settings) -> list[SweepRow]:
     for _, parent in group_ablations(ctx):
         control = parent.data.tags.get("control", ctx.control)
         runs = load_runs(ctx.tracker, parent.info.run_id)
-        names = [r.recipe for r in runs]
+        # the ablation's own recipe order (its parent's ``recipes`` tag): the first recipe after the control pairs
+        names = _recipes(parent) or [r.recipe for r in runs]
         pair = settings.pair or next((n for n in names if n != control), None)
         ctl = [r for r in runs if r.recipe == control]
         finals = {r.seed: _final(r) for r in ctl}
@@ -90,6 +91,15 @@ def sweep_rows(ctx: StudyContext, settings: Settings) -> list[SweepRow]:
         paired = {r.seed: _final(r) for r in runs if r.recipe == pair}
         rows.append(sweep_row(_point(parent), finals, spikes, pair, paired, ctx.margin, alpha))
     return rows
+
+
+def _recipes(parent) -> list[str]:
+    """The ablation's recipes in order (tag ``recipes``, JSON); [] for a tag that is not a list of names."""
+    try:
+        names = json.loads(parent.data.tags.get("recipes", "[]"))
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _final(run) -> float | None:
