@@ -110,6 +110,7 @@ class AblationPlan:
         overrides = [
             f"recipes=[{','.join([self.control, *recipes])}]",
             f"model={self.model}",
+            "model.qk_norm=false",  # the size's own architecture (the default experiment turns QK-norm on for tiny)
             "device=cuda",
             f"parallel.dp_shard={self.dp_shard}",
             f"parallel.tp={self.tp}",
@@ -182,7 +183,11 @@ def run_commands(
     return {
         "train": launch_line("train", [f"recipe={recipe}", *common], nodes, nproc),
         "ablate": launch_line(
-            "ablate", [f"recipes=[{','.join(recipes)}]", *common, f"report.margin={margin:g}"], nodes, nproc
+            # model.qk_norm=false: the size's own architecture (the default experiment turns QK-norm on for tiny)
+            "ablate",
+            [f"recipes=[{','.join(recipes)}]", *common, "model.qk_norm=false", f"report.margin={margin:g}"],
+            nodes,
+            nproc,
         ),
     }
 

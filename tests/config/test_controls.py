@@ -50,7 +50,10 @@ def test_controls_are_appended_once_and_reach_the_plan_and_its_settings(run_dirs
     )
     again = saved_plan(plan.config_yaml)
     assert (again.negative_control, again.positive_control) == ("bf16_reordered", "bf16_pure")
-    assert [r.name for r in ablation_recipes(_cfg("recipes=[bf16,fp8_rowwise]"))] == ["bf16", "fp8_rowwise"]
+    assert [r.name for r in ablation_recipes(_cfg("recipes=[bf16,fp8_rowwise]", "controls=false"))] == [
+        "bf16",
+        "fp8_rowwise",
+    ]
 
 
 def test_named_controls_replace_the_defaults():
@@ -75,8 +78,14 @@ def test_named_controls_replace_the_defaults():
             ["recipes=[bf16]", "controls=true", "negative_control=fp32", "positive_control=fp32"],
             "negative_control and positive_control are both fp32",
         ),
-        (["recipes=[bf16]", "negative_control=fp32"], "negative_control=fp32 is set but controls=false"),
-        (["recipes=[bf16]", "positive_control=fp32"], "positive_control=fp32 is set but controls=false"),
+        (
+            ["recipes=[bf16]", "controls=false", "negative_control=fp32"],
+            "negative_control=fp32 is set but controls=false",
+        ),
+        (
+            ["recipes=[bf16]", "controls=false", "positive_control=fp32"],
+            "positive_control=fp32 is set but controls=false",
+        ),
     ],
 )
 def test_refusals_are_one_line(overrides, needle):

@@ -19,7 +19,15 @@ from experiments.plan.preflight import preflight
 from experiments.runner import submitit_jobs
 from experiments.tracking.tracker import make_tracker
 
-ABLATE = ["model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu", "launcher=slurm", "launcher.poll_s=0.05"]
+ABLATE = [
+    "model=debug",
+    "recipes=[fp32]",
+    "controls=false",
+    "train.steps=2",
+    "device=cpu",
+    "launcher=slurm",
+    "launcher.poll_s=0.05",
+]
 
 
 class Payload:
@@ -172,7 +180,7 @@ def test_a_launcher_folder_others_can_write_is_refused_before_any_mlflow_run(run
     shared = tmp_path / "shared_jobs"
     shared.mkdir()
     shared.chmod(0o777)
-    assert main(["ablate", *ABLATE[:4], "launcher=submitit_local", f"launcher.folder={shared}", *run_dirs]) == 2
+    assert main(["ablate", *ABLATE[:5], "launcher=submitit_local", f"launcher.folder={shared}", *run_dirs]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
         f"lowprec ablate: error: job folder {shared} is writable by group or others (mode 777): its files could "

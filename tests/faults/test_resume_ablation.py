@@ -36,7 +36,8 @@ from experiments.tracking.tracker import Tracker
 from lowprec.train.stop import clear_stop
 from recipes import CATALOG, get_recipe
 
-RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
+RUN = ["model=debug", "model.qk_norm=false"]
+RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "train.telemetry_every=0", "train.steps=8"]
 RECIPES = "recipes=[fp32,fp8_delayed]"
 #: seeds=auto with a margin no recipe meets: 3 seeds, then a 4th for fp8_delayed and the control fp32
@@ -93,7 +94,7 @@ def baseline(tmp_path_factory):
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
-            rc = main(["ablate", RECIPES, *AUTO, "workers=1", *RUN, *dirs_under(root)])
+            rc = main(["ablate", RECIPES, "controls=false", *AUTO, "workers=1", *RUN, *dirs_under(root)])
     finally:
         mp.undo()
     assert rc == 0, out.getvalue()
@@ -116,7 +117,7 @@ def _assert_same_runs(root: Path, ablation_id: str, baseline, keys) -> None:
 
 
 def test_sigterm_then_resume_continues_in_place_and_equals_an_uninterrupted_ablation(baseline, tmp_path, capsys):
-    args = ["ablate", RECIPES, "seeds=2", "workers=1", *RUN, *dirs_under(tmp_path)]
+    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_under(tmp_path)]
     # SIGTERM, for real, to the ablation process during fp8_delayed seed 0 (after fp32 seed 0 finished)
     with injected("recipe=fp8_delayed,signal_at_step=3"):
         assert main(args) == 143
@@ -179,7 +180,7 @@ def _tables(report: Path) -> list[list[list[str]]]:
 @pytest.mark.slow  # ~50 s; the suite keeps the one-worker form above and test_signals' two-worker stop
 def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(baseline, tmp_path, capsys):
     db = tmp_path / "runs" / "mlflow.db"
-    args = ["ablate", RECIPES, *AUTO, "workers=2", *RUN, *dirs_under(tmp_path)]
+    args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=2", *RUN, *dirs_under(tmp_path)]
 
     over = threading.Event()
 
@@ -230,7 +231,7 @@ def _subprocess(args: list[str], faults: str) -> subprocess.CompletedProcess:
 
 
 def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoint(baseline, tmp_path, capsys):
-    args = ["ablate", RECIPES, "seeds=2", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
+    args = ["ablate", RECIPES, "controls=false", "seeds=2", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
     # the ablation process itself dies before step 5 of fp8_delayed seed 0: no handler, no MLflow update
     p = _subprocess([*args, "workers=1"], "recipe=fp8_delayed,exit_at_step=5")
     assert p.returncode == 13, p.stderr[-3000:]
@@ -251,7 +252,7 @@ def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoi
 
 def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(baseline, capsys, monkeypatch):
     root, ablation_id = baseline
-    args = ["ablate", RECIPES, *AUTO, "workers=1", *RUN, *dirs_under(root)]
+    args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=1", *RUN, *dirs_under(root)]
     client = _client(root)
     exp = client.get_experiment_by_name("lowprec").experiment_id
     before = {r.info.run_id: (r.info.status, r.data.tags) for r in client.search_runs([exp])}
@@ -287,7 +288,7 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
 
 def test_keys_that_may_differ_on_a_resume():
     def plain(over):
-        return yaml.safe_load(config_yaml(compose("ablate", [RECIPES, *RUN, *over])))
+        return yaml.safe_load(config_yaml(compose("ablate", [RECIPES, "controls=false", *RUN, *over])))
 
     original = plain([])
     same = plain(["resume=abl-20261125-101500-ab12", "workers=2", "train.progress=false"])
@@ -321,7 +322,16 @@ def test_train_resume_of_a_killed_run_closes_it_and_continues_bit_identically(ba
 
 
 def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline, tmp_path, capsys):
-    args = ["ablate", "recipes=[fp32]", "seeds=1", "workers=1", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
+    args = [
+        "ablate",
+        "controls=false",
+        "recipes=[fp32]",
+        "seeds=1",
+        "workers=1",
+        "train.checkpoint_every=2",
+        *RUN,
+        *dirs_under(tmp_path),
+    ]
     # a crash (a bug) before step 5: the run is FAILED, its metrics up to step 4 flushed, its newest checkpoint step_4
     with injected("crash_at_step=5"):
         assert main(args) == 0

@@ -27,7 +27,8 @@ from experiments.runner.scheduler import close_pool, pool_internals
 from lowprec.train.checkpoint_files import verify
 from lowprec.train.stop import clear_stop
 
-RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
+RUN = ["model=debug", "model.qk_norm=false"]
+RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp8_delayed"]
 
 
@@ -102,7 +103,7 @@ def _running_children(db: str) -> int:
 
 def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(run_dirs, tmp_path):
     db = tmp_path / "runs" / "mlflow.db"
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
+    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
     args += ["train.checkpoint_on_signal=true", *run_dirs]
     proc = subprocess.Popen([sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
@@ -146,7 +147,16 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to
     # ablation, or sent to the process group as `timeout` and a terminal's Ctrl-C do) killed them. Forwarded, the
     # pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
     # InvalidStateError traceback); either way the runs were "FAILED (worker process died)", not "not started".
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=2", "workers=2", *RUN[:-1], "train.steps=400", *run_dirs]
+    args = [
+        "ablate",
+        "controls=false",
+        "recipes=[fp32,bf16]",
+        "seeds=2",
+        "workers=2",
+        *RUN[:-1],
+        "train.steps=400",
+        *run_dirs,
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -26,7 +26,8 @@ from benchmarks._support import MlflowServer
 from experiments.cli import main
 from experiments.tracking.spool import SPOOLED_TAG
 
-RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
+RUN = ["model=debug", "model.qk_norm=false"]
+RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=100", "train.progress=false"]
 #: MetricBuffer flushes every 25 steps: the server is killed after the first flush, so steps 25-49 meet it dead.
 STEPS = 100
@@ -159,7 +160,14 @@ def test_a_server_down_to_the_end_of_the_run_gets_everything_from_lowprec_sync(s
 def test_an_ablations_workers_spool_and_sync_then_report_delivers_the_whole_ablation(server, reference, tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *[a for a in RUN if not a.startswith("recipe=")]]
+    args = [
+        "ablate",
+        "controls=false",
+        "recipes=[fp32,bf16]",
+        "seeds=1",
+        "workers=2",
+        *[a for a in RUN if not a.startswith("recipe=")],
+    ]
     args += [f"tracking.uri={server.uri}", f"paths.runs={runs}", f"paths.reports={tmp_path / 'reports'}"]
     with open(runs / "stdout.txt", "w") as out, open(runs / "stderr.txt", "w") as err:
         # its own process group: the ablation and its two worker processes are paused together

@@ -66,7 +66,8 @@ def _frames(raw: str) -> list[list[str]]:
 def test_a_two_worker_ablation_on_a_terminal_draws_a_bar_per_worker_and_states_the_verdicts(tmp_path):
     dirs = [d for d in dirs_under(tmp_path) if d != "train.progress=false"]  # the bars are what is tested
     raw = _run_in_pty(
-        ["ablate", "recipes=[fp32,bf16]", "seeds=2", "workers=2", "model=debug", "train.steps=20",
+        ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=2", "workers=2", "model=debug",
+         "model.qk_norm=false", "train.steps=20",
          "train.batch_size=2", "train.seq_len=64", "train.val_every=10", "train.val_batches=1",
          "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.telemetry_every=0", *dirs]
     )  # fmt: skip

@@ -168,9 +168,10 @@ def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(run_
 
     from experiments.cli import main
 
-    quick = ["model=debug", "train.steps=3", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
+    quick = ["model=debug", "model.qk_norm=false"]
+    quick += ["train.steps=3", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
     quick += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.ac=full"]
-    assert main(["ablate", "recipes=[fp32]", "seeds=1", *quick, *run_dirs]) == 0
+    assert main(["ablate", "controls=false", "recipes=[fp32]", "seeds=1", *quick, *run_dirs]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (run,) = client.search_runs([exp], filter_string="tags.recipe = 'fp32'")

@@ -76,7 +76,16 @@ def test_the_experiment_is_a_model_training_experiment(tmp_path):
 
 
 def test_mlflow_source_and_datasets_columns_and_the_parent_name(run_dirs, tmp_path, capsys):
-    args = ["ablate", "model=debug", "recipes=[bf16]", "seeds=1", "train.steps=4", "train.val_every=2", "workers=1"]
+    args = [
+        "ablate",
+        "model=debug",
+        "controls=false",
+        "recipes=[bf16]",
+        "seeds=1",
+        "train.steps=4",
+        "train.val_every=2",
+        "workers=1",
+    ]
     assert main([*args, *run_dirs]) == 0
     abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")

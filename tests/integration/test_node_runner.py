@@ -14,6 +14,7 @@ from experiments.runner import scheduler
 
 QUICK = [
     "model=debug",
+    "model.qk_norm=false",
     "device=cpu",
     "train.steps=4",
     "train.batch_size=2",
@@ -55,7 +56,14 @@ def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys,
     # a node of 2 GPUs, faked: each worker pinned to one (CUDA_VISIBLE_DEVICES), the runs on the CPU
     monkeypatch.setattr(preflight_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
     # bf16 dies at its first step, while at least fp8_rowwise is still queued (4 runs, 2 workers)
-    args = ["ablate", "recipes=[fp32,bf16,bf16_pure,fp8_rowwise]", "control=fp32", "seeds=1", "workers=auto"]
+    args = [
+        "ablate",
+        "controls=false",
+        "recipes=[fp32,bf16,bf16_pure,fp8_rowwise]",
+        "control=fp32",
+        "seeds=1",
+        "workers=auto",
+    ]
     monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=1")  # inherited by the worker processes
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out

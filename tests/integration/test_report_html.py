@@ -83,9 +83,10 @@ def test_the_report_renders_in_chromium_with_every_table_and_image(report, tmp_p
     page = render(alone, screenshot=shot)
     assert page.console_errors == [] and page.failed_requests == []
     assert page.headings[:2] == ["Precision ablation abl-html", "Verdicts"]
-    # the compact verdict table first (five columns), the full one right under it
-    compact, verdict_headers = page.tables[:2]
+    # the compact verdict table first (five columns), the resolution under it, then the full one
+    compact, resolution, verdict_headers = page.tables[:3]
     assert compact == ["recipe", "final val loss vs control [95% CI]", "verdict", "seeds needed", "stability"]
+    assert resolution == ["recipe", "paired sd", "MDD at the seeds run", "seeds needed"]
     assert verdict_headers[:2] == ["recipe", "seeds"] and any(re.match(r"verdict", h) for h in verdict_headers)
     assert any(t[:3] == ["recipe", "what it is", "status"] for t in page.tables)  # the summary table
     assert len(page.images) == len(report_figures(report))
@@ -93,6 +94,6 @@ def test_the_report_renders_in_chromium_with_every_table_and_image(report, tmp_p
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
     # the first screen (1280 x 900): the compact table fits its width and the forest plot lies on it; the full table
     # below may scroll sideways
-    assert page.tables_overflow[0] is False and page.tables_overflow[1] is True
+    assert page.tables_overflow[:2] == [False, False] and page.tables_overflow[2] is True
     alt, bottom = page.image_bottoms[0]
     assert alt == "verdicts at the margin" and bottom <= 900, page.image_bottoms

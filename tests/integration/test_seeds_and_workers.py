@@ -12,6 +12,7 @@ from experiments.cli import main
 
 QUICK = [
     "model=debug",
+    "model.qk_norm=false",
     "train.steps=4",
     "train.batch_size=2",
     "train.seq_len=64",
@@ -39,7 +40,7 @@ def _finals(kids):
 
 
 def test_two_workers_train_every_run_exactly_as_one_process_does(run_dirs, tmp_path, capsys):
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=2"] + run_dirs + QUICK
+    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=2"] + run_dirs + QUICK
     assert main(args + ["workers=2"]) == 0
     parent, kids = _children(tmp_path, capsys.readouterr().out)
     assert parent.data.tags["workers"] == "2"
@@ -55,7 +56,7 @@ def test_two_workers_train_every_run_exactly_as_one_process_does(run_dirs, tmp_p
 
 def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path, capsys):
     # a margin far below the fp32-vs-bf16 difference leaves the verdict open at every look, up to max_seeds
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=auto", "max_seeds=4", "report.margin=1e-9"]
+    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=auto", "max_seeds=4", "report.margin=1e-9"]
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     assert "seeds=auto: seed 3 for fp32 (still inconclusive)" in out
@@ -78,7 +79,7 @@ def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path
 @pytest.mark.slow  # ~15 s; the same fault in one worker: test_node_runner.py's failing-GPU test (suite)
 def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=2")  # inherited by the worker processes
-    args = ["ablate", "recipes=[fp32,bf16]", "seeds=1", "workers=2"]
+    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2"]
     assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     assert "bf16             seed 0: FAILED (worker process died:" in out
@@ -108,7 +109,7 @@ def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_wor
     # With both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
     # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
     # load of 6), without limit. The workers now exit at once (experiments/runner/scheduler.py `_exit_now`).
-    args = ["ablate", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
+    args = ["ablate", "controls=false", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
     with busy_cores(2):
         assert main(args) == 0
     out = capsys.readouterr().out

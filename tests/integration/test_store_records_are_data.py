@@ -29,7 +29,8 @@ from experiments.tracking.tracker import ABLATION_TAG, Tracker
 from lowprec.train.checkpoint_files import write_manifest
 from recipes import get_recipe
 
-RUN = ["model=debug", "train.batch_size=2", "train.seq_len=16", "train.val_every=0", "train.val_batches=1"]
+RUN = ["model=debug", "model.qk_norm=false"]
+RUN += ["train.batch_size=2", "train.seq_len=16", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=1", "train.timing_warmup_steps=1", "train.telemetry_every=0", "train.steps=4"]
 RECIPES = ["fp32", "bf16"]
 SUMMARY = {
@@ -49,7 +50,15 @@ def two_cores(monkeypatch):
 
 
 def _args(root: Path, *extra: str) -> list[str]:
-    return [f"recipes=[{','.join(RECIPES)}]", "seeds=1", "control=fp32", *RUN, *dirs_under(root), *extra]
+    return [
+        f"recipes=[{','.join(RECIPES)}]",
+        "controls=false",
+        "seeds=1",
+        "control=fp32",
+        *RUN,
+        *dirs_under(root),
+        *extra,
+    ]
 
 
 class _Payload:

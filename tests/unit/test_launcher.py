@@ -16,7 +16,7 @@ from experiments.plan.placement import Slot
 from experiments.plan.preflight import preflight
 from lowprec.errors import ConfigError
 
-ABLATE = ["ablate", "model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu"]
+ABLATE = ["ablate", "model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu", "controls=false", "seeds=3"]
 
 
 def _one_line(args: list[str], run_dirs, capsys) -> str:

@@ -84,6 +84,6 @@ def test_cpu_auto_workers_are_at_most_two_whatever_the_core_count(n_cores, expec
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(n_cores)))
     assert plan_placement(0, 1, "auto", "cpu", cpu_cores=n_cores).workers == expected
-    cfg = compose("ablate", ["recipes=[fp32,bf16]", "device=cpu", "workers=auto"])
+    cfg = compose("ablate", ["recipes=[fp32,bf16]", "controls=false", "device=cpu", "workers=auto"])
     placement = ablation_placement(cfg)
     assert (placement.device_type, placement.workers) == ("cpu", expected)
