@@ -25,8 +25,9 @@ def test_empty_store_is_offline_published_evidence_only(tmp_path, capsys):
     # every row without evidence points at one ablation, printed whole: device, layout, batch, steps
     assert "no evidence: ablation [a1] below" in out
     assert (
-        "lowprec ablate 'recipes=[bf16,fp8_tensorwise_fsdp8,fp8_rowwise,fp8_blockwise]' model=llama3_8b device=cuda "
-        "parallel.dp_shard=4 parallel.tp=1 train.batch_size=4 train.seq_len=8192 train.steps=1000 "
+        "lowprec ablate 'recipes=[bf16,fp8_tensorwise_fsdp8,fp8_rowwise,fp8_blockwise]' model=llama3_8b "
+        "model.qk_norm=false device=cuda parallel.dp_shard=4 parallel.tp=1 train.batch_size=4 train.seq_len=8192 "
+        "train.steps=1000 "
         "train.val_every=100 train.ac=selective train.compile=false seeds=3 report.margin=0.0025"
     ) in out
     assert "DeepSeek-V3 technical report" in out and "Crusoe" in out
@@ -110,8 +111,9 @@ def test_moe_model_gets_fsdp_layouts_and_dense_evidence_is_not_comparable(store,
     (ev,) = by["fp8_rowwise"]["evidence"]
     assert ev["model"] == "debug" and ev["comparable"] is False
     assert by["fp8_rowwise"]["ablate_command"] == (
-        "lowprec ablate 'recipes=[bf16,fp8_rowwise]' model=moe_debug device=cuda parallel.dp_shard=1 parallel.tp=1 "
-        "train.batch_size=1 train.seq_len=512 train.steps=1000 train.val_every=100 train.ac=none train.compile=false "
+        "lowprec ablate 'recipes=[bf16,fp8_rowwise]' model=moe_debug model.qk_norm=false device=cuda "
+        "parallel.dp_shard=1 parallel.tp=1 train.batch_size=1 train.seq_len=512 train.steps=1000 train.val_every=100 "
+        "train.ac=none train.compile=false "
         "seeds=3 report.margin=0.0025"
     )
     # an inferior verdict is still never recommended, whatever the model family
