@@ -17,15 +17,15 @@ import time
 
 import torch
 
-from experiments.tracking.ui import wait_until_up
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.numerics.reorder import reversed_reductions
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
+from lowprec_lab.tracking.ui import wait_until_up
 
 #: The parity runs' size: steps, sequences per batch, tokens per sequence (``debug`` model).
 STEPS, BATCH, SEQ = 20, 4, 64
@@ -42,7 +42,7 @@ class MlflowServer:
     """``mlflow server`` on 127.0.0.1 with one worker, job execution off, a sqlite backend store and served
     artifacts, all under ``folder``. ``kill`` SIGKILLs its whole process group (``mlflow server`` runs uvicorn as
     a child process); ``start`` brings it back on the same port and store. ``start`` raises what
-    ``experiments.tracking.ui.wait_until_up`` raises when the server does not come up; ``kill`` raises
+    ``lowprec_lab.tracking.ui.wait_until_up`` raises when the server does not come up; ``kill`` raises
     ``RuntimeError`` when the port still answers 30 s after the SIGKILL."""
 
     def __init__(self, folder):

@@ -22,7 +22,7 @@ from _support import max_gap, train_losses
 
 from lowprec.data import DataSpec, prepare
 from lowprec.kernels import cpu_model, isa_flags
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 ONE_PROCESS = [
     n

@@ -38,10 +38,10 @@ from lowprec.build_optim import OptimHParams  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from lowprec.numerics.formats import E4M3  # noqa: E402
 from lowprec.numerics.scaling import quantize_operand  # noqa: E402
+from lowprec.recipes import get_recipe  # noqa: E402
 from lowprec.train.build import build  # noqa: E402
 from lowprec.train.spec import TrainSpec  # noqa: E402
 from lowprec.train.step import train_step  # noqa: E402
-from recipes import get_recipe  # noqa: E402
 
 DEFAULT_RECIPES = "fp8_current,deepseek_v3_tensorwise,deepseek_v3_no_fp8_cache,fp8_blockwise,deepseek_v3"
 

@@ -37,10 +37,10 @@ from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.kernels import cpu_model, isa_flags
 from lowprec.kernels.probe import probe_kernels
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
 
 RECIPES = ("fp32", "bf16", "bf16_pure", "fp8_current", "fp8_blockwise")
 TARGETS = {"bf16": 1.3, "fp8_current": 1.8, "fp8_blockwise": 1.8}

@@ -180,7 +180,7 @@ class Store:
         stopped one; ``env``: added to the environment; ``faults``: the command's ``LOWPREC_FAULTS`` (empty: none,
         whatever this process's environment says). Returns the exit code (negative: the signal) and stdout and
         stderr together."""
-        cmd = [sys.executable, "-m", "experiments", *args, *self.overrides]
+        cmd = [sys.executable, "-m", "lowprec_lab", *args, *self.overrides]
         with tempfile.TemporaryFile("w+") as err:
             env = {**os.environ, **(env or {}), "LOWPREC_FAULTS": faults}
             proc = subprocess.Popen(cmd, stdout=err, stderr=err, text=True, start_new_session=True, env=env)
@@ -481,7 +481,7 @@ def server_cases(store: Store, rng: random.Random, n: int = 3) -> list[Case]:
         )
         case = Case("server", label)
         runs = folder / "runs"
-        cmd = [sys.executable, "-m", "experiments", *args, f"tracking.uri={server.uri}"]
+        cmd = [sys.executable, "-m", "lowprec_lab", *args, f"tracking.uri={server.uri}"]
         cmd += [f"paths.runs={runs}", f"paths.reports={runs}", "train.progress=false"]
         t1 = time.perf_counter()
         with open(folder / "stderr.txt", "w") as errf:
@@ -499,7 +499,7 @@ def server_cases(store: Store, rng: random.Random, n: int = 3) -> list[Case]:
             server.start()
         if any((runs / "spool").glob("*.jsonl")):  # the run ended before the server was back: what its stderr says
             sync = subprocess.run(
-                [sys.executable, "-m", "experiments", "sync", str(runs)], capture_output=True, text=True, timeout=600
+                [sys.executable, "-m", "lowprec_lab", "sync", str(runs)], capture_output=True, text=True, timeout=600
             )
             case.note = f"the run ended before the server answered again; lowprec sync exited {sync.returncode}"
         err = (folder / "stderr.txt").read_text()
@@ -855,7 +855,7 @@ def _disk_case(dstore: Store, fault: DiskFault, disks: dict[str, Tmpfs], ref: di
         said_sync = [ln.split("with: lowprec ", 1)[1] for ln in said.splitlines() if "with: lowprec sync" in ln]
         sync_args = shlex.split(said_sync[-1]) if said_sync else ["sync", str(dstore.root / "runs")]
         sync = subprocess.run(
-            [sys.executable, "-m", "experiments", *sync_args], capture_output=True, text=True, timeout=600
+            [sys.executable, "-m", "lowprec_lab", *sync_args], capture_output=True, text=True, timeout=600
         )
         if sync.returncode:
             notes.append("sync: " + (sync.stderr.strip().splitlines() or [""])[-1][:200])

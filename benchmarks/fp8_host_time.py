@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from lowprec.float8.config import LinearFP8Config  # noqa: E402
 from lowprec.float8.linear import Float8Linear  # noqa: E402
 from lowprec.kernels import cpu_model  # noqa: E402
-from recipes import get_recipe  # noqa: E402
+from lowprec.recipes import get_recipe  # noqa: E402
 
 
 def host_us(mod: torch.nn.Module, x: torch.Tensor, reps: int) -> float:

@@ -111,7 +111,7 @@ def main() -> None:
         mod.init_buffers()
         fns[f"lowprec {name}"] = fwd_bwd(mod, x, g, False)
     for name in ("mxfp8", "nvfp4"):
-        from recipes import get_recipe
+        from lowprec.recipes import get_recipe
 
         mod = MXLinear.from_linear(copy.deepcopy(base), MXConfig.from_spec(get_recipe(name).fp8))
         mod.init_buffers(torch.Generator().manual_seed(0))
@@ -168,9 +168,9 @@ def model_saved() -> None:
     from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     data = prepare(DataSpec())
     spec = TrainSpec(steps=4, batch_size=8, seq_len=256, progress=False, telemetry_every=0)

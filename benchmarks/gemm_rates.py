@@ -45,7 +45,7 @@ from lowprec.estimate.inventory import inventory  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
 from lowprec.numerics.formats import E4M3  # noqa: E402
 from lowprec.numerics.scaling import quantize_operand  # noqa: E402
-from recipes import get_recipe  # noqa: E402
+from lowprec.recipes import get_recipe  # noqa: E402
 
 
 def block_linears(args) -> dict[str, tuple[int, int]]:

@@ -57,10 +57,10 @@ from lowprec.estimate.cost_model import Layout, step_cost  # noqa: E402
 from lowprec.estimate.hardware import cuda_device_hardware  # noqa: E402
 from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
+from lowprec.recipes import get_recipe  # noqa: E402
 from lowprec.train.build import build  # noqa: E402
 from lowprec.train.spec import TrainSpec  # noqa: E402
 from lowprec.train.step import train_step  # noqa: E402
-from recipes import get_recipe  # noqa: E402
 
 #: Peer rows: name -> (catalog recipe it starts from, what it needs installed, how it differs).
 PEERS = {

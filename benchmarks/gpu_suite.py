@@ -9,7 +9,7 @@ Defaults: ``llama3_8b`` with 8 or more GPUs (torchtitan's benchmark: FSDP2 over 
 ``llama3_1b`` below that (one GPU: no sharding); recipes ``bf16`` plus every catalog recipe with FP8 GEMMs (those
 with FP8 communication only with 2+ GPUs; ``te_*`` only with Transformer Engine installed; block-scaled recipes,
 ``mxfp8``/``nvfp4``/``te_mxfp8``/``te_nvfp4``..., only on Blackwell sm100). Each recipe is one
-``lowprec train`` run (``python -m experiments train ... device=cuda train.compile=true train.ac=selective
+``lowprec train`` run (``python -m lowprec_lab train ... device=cuda train.compile=true train.ac=selective
 parallel.dp_shard=<GPUs>``; the command line starts torchrun itself for more than one GPU) on the stdlib corpus,
 tracked in a fresh MLflow store under ``runs/gpu_suite/<time>/``, one log per run beside it.
 
@@ -60,7 +60,7 @@ from lowprec.estimate.estimator import mfu  # noqa: E402
 from lowprec.estimate.hardware import Hardware, hardware_from_device_name  # noqa: E402
 from lowprec.estimate.memory_model import peak_breakdown  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
-from recipes import CATALOG, get_recipe  # noqa: E402
+from lowprec.recipes import CATALOG, get_recipe  # noqa: E402
 
 #: Published measurements, each from the page its ``source`` names (the headline numbers those projects publish),
 #: keyed by lowprec recipe. ``memory_kind`` says what their memory column measures, as far as the source says.
@@ -229,7 +229,7 @@ def run_one(name: str, model: str, ngpu: int, a: argparse.Namespace, runs: Path,
         return {**row, "status": "SKIPPED", "reason": reason}
     log = runs / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "experiments", "train", *overrides(name, model, ngpu, a, runs)]
+    cmd = [sys.executable, "-m", "lowprec_lab", "train", *overrides(name, model, ngpu, a, runs)]
     t0 = time.perf_counter()
     with log.open("w") as f:
         # A session of its own, so that a timeout ends torchrun and its ranks together (they hold the GPUs).

@@ -14,7 +14,7 @@ so the accumulator's bias is not hidden); and per-channel log-normal magnitudes 
 activations). Each K uses the first K columns of one operand pair, so the K rows are prefixes of one another.
 
 Errors (``lowprec.float8.accumulator.accumulation_error``): ``max_rel_err``, the DeepSeek-V3 study's definition
-(``experiments/studies/deepseek_numerics.py``: max relative error over the outputs at least as large as their
+(``lowprec_lab/studies/deepseek_numerics.py``: max relative error over the outputs at least as large as their
 median; the paper, arXiv 2412.19437 3.3.2: "maximum relative error of nearly 2%" at K = 4096 without promotion on
 H800); ``max_elem_rel_err``, the max over every non-zero output; ``rel_err``, Frobenius. Each over the whole
 M x N output and over its top-left ``--block`` x ``--block`` corner (``block``), the part the CPU fit re-computes.

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build, build_model_meta, materialize
 from lowprec.train.loop import train_step
 from lowprec.train.schedule import warmup_cosine
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 
 def plain_loop(args, hp: OptimHParams, spec: TrainSpec):

@@ -21,10 +21,10 @@ from lowprec.build_optim import OptimHParams
 from lowprec.data import DataSpec, TokenBatches, prepare
 from lowprec.estimate.inventory import param_counts
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 
 def main() -> None:

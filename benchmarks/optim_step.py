@@ -21,8 +21,8 @@ from lowprec.backends.optimizers import MIN_8BIT_NUMEL
 from lowprec.build_optim import OptimHParams, _param_groups, build_optimizer
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build_model_meta, cast_weights, materialize
-from recipes import get_recipe
 
 
 def direct(name: str, model, hp: OptimHParams):

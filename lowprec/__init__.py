@@ -3,11 +3,12 @@
 The library's front door. ``import lowprec`` is cheap (it imports neither torch nor the catalog); each name below
 is imported from its module on first use (PEP 562), so ``lowprec.Recipe`` costs the recipe module alone and
 ``lowprec.build`` costs torch. The base install (``pip install lowprec``) is enough for all of them; the lab
-(``experiments``: Hydra, MLflow, reports) is the ``lab`` extra.
+(``lowprec_lab``: Hydra, MLflow, reports) is the ``lab`` extra.
 
 Recipes
     ``Recipe``: one precision recipe (weights, compute, FP8, optimizer states, communication), a frozen value.
-    ``get_recipe``: a named recipe of the catalog (``recipes.catalog``); raises ``RecipeError`` for an unknown name.
+    ``get_recipe``: a named recipe of the catalog (``lowprec.recipes.catalog``); raises ``RecipeError`` for an
+    unknown name.
     ``recipe_names``: the catalog's names, in order.
 Model and training
     ``ModelArgs``: the Llama decoder's shape (dimensions, layers, heads, vocabulary).
@@ -46,8 +47,8 @@ TYPE_CHECKING = False
 #: loads none of them.
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Recipe": ("lowprec.recipe", "Recipe"),
-    "get_recipe": ("recipes.catalog", "get_recipe"),
-    "recipe_names": ("recipes.catalog", "recipe_names"),
+    "get_recipe": ("lowprec.recipes.catalog", "get_recipe"),
+    "recipe_names": ("lowprec.recipes.catalog", "recipe_names"),
     "ModelArgs": ("lowprec.model", "ModelArgs"),
     "model_args": ("lowprec.model", "model_args"),
     "TrainSpec": ("lowprec.train.spec", "TrainSpec"),
@@ -100,10 +101,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs only: at run time every name is 
     from lowprec.float8 import Float8Linear, LinearFP8Config
     from lowprec.model import ModelArgs, model_args
     from lowprec.recipe import Recipe
+    from lowprec.recipes.catalog import get_recipe, recipe_names
     from lowprec.train.build import build
     from lowprec.train.loop import MetricSink, run_training
     from lowprec.train.spec import TrainSpec
-    from recipes.catalog import get_recipe, recipe_names
 
 
 def __getattr__(name: str) -> object:

@@ -8,7 +8,7 @@ command, the date and ``report_code_hash``: the hash of the report's code and te
 ``tests/unit/test_report_screenshot.py`` fails once the report's code no longer matches it). The report is rebuilt
 into a temporary folder as ``lowprec report ABLATION_ID`` would (same margin, re-logged on the parent run), so the
 picture is the current report's, not the one the ablation wrote. Chromium: Debian's ``chromium`` package
-(``experiments.report.html_check``).
+(``lowprec_lab.report.html_check``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", type=Path, default=RECORD)
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from experiments.cli import _user_errors, compose, one_line
-    from experiments.report.build import build_report, find_ablation
-    from experiments.report.html_check import render, report_code_hash
-    from experiments.tracking.tracker import Tracker
+    from lowprec_lab.cli import _user_errors, compose, one_line
+    from lowprec_lab.report.build import build_report, find_ablation
+    from lowprec_lab.report.html_check import render, report_code_hash
+    from lowprec_lab.tracking.tracker import Tracker
 
     try:
         cfg = compose("ablate", a.overrides)

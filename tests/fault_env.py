@@ -1,5 +1,5 @@
 """Fault injection for a test's commands: the ``LOWPREC_FAULTS`` environment variable read by
-experiments/runner/faults.py (``key=value,key=value``), set around an in-process command or passed to a
+lowprec_lab/runner/faults.py (``key=value,key=value``), set around an in-process command or passed to a
 subprocess's environment."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from experiments.runner.faults import ENV
+from lowprec_lab.runner.faults import ENV
 
 
 @contextmanager

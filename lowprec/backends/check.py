@@ -1,9 +1,9 @@
 """The recipe checks that need the backend registry: a ``Recipe`` is a pure value (``lowprec.recipe`` imports no
 backend), so what only a backend object knows is checked here, where a recipe is built or planned.
 
-Called by the catalog on load (``recipes.catalog``), by ``lowprec.train.build.check_runtime`` (so by preflight and
-by ``build``, before anything is built) and by ``lowprec.convert.convert_fp8``. The order is the one a recipe was
-constructed in (fp8, optim, then the recipe's cross-group rules), so the first error named is the same.
+Called by the catalog on load (``lowprec.recipes.catalog``), by ``lowprec.train.build.check_runtime`` (so by
+preflight and by ``build``, before anything is built) and by ``lowprec.convert.convert_fp8``. The order is the one
+a recipe was constructed in (fp8, optim, then the recipe's cross-group rules), so the first error named is the same.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ so this model is pessimistic for fine-grained experts there; load imbalance (the
 GEMM's tail) works the other way. Neither is calibrated: ``published.yaml`` holds no MoE measurement, so MoE
 predictions are not validated.
 
-``Calibration`` holds the six fitted numbers; ``experiments/planning/fit_cost_model.py`` fits them on the
+``Calibration`` holds the six fitted numbers; ``lowprec_lab/sizing/fit_cost_model.py`` fits them on the
 ``fit`` points of ``lowprec/estimate/published.yaml`` and reports the held-out error.
 """
 
@@ -116,7 +116,7 @@ class Calibration:
     elementwise kernels, the fraction of communication hidden under compute, and the rate of attention on AMD's
     ROCm stack relative to the NVIDIA-calibrated one (GEMMs there follow measured matmul ceilings, not a fit).
     Dimensionless. The defaults are
-    the fit of ``experiments/planning/fit_cost_model.py`` on ``published.yaml`` (a test refits and compares)."""
+    the fit of ``lowprec_lab/sizing/fit_cost_model.py`` on ``published.yaml`` (a test refits and compares)."""
 
     gemm_eff_bf16: float = 0.5356
     gemm_eff_fp8: float = 0.6042

@@ -13,7 +13,7 @@ transient) is a lower bound on what the CUDA caching allocator reserves. ``peak_
   FP8 copy of each gathered weight (1 byte per element) beside the FSDP2 buffer the estimator counts.
 
 The allocator's fragmentation is a stated factor ``FRAGMENTATION`` (reserved / allocated at peak), fitted by
-``experiments/planning/fit_cost_model.py`` on the same ``fit`` points of ``published.yaml`` as the step-time model.
+``lowprec_lab/sizing/fit_cost_model.py`` on the same ``fit`` points of ``published.yaml`` as the step-time model.
 DeepSeekMoE models (``lowprec.model.moe``, FSDP2 without expert parallelism, ``tp == 1``): weights, gradients and
 optimizer states hold every expert (``predict_state_bytes`` counts the built model's parameters: the *total*,
 not the activated ones), the FSDP2 unsharded buffers hold two whole MoE blocks (all their experts); saved

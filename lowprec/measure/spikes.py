@@ -1,5 +1,5 @@
 """The lab's one spike rule, for the loss and the grad-norm series: offline over a whole run (``scan_spikes``,
-``divergence_step``; ``experiments.stats.stability`` turns them into a run's stability metrics) and online, one step
+``divergence_step``; ``lowprec_lab.stats.stability`` turns them into a run's stability metrics) and online, one step
 at a time, with the same numbers (``OnlineSpikes``; the training loop's health monitor, ``lowprec.train.health``).
 
 Spike rule (one definition for the loss and the grad-norm series, parameters in ``SpikeRule``):
@@ -30,7 +30,7 @@ Spike rule (one definition for the loss and the grad-norm series, parameters in 
   a first one is (100%; a 7.5-sd one in 42-94% of curves depending on the first spike's tail, against 79-92% for a
   first spike). After ``ema_window`` consecutive spike steps the rise is taken as a new level and followed again.
 - spike at step t: ``r_t > k * robust_sd_t`` (one-sided: only rises count). The count is in steps
-  (``experiments.stats.stability`` counts events, runs of consecutive spike steps). While the loss descends fast
+  (``lowprec_lab.stats.stability`` counts events, runs of consecutive spike steps). While the loss descends fast
   the EMA lags above it, so a rise must first make up that lag: the rule is conservative early in training, by
   design of "exceeds its EMA".
 - defaults (``SpikeRule``): w = 20, k = 5, sd_window = 100, min_history = 20. Measured on 40 synthetic 2,000-step

@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in a ``torch.distributed`` process group (tests, benchmarks).
 
-Production runs launch with torchrun (``experiments.plan.launch``); this helper exists so that tests and
+Production runs launch with torchrun (``lowprec_lab.plan.launch``); this helper exists so that tests and
 benchmarks can start a real gloo group from inside one Python process and collect each rank's result.
 """
 

@@ -1,5 +1,5 @@
 """Named points inside a checkpoint save and the metric flush where a fault can be injected deterministically
-(``LOWPREC_FAULTS`` ``at_point``, experiments/runner/faults.py; the fault campaign, benchmarks/faults.py).
+(``LOWPREC_FAULTS`` ``at_point``, lowprec_lab/runner/faults.py; the fault campaign, benchmarks/faults.py).
 
 A point is a call ``reached(name)`` in the code that does the work; it does nothing unless an action was armed for
 that name. A kill or a full disk "somewhere during a save" from outside lands where the timing happens to put it;

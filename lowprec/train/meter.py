@@ -2,7 +2,7 @@
 backward, and the bytes of the training state; ``RunMeter.summary`` turns them into the run's summary.
 
 ``step_bar`` is where the loop shows its progress: a tqdm bar on stderr, or, while ``reporting_steps`` has a reporter
-installed in this process (an ablation's display: ``experiments.runner.progress``), a ``StepReport`` per step to
+installed in this process (an ablation's display: ``lowprec_lab.runner.progress``), a ``StepReport`` per step to
 that reporter, which draws every run's bar in one place instead of each process writing its own to the terminal.
 """
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
+from lowprec_lab.cli import main
 
 DEBUG = [
     "model=debug",
@@ -186,7 +186,7 @@ BAD = [
     (["train", "tracking.uri=foo://bar"], "tracking.uri=foo://bar: MLflow has no tracking store for 'foo'://"),
     (["train", "paths.runs=/dev/null"], "paths.runs=/dev/null cannot hold lowprec's runs"),
     (["ablate", "recipes=[fp32]", "paths.reports=/dev/null/x"], "paths.reports=/dev/null/x cannot hold"),
-    # a grid of training settings (experiments/plan/grid.py): every point checked before the first trains
+    # a grid of training settings (lowprec_lab/plan/grid.py): every point checked before the first trains
     (
         ["ablate", "recipes=[bf16,fp32]", "+grid.optim.lr=[0.003]"],
         "grid.optim.lr=[0.003]: a grid axis needs at least 2",
@@ -224,12 +224,12 @@ def test_unknown_recipe_lists_the_valid_names(run_dirs, capsys):
 
 def test_an_internal_error_keeps_its_traceback(run_dirs, monkeypatch):
     """A KeyError raised by a bug is not mistaken for a user's bad value: it propagates with its traceback."""
-    import experiments.plan.preflight
+    import lowprec_lab.plan.preflight
 
     def bug(*a, **k):
         raise KeyError("internal bug")
 
-    monkeypatch.setattr(experiments.plan.preflight, "build_model_meta", bug)
+    monkeypatch.setattr(lowprec_lab.plan.preflight, "build_model_meta", bug)
     with pytest.raises(KeyError, match="internal bug"):
         main(["train", *run_dirs, *DEBUG])
 

@@ -5,9 +5,9 @@ the help pages' keys kept equal to the composed configs' keys."""
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.cli import compose, main
-from experiments.plan import argcheck
-from experiments.plan import help as pages
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan import argcheck
+from lowprec_lab.plan import help as pages
 
 #: Hydra's and OmegaConf's wording, which names their internals rather than the user's mistake
 INTERNALS = (
@@ -129,10 +129,10 @@ def test_the_schema_read_from_source_is_the_composed_config(cmd):
 
 
 def test_group_options_read_from_source_are_the_registered_ones():
-    from experiments.plan.config import DATA_SOURCES
-    from experiments.plan.launcher import LAUNCHERS
     from lowprec.model import MODEL_CONFIGS
-    from recipes import CATALOG
+    from lowprec.recipes import CATALOG
+    from lowprec_lab.plan.config import DATA_SOURCES
+    from lowprec_lab.plan.launcher import LAUNCHERS
 
     assert argcheck.group_options("recipe") == list(CATALOG)
     assert argcheck.group_options("model") == list(MODEL_CONFIGS)
@@ -144,7 +144,7 @@ def test_group_options_read_from_source_are_the_registered_ones():
 @pytest.mark.parametrize("cmd", ["train", "ablate"])
 def test_every_key_has_a_one_line_meaning(cmd):
     """``pages.DOCS`` covers every key of the composed config; add a line there for a new field."""
-    from experiments.plan.config import leaves
+    from lowprec_lab.plan.config import leaves
 
     cfg = OmegaConf.to_container(compose(cmd, []), resolve=False)
     for k in ("model", "recipe", "study", "hydra"):

@@ -1,5 +1,5 @@
 """One source for defaults: every config group and node is registered from its Python dataclass
-(experiments/plan/config.py); the yaml files under conf/ name only existing fields and restate no default, and
+(lowprec_lab/plan/config.py); the yaml files under conf/ name only existing fields and restate no default, and
 what Hydra composes is the registered defaults plus exactly what the yaml files set."""
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from experiments.plan.config import (
+from lowprec.build_optim import OptimHParams
+from lowprec.data import DataSpec
+from lowprec.model import MODEL_CONFIGS, ModelArgs
+from lowprec.recipe import Recipe
+from lowprec.recipes import CATALOG
+from lowprec.train.spec import TrainSpec
+from lowprec_lab.plan.config import (
     CONF_DIR,
     DATA_SOURCES,
     GROUPS,
@@ -32,13 +38,7 @@ from experiments.plan.config import (
     register_configs,
     train_from_cfg,
 )
-from experiments.plan.estimate_config import EstimateConfig, RecommendConfig
-from lowprec.build_optim import OptimHParams
-from lowprec.data import DataSpec
-from lowprec.model import MODEL_CONFIGS, ModelArgs
-from lowprec.recipe import Recipe
-from lowprec.train.spec import TrainSpec
-from recipes import CATALOG
+from lowprec_lab.plan.estimate_config import EstimateConfig, RecommendConfig
 
 CONF = Path(CONF_DIR)
 YAML_FILES = sorted(CONF.rglob("*.yaml"))
@@ -180,7 +180,7 @@ def _hydra(fn):
 
 
 def compose(config_name: str, overrides: list[str]):
-    """Hydra's composition of conf/ (as ``experiments.cli.compose``, without the command line around it)."""
+    """Hydra's composition of conf/ (as ``lowprec_lab.cli.compose``, without the command line around it)."""
     return _hydra(lambda: hydra_compose(config_name=config_name, overrides=overrides))
 
 
@@ -282,7 +282,7 @@ def test_composed_config_is_the_registered_defaults_plus_the_yaml(config_name, e
 def test_defaults_come_from_the_dataclasses():
     cfg = compose("train", [])
     assert optim_from_cfg(cfg) == OptimHParams() and OptimHParams().lr == 3e-3  # the LR the runs have always used
-    # the train node's defaults, with train.compile/ac=auto resolved for this CPU (experiments.plan.auto_train) and
+    # the train node's defaults, with train.compile/ac=auto resolved for this CPU (lowprec_lab.plan.auto_train) and
     # train.timing_warmup_steps=auto to min(3, steps - 1)
     node = dataclasses.asdict(_default_of(TrainConfig).train)
     want = {**node, "compile": False, "ac": "none", "timing_warmup_steps": min(3, node["steps"] - 1)}

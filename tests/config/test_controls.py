@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import compose, main
-from experiments.plan.preflight import (
+from lowprec.errors import ConfigError
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan.preflight import (
     POSITIVE_CONTROL,
     ablation_controls,
     ablation_recipes,
@@ -16,7 +17,6 @@ from experiments.plan.preflight import (
     preflight,
     saved_plan,
 )
-from lowprec.errors import ConfigError
 
 DEBUG = ["model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64", "device=cpu", "workers=1"]
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from experiments.cli import compose, main
-from experiments.plan.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
-from experiments.plan.preflight import ablation_control
 from lowprec.recipe import RecipeError
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan.config import model_from_cfg, optim_from_cfg, recipe_from_cfg, train_from_cfg
+from lowprec_lab.plan.preflight import ablation_control
 
 
 def test_train_defaults_compose():

@@ -3,8 +3,8 @@ preflight (the door) and picklable for the workers."""
 
 import pickle
 
-from experiments.cli import compose
-from experiments.plan.preflight import preflight
+from lowprec_lab.cli import compose
+from lowprec_lab.plan.preflight import preflight
 
 
 def test_plan_carries_placement_dry_run_keys_and_each_recipes_resolved_train(tmp_path):

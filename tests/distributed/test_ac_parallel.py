@@ -24,10 +24,10 @@ def _ac_rank(rank: int, ws: int, jobs: list[tuple[str, dict, str]]) -> list[dict
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     out = []

@@ -32,11 +32,11 @@ def _save_sharded_old(rank: int, world_size: int, folder: str) -> tuple:
 
 
 def test_a_checkpoint_sharded_across_ranks_converts_into_full_tensors(tmp_path, capsys):
-    from experiments.cli import main
     from lowprec.parallel.spawn import run_ranks
     from lowprec.train.checkpoint import load_checkpoint
     from lowprec.train.checkpoint_metadata import load_metadata
     from lowprec.train.checkpoint_reader import split_state
+    from lowprec_lab.cli import main
 
     old = tmp_path / "sharded"
     want_t, want_group = run_ranks(_save_sharded_old, 2, str(old))[0]

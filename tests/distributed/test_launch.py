@@ -28,7 +28,7 @@ QUICK = [
 def _lowprec(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "lowprec_lab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
 
 

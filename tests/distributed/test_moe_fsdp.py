@@ -19,10 +19,10 @@ def _train(recipe_name: str, dims: dict | None, steps: int, comm: dict | None = 
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))

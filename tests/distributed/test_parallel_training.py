@@ -31,10 +31,10 @@ def _train(
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     recipe = get_recipe(recipe_name).with_fields("comm", **(comm or {}))
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
@@ -227,10 +227,10 @@ def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Te
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import _loss
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(steps=2, batch_size=4, seq_len=64, timing_warmup_steps=1, progress=False)

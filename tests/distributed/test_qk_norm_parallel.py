@@ -17,10 +17,10 @@ def _train(rank: int, ws: int, dims: dict | None, steps: int) -> dict:
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowprec.parallel.spawn import run_ranks
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 NON_TE = [n for n, r in CATALOG.items() if r.fp8.backend != "te"]
 
@@ -25,10 +25,10 @@ def _measure_all(rank: int, ws: int, size: str, names: list[str]) -> list[tuple]
     from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import _loss, train_step
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     torch.compile = lambda fn=None, **kw: (
         fn if fn is not None else (lambda f: f)

@@ -24,9 +24,9 @@ from fault_env import injected
 from mlflow.tracking import MlflowClient
 from store_dirs import dirs_under
 
-from experiments.cli import main
-from experiments.stats.stability import count_events
 from lowprec.train.checkpoint import read_trainer_state
+from lowprec_lab.cli import main
+from lowprec_lab.stats.stability import count_events
 
 RUN = ["model=debug", "model.qk_norm=false"]
 RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
@@ -233,15 +233,15 @@ def _fsdp_run(rank: int, ws: int, extra: dict, checkpoint_dir: str) -> dict:
     """fp8_delayed under FSDP2 (2 ranks, gloo); the faults hit rank 0 only, as a bad value on one GPU would."""
     import os
 
-    from experiments.runner.faults import fp8_overflow_hook, nan_hook
     from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
+    from lowprec_lab.runner.faults import fp8_overflow_hook, nan_hook
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     spec = TrainSpec(

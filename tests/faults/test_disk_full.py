@@ -21,13 +21,13 @@ from mlflow.tracking import MlflowClient
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-import experiments.tracking.spool as spool_module
-from experiments.cli import main
-from experiments.runner.orphans import OWNER_TAG, close_orphans
-from experiments.tracking.spool import SPOOLED_TAG
-from experiments.tracking.tracker import Tracker
+import lowprec_lab.tracking.spool as spool_module
 from lowprec.storage import disk_errno, disk_error
 from lowprec.train.checkpoint_files import verify
+from lowprec_lab.cli import main
+from lowprec_lab.runner.orphans import OWNER_TAG, close_orphans
+from lowprec_lab.tracking.spool import SPOOLED_TAG
+from lowprec_lab.tracking.tracker import Tracker
 
 RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=1", "train.timing_warmup_steps=1", "train.steps=6", "train.checkpoint_every=2"]

@@ -1,4 +1,4 @@
-"""Fault injection is a test channel, the environment variable ``LOWPREC_FAULTS`` (experiments/runner/faults.py),
+"""Fault injection is a test channel, the environment variable ``LOWPREC_FAULTS`` (lowprec_lab/runner/faults.py),
 never the user's config: its two forms, a bad value refused in one line before any MLflow run exists, and a named
 fault point armed through it in a real ``lowprec train`` subprocess."""
 
@@ -12,9 +12,9 @@ import pytest
 from fault_env import env_with, injected
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.runner.faults import FaultsConfig, from_env, parse
 from lowprec.errors import ConfigError
+from lowprec_lab.cli import main
+from lowprec_lab.runner.faults import FaultsConfig, from_env, parse
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=4"]
@@ -56,7 +56,7 @@ def test_a_bad_value_is_one_line_and_creates_no_mlflow_run(value, needle, run_di
 
 def test_a_fault_point_fires_through_the_environment_variable(run_dirs, tmp_path):
     # SIGKILL at the run's creation: the run exists in MLflow and the process never gets further
-    cmd = [sys.executable, "-m", "experiments", "train", *RUN, *run_dirs]
+    cmd = [sys.executable, "-m", "lowprec_lab", "train", *RUN, *run_dirs]
     spec = "at_point=run.created,point_action=kill"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with(spec))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

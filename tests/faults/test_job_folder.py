@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from store_dirs import dirs_under
 
-from experiments.cli import compose, main
-from experiments.plan.preflight import preflight
-from experiments.runner import submitit_jobs
-from experiments.tracking.tracker import make_tracker
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan.preflight import preflight
+from lowprec_lab.runner import submitit_jobs
+from lowprec_lab.tracking.tracker import make_tracker
 
 ABLATE = [
     "model=debug",

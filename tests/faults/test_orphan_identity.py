@@ -1,5 +1,5 @@
 """A run's owner is a process of one PID namespace on one boot: the orphan sweep
-(experiments/runner/orphans.py) and ``resume=`` of a run's checkpoint (experiments/runner/continued_runs.py
+(lowprec_lab/runner/orphans.py) and ``resume=`` of a run's checkpoint (lowprec_lab/runner/continued_runs.py
 ``supersede``) end a
 RUNNING run only when its owner is provably dead; a run owned from another container that shares the hostname, or
 still training, stays RUNNING. Real MLflow sqlite stores; the owner tags are written as another process would."""
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.runner import orphans
-from experiments.runner.continued_runs import supersede
-from experiments.runner.orphans import OWNER_TAG, _start_ticks, close_orphans, owner
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.runner import orphans
+from lowprec_lab.runner.continued_runs import supersede
+from lowprec_lab.runner.orphans import OWNER_TAG, _start_ticks, close_orphans, owner
+from lowprec_lab.tracking.tracker import Tracker
 
 # the tag names are spelled out (not imported) so that these tests fail by assertion, not by import, on code
 # without them
@@ -131,7 +131,7 @@ def test_owner_tags_name_this_process_namespace_and_boot():
 
 _IN_NAMESPACE = """
 import json, socket
-from experiments.runner import orphans
+from lowprec_lab.runner import orphans
 tags = orphans.owner_tags()
 print(json.dumps({
     "ours": orphans.procfs_is_ours(),

@@ -1,5 +1,5 @@
 """A run whose process was killed without a word (kill -9) is ended FAILED by the next lowprec command on the same
-host (experiments/runner/orphans.py), and only such a run: one whose owner is alive, or on another host, stays
+host (lowprec_lab/runner/orphans.py), and only such a run: one whose owner is alive, or on another host, stays
 RUNNING."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from fault_env import env_with
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.runner.orphans import OWNER_TAG, owner, owner_alive
+from lowprec_lab.cli import main
+from lowprec_lab.runner.orphans import OWNER_TAG, owner, owner_alive
 
 RUN = ["model=debug", "train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
 RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "recipe=fp32", "train.steps=6"]
@@ -35,7 +35,7 @@ def test_owner_of_this_process_is_alive_and_a_dead_or_foreign_one_is_told_apart(
 def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(run_dirs, tmp_path, capsys):
     # the first run SIGKILLs itself before step 3: no handler runs, its MLflow run stays RUNNING
     args = ["train", *RUN, *run_dirs]
-    cmd = [sys.executable, "-m", "experiments", *args]
+    cmd = [sys.executable, "-m", "lowprec_lab", *args]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env_with("kill_at_step=3"))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err
@@ -61,7 +61,7 @@ def test_every_step_up_to_a_checkpoint_is_in_mlflow_when_the_process_is_killed(r
     # metrics are buffered (one MLflow write per 25 steps) but flushed after each checkpoint: a kill -9 loses only
     # steps after the last checkpoint, which the resumed run trains (and logs) again
     args = ["train", *RUN, *run_dirs, "train.steps=10", "train.checkpoint_every=3"]
-    cmd = [sys.executable, "-m", "experiments", *args]
+    cmd = [sys.executable, "-m", "lowprec_lab", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with("kill_at_step=7"))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     client, _, (dead,) = _runs(tmp_path)

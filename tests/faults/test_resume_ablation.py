@@ -26,15 +26,15 @@ from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 from store_dirs import dirs_under
 
-import experiments.plan.preflight
-import experiments.runner.scheduler
-from experiments.cli import compose, main
-from experiments.plan.plan import config_yaml
-from experiments.runner.resume import config_difference
-from experiments.tracking.runs import load_runs
-from experiments.tracking.tracker import Tracker
+import lowprec_lab.plan.preflight
+import lowprec_lab.runner.scheduler
+from lowprec.recipes import CATALOG, get_recipe
 from lowprec.train.stop import clear_stop
-from recipes import CATALOG, get_recipe
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan.plan import config_yaml
+from lowprec_lab.runner.resume import config_difference
+from lowprec_lab.tracking.runs import load_runs
+from lowprec_lab.tracking.tracker import Tracker
 
 RUN = ["model=debug", "model.qk_norm=false"]
 RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
@@ -48,8 +48,8 @@ AUTO = ["seeds=auto", "max_seeds=4", "report.margin=1e-9"]
 def own_handlers(monkeypatch):
     """The commands install their stop handlers in this (pytest) process: put pytest's back afterwards. Workers get
     one intra-op thread, as this process has, on any machine (2 workers on "2 cores"): the same numbers."""
-    monkeypatch.setattr(experiments.runner.scheduler, "cores", lambda: 2)
-    monkeypatch.setattr(experiments.plan.preflight, "cores", lambda: 2)
+    monkeypatch.setattr(lowprec_lab.runner.scheduler, "cores", lambda: 2)
+    monkeypatch.setattr(lowprec_lab.plan.preflight, "cores", lambda: 2)
     with restored_stop_handlers():
         yield
 
@@ -89,8 +89,8 @@ def baseline(tmp_path_factory):
     with one thread each train every run exactly as this process does: tests/integration/test_seeds_and_workers.py.)"""
     root = tmp_path_factory.mktemp("baseline")
     mp = pytest.MonkeyPatch()
-    mp.setattr(experiments.runner.scheduler, "cores", lambda: 2)
-    mp.setattr(experiments.plan.preflight, "cores", lambda: 2)
+    mp.setattr(lowprec_lab.runner.scheduler, "cores", lambda: 2)
+    mp.setattr(lowprec_lab.plan.preflight, "cores", lambda: 2)
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
@@ -226,7 +226,7 @@ def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(base
 
 
 def _subprocess(args: list[str], faults: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "experiments", *args]
+    cmd = [sys.executable, "-m", "lowprec_lab", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with(faults))
 
 
@@ -273,12 +273,12 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
     # a recipe whose definition changed since the ablation ran (here: another amax history length)
     changed = CATALOG["fp8_delayed"].with_fields("fp8", amax_history_len=8)
     monkeypatch.setattr(
-        experiments.plan.preflight, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
+        lowprec_lab.plan.preflight, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
     )
     assert f"recipe fp8_delayed hashes to {changed.hash()} here but ran as {CATALOG['fp8_delayed'].hash()}" in one_line(
         [f"resume={ablation_id}"]
     )
-    monkeypatch.setattr(experiments.plan.preflight, "get_recipe", get_recipe)
+    monkeypatch.setattr(lowprec_lab.plan.preflight, "get_recipe", get_recipe)
     # an ablation still running holds its lock (another process here: an OS file lock taken by this one)
     with FileLock(str(root / "runs" / "locks" / f"{ablation_id}.lock")):
         assert "the ablation is still running in another process" in one_line([f"resume={ablation_id}"])

@@ -11,8 +11,8 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from stop_handlers import restored_stop_handlers
 
-from experiments.cli import _run_composed, compose, hydra_value
 from lowprec.train.stop import StopSignal
+from lowprec_lab.cli import _run_composed, compose, hydra_value
 
 RUN = ["model=debug", "recipe=fp32", "train.steps=4", "train.checkpoint_on_signal=true"]
 

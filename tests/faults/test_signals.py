@@ -22,10 +22,10 @@ from mlflow.tracking import MlflowClient
 from stalled_exit import stall_at_exit
 from stop_handlers import restored_stop_handlers
 
-from experiments.cli import main
-from experiments.runner.scheduler import close_pool, pool_internals
 from lowprec.train.checkpoint_files import verify
 from lowprec.train.stop import clear_stop
+from lowprec_lab.cli import main
+from lowprec_lab.runner.scheduler import close_pool, pool_internals
 
 RUN = ["model=debug", "model.qk_norm=false"]
 RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
@@ -105,7 +105,7 @@ def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_pare
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
     args += ["train.checkpoint_on_signal=true", *run_dirs]
-    proc = subprocess.Popen([sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while _running_children(str(db)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -158,7 +158,7 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to
         *run_dirs,
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     deadline = time.monotonic() + 120
     while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:

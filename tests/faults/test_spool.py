@@ -15,8 +15,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.tracking.spool import (
+from lowprec_lab.cli import main
+from lowprec_lab.tracking.spool import (
     SPOOLED_TAG,
     ReplayInterrupted,
     Spooler,
@@ -28,7 +28,7 @@ from experiments.tracking.spool import (
     replay,
     spool_path,
 )
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.tracking.tracker import Tracker
 
 
 @pytest.fixture
@@ -293,7 +293,7 @@ def _nearly_full_disk(monkeypatch, room: int) -> None:
     import errno
     import os
 
-    import experiments.tracking.spool as spool_module
+    import lowprec_lab.tracking.spool as spool_module
 
     real, left = os.write, [room]
 

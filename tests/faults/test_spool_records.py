@@ -1,4 +1,4 @@
-"""A spool file is data someone may have sent (experiments/tracking/spool.py): each of its lines is read with a
+"""A spool file is data someone may have sent (lowprec_lab/tracking/spool.py): each of its lines is read with a
 bounded length and parsed without letting the parser's own limits escape; a record that would not replay, or that
 would change what a run's own spool may not (its status backwards, another run's membership or files), is refused
 in one line naming the file and the line, before anything is written, never reported as a failure of the store. A
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from mlflow.entities import Metric, RunTag
 
-import experiments.tracking.spool as spool_module
-from experiments.cli import main
-from experiments.runner.orphans import OWNER_TAG, close_orphans
-from experiments.tracking.spool import SpoolError, append, batch_record, end_record, read_spool, replay, spool_path
-from experiments.tracking.tracker import Tracker
+import lowprec_lab.tracking.spool as spool_module
+from lowprec_lab.cli import main
+from lowprec_lab.runner.orphans import OWNER_TAG, close_orphans
+from lowprec_lab.tracking.spool import SpoolError, append, batch_record, end_record, read_spool, replay, spool_path
+from lowprec_lab.tracking.tracker import Tracker
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 from store_dirs import dirs_under
 
-import experiments.plan.preflight
-import experiments.runner.scheduler
-import experiments.runner.submitit_jobs
-from experiments.cli import main
+import lowprec_lab.plan.preflight
+import lowprec_lab.runner.scheduler
+import lowprec_lab.runner.submitit_jobs
+from lowprec_lab.cli import main
 
 RUN = ["experiment=smoke", "recipes=[fp32,bf16]", "seeds=1", "train.steps=6", "train.val_every=3"]
 RUN += ["train.val_batches=1", "train.telemetry_every=3", "train.batch_size=2", "train.seq_len=64"]
@@ -35,7 +35,7 @@ RUN += ["train.warmup_steps=2", "train.timing_warmup_steps=1", "launcher.poll_s=
 def own_handlers(monkeypatch):
     """The commands install their stop handlers in this (pytest) process: put pytest's back afterwards. Two jobs
     with one thread each on any machine."""
-    for module in (experiments.runner.scheduler, experiments.plan.preflight, experiments.runner.submitit_jobs):
+    for module in (lowprec_lab.runner.scheduler, lowprec_lab.plan.preflight, lowprec_lab.runner.submitit_jobs):
         monkeypatch.setattr(module, "cores", lambda: 2)
     with restored_stop_handlers():
         yield

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from mlflow.entities import RunTag
 
-import experiments.tracking.spool as spool_module
-from experiments.cli import main
-from experiments.tracking.spool import append, batch_record, spool_path
-from experiments.tracking.tracker import Tracker
+import lowprec_lab.tracking.spool as spool_module
+from lowprec_lab.cli import main
+from lowprec_lab.tracking.spool import append, batch_record, spool_path
+from lowprec_lab.tracking.tracker import Tracker
 
 SECRET = "token=hunter2\n"
 

@@ -23,8 +23,8 @@ from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
 
 from benchmarks._support import MlflowServer
-from experiments.cli import main
-from experiments.tracking.spool import SPOOLED_TAG
+from lowprec_lab.cli import main
+from lowprec_lab.tracking.spool import SPOOLED_TAG
 
 RUN = ["model=debug", "model.qk_norm=false"]
 RUN += ["train.batch_size=2", "train.seq_len=64", "train.val_every=0", "train.val_batches=1"]
@@ -59,7 +59,7 @@ def _train(server, runs):
     args = [*RUN, f"tracking.uri={server.uri}", f"paths.runs={runs}", f"paths.reports={runs}"]
     out, err = open(runs / "stdout.txt", "w"), open(runs / "stderr.txt", "w")
     with out, err:
-        return subprocess.Popen([sys.executable, "-m", "experiments", "train", *args], stdout=out, stderr=err)
+        return subprocess.Popen([sys.executable, "-m", "lowprec_lab", "train", *args], stdout=out, stderr=err)
 
 
 def _wait(what, proc, timeout_s=120.0):
@@ -171,7 +171,7 @@ def test_an_ablations_workers_spool_and_sync_then_report_delivers_the_whole_abla
     args += [f"tracking.uri={server.uri}", f"paths.runs={runs}", f"paths.reports={tmp_path / 'reports'}"]
     with open(runs / "stdout.txt", "w") as out, open(runs / "stderr.txt", "w") as err:
         # its own process group: the ablation and its two worker processes are paused together
-        cmd = [sys.executable, "-m", "experiments", *args]
+        cmd = [sys.executable, "-m", "lowprec_lab", *args]
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
     try:
         started = "select count(distinct p.run_uuid) from params p join tags t on p.run_uuid = t.run_uuid "

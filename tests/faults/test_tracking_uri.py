@@ -1,5 +1,5 @@
 """A ``tracking.uri`` MLflow cannot open here is refused in one line before a run or a store is created
-(``experiments.plan.config.check_store_uri``): MLflow's file store (``file://`` or a bare folder: MLflow 3 refuses
+(``lowprec_lab.plan.config.check_store_uri``): MLflow's file store (``file://`` or a bare folder: MLflow 3 refuses
 it with a paragraph and a traceback), and a database URI whose driver is not installed (SQLAlchemy imports it only
 when MLflow opens the store: ``ModuleNotFoundError`` with a 20-frame traceback)."""
 
@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from experiments.cli import main
+from lowprec_lab.cli import main
 
 RUN = ["train", "model=debug", "train.batch_size=2", "train.seq_len=32", "train.steps=2", "train.val_every=0"]
 

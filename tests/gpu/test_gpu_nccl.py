@@ -48,10 +48,10 @@ def _train(recipe_name: str, device: str, dims: dict, steps: int, model: str, **
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
     from lowprec.parallel import ParallelDims
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
-    from recipes import get_recipe
 
     data = prepare(DataSpec(cache_dir=os.environ.get("LOWPREC_CACHE", "~/.cache/lowprec")))
     kw = dict(batch_size=8, seq_len=256, warmup_steps=2, val_every=0, val_batches=1, timing_warmup_steps=1)
@@ -150,8 +150,8 @@ def predicted_model_gather_bytes(recipe_name: str, ws: int) -> dict[str, int]:
     FP32 amax all-reduce per FP8 weight per gather (labelled all-gather); torchao's precomputed scales add none."""
     from lowprec.convert import fp8_candidate_fqns
     from lowprec.model import model_args
+    from lowprec.recipes import get_recipe
     from lowprec.train.build import build_model_meta
-    from recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
     model = build_model_meta(model_args("debug"))

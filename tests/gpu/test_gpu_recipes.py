@@ -1,4 +1,4 @@
-"""Catalog recipes trained end to end on CUDA through the command line (``experiments.cli.main``), tracked in a
+"""Catalog recipes trained end to end on CUDA through the command line (``lowprec_lab.cli.main``), tracked in a
 temp MLflow store: Transformer Engine's ``te_delayed`` and ``te_blockwise`` (never run on a CPU), and every
 other recipe, which the CPU suite runs only on CPU kernels.
 
@@ -23,12 +23,12 @@ pytest.importorskip("mlflow", reason="the end-to-end GPU runs track in MLflow (n
 pytest.importorskip("hydra", reason="the end-to-end GPU runs compose with Hydra (not installed here)")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from experiments.cli import main  # noqa: E402
 from lowprec.backends import fp8_backend  # noqa: E402
 from lowprec.convert import fp8_candidate_fqns  # noqa: E402
 from lowprec.model import model_args  # noqa: E402
+from lowprec.recipes import CATALOG, get_recipe  # noqa: E402
 from lowprec.train.build import build_model_meta  # noqa: E402
-from recipes import CATALOG, get_recipe  # noqa: E402
+from lowprec_lab.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -10,8 +10,8 @@ import json
 import numpy as np
 from mlflow.entities import Metric
 
-from experiments.tracking.tracker import ABLATION_TAG
 from lowprec.model import model_args
+from lowprec_lab.tracking.tracker import ABLATION_TAG
 
 STEPS = 100
 SEEDS = [0, 1, 2, 3]

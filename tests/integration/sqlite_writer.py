@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.tracking.tracker import MetricBuffer, Tracker
+from lowprec_lab.tracking.tracker import MetricBuffer, Tracker
 
 
 def main(uri: str, folder: Path, name: str, runs: int, steps: int) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import yaml
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import compose, main
-from experiments.report.build import report_figures
-from experiments.tracking.tracker import ABLATION_TAG
+from lowprec_lab.cli import compose, main
+from lowprec_lab.report.build import report_figures
+from lowprec_lab.tracking.tracker import ABLATION_TAG
 
 SMOKE = list(compose("ablate", ["experiment=smoke"]).recipes)
 

@@ -22,13 +22,13 @@ WIDTH = 240  # wide enough that the report paths under pytest's temporary folder
 
 
 def _run_in_pty(args: list[str], timeout_s: float = 600) -> str:
-    """``python -m experiments ARGS`` with stdin, stdout and stderr on one pseudo-terminal; returns what it wrote."""
+    """``python -m lowprec_lab ARGS`` with stdin, stdout and stderr on one pseudo-terminal; returns what it wrote."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, WIDTH, 0, 0))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": str(WIDTH)}
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments", *args], stdin=follower, stdout=follower, stderr=follower, env=env,
+        [sys.executable, "-m", "lowprec_lab", *args], stdin=follower, stdout=follower, stderr=follower, env=env,
         cwd=ROOT, close_fds=True,
     )  # fmt: skip
     os.close(follower)

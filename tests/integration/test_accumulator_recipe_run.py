@@ -3,8 +3,8 @@ trains with it and its MLflow record (params, short name, hash) says so."""
 
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
+from lowprec_lab.cli import main
 
 QUICK = [
     "model=debug",

@@ -16,11 +16,11 @@ from lowprec.estimate.activations import predict_saved_activations
 from lowprec.measure.saved_tensors import measure_saved_bytes
 from lowprec.model import model_args
 from lowprec.numerics.scaling import DelayedScaler
+from lowprec.recipes import get_recipe
 from lowprec.train.ac import apply_ac, is_checkpointed
 from lowprec.train.build import build, build_model_meta
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 CPU = torch.device("cpu")
 MODES = ("none", "full", "selective")
@@ -166,7 +166,7 @@ def test_estimate_matches_measured_saved_bytes_in_every_mode(size, recipe):
 def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(run_dirs, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     quick = ["model=debug", "model.qk_norm=false"]
     quick += ["train.steps=3", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]

@@ -226,7 +226,7 @@ def _in_bounded_process(code: str, headroom_mib: int = 512) -> subprocess.Comple
     ``headroom_mib`` (so a payload that escapes its guard fails with MemoryError instead of taking the machine)."""
     prelude = textwrap.dedent(f"""
         import resource, time
-        import lowprec.train.checkpoint_metadata, experiments.runner.job_ranks
+        import lowprec.train.checkpoint_metadata, lowprec_lab.runner.job_ranks
         size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         limit = size + {headroom_mib} * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -257,7 +257,7 @@ def test_a_nested_path_bomb_in_metadata_is_refused_in_milliseconds_within_the_me
 
 
 def test_a_job_arguments_bomb_and_arguments_of_the_wrong_type_are_refused(tmp_path):
-    from experiments.runner.job_ranks import ARGS, load_args
+    from lowprec_lab.runner.job_ranks import ARGS, load_args
 
     job = tmp_path / "job"
     job.mkdir()
@@ -265,7 +265,7 @@ def test_a_job_arguments_bomb_and_arguments_of_the_wrong_type_are_refused(tmp_pa
     (job / ARGS).write_bytes(bomb)
     r = _in_bounded_process(f"""
         from pathlib import Path
-        from experiments.runner.job_ranks import load_args
+        from lowprec_lab.runner.job_ranks import load_args
         t = time.perf_counter()
         try:
             load_args(Path({str(job)!r}))

@@ -16,13 +16,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from experiments.cli import main
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint import TRAINER_STATE, load_checkpoint, save_checkpoint
 from lowprec.train.checkpoint_convert import convert_checkpoint
 from lowprec.train.checkpoint_files import MANIFEST, staging_folder, verify, write_manifest
 from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.checkpoint_reader import VALUES, split_state
+from lowprec_lab.cli import main
 
 
 class _Payload:

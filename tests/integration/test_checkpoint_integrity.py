@@ -17,10 +17,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import lowprec.train.checkpoint as checkpoint_module
-from experiments.cli import main
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.checkpoint_files import (
     CheckpointDamagedError,
@@ -30,7 +30,7 @@ from lowprec.train.checkpoint_files import (
 )
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG
+from lowprec_lab.cli import main
 
 RECIPE = CATALOG["fp8_delayed"]  # amax histories and scales in the model state: the richest one-process state
 SPEC = dict(steps=8, batch_size=2, seq_len=64, warmup_steps=2, val_every=0, val_batches=1)

@@ -8,10 +8,10 @@ import fabricated_ablation
 import pytest
 from fabricated_ablation import CONTROL, CONTROL_LOSS, SEEDS, fabricate_ablation
 
-from experiments.report.build import build_report
-from experiments.report.verdict_table import build_table, controls_line, forest_rows
-from experiments.tracking.runs import load_runs
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.report.build import build_report
+from lowprec_lab.report.verdict_table import build_table, controls_line, forest_rows
+from lowprec_lab.tracking.runs import load_runs
+from lowprec_lab.tracking.tracker import Tracker
 
 NEG, POS = "bf16_reordered", "bf16_pure"
 #: relative differences to the control by seed: the reordered control within roundings, bf16_pure 2% worse

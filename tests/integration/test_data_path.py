@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
+from lowprec_lab.cli import main
 
 TWO_STEPS = [
     "model=debug",

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import compose, main
+from lowprec_lab.cli import compose, main
 
 TWO_STEPS = [
     "model=debug",
@@ -75,10 +75,10 @@ def test_prepare_then_train_two_steps_on_the_shards(kind, run_dirs, tmp_path, ca
 
 
 def test_a_run_that_repeats_data_warns_unless_allowed(tmp_path, capsys):
-    from experiments.plan.config import data_from_cfg, train_from_cfg
-    from experiments.plan.startup import warn_repeated_data
     from lowprec.data import DataSpec, prepare
     from lowprec.data.shards import write_shards
+    from lowprec_lab.plan.config import data_from_cfg, train_from_cfg
+    from lowprec_lab.runtime.startup import warn_repeated_data
 
     ids = np.arange(1000) % 500
     write_shards(tmp_path / "tok", {"train": ids, "val": ids[:200]}, vocab_size=512, shard_tokens=10_000, extra={})

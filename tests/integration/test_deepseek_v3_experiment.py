@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.report.build import report_figures
-from experiments.studies import GROUP_TAG
+from lowprec_lab.cli import main
+from lowprec_lab.report.build import report_figures
+from lowprec_lab.studies import GROUP_TAG
 
 SECTIONS = (
     "## Headline: measured against the paper",
@@ -31,7 +31,7 @@ def test_the_no_promotion_arm_trains_on_the_fitted_hopper_accumulator(experiment
     from omegaconf import OmegaConf
 
     from lowprec.float8.accumulator import HOPPER_ACCUMULATOR
-    from recipes import CATALOG
+    from lowprec.recipes import CATALOG
 
     root = Path(__file__).resolve().parents[2]
     recipes = OmegaConf.load(root / "conf" / "experiment" / f"{experiment}.yaml").recipes

@@ -14,12 +14,12 @@ from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.errors import CheckpointError, ConfigError
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.ema import WeightEma
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import evaluate
-from recipes import CATALOG
 
 BASE = dict(
     steps=6,
@@ -149,7 +149,7 @@ def test_decay_out_of_range_is_one_line(decay):
 
 
 def test_cli_refuses_a_bad_decay_and_a_parallel_layout(run_dirs, capsys):
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     assert main(["train", "model=debug", "train.eval_ema=1.0", *run_dirs]) != 0
     err = capsys.readouterr().err

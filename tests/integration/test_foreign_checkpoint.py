@@ -15,12 +15,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint import load_checkpoint
 from lowprec.train.checkpoint_files import write_manifest
 from lowprec.train.checkpoint_metadata import load_metadata
 from lowprec.train.checkpoint_reader import CheckpointReader, SafeLoadPlanner
+from lowprec_lab.cli import main
 
 ARGS = ["train", "recipe=fp8_delayed", "model=debug", "train.steps=4", "train.batch_size=2", "train.seq_len=64"]
 ARGS += ["train.val_every=0", "train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1"]

@@ -9,8 +9,8 @@ import re
 import numpy as np
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.stats.noise import seeds_for_zero_gap
+from lowprec_lab.cli import main
+from lowprec_lab.stats.noise import seeds_for_zero_gap
 
 
 def test_lr_sweep_quick_tabulates_every_point_from_the_store(run_dirs, tmp_path, capsys):

@@ -16,9 +16,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.tracking.spool import append, replay, spool_path
-from experiments.tracking.tracker import (
+from lowprec.data import TokenData
+from lowprec_lab.cli import main
+from lowprec_lab.tracking.spool import append, replay, spool_path
+from lowprec_lab.tracking.tracker import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     NOT_INSTALLED,
@@ -27,7 +28,6 @@ from experiments.tracking.tracker import (
     git_sha,
     provenance_tags,
 )
-from lowprec.data import TokenData
 
 
 def _absent(*names):
@@ -110,7 +110,7 @@ def test_mlflow_source_and_datasets_columns_and_the_parent_name(run_dirs, tmp_pa
 
 @pytest.mark.parametrize("dirty", [False, True])
 def test_the_git_commit_tag_is_the_bare_sha(monkeypatch, dirty):
-    import experiments.tracking.tracker as tracking
+    import lowprec_lab.tracking.tracker as tracking
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setattr(tracking, "git_sha", lambda: sha + ("-dirty" if dirty else ""))

@@ -11,16 +11,16 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
 from lowprec.backends import fp8_backend
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.recipe import CommSpec
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG
+from lowprec_lab.cli import main
 
 SPEC = TrainSpec(
     steps=2, batch_size=2, seq_len=32, warmup_steps=1, val_every=0, val_batches=1, timing_warmup_steps=1, progress=False

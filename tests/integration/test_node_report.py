@@ -3,9 +3,9 @@ recipe that ``train.compile=auto`` ran eager is said not comparable. A fabricate
 
 from fabricated_ablation import fabricate_ablation
 
-from experiments.plan.placement import plan_placement
-from experiments.report.build import build_report
-from experiments.tracking.tracker import PARENT_TAG, Tracker
+from lowprec_lab.plan.placement import plan_placement
+from lowprec_lab.report.build import build_report
+from lowprec_lab.tracking.tracker import PARENT_TAG, Tracker
 
 ABL = "abl-node"
 RUNS = {"bf16": {0: 4.00, 1: 4.05}, "fp8_rowwise": {0: 4.001, 1: 4.049}, "fp8_blockwise": {0: 4.002, 1: 4.051}}

@@ -7,10 +7,10 @@ from concurrent.futures import wait
 
 from mlflow.tracking import MlflowClient
 
-import experiments.plan.preflight as preflight_mod
-from experiments.cli import main
-from experiments.plan.placement import plan_placement
-from experiments.runner import scheduler
+import lowprec_lab.plan.preflight as preflight_mod
+from lowprec_lab.cli import main
+from lowprec_lab.plan.placement import plan_placement
+from lowprec_lab.runner import scheduler
 
 QUICK = [
     "model=debug",

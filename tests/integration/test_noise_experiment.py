@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.stats.noise import seeds_for_zero_gap
+from lowprec_lab.cli import main
+from lowprec_lab.stats.noise import seeds_for_zero_gap
 
 
 def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, tmp_path, capsys):

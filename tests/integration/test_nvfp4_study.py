@@ -3,8 +3,8 @@ report -> study), on the debug model."""
 
 import re
 
-from experiments.cli import main
-from experiments.studies.nvfp4 import PAPER
+from lowprec_lab.cli import main
+from lowprec_lab.studies.nvfp4 import PAPER
 
 
 def test_nvfp4_quick_ablation_writes_the_stabiliser_table(run_dirs, tmp_path, capsys):

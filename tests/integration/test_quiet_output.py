@@ -11,8 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from experiments.plan.launch import torchrun_command, torchrun_env
 from lowprec.data.prepare_source import PrepareSpec, prepare_shards
+from lowprec_lab.plan.launch import torchrun_command, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_torchrun_prints_no_omp_num_threads_banner(monkeypatch):
 
 def test_a_new_mlflow_store_prints_no_table_creation_log(tmp_path):
     p = _python(f"""
-        from experiments.tracking.tracker import make_tracker
+        from lowprec_lab.tracking.tracker import make_tracker
         t = make_tracker("sqlite:///{tmp_path / "mlflow.db"}", "lowprec", "{tmp_path / "runs"}")
         print(t.experiment_id)
     """)

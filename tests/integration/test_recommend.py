@@ -9,9 +9,9 @@ import json
 import pytest
 from fabricated_ablation import CONTROL, SEEDS, fabricate_ablation
 
-from experiments.cli import main
-from experiments.report.build import build_report
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.cli import main
+from lowprec_lab.report.build import build_report
+from lowprec_lab.tracking.tracker import Tracker
 
 BASE = ["model=llama3_8b", "hardware=h100", "gpus=8", "tokens=1e11"]
 

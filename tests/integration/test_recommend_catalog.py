@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import experiments.planning.recommend as rec_mod
-from experiments.cli import compose, main, planning_query
-from experiments.plan.preflight import preflight
-from experiments.planning.recommend import format_table, recommend
-from experiments.planning.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
+import lowprec_lab.sizing.recommend as rec_mod
 from lowprec.backends import fp8_backends
 from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.estimate.runnable import hardware_blocker
-from recipes import CATALOG, get_recipe
+from lowprec.recipes import CATALOG, get_recipe
+from lowprec_lab.cli import compose, main, planning_query
+from lowprec_lab.plan.preflight import preflight
+from lowprec_lab.sizing.recommend import format_table, recommend
+from lowprec_lab.sizing.recommend_evidence import PUBLISHED_EVIDENCE, published_evidence
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = [(r, h) for r in CATALOG for h in HARDWARE]
@@ -87,7 +87,7 @@ def test_the_default_path_covers_the_whole_catalog(hardware, no_store):
 def test_the_readme_example_runs_as_typed(tmp_path):
     """The README's first command, as a user runs it: exit 0, MXFP8 listed as not runnable on an H100 with the
     reason, and never given a step time (about 10 s: the whole catalog on Llama-3-8B)."""
-    cmd = [sys.executable, "-m", "experiments", "recommend", "model=llama3_8b", "hardware=h100", "gpus=64"]
+    cmd = [sys.executable, "-m", "lowprec_lab", "recommend", "model=llama3_8b", "hardware=h100", "gpus=64"]
     cmd += ["tokens=2e12", f"tracking.uri=sqlite:///{tmp_path / 'none.db'}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
@@ -160,7 +160,7 @@ def test_the_70b_evidence_command_runs_as_printed(no_store, monkeypatch):
     for needle in ("device=cuda", f"parallel.dp_shard={a.dp_shard}", f"parallel.tp={a.tp}", "train.steps=1000"):
         assert needle in args
     cfg = compose("ablate", args)
-    for where in ("experiments.plan.preflight", "experiments.runner.ablate"):
+    for where in ("lowprec_lab.plan.preflight", "lowprec_lab.runner.ablate"):
         monkeypatch.setattr(f"{where}.resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     # as one rank of the printed torchrun line (the ranks are torchrun's, across the nodes)

@@ -10,10 +10,10 @@ import shlex
 
 import pytest
 
-from experiments.cli import compose, main, planning_query
-from experiments.plan.estimate_config import register_planning_configs
-from experiments.plan.preflight import preflight
 from lowprec.train.spec import TrainSpec
+from lowprec_lab.cli import compose, main, planning_query
+from lowprec_lab.plan.estimate_config import register_planning_configs
+from lowprec_lab.plan.preflight import preflight
 
 #: appended to each printed line: the acceptance's ``train.steps=2 model=debug``, and the timing warmup below 2 steps
 #: (``TrainSpec`` refuses ``train.timing_warmup_steps=3`` >= ``train.steps``, for every ``lowprec train`` line)
@@ -26,7 +26,7 @@ def _printed(capsys, argv: list[str]) -> dict:
 
 
 def _subcommand_args(line: str, subcommand: str) -> list[str]:
-    """The overrides of a printed line: the words after ``lowprec <subcommand>`` or ``-m experiments <subcommand>``
+    """The overrides of a printed line: the words after ``lowprec <subcommand>`` or ``-m lowprec_lab <subcommand>``
     (the torchrun line of several hosts), as the shell splits them."""
     words = shlex.split(line)
     start = next(i for i, w in enumerate(words) if w == subcommand and words[i - 1] in ("lowprec", "experiments"))
@@ -112,7 +112,7 @@ def test_the_multi_node_line_works_as_pasted_and_refuses_an_unset_head_node(tmp_
     import os
     import subprocess
 
-    from experiments.planning.recommend_plan import launch_line
+    from lowprec_lab.sizing.recommend_plan import launch_line
 
     line = launch_line("train", ["recipe=bf16", "parallel.dp_shard=16"], 2, 8)
     fake = tmp_path / "torchrun"  # prints the arguments it was started with

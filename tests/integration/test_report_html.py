@@ -12,9 +12,9 @@ from html.parser import HTMLParser
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 
-from experiments.report.build import build_report, report_figures
-from experiments.report.html_check import CHROMIUM_PACKAGE, render
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.report.build import build_report, report_figures
+from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, render
+from lowprec_lab.tracking.tracker import Tracker
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
 
-from experiments.report.build import build_report, find_ablation
-from experiments.tracking.runs import load_runs
-from experiments.tracking.tracker import PARENT_TAG, Tracker
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
+from lowprec_lab.report.build import build_report, find_ablation
+from lowprec_lab.tracking.runs import load_runs
+from lowprec_lab.tracking.tracker import PARENT_TAG, Tracker
 
 ABL = "abl-marks"
 RUNS = {"bf16": {0: 4.00, 1: 4.05}, "fp8_rowwise": {0: 4.001, 1: 4.049}, "fp8_delayed": {0: 4.002, 1: 4.051}}

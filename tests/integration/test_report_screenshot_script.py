@@ -12,8 +12,8 @@ import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from PIL import Image
 
-from experiments.report.html_check import CHROMIUM_PACKAGE, report_code_hash
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, report_code_hash
+from lowprec_lab.tracking.tracker import Tracker
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "report_screenshot.py"
 

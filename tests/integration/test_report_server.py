@@ -17,9 +17,9 @@ import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
-from experiments.report.build import find_ablation
-from experiments.tracking.tracker import Tracker
+from lowprec_lab.cli import main
+from lowprec_lab.report.build import find_ablation
+from lowprec_lab.tracking.tracker import Tracker
 
 
 def _free_port() -> int:
@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 def _start_ui(db: str, port: int) -> tuple[subprocess.Popen, str]:
     """``lowprec ui`` in a subprocess; returns it and what it printed up to its URL line."""
-    cmd = [sys.executable, "-m", "experiments", "ui", "--port", str(port), f"tracking.uri={db}"]
+    cmd = [sys.executable, "-m", "lowprec_lab", "ui", "--port", str(port), f"tracking.uri={db}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:

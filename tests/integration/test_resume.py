@@ -14,10 +14,10 @@ from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.recipe import CommSpec, Recipe
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG
 
 CPU_RECIPES: dict[str, Recipe] = {n: r for n, r in CATALOG.items() if r.fp8.backend != "te" and r.comm == CommSpec()}
 CASES: dict[str, Recipe] = {

@@ -6,14 +6,14 @@ import math
 import torch
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import compose, main, train_main
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
+from lowprec_lab.cli import compose, main, train_main
 
 QUICK = [
     "model=debug",
@@ -189,9 +189,9 @@ def test_a_run_with_z_loss_carries_its_curve_and_runs_without_it_do_not(tmp_path
     from fabricated_ablation import fabricate_ablation
     from mlflow.entities import Metric
 
-    from experiments.report.build import build_report
-    from experiments.tracking.runs import load_runs
-    from experiments.tracking.tracker import PARENT_TAG, Tracker
+    from lowprec_lab.report.build import build_report
+    from lowprec_lab.tracking.runs import load_runs
+    from lowprec_lab.tracking.tracker import PARENT_TAG, Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "lowprec", tmp_path)
     parent = fabricate_ablation(tracker, "abl-z", {"bf16": {0: 4.0, 1: 4.05}, "fp8_rowwise": {0: 4.001, 1: 4.049}})

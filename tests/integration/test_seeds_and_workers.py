@@ -8,7 +8,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
+from lowprec_lab.cli import main
 
 QUICK = [
     "model=debug",
@@ -69,7 +69,7 @@ def test_seeds_auto_adds_seeds_only_while_the_verdict_is_open(run_dirs, tmp_path
     report = (tmp_path / "reports" / parent.data.tags["lowprec.ablation_id"] / "report.md").read_text()
     assert "| `fp32` | 4 (auto: max_seeds reached) |" in report
     assert (
-        "`seeds=auto` (experiments/stats/auto_seeds.py)" in report
+        "`seeds=auto` (lowprec_lab/stats/auto_seeds.py)" in report
         and "3 seeds at " in report
         and "4 seeds at " in report
     )
@@ -108,7 +108,7 @@ def busy_cores(n: int, seconds: float = 150.0):
 def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(run_dirs, tmp_path, capsys):
     # With both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
     # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
-    # load of 6), without limit. The workers now exit at once (experiments/runner/scheduler.py `_exit_now`).
+    # load of 6), without limit. The workers now exit at once (lowprec_lab/runner/scheduler.py `_exit_now`).
     args = ["ablate", "controls=false", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
     with busy_cores(2):
         assert main(args) == 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.cli import main
-from experiments.selfcheck.registry import (
+from lowprec_lab.cli import main
+from lowprec_lab.selfcheck.registry import (
     ERROR,
     INCONCLUSIVE,
     INFERIOR,
@@ -16,7 +16,7 @@ from experiments.selfcheck.registry import (
     Registry,
     judge,
 )
-from experiments.selfcheck.runner import exit_code, format_table, load_checks, run_checks, selfcheck_main
+from lowprec_lab.selfcheck.runner import exit_code, format_table, load_checks, run_checks, selfcheck_main
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ the plain cross-entropy ``loss``."""
 import torch
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
 from lowprec.model import model_args
 from lowprec.train.build import build_model_meta, materialize
 from lowprec.train.checkpoint import load_model_weights
+from lowprec_lab.cli import main
 
 QUICK = [
     "model=debug",

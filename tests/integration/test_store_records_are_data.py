@@ -17,17 +17,17 @@ import pytest
 from mlflow.entities import Metric
 from store_dirs import dirs_under
 
-import experiments.plan.preflight
-import experiments.runner.scheduler
-from experiments.cli import compose, main, plan_of
-from experiments.report.build import build_report, report_figures
-from experiments.report.html import ReportFigureError, markdown_to_html
-from experiments.runner.resume import plan_resume, reopen_parent
-from experiments.runner.scheduler import run_jobs
-from experiments.tracking.runs import INCOMPLETE_KIND, load_runs
-from experiments.tracking.tracker import ABLATION_TAG, Tracker
+import lowprec_lab.plan.preflight
+import lowprec_lab.runner.scheduler
+from lowprec.recipes import get_recipe
 from lowprec.train.checkpoint_files import write_manifest
-from recipes import get_recipe
+from lowprec_lab.cli import compose, main, plan_of
+from lowprec_lab.report.build import build_report, report_figures
+from lowprec_lab.report.html import ReportFigureError, markdown_to_html
+from lowprec_lab.runner.resume import plan_resume, reopen_parent
+from lowprec_lab.runner.scheduler import run_jobs
+from lowprec_lab.tracking.runs import INCOMPLETE_KIND, load_runs
+from lowprec_lab.tracking.tracker import ABLATION_TAG, Tracker
 
 RUN = ["model=debug", "model.qk_norm=false"]
 RUN += ["train.batch_size=2", "train.seq_len=16", "train.val_every=0", "train.val_batches=1"]
@@ -45,8 +45,8 @@ SUMMARY = {
 @pytest.fixture(autouse=True)
 def two_cores(monkeypatch):
     """``workers=2`` passes preflight on any machine (it checks the cores it shares out)."""
-    monkeypatch.setattr(experiments.runner.scheduler, "cores", lambda: 2)
-    monkeypatch.setattr(experiments.plan.preflight, "cores", lambda: 2)
+    monkeypatch.setattr(lowprec_lab.runner.scheduler, "cores", lambda: 2)
+    monkeypatch.setattr(lowprec_lab.plan.preflight, "cores", lambda: 2)
 
 
 def _args(root: Path, *extra: str) -> list[str]:

@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 
-from experiments.cli import main
-from experiments.tracking.ui import check_exposure, is_loopback, ui_command
+from lowprec_lab.cli import main
+from lowprec_lab.tracking.ui import check_exposure, is_loopback, ui_command
 
 
 @pytest.fixture

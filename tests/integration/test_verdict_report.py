@@ -2,8 +2,8 @@
 child runs are logged directly with known per-seed losses (no training), so every verdict is known in advance.
 
 Expected intervals are recomputed here with scipy from the same numbers, not with the report's code. Also: the loss
-curves section right after the verdicts (relative loss error, experiments/stats/curves.py), the stability columns
-(experiments/stats/stability.py: logged ``stability/*`` metrics, or recomputed from the curves of older runs) and the
+curves section right after the verdicts (relative loss error, lowprec_lab/stats/curves.py), the stability columns
+(lowprec_lab/stats/stability.py: logged ``stability/*`` metrics, or recomputed from the curves of older runs) and the
 predicted H100 ratios (``lowprec estimate``'s functions).
 """
 
@@ -32,16 +32,16 @@ from fabricated_ablation import (
 from mlflow.entities import Metric
 from scipy import stats
 
-from experiments.cli import main
-from experiments.report.build import build_report, find_ablation
-from experiments.report.verdict_table import build_table, parent_records, verdict_section
-from experiments.stats import StabilityMetrics, stability_metrics
-from experiments.tracking.runs import load_runs
-from experiments.tracking.tracker import ABLATION_TAG, Tracker
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
 from lowprec.estimate.hardware import get_hardware
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
+from lowprec_lab.cli import main
+from lowprec_lab.report.build import build_report, find_ablation
+from lowprec_lab.report.verdict_table import build_table, parent_records, verdict_section
+from lowprec_lab.stats import StabilityMetrics, stability_metrics
+from lowprec_lab.tracking.runs import load_runs
+from lowprec_lab.tracking.tracker import ABLATION_TAG, Tracker
 
 _PARENT = "tags.`lowprec.kind` = 'ablation'"
 
@@ -65,7 +65,7 @@ def _spiky_loss(steps: int) -> list[float]:
 
 
 def _logged(spikes: int, diverged_at: int | None = None) -> dict[str, float]:
-    """``stability/*`` as ``experiments.tracking.stability_log`` logs them at a run's last step."""
+    """``stability/*`` as ``lowprec_lab.tracking.stability_log`` logs them at a run's last step."""
     m = StabilityMetrics(STAB_STEPS, spikes, (), 0.01, int(diverged_at is not None), diverged_at, 0, (), 0)
     return m.as_metrics()
 
@@ -220,7 +220,7 @@ def test_notes_name_the_rule_holm_and_the_cpu_caveat(store):
     text = store["text"]["abl-main"]
     section = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
     assert "Holm-corrected across the 4 recipe(s)" in section  # fp8_blockwise has 1 seed: not tested
-    assert "CONSORT non-inferiority (Piaggio et al. 2012" in section and "experiments/stats/verdict.py" in section
+    assert "CONSORT non-inferiority (Piaggio et al. 2012" in section and "lowprec_lab/stats/verdict.py" in section
     assert "says nothing about GPU throughput" in section
     assert "after step 75 of 100" in section  # the last-quarter definition
     assert "MDD (final val loss)" in section and "power 0.8" in section

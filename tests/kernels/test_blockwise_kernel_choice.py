@@ -13,12 +13,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import lowprec.kernels.blockwise as bw
-from experiments.cli import main
 from lowprec.errors import RecipeError
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.kernels import resolve_kernels
 from lowprec.numerics.formats import E4M3, sqnr_db
 from lowprec.numerics.scaling import quantize_operand
+from lowprec_lab.cli import main
 
 CPU = torch.device("cpu")
 

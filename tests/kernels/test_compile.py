@@ -19,10 +19,10 @@ from benchmarks._support import max_gap, train_losses
 from lowprec.build_optim import OptimHParams
 from lowprec.errors import RecipeError
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build, check_compile
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
 
 STEPS = 30
 MULTIPLE = 10
@@ -163,7 +163,7 @@ def test_a_compiled_run_logs_compile_time_apart_and_records_its_blocks(run_dirs,
 
     from mlflow.tracking import MlflowClient
 
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     args = ["model=debug", "train.steps=4", "train.timing_warmup_steps=1", "train.batch_size=2", "train.seq_len=32"]
     assert main(["train", *run_dirs, *args, "recipe=bf16", "train.compile=true", "train.ac=full"]) == 0

@@ -22,10 +22,10 @@ import torch
 from lowprec.build_optim import OptimHParams
 from lowprec.model import model_args
 from lowprec.recipe import CommSpec
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import forward_loss
-from recipes import CATALOG
 
 FP8_RECIPES = [n for n, r in CATALOG.items() if r.fp8.enabled and r.fp8.backend != "te"]
 

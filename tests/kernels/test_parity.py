@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks._support import max_gap, train_losses
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 MULTIPLE = 10
 

@@ -10,10 +10,10 @@ from mlflow.tracking import MlflowClient
 
 import lowprec.kernels.policy as policy
 import lowprec.kernels.probe as probe
-from experiments.cli import main
 from lowprec.errors import ConfigError
 from lowprec.kernels import resolve_kernels
 from lowprec.kernels.probe import ProbeResult
+from lowprec_lab.cli import main
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

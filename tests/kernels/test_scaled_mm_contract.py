@@ -23,7 +23,7 @@ from lowprec.float8 import Float8Linear
 from lowprec.float8.config import LinearFP8Config
 from lowprec.float8.gemm import scaled_mm_calls
 from lowprec.kernels.scaled_mm import SCALED_MM_OP
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 LOWPREC_FP8 = [n for n, r in CATALOG.items() if r.fp8.backend == "lowprec" and r.fp8.gemm_backend == "scaled_mm"]
 #: tokens, in_features, out_features: multiples of 128 so the native blockwise kernel applies

@@ -9,7 +9,7 @@ from torch import nn
 from lowprec.float8.mx_linear import MXConfig, MXLinear
 from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.numerics.microscaling import apply_rht, quantize_nvfp4, random_hadamard
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 
 class Net(nn.Module):

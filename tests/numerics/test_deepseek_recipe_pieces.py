@@ -21,7 +21,7 @@ from lowprec.float8.swiglu import Float8CachedSwiGLU
 from lowprec.model import LLAMA_CONFIGS, Transformer
 from lowprec.numerics.formats import E4M3
 from lowprec.numerics.scaling import quantize_operand
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
 
 
 def _codes(exp_bits: int, man_bits: int, bias: int, fn: bool) -> list[Fraction]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowprec.float8 import Float8Linear, LinearFP8Config
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 FMT = {

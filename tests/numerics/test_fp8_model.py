@@ -9,11 +9,11 @@ from lowprec.data import TokenBatches
 from lowprec.float8 import Float8Linear
 from lowprec.model import model_args
 from lowprec.recipe import Float8Spec
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build, build_model_meta
 from lowprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 SPEC = TrainSpec(
     steps=6,

@@ -114,9 +114,9 @@ def test_fused_casts_on_where_they_cannot_compile_is_an_error_not_off(casts_cann
 def test_the_build_refuses_fused_casts_on_where_they_cannot_compile(casts_cannot_compile):
     from lowprec.build_optim import OptimHParams
     from lowprec.model import model_args
+    from lowprec.recipes import CATALOG
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
-    from recipes import CATALOG
 
     spec = TrainSpec(steps=2, batch_size=2, seq_len=64, timing_warmup_steps=1, fused_casts="on")
     with pytest.raises(ConfigError, match="train.fused_casts=on cannot run"):
@@ -124,7 +124,7 @@ def test_the_build_refuses_fused_casts_on_where_they_cannot_compile(casts_cannot
 
 
 def test_lowprec_train_refuses_fused_casts_on_before_any_run(casts_cannot_compile, run_dirs, tmp_path, capsys):
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     args = ["model=debug", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
     assert main(["train", *run_dirs, *args, "recipe=fp8_current", "train.fused_casts=on"]) == 2

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lowprec.float8.mx_linear import MXConfig, MXLinear
 from lowprec.numerics.microscaling import apply_rht, quantize_mx, quantize_nvfp4, random_hadamard
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
 
 
 def _linear(recipe: str, fin=64, fout=48, **fields) -> MXLinear:

@@ -17,11 +17,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 from store_dirs import dirs_under
 
-import experiments.plan.preflight
-import experiments.runner.scheduler
-import experiments.runner.submitit_jobs
-from experiments.cli import main
+import lowprec_lab.plan.preflight
+import lowprec_lab.runner.scheduler
+import lowprec_lab.runner.submitit_jobs
 from lowprec.train.stop import STOP_SIGNALS, clear_stop
+from lowprec_lab.cli import main
 
 pytestmark = pytest.mark.slurm
 
@@ -35,7 +35,7 @@ RUN += ["launcher=slurm", "launcher.cpus_per_task=1", "launcher.poll_s=0.5"]
 def own_handlers(monkeypatch):
     """The ablation installs its stop handlers in this (pytest) process: put pytest's back afterwards. One thread
     per job."""
-    for module in (experiments.runner.scheduler, experiments.plan.preflight, experiments.runner.submitit_jobs):
+    for module in (lowprec_lab.runner.scheduler, lowprec_lab.plan.preflight, lowprec_lab.runner.submitit_jobs):
         monkeypatch.setattr(module, "cores", lambda: 1)
     saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     clear_stop()

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from experiments.plan.launcher import LauncherSpec
-from experiments.plan.preflight import check_slurm_gpus, slurm_partition_gpus
 from lowprec.errors import ConfigError
+from lowprec_lab.plan.launcher import LauncherSpec
+from lowprec_lab.plan.preflight import check_slurm_gpus, slurm_partition_gpus
 
 
 def sinfo(stdout: str = "", rc: int = 0, stderr: str = ""):

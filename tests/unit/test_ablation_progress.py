@@ -1,4 +1,4 @@
-"""The ablation's progress display (experiments/runner/progress.py) as a terminal shows it: one bar per worker on
+"""The ablation's progress display (lowprec_lab/runner/progress.py) as a terminal shows it: one bar per worker on
 its own row, the overall line, result lines above the bars; worker lines arrive through the real pipes."""
 
 import io
@@ -8,8 +8,8 @@ from rich.console import Console
 from tqdm import tqdm
 from vt_screen import Screen
 
-from experiments.runner.progress import AblationProgress, WorkerChannel, clock
 from lowprec.train.meter import StepReport, reporting_steps, step_bar
+from lowprec_lab.runner.progress import AblationProgress, WorkerChannel, clock
 
 
 def _terminal() -> tuple[io.StringIO, Console]:
@@ -125,7 +125,7 @@ def test_a_worker_whose_ablation_is_gone_writes_to_its_own_stream():
         reader.close()
     chan = WorkerChannel(writer)
     fallback = io.StringIO()
-    from experiments.runner.progress import _LineWriter
+    from lowprec_lab.runner.progress import _LineWriter
 
     w = _LineWriter(chan, "stderr", fallback)
     w.write("still shown\n")
@@ -137,7 +137,7 @@ def test_the_verdict_summary_reads_the_parent_run_and_shows_store_strings_as_tex
 
     from mlflow.tracking import MlflowClient
 
-    from experiments.runner.ablate import verdict_summary
+    from lowprec_lab.runner.ablate import verdict_summary
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.create_run(client.create_experiment("lowprec", artifact_location=str(tmp_path / "a"))).info.run_id

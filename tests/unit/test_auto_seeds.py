@@ -1,14 +1,14 @@
-"""``seeds=auto``'s replay (experiments/stats/auto_seeds.py) on fixed per-seed results: who gets the next seed, at which
+"""``seeds=auto``'s replay (lowprec_lab/stats/auto_seeds.py) on fixed per-seed results: who gets the next seed, at which
 look a recipe stops, and at which confidence level its verdict was taken."""
 
 import numpy as np
 import pytest
 
-from experiments.report.verdict_table import build_table, verdict_section
-from experiments.stats import minimum_detectable_difference, seeds_needed, verdicts
-from experiments.stats.auto_seeds import plan_for, replay, replay_results
-from experiments.tracking.runs import RunData
 from lowprec.errors import ConfigError
+from lowprec_lab.report.verdict_table import build_table, verdict_section
+from lowprec_lab.stats import minimum_detectable_difference, seeds_needed, verdicts
+from lowprec_lab.stats.auto_seeds import plan_for, replay, replay_results
+from lowprec_lab.tracking.runs import RunData
 
 SEEDS = list(range(8))
 MARGIN = 0.0025

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-import experiments.cli as cli
+import lowprec_lab.cli as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ class NotInstalled:
         return None
 
 sys.meta_path.insert(0, NotInstalled())
-from experiments.cli import main
+from lowprec_lab.cli import main
 sys.exit(main({argv!r}))
 """
 
@@ -46,7 +46,7 @@ def test_lowprec_train_without_omegaconf_is_one_line_naming_the_extra(tmp_path):
 def test_a_missing_module_outside_the_lab_and_other_import_errors_keep_their_traceback(monkeypatch):
     for error in (
         ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers"),  # the library's own dependency
-        ModuleNotFoundError("No module named 'experiments.nothing'", name="experiments.nothing"),  # a bug
+        ModuleNotFoundError("No module named 'lowprec_lab.nothing'", name="lowprec_lab.nothing"),  # a bug
         ImportError("cannot import name 'Thing' from 'mlflow'", name="mlflow"),  # a broken install, not a missing one
     ):
 

@@ -24,7 +24,7 @@ def _python(code: str) -> str:
 @pytest.mark.parametrize("flag", ["--help", "--version"])
 def test_help_and_version_import_neither_torch_nor_mlflow(flag):
     out = _python(
-        "import sys\nfrom experiments.cli import main\n"
+        "import sys\nfrom lowprec_lab.cli import main\n"
         f"code = main([{flag!r}])\n"
         "print('HEAVY', sorted(m for m in ('torch', 'mlflow') if m in sys.modules), code)"
     )
@@ -52,7 +52,7 @@ CHEAP = [
 
 def test_refusals_of_unknown_names_and_help_pages_import_no_heavy_module():
     out = _python(
-        "import sys, contextlib, io\nfrom experiments.cli import main\n"
+        "import sys, contextlib, io\nfrom lowprec_lab.cli import main\n"
         f"codes = []\nfor argv, _ in {CHEAP!r}:\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
         "        codes.append(main(argv))\n"
@@ -70,7 +70,7 @@ def bash_with_lowprec(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "lowprec"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m experiments "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m lowprec_lab "$@"\n')
     shim.chmod(0o755)
     env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
@@ -113,8 +113,8 @@ def test_bash_completion_registers_lowprec_and_completes_every_subcommand(bash_w
     """One real bash: ``complete -p`` names ``lowprec`` (never ``lowprec-train``), the first word completes to each
     subcommand of the usage text, and after each subcommand TAB offers its keys (about 10 s: Hydra's completion of
     train and ablate composes their configs)."""
-    from experiments.cli import USAGE
-    from experiments.plan.completion import PLANNING_KEYS, subcommands
+    from lowprec_lab.cli import USAGE
+    from lowprec_lab.commands.completion import PLANNING_KEYS, subcommands
 
     assert sorted(EVERY_SUBCOMMAND) == sorted(subcommands(USAGE))
     script = "complete -p lowprec\ncomplete -p lowprec-train || echo 'no lowprec-train'\n" + _complete("lowprec ")
@@ -138,10 +138,10 @@ def test_static_completion_keys_are_the_schema_keys(cmd):
     conf/<cmd>.yaml, the command's own keys (``OWN_KEYS``) are all offered, and so are its flags."""
     from omegaconf import OmegaConf
 
-    from experiments.cli import compose
-    from experiments.plan.completion import PLANNING_KEYS
-    from experiments.plan.estimate_config import OWN_KEYS, register_planning_configs
-    from experiments.planning import estimate
+    from lowprec_lab.cli import compose
+    from lowprec_lab.commands.completion import PLANNING_KEYS
+    from lowprec_lab.plan.estimate_config import OWN_KEYS, register_planning_configs
+    from lowprec_lab.sizing import estimate
 
     register_planning_configs()
     cfg = compose(cmd, [])
@@ -156,7 +156,7 @@ def test_static_completion_keys_are_the_schema_keys(cmd):
 
 def test_hydra_completion_flag_after_train_installs_lowprec_too():
     out = subprocess.run(
-        [sys.executable, "-m", "experiments", "train", "--shell-completion", "install=bash"],
+        [sys.executable, "-m", "lowprec_lab", "train", "--shell-completion", "install=bash"],
         env=ENV,
         cwd=ROOT,
         capture_output=True,

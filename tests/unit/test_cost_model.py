@@ -9,8 +9,13 @@ import math
 
 import pytest
 
-from experiments.cli import main
-from experiments.planning.cost_validation import (
+from lowprec.estimate.cost_model import D0, Calibration, Layout, fsdp_comm_bytes, gemm_time, step_cost
+from lowprec.estimate.hardware import get_hardware
+from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
+from lowprec.model import model_args
+from lowprec.recipes import get_recipe
+from lowprec_lab.cli import main
+from lowprec_lab.sizing.cost_validation import (
     FITTED,
     fit_calibration,
     fit_fragmentation,
@@ -20,12 +25,7 @@ from experiments.planning.cost_validation import (
     summary,
     validate,
 )
-from experiments.planning.estimate import MODEL_ERROR
-from lowprec.estimate.cost_model import D0, Calibration, Layout, fsdp_comm_bytes, gemm_time, step_cost
-from lowprec.estimate.hardware import get_hardware
-from lowprec.estimate.memory_model import FRAGMENTATION, peak_breakdown
-from lowprec.model import model_args
-from recipes import get_recipe
+from lowprec_lab.sizing.estimate import MODEL_ERROR
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +195,8 @@ def test_layout_refuses_bad_fields():
 
 
 def test_the_estimator_pages_table_is_generated_from_the_data_file(rows):
-    from experiments.planning.cost_validation import TABLE_BEGIN, TABLE_END, markdown_table
-    from experiments.planning.fit_cost_model import estimator_page
+    from lowprec_lab.sizing.cost_validation import TABLE_BEGIN, TABLE_END, markdown_table
+    from lowprec_lab.sizing.fit_cost_model import estimator_page
 
     text = estimator_page().read_text()
     block = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)].strip()

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.cli import main
-from experiments.planning.cost_validation import validate
 from lowprec.estimate.cost_model import Calibration, Layout, step_cost
 from lowprec.estimate.estimator import flops_per_token, predict_state_bytes
 from lowprec.estimate.hardware import get_hardware
 from lowprec.estimate.memory_model import peak_breakdown
 from lowprec.model import model_args
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
+from lowprec_lab.cli import main
+from lowprec_lab.sizing.cost_validation import validate
 
 #: moe_debug as lowprec/model/moe.py defines it (the first test checks these are still its numbers)
 D, L, HEADS, KV, VOCAB, E, SHARED, TOPK, INTER = 32, 2, 4, 2, 8192, 8, 1, 2, 32

@@ -1,4 +1,4 @@
-"""Relative loss error curves and seed bands (experiments/stats/curves.py) against numpy and scipy on fixed data."""
+"""Relative loss error curves and seed bands (lowprec_lab/stats/curves.py) against numpy and scipy on fixed data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments.stats import relative_loss_error, seed_band, t_band, trailing_mean
+from lowprec_lab.stats import relative_loss_error, seed_band, t_band, trailing_mean
 
 #: Three seeds x five steps of control and recipe losses (nats), chosen by hand.
 CONTROL = {

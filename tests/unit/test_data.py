@@ -162,7 +162,7 @@ def test_cold_build_shows_each_phase_and_a_warm_cache_nothing(tmp_path, capfd):
 
 
 def test_prepare_data_follows_train_progress(tmp_path, capfd):
-    from experiments.plan.startup import prepare_data
+    from lowprec_lab.runtime.startup import prepare_data
 
     root = _text_corpus(tmp_path)
     for progress in (False, True):

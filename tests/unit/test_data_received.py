@@ -17,13 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from experiments.cli import main
 from lowprec.data import DataError, DataSpec, prepare
 from lowprec.data import prepare_source as prepare_source_module
 from lowprec.data.corpus import read_text
 from lowprec.data.prepare_source import STATE, PrepareSpec, prepare_shards
 from lowprec.data.shards import MAX_META_BYTES, open_split
 from lowprec.data.sources import PIECE_BYTES, file_pieces, is_text
+from lowprec_lab.cli import main
 
 TWO_STEPS = ["model=debug", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
 

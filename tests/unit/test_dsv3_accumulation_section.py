@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from experiments.studies import deepseek_numerics as dn
-from experiments.studies import deepseek_v3 as study
 from lowprec.float8.accumulator import HOPPER_ACCUMULATOR, AccumulatorModel
+from lowprec_lab.studies import deepseek_numerics as dn
+from lowprec_lab.studies import deepseek_v3 as study
 
 SETTINGS = study.Settings(k_max=4096, gemm_rows=8, intervals=(128,))
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.cli import main
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.estimate.activations import predict_saved_activations
@@ -24,10 +23,11 @@ from lowprec.measure.accounting import measure_state_bytes
 from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.model import model_args
 from lowprec.recipe import CommSpec, OptimSpec
+from lowprec.recipes import CATALOG, get_recipe
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG, get_recipe
+from lowprec_lab.cli import main
 
 CPU = torch.device("cpu")
 # One-process recipes: not te (GPU only) and no FP8 communication (refused without FSDP; the FSDP2 ws2

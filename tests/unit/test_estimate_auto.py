@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.cli import main, planning_query
-from experiments.planning.estimate import competition_ranks
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
+from lowprec_lab.cli import main, planning_query
+from lowprec_lab.sizing.estimate import competition_ranks
 
 GIB = 2**30
 #: torchtitan's measured peak on 32 H200s (benchmarks/llama3_8b_h200_2025-06_torchtitan.md; compile, selective AC)

@@ -14,17 +14,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-import experiments.planning.estimate as est
-from experiments.cli import main, planning_query
-from experiments.planning.estimate import EstimateArgError
-from experiments.planning.estimate import run as _run
+import lowprec_lab.sizing.estimate as est
 from lowprec.backends import fp8_backend
 from lowprec.errors import RecipeError
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.estimate.runnable import hardware_blocker
 from lowprec.model import model_args
-from recipes import CATALOG, get_recipe
+from lowprec.recipes import CATALOG, get_recipe
+from lowprec_lab.cli import main, planning_query
+from lowprec_lab.sizing.estimate import EstimateArgError
+from lowprec_lab.sizing.estimate import run as _run
 
 PAIRS = [(r, h) for r in CATALOG for h in HARDWARE]
 DEBUG = ["model=debug", "train.seq_len=256"]
@@ -60,7 +60,7 @@ def estimate_main(argv):
 
 
 def parse_args(argv):
-    """``(query, as_json)`` of an estimate command line (``experiments.cli.planning_query``: real Hydra)."""
+    """``(query, as_json)`` of an estimate command line (``lowprec_lab.cli.planning_query``: real Hydra)."""
     keys = [a for a in argv if not a.startswith("--")]
     return planning_query("estimate", keys, emulate="--emulate" in argv), "--json" in argv
 
@@ -192,11 +192,11 @@ def test_a_bug_in_estimate_keeps_its_traceback(exc, monkeypatch):
 
 
 def test_the_report_predicts_nothing_for_a_recipe_the_h100_cannot_run():
-    """The report's predicted columns (``experiments.report.predicted``, on an H100) gave ``mxfp8`` an H100
+    """The report's predicted columns (``lowprec_lab.report.predicted``, on an H100) gave ``mxfp8`` an H100
     throughput."""
     from types import SimpleNamespace
 
-    from experiments.report.predicted import predict_recipes
+    from lowprec_lab.report.predicted import predict_recipes
 
     params = {"train.batch_size": "8", "train.seq_len": "256", "train.ac": "none", "train.compile": "False"}
     parent = SimpleNamespace(data=SimpleNamespace(params=params, tags={"model": "debug"}))

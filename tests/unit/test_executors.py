@@ -1,4 +1,4 @@
-"""The executor registry (``experiments.runner.executors``) and the one scheduling loop every launcher runs under,
+"""The executor registry (``lowprec_lab.runner.executors``) and the one scheduling loop every launcher runs under,
 driven by a fake executor: no training, no worker process, no MLflow."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import types
 
 import pytest
 
-from experiments.plan.launcher import LAUNCHERS, LauncherKind, LauncherSpec, check_launcher
-from experiments.plan.placement import Slot
-from experiments.runner import executors
-from experiments.runner.executors import Launch, SlotLost, executor_class, launch, schedule
-from experiments.runner.run import RunOutcome
 from lowprec.errors import ConfigError
 from lowprec.train import stop as stop_mod
 from lowprec.train.stop import StopSignal
+from lowprec_lab.plan.launcher import LAUNCHERS, LauncherKind, LauncherSpec, check_launcher
+from lowprec_lab.plan.placement import Slot
+from lowprec_lab.runner import executors
+from lowprec_lab.runner.executors import Launch, SlotLost, executor_class, launch, schedule
+from lowprec_lab.runner.run import RunOutcome
 
 
 class _Recipe:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.runner.faults import parse
 from lowprec.errors import ConfigError
 from lowprec.train import fault_points
 from lowprec.train.checkpoint import save_checkpoint
 from lowprec.train.checkpoint_files import prune
+from lowprec_lab.runner.faults import parse
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The library's front door (``lowprec.__all__``) and the split of dependencies between ``pip install lowprec`` (the
-library: torch and what ``lowprec/`` and the catalog import) and ``pip install lowprec[lab]`` (``experiments/``).
+library: torch and what ``lowprec/`` and the catalog import) and ``pip install lowprec[lab]`` (``lowprec_lab/``).
 
 The third-party imports are read with ``ast`` (imports inside functions count: a lazy import still needs its
 package installed when that path runs), mapped to distributions with ``importlib.metadata.packages_distributions``
@@ -25,9 +25,10 @@ import lowprec
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"lowprec", "recipes", "experiments"}
+OURS = {"lowprec", "lowprec_lab"}
 
-#: Every third-party package the library (``lowprec/`` and the catalog ``recipes/``) may import: the base install.
+#: Every third-party package the library (``lowprec/``, its catalog ``lowprec/recipes/`` too) may import: the base
+#: install.
 LIBRARY_IMPORTS = {
     "torch",
     "torchao",  # FP8 backend torchao, its low-bit AdamW, the blockwise FP8 kernels
@@ -50,7 +51,7 @@ LAB_OPTIONAL = {"playwright"}
 #: The lab's packages: the library imports none (refused by the subprocess below). A base install may still hold
 #: some as another package's dependency (torch's inductor needs jinja2), never as the library's.
 LAB_ONLY = {
-    "experiments",
+    "lowprec_lab",
     "hydra",
     "omegaconf",
     "mlflow",
@@ -83,17 +84,17 @@ def _third_party_imports(folders: list[str]) -> dict[str, set[str]]:
                     continue
                 for name in names:
                     top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in OURS - {"experiments"}:
+                    if top not in sys.stdlib_module_names and top not in OURS - {"lowprec_lab"}:
                         out.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return out
 
 
 def _library_imports() -> dict[str, set[str]]:
-    return _third_party_imports(["lowprec", "recipes"])
+    return _third_party_imports(["lowprec"])
 
 
 def _lab_imports() -> dict[str, set[str]]:
-    return {k: v for k, v in _third_party_imports(["experiments"]).items() if k not in OURS}
+    return {k: v for k, v in _third_party_imports(["lowprec_lab"]).items() if k not in OURS}
 
 
 def _norm(dist: str) -> str:
@@ -137,7 +138,8 @@ def test_every_public_name_resolves():
 
 
 def test_import_lowprec_loads_neither_torch_nor_the_catalog():
-    code = "import sys, lowprec; print(sorted(m for m in ('torch', 'recipes', 'lowprec.recipe') if m in sys.modules))"
+    names = "('torch', 'lowprec.recipes', 'lowprec.recipe')"
+    code = f"import sys, lowprec; print(sorted(m for m in {names} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -153,9 +155,9 @@ def test_the_front_doors_modules_sit_below_it_in_the_layer_table():
 def test_the_library_imports_only_its_base_dependencies():
     found = _library_imports()
     extra = {k: sorted(v) for k, v in found.items() if k not in LIBRARY_IMPORTS | LIBRARY_OPTIONAL}
-    assert not extra, f"lowprec/ or recipes/ imports a package the base install lacks: {extra}"
+    assert not extra, f"lowprec/ imports a package the base install lacks: {extra}"
     lab = {k: sorted(v) for k, v in found.items() if k in LAB_ONLY}
-    assert not lab, f"lowprec/ or recipes/ imports the lab's packages: {lab}"
+    assert not lab, f"lowprec/ imports the lab's packages: {lab}"
 
 
 def test_the_base_dependencies_are_exactly_the_librarys_imports():
@@ -172,7 +174,7 @@ def test_the_lab_extra_holds_the_labs_imports():
     imported = set(_lab_imports()) - LAB_OPTIONAL
     undeclared, unused = _compare(imported, lab, provided=base)
     assert not undeclared and not unused, f"the lab extra lacks {undeclared}; nothing of the lab imports {unused}"
-    assert LAB_ONLY - {"experiments"} <= imported, "LAB_ONLY names a package the lab no longer imports"
+    assert LAB_ONLY - {"lowprec_lab"} <= imported, "LAB_ONLY names a package the lab no longer imports"
 
 
 def test_the_library_trains_with_every_lab_package_refused():

@@ -10,12 +10,12 @@ import pytest
 import torch
 from bench_scripts import assert_needs_cuda, load_script
 
-from experiments.cli import compose
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import flops_per_token
 from lowprec.estimate.hardware import get_hardware
 from lowprec.model import model_args
-from recipes import get_recipe
+from lowprec.recipes import get_recipe
+from lowprec_lab.cli import compose
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""The grid of training settings (experiments/plan/grid.py): axes, points, refusals before anything trains."""
+"""The grid of training settings (lowprec_lab/plan/grid.py): axes, points, refusals before anything trains."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.plan.grid import GRID_ROOTS, apply_point, grid_axes, grid_points, point_text
 from lowprec.errors import ConfigError
+from lowprec_lab.plan.grid import GRID_ROOTS, apply_point, grid_axes, grid_points, point_text
 
 
 def _cfg(grid):

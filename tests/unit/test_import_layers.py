@@ -1,9 +1,9 @@
 """The package layout is the architecture: imports point down the layers below, never up, and form no cycle.
 
-Every ``import`` / ``from ... import`` of lowprec, recipes and experiments is read with ``ast`` (imports inside
-functions count too; only ``if TYPE_CHECKING:`` blocks, which never run, are skipped), each module is placed in
-the first layer whose prefix it has (the longest prefix wins), and a module may import from its own layer or
-any layer below it.
+Every ``import`` / ``from ... import`` of lowprec (its catalog lowprec.recipes too) and lowprec_lab is read with
+``ast`` (imports inside functions count too; only ``if TYPE_CHECKING:`` blocks, which never run, are skipped), each
+module is placed in the first layer whose prefix it has (the longest prefix wins), and a module may import from its
+own layer or any layer below it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("lowprec", "recipes", "experiments")
+PACKAGES = ("lowprec", "lowprec_lab")
 
 #: Bottom to top. Within a layer, modules may import each other (without a cycle).
 LAYERS: list[tuple[str, ...]] = [
@@ -28,25 +28,27 @@ LAYERS: list[tuple[str, ...]] = [
     # Turning a recipe into mechanism, and predicting it.
     ("lowprec.convert", "lowprec.build_optim", "lowprec.build_parallel", "lowprec.estimate"),
     ("lowprec.train",),
-    ("recipes",),
+    ("lowprec.recipes",),
     # lowprec's __init__ (the library's front door, its names imported on first use) re-exports the catalog's
     # get_recipe, so it sits above recipes; no module below it imports the package itself.
     ("lowprec",),
     # The lab's wings, bottom to top, as the code needs them: statistics over arrays; the config schema and
     # preflight; the store (tracker, spool, runs read back); the report built from the store; the studies, which
     # use the report's verdict table and plots and run as its ``after`` hook; the commands that drive them.
-    ("experiments.stats",),
-    ("experiments.plan",),
-    ("experiments.tracking",),
-    ("experiments.report",),
-    ("experiments.studies",),
-    ("experiments.runner", "experiments.planning", "experiments.selfcheck"),
-    # experiments/__init__, cli.py and __main__.py: the door.
-    ("experiments",),
+    ("lowprec_lab.stats",),
+    ("lowprec_lab.plan",),
+    # Start-up after the door and before the first run (process group, data rank 0 first, corpus tags).
+    ("lowprec_lab.runtime",),
+    ("lowprec_lab.tracking",),
+    ("lowprec_lab.report",),
+    ("lowprec_lab.studies",),
+    ("lowprec_lab.runner", "lowprec_lab.sizing", "lowprec_lab.selfcheck", "lowprec_lab.commands"),
+    # lowprec_lab/__init__, cli.py and __main__.py: the door.
+    ("lowprec_lab",),
 ]
 
-#: The folders of ``experiments/``; every other module of it (cli, __main__) is the top.
-WINGS = ("plan", "runner", "tracking", "report", "studies", "stats", "planning", "selfcheck")
+#: The folders of ``lowprec_lab/``; every other module of it (cli, __main__) is the top.
+WINGS = ("plan", "runtime", "runner", "tracking", "report", "studies", "stats", "sizing", "selfcheck", "commands")
 
 
 def _layer(module: str) -> int:
@@ -149,9 +151,9 @@ def test_no_import_cycle():
 
 def _wing(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] != "experiments":
+    if parts[0] != "lowprec_lab":
         return None
-    return parts[1] if len(parts) > 1 and parts[1] in WINGS else "experiments"
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else "lowprec_lab"
 
 
 def _wing_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -177,23 +179,23 @@ def _wing_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_no_cycle_among_the_experiments_wings():
+def test_no_cycle_among_the_lab_wings():
     # Package level: report -> studies -> report was such a cycle (module by module there was none, a function-level
     # import hid it), so the wings are compared as wholes and imports inside functions count.
     graph = _graph()
-    assert {_wing(m) for m in graph if m.startswith("experiments.")} - {"experiments"} == set(WINGS)
+    assert {_wing(m) for m in graph if m.startswith("lowprec_lab.")} - {"lowprec_lab"} == set(WINGS)
     cycles = _wing_cycles(graph)
-    assert not cycles, "cycles among the experiments wings:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "cycles among the lowprec_lab wings:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_wing_cycle_count_sees_a_function_level_import(tmp_path):
     """The counter itself: a study module that imports the runner inside a function closes studies -> runner ->
     studies (the runner imports the studies); the count must find it."""
     study = tmp_path / "nvfp4.py"
-    study.write_text("def late():\n    from experiments.runner.ablate import ablate\n\n    return ablate\n")
+    study.write_text("def late():\n    from lowprec_lab.runner.ablate import ablate\n\n    return ablate\n")
     graph = {m: set(d) for m, d in _graph().items()}
-    graph["experiments.studies.nvfp4"] = {
-        d for d in _imports(study, "experiments.studies.nvfp4") if d in graph and d != "experiments.studies.nvfp4"
+    graph["lowprec_lab.studies.nvfp4"] = {
+        d for d in _imports(study, "lowprec_lab.studies.nvfp4") if d in graph and d != "lowprec_lab.studies.nvfp4"
     }
     assert ["runner", "studies", "runner"] in _wing_cycles(graph)
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from experiments.cli import compose, main
-from experiments.plan.launcher import LauncherSpec, check_launcher
-from experiments.plan.placement import Slot
-from experiments.plan.preflight import preflight
 from lowprec.errors import ConfigError
+from lowprec_lab.cli import compose, main
+from lowprec_lab.plan.launcher import LauncherSpec, check_launcher
+from lowprec_lab.plan.placement import Slot
+from lowprec_lab.plan.preflight import preflight
 
 ABLATE = ["ablate", "model=debug", "recipes=[fp32]", "train.steps=2", "device=cpu", "controls=false", "seeds=3"]
 
@@ -164,8 +164,8 @@ def test_slurm_jobs_ask_what_the_launcher_says_and_a_job_without_result_fails_it
 ):
     import submitit.core.core
 
-    from experiments.runner import submitit_jobs
-    from experiments.tracking.tracker import make_tracker
+    from lowprec_lab.runner import submitit_jobs
+    from lowprec_lab.tracking.tracker import make_tracker
 
     over = ["launcher=slurm", "launcher.partition=gpu", "launcher.time=30", "launcher.account=proj"]
     over += ["launcher.mem_gb=64", "launcher.cpus_per_task=4", "launcher.setup=['source venv/bin/activate']"]
@@ -218,7 +218,7 @@ def test_a_jobs_arguments_load_through_the_allow_list_and_an_altered_file_is_ref
     refused before anything runs."""
     import pickle
 
-    from experiments.runner.job_ranks import ARGS, load_args, write_args
+    from lowprec_lab.runner.job_ranks import ARGS, load_args, write_args
 
     plan = preflight(compose("ablate", ["experiment=smoke", "seeds=auto", "max_seeds=4", *run_dirs]))
     write_args(tmp_path / "job", plan=plan, recipe=plan.recipes[1], seed=3, parent_id="p", threads=2)
@@ -251,8 +251,8 @@ def test_each_slurm_end_state_without_a_result_ends_its_run_as_documented(
     """A job that ends without a result: a stop from outside (TIMEOUT, CANCELLED, PREEMPTED) leaves its run KILLED,
     which ``resume=`` continues; the run's own failure (OUT_OF_MEMORY, NODE_FAIL) ends it FAILED. Each state as
     sacct prints it."""
-    from experiments.runner import submitit_jobs
-    from experiments.tracking.tracker import make_tracker
+    from lowprec_lab.runner import submitit_jobs
+    from lowprec_lab.tracking.tracker import make_tracker
 
     # a job id of its own per state: submitit's watcher of sacct remembers a job's state by its id in the process
     job_id = 5000 + sum(map(ord, state))

@@ -17,11 +17,11 @@ from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
 from lowprec.optim.loss_scale import DynamicLossScaler
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build
 from lowprec.train.checkpoint import load_checkpoint, save_checkpoint
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 SHAPES = ((4, 6), (6,), (3, 4), (5,))
 

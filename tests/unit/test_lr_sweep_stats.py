@@ -1,4 +1,4 @@
-"""The learning-rate study's rows and its choice (experiments/stats/lr_sweep.py)."""
+"""The learning-rate study's rows and its choice (lowprec_lab/stats/lr_sweep.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from experiments.stats.lr_sweep import WITHIN_BEST, choose, rank, sweep_row
-from experiments.stats.noise import seeds_for_zero_gap
+from lowprec_lab.stats.lr_sweep import WITHIN_BEST, choose, rank, sweep_row
+from lowprec_lab.stats.noise import seeds_for_zero_gap
 
 M, A = 0.0025, 0.025
 

@@ -83,9 +83,9 @@ def test_seed_i_of_every_recipe_starts_from_the_same_weights():
     rounding; FP8 recipes swap modules but keep the FQNs and the weights). Under FSDP2/TP,
     ``build.materialize_sharded`` initialises a full replica the same way (tests/distributed: equal fp32 losses)."""
     from lowprec.build_optim import OptimHParams
+    from lowprec.recipes import CATALOG
     from lowprec.train.build import build
     from lowprec.train.spec import TrainSpec
-    from recipes import CATALOG
 
     spec = TrainSpec(steps=2, batch_size=2, seq_len=32, timing_warmup_steps=1, progress=False)
 

@@ -14,11 +14,11 @@ from lowprec.data import TokenBatches
 from lowprec.estimate.inventory import param_counts
 from lowprec.model import MOE_CONFIGS, MoE, MoEArgs, build_model, model_args
 from lowprec.model.moe import Router, sequence_balance_loss
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build
 from lowprec.train.moe_balance import ExpertBalance, load_metrics
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import get_recipe
 
 
 def _sigmoid(z: float) -> float:
@@ -216,7 +216,7 @@ def test_load_metrics_of_no_tokens_are_zero():
 
 
 def test_lowprec_estimate_states_the_activated_parameters(capsys):
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     assert main(["estimate", "model=moe_debug", "recipe=deepseek_v3"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The noise study's statistics (``experiments.stats.noise``): seeds needed for a zero-gap recipe against the
+"""The noise study's statistics (``lowprec_lab.stats.noise``): seeds needed for a zero-gap recipe against the
 noncentral t power computed here from scipy alone, and the per-point spreads against numpy on hand-made curves."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments.stats.noise import last_k_mean, last_k_point, noise_curve, seeds_for_zero_gap
+from lowprec_lab.stats.noise import last_k_mean, last_k_point, noise_curve, seeds_for_zero_gap
 
 ALPHA, MARGIN, POWER = 0.025, 0.0025, 0.8
 
@@ -75,13 +75,13 @@ def test_last_k_point_averages_each_runs_last_points():
 
 
 def test_the_noise_study_states_seeds_needed_at_the_reports_one_sided_alpha(tmp_path, monkeypatch):
-    """The study (experiments/studies/noise.py) on hand-made runs: its seeds needed are those of the report's
+    """The study (lowprec_lab/studies/noise.py) on hand-made runs: its seeds needed are those of the report's
     one-sided alpha 0.025 (two-sided 95%), computed here by hand from the noncentral t; at alpha 0.05 the same
     paired sd would need fewer, so a study at the wrong level is caught."""
     from types import SimpleNamespace
 
-    from experiments.studies import noise as study
-    from experiments.tracking.runs import RunData
+    from lowprec_lab.studies import noise as study
+    from lowprec_lab.tracking.runs import RunData
 
     ctl = {0: 3.40, 1: 3.43, 2: 3.38, 3: 3.41}
     d = {0: 0.0021, 1: -0.0018, 2: 0.0009, 3: -0.0012}  # paired relative differences: sd about 0.0018

@@ -1,12 +1,12 @@
-"""One run per GPU: the slots of ``experiments.plan.placement`` (pure) and ``train.compile/ac=auto``."""
+"""One run per GPU: the slots of ``lowprec_lab.plan.placement`` (pure) and ``train.compile/ac=auto``."""
 
 import json
 
 import pytest
 
-from experiments.plan.auto_train import resolve_compile_ac
-from experiments.plan.placement import physical_ids, plan_placement
 from lowprec.errors import ConfigError
+from lowprec_lab.plan.auto_train import resolve_compile_ac
+from lowprec_lab.plan.placement import physical_ids, plan_placement
 
 
 @pytest.mark.parametrize(
@@ -79,8 +79,8 @@ def test_auto_compile_and_ac_per_device():
 def test_cpu_auto_workers_are_at_most_two_whatever_the_core_count(n_cores, expected, monkeypatch):
     """``workers=auto`` on a CPU: the runs share the cores, and more than 2 at once was slower per run; the core
     count comes from the process's affinity (``preflight.cores``), faked here for a large and a one-core machine."""
-    from experiments.cli import compose
-    from experiments.plan.preflight import ablation_placement
+    from lowprec_lab.cli import compose
+    from lowprec_lab.plan.preflight import ablation_placement
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(n_cores)))
     assert plan_placement(0, 1, "auto", "cpu", cpu_cores=n_cores).workers == expected

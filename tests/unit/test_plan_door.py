@@ -1,5 +1,5 @@
-"""The typed door. The composed Hydra config (``DictConfig``) stops at the door, ``experiments/cli.py`` and
-``experiments/plan/`` (config schema, preflight, the ``Plan``); every function below takes the ``Plan`` or its typed
+"""The typed door. The composed Hydra config (``DictConfig``) stops at the door, ``lowprec_lab/cli.py`` and
+``lowprec_lab/plan/`` (config schema, preflight, the ``Plan``); every function below takes the ``Plan`` or its typed
 parts. Read with ``ast``: no function outside the door has a parameter named ``cfg``/``config`` or annotated
 ``DictConfig``, and no module outside the door imports ``omegaconf`` (at the top or inside a function)."""
 
@@ -9,14 +9,14 @@ import ast
 import pickle
 from pathlib import Path
 
-from experiments.cli import compose
-from experiments.plan.plan import Plan
-from experiments.plan.preflight import preflight
+from lowprec_lab.cli import compose
+from lowprec_lab.plan.plan import Plan
+from lowprec_lab.plan.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 #: The door: the command line's Hydra entry functions and the plan wing (schema, preflight, the Plan itself).
-DOOR = ("experiments/cli.py", "experiments/__main__.py", "experiments/plan/")
+DOOR = ("lowprec_lab/cli.py", "lowprec_lab/__main__.py", "lowprec_lab/plan/")
 CONFIG_NAMES = ("cfg", "config", "conf")
 
 
@@ -66,14 +66,14 @@ def test_the_check_finds_a_crossing(tmp_path):
         "def b(plan, node: 'DictConfig'):\n    return node\n\n\n"
         "def c():\n    from omegaconf import OmegaConf\n\n    return OmegaConf\n"
     )
-    found = crossings(bad, "experiments/runner/bad.py")
+    found = crossings(bad, "lowprec_lab/runner/bad.py")
     assert [f.split(": ", 1)[1] for f in found] == ["a(cfg)", "b(node: DictConfig)", "from omegaconf import ..."]
-    assert crossings(EXPERIMENTS / "plan" / "plan.py", "experiments/plan/plan.py")  # the door itself may
-    assert _door("experiments/plan/preflight.py") and not _door("experiments/runner/run.py")
+    assert crossings(EXPERIMENTS / "plan" / "plan.py", "lowprec_lab/plan/plan.py")  # the door itself may
+    assert _door("lowprec_lab/plan/preflight.py") and not _door("lowprec_lab/runner/run.py")
 
 
 def test_the_plan_is_built_once_and_pickles(tmp_path):
-    """What the workers receive (experiments/runner/scheduler.py): the Plan itself, equal after a round trip, its
+    """What the workers receive (lowprec_lab/runner/scheduler.py): the Plan itself, equal after a round trip, its
     ``config.yaml`` text the composed config's."""
     cfg = compose(
         "ablate",

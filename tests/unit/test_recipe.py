@@ -9,9 +9,9 @@ from lowprec.convert import convert_fp8
 from lowprec.estimate import estimate
 from lowprec.model import model_args
 from lowprec.recipe import Float8Spec, Recipe, RecipeError
+from lowprec.recipes import CATALOG, get_recipe
 from lowprec.train.build import build, build_model_meta, check_runtime
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG, get_recipe
 
 
 def test_catalog_recipes_are_frozen_hashed_and_distinct():
@@ -34,7 +34,7 @@ def test_lowprec_recipes_spells_autocast_out(capsys):
     else; the catalog's lines (and ``--json``'s ``short``) now say ``autocast=``."""
     import json
 
-    from experiments.cli import main
+    from lowprec_lab.cli import main
 
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]  # the table's header, then one line per recipe
@@ -97,7 +97,7 @@ def test_fp8_filter_matches_fqn_suffixes():
 
 def test_every_catalog_recipe_passes_the_backend_checks():
     # a Recipe is a pure value, so constructing one no longer asks the backend registry: each catalog entry must
-    # pass its checks (recipes.catalog runs them on import)
+    # pass its checks (lowprec.recipes.catalog runs them on import)
     refused = {}
     for name, r in CATALOG.items():
         try:

@@ -5,17 +5,17 @@ leave every recipe that does not set them as it was (hash, short string, numeric
 import pytest
 import torch
 
-from experiments.cli import compose
-from experiments.plan.config import recipe_from_cfg
 from lowprec.backends import check_recipe, short_str
 from lowprec.build_optim import OptimHParams
 from lowprec.float8 import Float8Linear
 from lowprec.float8.accumulator import HOPPER_ACCUMULATOR, ROUNDINGS
 from lowprec.model import model_args
 from lowprec.recipe import ACCUM_ROUNDINGS, Recipe, RecipeError
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
-from recipes import CATALOG
+from lowprec_lab.cli import compose
+from lowprec_lab.plan.config import recipe_from_cfg
 
 #: (hash, short string) of catalog recipes before the fields existed (HEAD f0b4136): the new fields at their
 #: defaults change neither (the hash omits them, the short string names them only when set).

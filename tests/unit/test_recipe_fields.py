@@ -71,7 +71,7 @@ ADDED_TORCHAO_ONLY = {"pad_inner_dim": False}
 
 
 def test_every_catalog_recipe_keeps_its_hash_and_short_name():
-    from recipes import CATALOG
+    from lowprec.recipes import CATALOG
 
     pinned = json.loads((DATA / "catalog_recipe_identity.json").read_text())
     now = {n: {"hash": r.hash(), "short": short_str(r)} for n, r in CATALOG.items()}

@@ -9,16 +9,16 @@ import dataclasses
 import pytest
 import torch
 
-from experiments.plan.auto_train import resolve_compile_ac
 from lowprec.build_optim import OptimHParams
 from lowprec.model import model_args
 from lowprec.numerics.reorder import ReversedReductionOrder
 from lowprec.recipe import ComputeSpec, RecipeError
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build, check_compile, compile_blocker
 from lowprec.train.effective import EffectiveRecipeError, check_effective, expected_effective, inspect_effective
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
+from lowprec_lab.plan.auto_train import resolve_compile_ac
 
 
 def test_hashes_of_earlier_recipes_are_unchanged_and_the_order_hashes():

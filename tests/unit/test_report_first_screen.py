@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments.report import plots
-from experiments.report.verdict_table import (
+from lowprec_lab.report import plots
+from lowprec_lab.report.verdict_table import (
     add_seeds_line,
     build_table,
     forest_rows,
     summary_line,
     verdict_section,
 )
-from experiments.stats import StabilityMetrics
-from experiments.tracking.runs import RunData
+from lowprec_lab.stats import StabilityMetrics
+from lowprec_lab.tracking.runs import RunData
 
 MARGIN = 0.0025
 CONTROL = "bf16"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from experiments.report.html_check import REPORT_CODE, report_code_hash
+from lowprec_lab.report.html_check import REPORT_CODE, report_code_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "docs" / "report_screenshot.json"

@@ -1,5 +1,5 @@
 """Both restricted unpicklers (a checkpoint's ``.metadata``, ``lowprec.train.checkpoint_metadata.load_metadata``; a
-job's argument file, ``experiments.runner.job_ranks.load_args``) refuse every global outside their allow-lists, with
+job's argument file, ``lowprec_lab.runner.job_ranks.load_args``) refuse every global outside their allow-lists, with
 real payloads that would write a file: a ``torch`` callable that is not a dtype (``torch.save``), under its own
 module and as a global of ``torch``, and ``builtins.getattr``, through which a bound method of an allow-listed value
 pickles (``PosixPath(...).touch``). No file appears."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.runner.job_ranks import ARGS, load_args
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint_metadata import load_metadata
+from lowprec_lab.runner.job_ranks import ARGS, load_args
 
 
 class _Call:

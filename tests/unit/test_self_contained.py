@@ -1,5 +1,5 @@
 """The repository stands alone: no tracked file points at a folder beside it (a sibling ``shared`` folder) or at an
-absolute path of the machine it was written on (the README and experiments/report/html_check.py once did)."""
+absolute path of the machine it was written on (the README and lowprec_lab/report/html_check.py once did)."""
 
 import re
 import subprocess

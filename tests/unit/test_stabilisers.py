@@ -18,12 +18,12 @@ from lowprec.errors import ConfigError
 from lowprec.estimate.inventory import param_counts
 from lowprec.model import model_args
 from lowprec.model.llama import RMSNorm, apply_rope, rope_cos_sin
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build, build_model_meta, materialize
 from lowprec.train.compile import build_z_loss, cross_entropy_fp32, z_loss_fp32
 from lowprec.train.loop import run_training
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
 
 
 def _model(name: str = "debug", **kw):

@@ -1,4 +1,4 @@
-"""Loss-stability metrics (``experiments.stats.stability``): spikes against a lagged EMA with a trailing robust sd,
+"""Loss-stability metrics (``lowprec_lab.stats.stability``): spikes against a lagged EMA with a trailing robust sd,
 largest excursion, non-finite events, divergence, and the per-recipe stability verdict.
 
 Synthetic series with a known answer: a decaying loss curve with noise, with spikes, NaNs or a blow-up injected at
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy.signal import lfilter
 
-from experiments.stats import SpikeRule, StabilityMetrics, scan_spikes, stability_metrics, stability_verdict
-from experiments.stats.stability import count_events, divergence_step, ema_previous
+from lowprec_lab.stats import SpikeRule, StabilityMetrics, scan_spikes, stability_metrics, stability_verdict
+from lowprec_lab.stats.stability import count_events, divergence_step, ema_previous
 
 SPIKES_AT = (100, 200, 300)
 

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from experiments.stats import StabilityMetrics, stability_verdict
-from experiments.stats.stability import MAX_SPLITS, permutation_pvalues, smallest_pvalue
+from lowprec_lab.stats import StabilityMetrics, stability_verdict
+from lowprec_lab.stats.stability import MAX_SPLITS, permutation_pvalues, smallest_pvalue
 
 
 def _run(spikes: int) -> StabilityMetrics:

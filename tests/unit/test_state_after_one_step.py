@@ -9,6 +9,7 @@ from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.build import build
 from lowprec.train.effective import (
     EffectiveRecipeError,
@@ -19,7 +20,6 @@ from lowprec.train.effective import (
 )
 from lowprec.train.loop import train_step
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
 
 F32, BF16 = torch.float32, torch.bfloat16
 # recipe -> (param dtype, grad dtype, linear output dtype, moment kind of large tensors, FP8 linears in debug)

@@ -1,4 +1,4 @@
-"""Statistics core (``experiments.stats``): paired effects, verdicts at a margin with Holm, power, and the
+"""Statistics core (``lowprec_lab.stats``): paired effects, verdicts at a margin with Holm, power, and the
 ``seeds=auto`` alpha-spending rule.
 
 Intervals and tests are compared with scipy on fixed data, Holm with a hand-computed step-down and statsmodels,
@@ -15,7 +15,8 @@ import pytest
 from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
-from experiments.stats import (
+from lowprec.errors import ConfigError
+from lowprec_lab.stats import (
     LABELS,
     PairedEffect,
     SpendingPlan,
@@ -27,8 +28,7 @@ from experiments.stats import (
     seeds_needed,
     verdicts,
 )
-from experiments.stats.paired import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, intervals_disagree
-from lowprec.errors import ConfigError
+from lowprec_lab.stats.paired import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, intervals_disagree
 
 MARGIN = 0.0025
 CONTROL = np.array([3.412, 3.398, 3.405, 3.421, 3.390])

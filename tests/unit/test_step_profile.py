@@ -12,10 +12,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from lowprec.build_optim import OptimHParams
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.step import train_step
-from recipes import CATALOG
 
 
 @pytest.fixture(scope="module")

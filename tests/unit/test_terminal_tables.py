@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.cli import main
-from experiments.planning.tables import render_table
-from recipes import CATALOG
+from lowprec.recipes import CATALOG
+from lowprec_lab.cli import main
+from lowprec_lab.sizing.tables import render_table
 
 LONG = "bf16_with_a_name_much_longer_than_the_old_twenty_one_columns"
 

@@ -1,4 +1,4 @@
-"""``experiments.runner.tracked_run.TrackedRun``: how a run's work ends is recorded once, on a real MLflow sqlite
+"""``lowprec_lab.runner.tracked_run.TrackedRun``: how a run's work ends is recorded once, on a real MLflow sqlite
 store, without training: a stop signal is KILLED with its reason, Ctrl-C is KILLED and propagates, an exception is
 FAILED with its ``failure_kind``, a reopened run keeps its id; each path flushes what the run measured once."""
 
@@ -9,14 +9,14 @@ import signal
 
 import pytest
 
-from experiments.runner.continued_runs import Continuation
-from experiments.runner.tracked_run import TrackedRun
-from experiments.tracking.stability_log import StabilityRecorder
-from experiments.tracking.tracker import Tracker
 from lowprec.errors import ConfigError
 from lowprec.measure.spikes import SpikeRule
 from lowprec.train.loop import AnomalyError
 from lowprec.train.stop import StopSignal
+from lowprec_lab.runner.continued_runs import Continuation
+from lowprec_lab.runner.tracked_run import TrackedRun
+from lowprec_lab.tracking.stability_log import StabilityRecorder
+from lowprec_lab.tracking.tracker import Tracker
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``experiments.runner.run.utilization_metrics``: FLOPs and MFU are per device, so a sharded run's (global) tokens/s is
+"""``lowprec_lab.runner.run.utilization_metrics``: FLOPs and MFU are per device, so a sharded run's (global) tokens/s is
 divided by its world size before they are computed."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.runner.run import utilization_metrics
 from lowprec.estimate.estimator import flops_per_token
 from lowprec.model import model_args
+from lowprec.recipes import get_recipe
 from lowprec.train.spec import TrainSpec
-from recipes import get_recipe
+from lowprec_lab.runner.run import utilization_metrics
 
 
 def test_achieved_tflops_are_per_device():

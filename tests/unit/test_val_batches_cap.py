@@ -10,10 +10,10 @@ import torch
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
 from lowprec.model import model_args
+from lowprec.recipes import CATALOG
 from lowprec.train.build import build
 from lowprec.train.spec import TrainSpec
 from lowprec.train.validator import Validator
-from recipes import CATALOG
 
 
 def _batches(val_tokens: int, batch: int = 2, seq: int = 16) -> TokenBatches:

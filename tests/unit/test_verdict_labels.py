@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments.report.verdict_table import _bound, build_table, parent_records, verdict_section
-from experiments.stats import StabilityMetrics, stability_verdict, verdicts
-from experiments.stats.auto_seeds import replay_results
-from experiments.stats.paired import SIGN_FLIP_RESAMPLES, sign_flip_pvalues
-from experiments.stats.verdict import LABELS, consort_label, mark_diverged, rule_text
-from experiments.tracking.runs import RunData
+from lowprec_lab.report.verdict_table import _bound, build_table, parent_records, verdict_section
+from lowprec_lab.stats import StabilityMetrics, stability_verdict, verdicts
+from lowprec_lab.stats.auto_seeds import replay_results
+from lowprec_lab.stats.paired import SIGN_FLIP_RESAMPLES, sign_flip_pvalues
+from lowprec_lab.stats.verdict import LABELS, consort_label, mark_diverged, rule_text
+from lowprec_lab.tracking.runs import RunData
 
 MARGIN = 0.0025
 CONTROL = "bf16"

@@ -1,1 +1,0 @@
-"""Planning: the step-time and memory estimator, the layout recommender and the cost-model fit and validation."""

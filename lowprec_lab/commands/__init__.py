@@ -1,0 +1,1 @@
+"""Command-line parts beside the runs: shell completion and ``lowprec data prepare``."""
