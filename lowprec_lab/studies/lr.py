@@ -18,7 +18,6 @@ table. Every cell comes from MLflow (tags ``grid_point``, ``control``; each run'
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import tempfile
@@ -31,6 +30,7 @@ from lowprec_lab.plan.preflight import saved_plan
 from lowprec_lab.report.markdown import code, md_row, md_rule, text
 from lowprec_lab.report.verdict_table import LEVEL
 from lowprec_lab.stats.lr_sweep import WITHIN_BEST, SweepRow, rank, sweep_row
+from lowprec_lab.studies.outputs import write_study_files
 from lowprec_lab.studies.registry import StudyContext, group_ablations, register
 from lowprec_lab.tracking.runs import load_runs
 
@@ -175,6 +175,12 @@ def choice_line(chosen: SweepRow | None, rows: list[SweepRow], within: float) ->
     )
 
 
+def _csv_row(r: SweepRow, keys: list[str]) -> list:
+    """One row of ``lr.csv``: the grid point as sorted-key JSON, then ``keys`` of ``SweepRow.as_dict``."""
+    d = r.as_dict()
+    return [json.dumps(d.pop("point"), sort_keys=True), *(d[k] for k in keys)]
+
+
 @register("lr", check_settings=lambda d: Settings.from_dict(d))
 def lr_study(ctx: StudyContext) -> Path:
     """Write ``lr.md``, ``lr.json`` and ``lr.csv`` beside the report and print the table (module docstring);
@@ -197,30 +203,17 @@ def lr_study(ctx: StudyContext) -> Path:
         choice_line(chosen, rows, settings.within),
         "",
     ]
-    out = ctx.out
-    path = out / "lr.md"
-    path.write_text("\n".join(lines))
-    (out / "lr.json").write_text(
-        json.dumps(
-            {
-                "ablation": ctx.ablation_id,
-                "control": ctx.control,
-                "margin": ctx.margin,
-                "within": settings.within,
-                "rows": [r.as_dict() for r in rows],
-                "chosen": None if chosen is None else chosen.point,
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    with open(out / "lr.csv", "w", newline="") as f:
-        keys = [k for k in rows[0].as_dict() if k != "point"] if rows else []
-        w = csv.writer(f)
-        w.writerow(["point", *keys])
-        for r in rows:
-            d = r.as_dict()
-            w.writerow([json.dumps(d.pop("point"), sort_keys=True), *(d[k] for k in keys)])
+    record = {
+        "ablation": ctx.ablation_id,
+        "control": ctx.control,
+        "margin": ctx.margin,
+        "within": settings.within,
+        "rows": [r.as_dict() for r in rows],
+        "chosen": None if chosen is None else chosen.point,
+    }
+    keys = [k for k in rows[0].as_dict() if k != "point"] if rows else []
+    csv_rows = [_csv_row(r, keys) for r in rows]
+    path = write_study_files(ctx.out, "lr", lines, record, ["point", *keys], csv_rows, json_default=str)
     print(f"learning-rate study ({len(rows)} points, control {text(ctx.control)}):")
     print("\n".join(_table(rows)))
     print(choice_line(chosen, rows, settings.within))

@@ -23,8 +23,6 @@ curve.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import tempfile
 from dataclasses import dataclass, fields
@@ -36,6 +34,7 @@ from lowprec_lab.plan.preflight import saved_plan
 from lowprec_lab.report.verdict_table import LEVEL
 from lowprec_lab.stats.noise import NoisePoint, last_k_point, noise_curve
 from lowprec_lab.stats.verdict import POWER
+from lowprec_lab.studies.outputs import write_study_files
 from lowprec_lab.studies.registry import StudyContext, register
 
 
@@ -129,21 +128,22 @@ def _setup(plan: Plan) -> dict:
     }
 
 
-@register("noise", check_settings=lambda d: Settings.from_dict(d))
-def noise_study(ctx: StudyContext) -> Path:
-    """Write ``noise.md``, ``noise.json`` and ``noise.csv`` beside the report and print the curve (module
-    docstring); returns the markdown path. Raises ``ConfigError`` when the ablation lacks the negative control."""
-    plan = _plan(ctx)
-    settings = Settings.from_dict(dict(plan.study.get("noise") or {}))
-    neg = settings.negative
-    if neg not in ctx.order or neg == ctx.control:
-        raise ConfigError(
-            f"the noise study needs the negative control {neg!r} among the recipes, beside the control "
-            f"{ctx.control!r} (recipes={ctx.order})"
-        )
-    alpha, margin = (1 - LEVEL) / 2, ctx.margin
-    setup = _setup(plan)
-    tps = setup["tokens_per_step"]
+@dataclass(frozen=True)
+class _Measured:
+    """What the study measured: the negative control's paired-sd ``curve`` against the control, ``others`` (recipe
+    -> its curve against the control), ``ema_curve`` (the negative control's curve of ``val_loss_ema``; [] without
+    one) and ``final`` (row label -> the final-point estimator)."""
+
+    curve: list[NoisePoint]
+    others: dict[str, list[NoisePoint]]
+    ema_curve: list[NoisePoint]
+    final: dict[str, NoisePoint]
+
+
+def _measure(ctx: StudyContext, settings: Settings, tps: int, alpha: float) -> _Measured:
+    """The curves and final-point estimators of the ablation's runs (module docstring); ``tps``: tokens per step,
+    ``alpha``: the one-sided level of the seeds-needed rows."""
+    neg, margin = settings.negative, ctx.margin
     ctl, negc = _curves(ctx, ctx.control), _curves(ctx, neg)
     curve = noise_curve(ctl, negc, tps, margin, alpha)
     final = {f"last_{k}": last_k_point(ctl, negc, int(k), tps, margin, alpha) for k in settings.last_k} if curve else {}
@@ -165,12 +165,28 @@ def noise_study(ctx: StudyContext) -> Path:
             oe = _curves(ctx, other, "val_loss_ema")
             if any(oe.values()):
                 final[f"{other} vs {ctx.control} ema"] = last_k_point(ctl_e, oe, 1, tps, margin, alpha)
+    return _Measured(curve, others, ema_curve, final)
+
+
+def _steps(points: list[NoisePoint]) -> list[str]:
+    """The table of a curve: one row per validation point."""
+    return _table([_row(p, f"step {p.step + 1}") for p in points])
+
+
+def _finals(m: _Measured) -> list[str]:
+    """The table of the final-point estimators."""
+    return _table([_row(p, k.replace("_", " ")) for k, p in m.final.items()])
+
+
+def _markdown(ctx: StudyContext, neg: str, setup: dict, alpha: float, m: _Measured) -> list[str]:
+    """The lines of ``noise.md``: the setup, the rule, the curves and the final-point estimators."""
+    margin = ctx.margin
     rule = (
         f"seeds needed: a recipe whose true gap is 0, with the negative control's paired sd, gets `non-inferior` at "
         f"margin {margin:.2%} with power {POWER} (one-sided paired t-test at alpha={alpha:.3g}, statsmodels "
         "TTestPower; per comparison, before Holm); unpaired: the same with sd = sqrt(2) x control sd %"
     )
-    lines = [
+    return [
         f"# Noise floor `{ctx.ablation_id}`",
         "",
         f"Control `{ctx.control}`, negative control `{neg}` (the same mathematics, every FP32 matmul of the "
@@ -182,15 +198,15 @@ def noise_study(ctx: StudyContext) -> Path:
         "",
         "## Along the run (one row per validation point)",
         "",
-        *_table([_row(p, f"step {p.step + 1}") for p in curve]),
+        *_steps(m.curve),
         "",
         *(
             line
-            for other, pts in others.items()
+            for other, pts in m.others.items()
             for line in (
                 f"## `{other}` against `{ctx.control}` along the run (a real numerics change)",
                 "",
-                *_table([_row(p, f"step {p.step + 1}") for p in pts]),
+                *_steps(pts),
                 "",
             )
         ),
@@ -198,54 +214,77 @@ def noise_study(ctx: StudyContext) -> Path:
             [
                 f"## EMA of the weights (train.eval_ema), `{neg}` against `{ctx.control}` along the run",
                 "",
-                *_table([_row(p, f"step {p.step + 1}") for p in ema_curve]),
+                *_steps(m.ema_curve),
                 "",
             ]
-            if ema_curve
+            if m.ema_curve
             else []
         ),
         "## Estimators of the final loss (same runs)",
         "",
-        *_table([_row(p, k.replace("_", " ")) for k, p in final.items()]),
+        *_finals(m),
         "",
     ]
-    out = ctx.out
-    path = out / "noise.md"
-    path.write_text("\n".join(lines))
-    (out / "noise.json").write_text(
-        json.dumps(
-            {
-                "ablation": ctx.ablation_id,
-                "control": ctx.control,
-                "negative": neg,
-                "margin": margin,
-                "alpha": alpha,
-                "power": POWER,
-                "setup": setup,
-                "curve": [p.as_dict() for p in curve],
-                "others": {o: [p.as_dict() for p in pts] for o, pts in others.items()},
-                "ema_curve": [p.as_dict() for p in ema_curve],
-                "final": {k: p.as_dict() for k, p in final.items()},
-            },
-            indent=2,
-        )
-    )
-    with open(out / "noise.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["point", *(x.name for x in fields(NoisePoint))])
-        w.writeheader()
-        for p in curve:
-            w.writerow({"point": "curve", **p.as_dict()})
-        for k, p in final.items():
-            w.writerow({"point": k, **p.as_dict()})
-    print(f"noise floor ({ctx.control} vs {neg}, margin {margin:.2%}): seeds needed against tokens")
-    print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in curve])))
-    for other, pts in others.items():
+
+
+def _record(ctx: StudyContext, neg: str, setup: dict, alpha: float, m: _Measured) -> dict:
+    """The content of ``noise.json``."""
+    return {
+        "ablation": ctx.ablation_id,
+        "control": ctx.control,
+        "negative": neg,
+        "margin": ctx.margin,
+        "alpha": alpha,
+        "power": POWER,
+        "setup": setup,
+        "curve": [p.as_dict() for p in m.curve],
+        "others": {o: [p.as_dict() for p in pts] for o, pts in m.others.items()},
+        "ema_curve": [p.as_dict() for p in m.ema_curve],
+        "final": {k: p.as_dict() for k, p in m.final.items()},
+    }
+
+
+#: The columns of ``noise.csv``: the row's point (``curve`` or the final estimator's label), then ``NoisePoint``.
+_CSV_FIELDS = ["point", *(x.name for x in fields(NoisePoint))]
+
+
+def _csv_rows(m: _Measured) -> list[list]:
+    """The rows of ``noise.csv``: the negative control's curve, then the final-point estimators."""
+    pairs = [*(("curve", p) for p in m.curve), *m.final.items()]
+    return [[label, *(p.as_dict()[k] for k in _CSV_FIELDS[1:])] for label, p in pairs]
+
+
+def _print_curves(ctx: StudyContext, neg: str, m: _Measured) -> None:
+    """Print the curves and the final-point estimators to stdout."""
+    print(f"noise floor ({ctx.control} vs {neg}, margin {ctx.margin:.2%}): seeds needed against tokens")
+    print("\n".join(_steps(m.curve)))
+    for other, pts in m.others.items():
         print(f"{other} vs {ctx.control} along the run:")
-        print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in pts])))
-    if ema_curve:
+        print("\n".join(_steps(pts)))
+    if m.ema_curve:
         print(f"EMA of the weights, {neg} vs {ctx.control} along the run:")
-        print("\n".join(_table([_row(p, f"step {p.step + 1}") for p in ema_curve])))
+        print("\n".join(_steps(m.ema_curve)))
     print("final-loss estimators (same runs):")
-    print("\n".join(_table([_row(p, k.replace("_", " ")) for k, p in final.items()])))
+    print("\n".join(_finals(m)))
+
+
+@register("noise", check_settings=lambda d: Settings.from_dict(d))
+def noise_study(ctx: StudyContext) -> Path:
+    """Write ``noise.md``, ``noise.json`` and ``noise.csv`` beside the report and print the curve (module
+    docstring); returns the markdown path. Raises ``ConfigError`` when the ablation lacks the negative control."""
+    plan = _plan(ctx)
+    settings = Settings.from_dict(dict(plan.study.get("noise") or {}))
+    neg = settings.negative
+    if neg not in ctx.order or neg == ctx.control:
+        raise ConfigError(
+            f"the noise study needs the negative control {neg!r} among the recipes, beside the control "
+            f"{ctx.control!r} (recipes={ctx.order})"
+        )
+    alpha = (1 - LEVEL) / 2
+    setup = _setup(plan)
+    m = _measure(ctx, settings, setup["tokens_per_step"], alpha)
+    lines = _markdown(ctx, neg, setup, alpha, m)
+    path = write_study_files(ctx.out, "noise", lines, _record(ctx, neg, setup, alpha, m), _CSV_FIELDS, _csv_rows(m))
+    _print_curves(ctx, neg, m)
     print(f"noise study: {path}")
     return path
