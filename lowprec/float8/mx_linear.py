@@ -24,6 +24,10 @@ Stabilisers (arXiv 2509.25149, "Pretraining Large Language Models with NVFP4", s
   ``hp_after_step`` (set by the ``mx`` backend from ``train.steps``; both are buffers, so a resumed run switches
   at the same step).
 
+Casts: with ``fused_casts`` (set at build from ``train.fused_casts``) every round-to-nearest cast runs as one
+compiled kernel (``lowprec.kernels.fused_mx_casts``, the eager casts' bits); stochastically rounded operands stay
+eager (a compiled SR cast would draw other random numbers).
+
 Kernels: ``fp8_kernel='native'`` runs one ``torch.nn.functional.scaled_mm`` block-scaled call on CUDA (sm100);
 on CPU there is no block-scaled kernel, so both settings run the exact emulation
 (``lowprec.kernels.block_scaled_mm``).
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.kernels.block_scaled_mm import block_scaled_mm
+from lowprec.kernels.fused_mx_casts import fused_quantize_mx, fused_quantize_nvfp4
 from lowprec.numerics.microscaling import (
     MX_BLOCK,
     NVFP4_BLOCK,
@@ -99,6 +104,9 @@ class MXLinear(nn.Linear):
         #: ``high_precision`` as a Python bool, for ``torch.compile`` (``sync_precision_switch``).
         self.switched = False
         self.register_load_state_dict_post_hook(_sync_after_load)
+        #: Round-to-nearest casts run as one compiled kernel each (``lowprec.kernels.fused_mx_casts``; set at build
+        #: from ``train.fused_casts``; the same bits as the eager casts). Stochastic rounding stays eager.
+        self.fused_casts = False
         #: ``None`` or an object with ``observe_block_cast`` / ``observe_block_gemm`` (``lowprec.measure``).
         self.telemetry = None
 
@@ -137,12 +145,15 @@ class MXLinear(nn.Linear):
     def quantize(self, role: str, t: torch.Tensor, rounding: str = "nearest") -> BlockQTensor:
         """Quantize the 2-D operand ``t`` (rows, K) as ``role`` (``input``, ``weight``, ``grad_output``)."""
         cfg = self.mx_config
+        # inside a compiled block the casts are traced with the block; SR stays eager (module doc)
+        fused = self.fused_casts and rounding == "nearest" and not torch.compiler.is_compiling()
+        two_d = role == "weight" and cfg.weight_scaling_2d
         if cfg.scaling == "nvfp4":
-            q = quantize_nvfp4(t, rounding, two_d=role == "weight" and cfg.weight_scaling_2d)
-        else:
-            elem = cfg.elements[("input", "weight", "grad_output").index(role)]
-            q = quantize_mx(t, elem, MX_BLOCK, cfg.scale_mode, rounding)
-        return q
+            return fused_quantize_nvfp4(t, two_d=two_d) if fused else quantize_nvfp4(t, rounding, two_d=two_d)
+        elem = cfg.elements[("input", "weight", "grad_output").index(role)]
+        if fused:
+            return fused_quantize_mx(t, elem, MX_BLOCK, cfg.scale_mode)
+        return quantize_mx(t, elem, MX_BLOCK, cfg.scale_mode, rounding)
 
     def rht(self) -> torch.Tensor:
         return random_hadamard(self.rht_signs)
@@ -170,7 +181,7 @@ class MXLinear(nn.Linear):
         return (
             f"{super().extra_repr()}, {c.scaling}, elements={'/'.join(c.elements)}, scale_mode={c.scale_mode}, "
             f"rht={c.rht_size}, weight_2d={c.weight_scaling_2d}, grad_rounding={c.grad_rounding}, "
-            f"kernel={self.fp8_kernel}"
+            f"kernel={self.fp8_kernel}, fused_casts={self.fused_casts}"
         )
 
 

@@ -90,8 +90,10 @@ def fused_casts_unavailable(device_type: str) -> str | None:
     return None
 
 
-def resolve_fused_casts(setting: str, device: torch.device, compiled_model: bool) -> str:
+def resolve_fused_casts(setting: str, device: torch.device, compiled_model: bool, block_scaled: bool = False) -> str:
     """``train.fused_casts`` (``auto`` | ``on`` | ``off``) for a run on ``device`` -> ``on`` or ``off: <why>``.
+    ``block_scaled``: the run's casts are MXFP8/MXFP4/NVFP4 ones (``lowprec.kernels.fused_mx_casts``), whose probe
+    decides instead of the FP8 casts' one.
 
     ``auto``: on for CUDA; off on a CPU, where the compile time of the casts (seconds per kernel on a 2-core CPU)
     outweighed what they save in the lab's short CPU runs (docs/measurements.md). ``on`` where the casts cannot
@@ -107,7 +109,12 @@ def resolve_fused_casts(setting: str, device: torch.device, compiled_model: bool
         return "off: train.fused_casts=off"
     if setting == "auto" and device.type != "cuda":
         return f"off: train.fused_casts=auto on {device.type} (compile time outweighs the gain on short CPU runs)"
-    why = fused_casts_unavailable(device.type)
+    if block_scaled:
+        from lowprec.kernels.fused_mx_casts import fused_mx_casts_unavailable
+
+        why = fused_mx_casts_unavailable(device.type)
+    else:
+        why = fused_casts_unavailable(device.type)
     if why is None:
         return "on"
     if setting == "on":

@@ -99,14 +99,17 @@ class Built:
 
 
 def _apply_fused_casts(model: nn.Module, train: TrainSpec, device: torch.device, kernels: KernelPolicy) -> KernelPolicy:
-    """``train.fused_casts`` resolved and set on every lowprec ``Float8Linear``; recorded in the kernel policy (run
-    tags, effective recipe). Raises ``ConfigError`` for ``on`` where the casts cannot compile."""
+    """``train.fused_casts`` resolved and set on every lowprec ``Float8Linear`` and block-scaled ``MXLinear``;
+    recorded in the kernel policy (run tags, effective recipe). Raises ``ConfigError`` for ``on`` where the casts
+    cannot compile (the probe of each kind of cast the model has)."""
     from lowprec.kernels.fused_casts import resolve_fused_casts
 
-    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear | MXLinear)]
     if not linears:
         return kernels
-    state = resolve_fused_casts(train.fused_casts, device, train.compile)
+    kinds = sorted({isinstance(m, MXLinear) for m in linears})  # False: FP8 casts, True: block-scaled casts
+    states = [resolve_fused_casts(train.fused_casts, device, train.compile, block_scaled=k) for k in kinds]
+    state = next((s for s in states if s != "on"), "on")
     for m in linears:
         m.fused_casts = state == "on"
     return dataclasses.replace(kernels, fused_casts=state)

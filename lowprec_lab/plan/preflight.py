@@ -220,15 +220,17 @@ def check_corpus_path(source: str, path: str | None) -> None:
 
 
 def check_fused_casts(recipe: Recipe, spec, device) -> None:
-    """``train.fused_casts=on`` for a recipe with lowprec FP8 linears on a CPU: the casts' probe compile runs here,
-    so a machine that cannot compile them refuses the run (``ConfigError``, one line) before an MLflow run exists.
+    """``train.fused_casts=on`` for a recipe with lowprec FP8 or block-scaled (``mx``) linears on a CPU: the casts'
+    probe compile runs here, so a machine that cannot compile them refuses the run (``ConfigError``, one line) before
+    an MLflow run exists.
     On CUDA the build checks it (probing here would hold a CUDA context in the launching process); ``auto`` and
     ``off`` never refuse (``lowprec.kernels.fused_casts.resolve_fused_casts``)."""
-    if spec.fused_casts != "on" or device.type != "cpu" or not recipe.fp8.enabled or recipe.fp8.backend != "lowprec":
+    backend = recipe.fp8.backend
+    if spec.fused_casts != "on" or device.type != "cpu" or not recipe.fp8.enabled or backend not in ("lowprec", "mx"):
         return
     from lowprec.kernels.fused_casts import resolve_fused_casts
 
-    resolve_fused_casts(spec.fused_casts, device, bool(spec.compile))
+    resolve_fused_casts(spec.fused_casts, device, bool(spec.compile), block_scaled=backend == "mx")
 
 
 def resolve_data_source(cfg: DictConfig) -> None:
