@@ -94,11 +94,14 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data):
     single = _train("fp32", None, 5)["losses"]
-    for dims in ({"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}):
-        ws = dims.get("dp_shard", 1) * dims.get("tp", 1) * dims.get("dp_replicate", 1)
-        out = run_ranks(_train_many, ws, [("fp32", dims, 5, {})])
+    # The layouts of one world size train one after the other in the same ranks: a spawn of 2 ranks costs ~8 s and
+    # one of 4 ~19 s on 2 cores, more than the training itself; each build makes its own device mesh.
+    by_ws = {2: [{"dp_shard": 2}, {"tp": 2}], 4: [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}]}
+    for ws, layouts in by_ws.items():
+        out = run_ranks(_train_many, ws, [("fp32", dims, 5, {}) for dims in layouts])
         for rank_out in out:  # every rank holds the same (reduced) losses
-            assert _rel(rank_out[0]["losses"], single) < 1e-5, (dims, rank_out[0]["losses"], single)
+            for dims, run in zip(layouts, rank_out, strict=True):
+                assert _rel(run["losses"], single) < 1e-5, (dims, run["losses"], single)
 
 
 FP8_RECIPES = ["fp8_current", "fp8_delayed", "fp8_rowwise", "fp8_blockwise"]
@@ -196,12 +199,14 @@ def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
     ][0]
     step3 = str(tmp_path / "ckpt" / "step_3")
     one = _train("fp32", None, 6, resume_from=step3)["losses"]
-    fsdp = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"resume_from": step3})])[0][0]["losses"]
-    tp = run_ranks(_train_many, 2, [("fp32", {"tp": 2}, 6, {"resume_from": step3})])
-    assert fsdp == full["losses"][3:]
+    # both resumes in one fresh spawn (a spawn costs more than the 3 steps): FSDP2 first, then TP
+    resumed = run_ranks(
+        _train_many, 2, [("fp32", dims, 6, {"resume_from": step3}) for dims in ({"dp_shard": 2}, {"tp": 2})]
+    )
+    assert resumed[0][0]["losses"] == full["losses"][3:]
     assert _rel(one, full["losses"][3:]) < 1e-6, (one, full["losses"])
-    for rank_out in tp:  # every TP rank holds the same (reduced) losses
-        assert _rel(rank_out[0]["losses"], full["losses"][3:]) < 1e-6, (rank_out[0]["losses"], full["losses"])
+    for rank_out in resumed:  # every TP rank holds the same (reduced) losses
+        assert _rel(rank_out[1]["losses"], full["losses"][3:]) < 1e-6, (rank_out[1]["losses"], full["losses"])
 
 
 def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout(token_data, tmp_path):
@@ -222,7 +227,12 @@ def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout
         _train("bf16_adamw8bit", None, 6, resume_from=str(tmp_path / "bf16_adamw8bit" / "step_3"))
 
 
-def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Tensor:
+def _full_grads_after_backward(rank: int, ws: int, grad_reduces: list[str]) -> list[torch.Tensor]:
+    """Each ``grad_reduces`` setting's full gradients after one backward, built one after the other in this rank."""
+    return [_full_grads_one(ws, g) for g in grad_reduces]
+
+
+def _full_grads_one(ws: int, grad_reduce: str) -> torch.Tensor:
     from lowprec.build_optim import OptimHParams
     from lowprec.data import DataSpec, TokenBatches, prepare
     from lowprec.model import model_args
@@ -251,8 +261,7 @@ def _full_grads_after_backward(rank: int, ws: int, grad_reduce: str) -> torch.Te
 def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_data):
     from lowprec.numerics.formats import sqnr_db
 
-    ref = run_ranks(_full_grads_after_backward, 2, "fp32")[0]
-    fp8 = run_ranks(_full_grads_after_backward, 2, "fp8")[0]
+    ref, fp8 = run_ranks(_full_grads_after_backward, 2, ["fp32", "fp8"])[0]  # one spawn builds both
     db = sqnr_db(ref, fp8)
     assert db >= 20, db
 
