@@ -180,6 +180,18 @@ def format_one(
     ``cost``: its ``StepCost`` or ``None``; ``flat``: also print the flat-efficiency time; ``no_time``: why no step
     time is predicted, printed instead of one; ``batch``: the global ``train.batch_size``; ``assumed``: the
     compile/AC settings the estimate assumed, ``assumed_words``)."""
+    lines = [
+        *_memory_lines(e, args, model_name, unsharded, batch, assumed),
+        *_time_lines(e, model_name, cost, flat, no_time),
+    ]
+    for n in e.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def _memory_lines(e, args, model_name: str, unsharded, batch: int, assumed: str | None) -> list[str]:
+    """``format_one``'s header and memory table: the state per component, the activations per recompute mode and
+    the totals against the part's memory, ending with a blank line."""
     s, a, hw = e.state, e.activations, e.hardware
     pdt = "fp32" if s.params == 4 * s.n_local_params else "bf16"
     lines = [
@@ -232,8 +244,14 @@ def format_one(
         )
         lines.append(_row(f"total, recompute {m}", e.totals[m], fit))
     lines.append("")
+    return lines
+
+
+def _time_lines(e, model_name: str, cost, flat: bool, no_time: str | None) -> list[str]:
+    """``format_one``'s compute part: FLOPs per token, then the step time (flat-efficiency, the cost model's with
+    the published point it can be checked against) or why none is predicted."""
     fl = e.flops
-    lines.append(
+    lines = [
         f"FLOPs/token {fl.flops_per_token / 1e9:,.4g} G = 6*N + 12*L*dim*seq, N = {fl.n_flop_params:,} "
         + (
             f"activated parameters (top-k routed + shared experts + router, all but the token embedding; "
@@ -242,7 +260,7 @@ def format_one(
             else "(all but the token embedding)"
         )
         + f"; FP8 share {100 * fl.fp8_fraction:.0f}%"
-    )
+    ]
     t = e.throughput
     if t is not None and flat and no_time is None:
         lines.append(
@@ -262,9 +280,7 @@ def format_one(
                 f"the cost model is {100 * (cost.tokens_per_s_per_gpu / pub.tokens_per_s_per_gpu - 1):+.1f}% on "
                 f"tokens/s ({pub.split.replace('_', '-')} point; measured on a GPU by them, never by lowprec)"
             )
-    for n in e.notes:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return lines
 
 
 def published_for(e, model_name: str, cost):
