@@ -322,74 +322,19 @@ def recommend(q: RecommendQuery) -> Recommendation:
     names = list(q.recipes) or list(CATALOG)
     evidence = stored_verdicts(q.tracking_uri, q.model, model_class(args))
     gap = q.max_loss_gap
-    # the evidence ablation keeps the pinned batch per GPU (one sequence per data-parallel rank otherwise)
-    evidence_batch = max(1, q.batch_size // q.gpus) if q.batch_size is not None else 1
-    control = get_recipe(CONTROL)
     options, not_runnable = [], {}
     for name in dict.fromkeys([*names, CONTROL]):
-        r = get_recipe(name)
-        why = hardware_blocker(r, hw)  # the check training makes (Float8Backend.check_runtime)
-        if why is not None:
-            not_runnable[name] = f"on {hw.name}: {why}"
-            continue
-        o = best_option(args, r, hw, q)
+        o = _candidate(q, name, hw, evidence.get(name, []), listed=name in names)
         if isinstance(o, str):
             not_runnable[name] = o
-            continue
-        ev = evidence.get(name, [])
-        inferior = [e for e in ev if e.verdict == "inferior"]
-        excluded = f"measured inferior: {inferior[0].describe()}" if inferior else None
-        if name not in names:
-            excluded = "the reference (not among recipes=)"
-        has_comparable = any(e.comparable and e.verdict != "no-data" for e in ev)
-        plan = None
-        if not has_comparable and name != CONTROL and excluded is None:
-            plan = ablation_plan(
-                q.model,
-                args,
-                control,
-                r,
-                hw,
-                gpus=q.gpus,
-                batch=evidence_batch,
-                seq=q.seq,
-                gap=gap,
-                steps=q.ablate_steps,
-            )
-        options.append(
-            replace(
-                o,
-                evidence=ev,
-                ablation=plan,
-                ablate_command=plan.command if plan else None,
-                published=published_evidence(r, CONTROL),
-                outside_published=outside_published(q.model, hw.name, o.dp_shard, o.tp),
-                excluded=excluded,
-            )
-        )
+        else:
+            options.append(o)
     base = next((o for o in options if o.recipe == CONTROL), None)
     if base is not None:
         options = [replace(o, speedup=base.days / o.days) for o in options]
     options.sort(key=lambda o: (o.excluded is not None, o.days, -o.headroom))
     top = next((o for o in options if o.excluded is None), None)
-    query = {
-        "model": q.model,
-        "hardware": q.hardware,
-        "gpus": q.gpus,
-        "tokens": q.tokens,
-        "max_loss_gap": gap,
-        "batch_size": q.batch_size,
-        "seq": q.seq,
-        "ac": q.ac,
-        "compile": q.compile,
-        "assumed": assumed_settings(q, options),
-        "tp": q.tp,
-        "dp_shard": q.dp_shard,
-        "recipes": list(q.recipes) or None,
-        "ablate_steps": q.ablate_steps,
-        "tracking_uri": q.tracking_uri,
-        "moe": isinstance(args, MoEArgs),
-    }
+    query = _query_record(q, options)
     commands = None
     if top is not None:
         commands = run_commands(
@@ -409,6 +354,72 @@ def recommend(q: RecommendQuery) -> Recommendation:
     return Recommendation(
         query, options, top.recipe if top else None, not_runnable, paragraph(top, base, query, gap), commands
     )
+
+
+def _candidate(q: RecommendQuery, name: str, hw, ev: list, listed: bool) -> Option | str:
+    """Recipe ``name``'s ``Option`` for ``recommend``: its fastest layout on ``hw`` with its stored verdicts ``ev``,
+    the ablation that would measure it (when nothing comparable is stored), its published evidence and why it is
+    excluded (measured inferior, or the reference when not ``listed`` among ``recipes=``); or, as a string, why it
+    does not run there (the part lacks what it needs, or no layout fits)."""
+    r = get_recipe(name)
+    why = hardware_blocker(r, hw)  # the check training makes (Float8Backend.check_runtime)
+    if why is not None:
+        return f"on {hw.name}: {why}"
+    o = best_option(q.args, r, hw, q)
+    if isinstance(o, str):
+        return o
+    inferior = [e for e in ev if e.verdict == "inferior"]
+    excluded = f"measured inferior: {inferior[0].describe()}" if inferior else None
+    if not listed:
+        excluded = "the reference (not among recipes=)"
+    has_comparable = any(e.comparable and e.verdict != "no-data" for e in ev)
+    plan = None
+    if not has_comparable and name != CONTROL and excluded is None:
+        # the evidence ablation keeps the pinned batch per GPU (one sequence per data-parallel rank otherwise)
+        evidence_batch = max(1, q.batch_size // q.gpus) if q.batch_size is not None else 1
+        plan = ablation_plan(
+            q.model,
+            q.args,
+            get_recipe(CONTROL),
+            r,
+            hw,
+            gpus=q.gpus,
+            batch=evidence_batch,
+            seq=q.seq,
+            gap=q.max_loss_gap,
+            steps=q.ablate_steps,
+        )
+    return replace(
+        o,
+        evidence=ev,
+        ablation=plan,
+        ablate_command=plan.command if plan else None,
+        published=published_evidence(r, CONTROL),
+        outside_published=outside_published(q.model, hw.name, o.dp_shard, o.tp),
+        excluded=excluded,
+    )
+
+
+def _query_record(q: RecommendQuery, options: list[Option]) -> dict:
+    """The query as ``Recommendation.query`` records it (the settings asked, what was assumed of compile and AC)."""
+    return {
+        "model": q.model,
+        "hardware": q.hardware,
+        "gpus": q.gpus,
+        "tokens": q.tokens,
+        "max_loss_gap": q.max_loss_gap,
+        "batch_size": q.batch_size,
+        "seq": q.seq,
+        "ac": q.ac,
+        "compile": q.compile,
+        "assumed": assumed_settings(q, options),
+        "tp": q.tp,
+        "dp_shard": q.dp_shard,
+        "recipes": list(q.recipes) or None,
+        "ablate_steps": q.ablate_steps,
+        "tracking_uri": q.tracking_uri,
+        "moe": isinstance(q.args, MoEArgs),
+    }
 
 
 def _word(v) -> str:
