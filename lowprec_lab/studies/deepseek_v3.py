@@ -136,17 +136,12 @@ def _fmt_nc(nc) -> str:
 
 
 def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tuple[list[str], dict]:
-    m = settings.gemm_rows
+    """Section 1: the accumulation error of e4m3 GEMMs on ``HOPPER_ACCUMULATOR`` against K and the promotion interval,
+    on Gaussian operands and on the weight-gradient operands captured in ``caps`` (none: Gaussian only; ``where``
+    says where they came from). Draws ``out/dsv3_accumulation.png``; returns the section's markdown lines and its
+    headline numbers for the study's JSON."""
     model = dn.HOPPER_ACCUMULATOR
-    a, b = dn.gaussian_operands(m, m, settings.k_max)
-    rows = dn.accumulation_errors(a, b, dn.ks_up_to(settings.k_max), [None, *settings.intervals], "gaussian", model)
-    sources = ["gaussian"]
-    if caps:
-        ga, gb, fqn = dn.wgrad_operands(caps, m, m)
-        k_cap = ga.shape[1]
-        ncs = [None, *settings.intervals]
-        rows += dn.accumulation_errors(ga, gb, dn.ks_up_to(k_cap), ncs, f"captured {fqn}", model)
-        sources.append(f"captured {fqn}")
+    rows, sources = _accumulation_rows(caps, settings, model)
     at = {(r.operands, r.scaling, r.promotion): r for r in rows if r.k == (4096 if settings.k_max >= 4096 else None)}
     g4096 = at.get(("gaussian", "rowwise", None))
     headline = {
@@ -161,6 +156,30 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
             for nc in [None, *settings.intervals]
         },
     }
+    _accumulation_figure(rows, sources, settings, model, out / "dsv3_accumulation.png")
+    return _accumulation_lines(rows, g4096, headline, where, settings, model), headline
+
+
+def _accumulation_rows(caps, settings: Settings, model) -> tuple[list, list[str]]:
+    """Section 1's measurements: ``deepseek_numerics.accumulation_errors`` rows on Gaussian operands (K up to
+    ``k_max``) and, with ``caps``, on the captured weight-gradient operands, on the accumulator ``model``; and the
+    operand sources measured."""
+    m = settings.gemm_rows
+    a, b = dn.gaussian_operands(m, m, settings.k_max)
+    rows = dn.accumulation_errors(a, b, dn.ks_up_to(settings.k_max), [None, *settings.intervals], "gaussian", model)
+    sources = ["gaussian"]
+    if caps:
+        ga, gb, fqn = dn.wgrad_operands(caps, m, m)
+        k_cap = ga.shape[1]
+        ncs = [None, *settings.intervals]
+        rows += dn.accumulation_errors(ga, gb, dn.ks_up_to(k_cap), ncs, f"captured {fqn}", model)
+        sources.append(f"captured {fqn}")
+    return rows, sources
+
+
+def _accumulation_figure(rows, sources: list[str], settings: Settings, model, path: Path) -> None:
+    """Section 1's figure at ``path``: the rowwise relative error against K per promotion interval, one panel per
+    operand source; ``model``: the accumulator measured, named in the title."""
     fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4.5), squeeze=False)
     for ax, src in zip(axes[0], sources):
         for nc in [None, *settings.intervals]:
@@ -171,8 +190,14 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
         ax.legend(fontsize=7)
     fig.suptitle(f"e4m3 GEMM, {model.describe()}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "dsv3_accumulation.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _accumulation_lines(rows, g4096, headline: dict, where: str, settings: Settings, model) -> list[str]:
+    """Section 1's markdown: the paper's claim, the setup, the table of ``rows``, the figure and, with the K = 4096
+    Gaussian row ``g4096``, the headline against the paper's figure; ``model``: the accumulator measured."""
+    m = settings.gemm_rows
     lines = [
         "## 1. Accumulation precision (paper 3.3.2)",
         "",
@@ -218,7 +243,7 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
         "same emulated accumulator (every FP8 GEMM, all of K).",
         "",
     ]
-    return lines, headline
+    return lines
 
 
 def _granularity_section(caps, where: str, settings: Settings, out: Path) -> list[str]:
