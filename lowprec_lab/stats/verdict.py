@@ -364,6 +364,38 @@ def _perm_verdict(d: np.ndarray, margin: float, alpha: float) -> tuple[float | N
     return p_ni, p_inf, NON_INFERIOR if p_ni <= alpha else INFERIOR if p_inf <= alpha else INCONCLUSIVE
 
 
+def _paired_tests(
+    results: dict, margin: float, level: float, alpha: float, bootstrap: bool
+) -> tuple[dict[str, PairedEffect], dict[str, tuple[float, ...]], dict[str, tuple]]:
+    """Per recipe of ``results`` (``verdicts``' argument): its ``paired_effect``; and, with >= 2 seeds, its four
+    one-sided p-values (non-inferior and inferior against ``margin``, better and worse against 0) and its sign-flip
+    cross-check (``_perm_verdict``) at ``alpha``. Returns ``(effects, pvals, perms)``, each keyed by recipe."""
+    effects, pvals, perms = {}, {}, {}
+    for name, (rec, ctl) in results.items():
+        effects[name] = paired_effect(rec, ctl, level, bootstrap=bootstrap)
+        if effects[name].n >= 2:
+            d = relative_differences(rec, ctl)
+            # families: non-inferior, inferior (against the margin), better, worse (against 0)
+            pvals[name] = (*one_sided_pvalues(d, margin), *one_sided_pvalues(d, 0.0))
+            perms[name] = _perm_verdict(d, margin, alpha)
+    return effects, pvals, perms
+
+
+def _holm_families(
+    pvals: dict[str, tuple[float, ...]], alpha: float
+) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[bool, ...]]]:
+    """Holm at ``alpha`` within each of the four one-sided families, across the tested recipes (the keys of
+    ``pvals``): ``(adjusted p-values, rejections)`` per recipe, in the families' order."""
+    tested = list(pvals)
+    adjusted, reject = {k: pvals[k] for k in tested}, {}
+    if tested:
+        families = [holm([pvals[k][j] for k in tested], alpha) for j in range(4)]
+        for i, k in enumerate(tested):
+            adjusted[k] = tuple(float(adj[i]) for _, adj in families)
+            reject[k] = tuple(bool(rej[i]) for rej, _ in families)
+    return adjusted, reject
+
+
 def verdicts(
     results: dict,
     margin: float,
@@ -394,21 +426,9 @@ def verdicts(
     if correction not in CORRECTIONS:
         raise ConfigError(f"correction must be one of {CORRECTIONS} (got {correction!r})")
     alpha = (1 - level) / 2
-    effects, pvals, perms = {}, {}, {}
-    for name, (rec, ctl) in results.items():
-        effects[name] = paired_effect(rec, ctl, level, bootstrap=bootstrap)
-        if effects[name].n >= 2:
-            d = relative_differences(rec, ctl)
-            # families: non-inferior, inferior (against the margin), better, worse (against 0)
-            pvals[name] = (*one_sided_pvalues(d, margin), *one_sided_pvalues(d, 0.0))
-            perms[name] = _perm_verdict(d, margin, alpha)
+    effects, pvals, perms = _paired_tests(results, margin, level, alpha, bootstrap)
     tested = list(pvals)
-    adjusted, reject = {k: pvals[k] for k in tested}, {}
-    if tested and correction == "holm":
-        families = [holm([pvals[k][j] for k in tested], alpha) for j in range(4)]
-        for i, k in enumerate(tested):
-            adjusted[k] = tuple(float(adj[i]) for _, adj in families)
-            reject[k] = tuple(bool(rej[i]) for rej, _ in families)
+    adjusted, reject = _holm_families(pvals, alpha) if correction == "holm" else (dict(pvals), {})
     rule = rule_text(margin, level, correction, len(tested))
     out = {}
     for name, eff in effects.items():
