@@ -26,6 +26,7 @@ import functools
 import types
 
 import torch
+import torch.fx.experimental._config
 
 from lowprec.kernels.fused_casts import _layout
 from lowprec.numerics.microscaling import (
@@ -94,15 +95,19 @@ def _compiled(kind: str, key: tuple):
     return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
-def _run(fn, *args):
-    # Set and restored by hand, as in fused_casts (dynamo's config.patch costs more host time than the cast).
-    cfg = torch._dynamo.config
-    before = cfg.fail_on_recompile_limit_hit
-    cfg.fail_on_recompile_limit_hit = True
+def _run(fn, x: torch.Tensor, *args):
+    # ``x.detach()``: a tensor that is neither a view nor requires grad, so dynamo guards on neither (a weight
+    # parameter and an activation, or a view and a fresh tensor, would otherwise compile a kernel each).
+    # The config is set and restored by hand, as in fused_casts (dynamo's config.patch costs more host time).
+    # No duck sizing: a first operand with rows == K (the probe's, a square weight) would otherwise compile a kernel
+    # for square operands only, and every other shape would compile another.
+    cfg, fx_cfg = torch._dynamo.config, torch.fx.experimental._config
+    before = cfg.fail_on_recompile_limit_hit, fx_cfg.use_duck_shape
+    cfg.fail_on_recompile_limit_hit, fx_cfg.use_duck_shape = True, False
     try:
-        return fn(*args)
+        return fn(x.detach(), *args)
     finally:
-        cfg.fail_on_recompile_limit_hit = before
+        cfg.fail_on_recompile_limit_hit, fx_cfg.use_duck_shape = before
 
 
 def _check_nan(nan: torch.Tensor | None) -> None:
