@@ -132,9 +132,19 @@ def _direct(rank: int, ws: int) -> dict:
     return res
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_fsdp2_fp8_reduce_scatter_gradients_and_bytes(ws):
-    results = run_ranks(_fsdp, ws)
+def _fsdp_and_direct(rank: int, ws: int) -> dict:
+    """Both rank-side checks of one world size in one spawn (a spawn costs ~8 s of the 2 cores, more than either)."""
+    return {"fsdp": _fsdp(rank, ws), "direct": _direct(rank, ws)}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request) -> tuple[int, list[dict]]:
+    """The world size and each rank's ``_fsdp_and_direct`` results, shared by the two tests of that world size."""
+    return request.param, run_ranks(_fsdp_and_direct, request.param)
+
+
+def test_fsdp2_fp8_reduce_scatter_gradients_and_bytes(ranks):
+    ws, results = ranks[0], [r["fsdp"] for r in ranks[1]]
     for rank, r in enumerate(results):
         for name, db in r["sqnr"].items():
             assert db >= 20, f"ws={ws} rank {rank} {name}: gradient SQNR vs fp32 reduce-scatter {db:.1f} dB < 20"
@@ -159,9 +169,9 @@ def test_fsdp2_fp8_reduce_scatter_gradients_and_bytes(ws):
     )
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_direct_call_matches_exact_sum_to_fp8_rounding(ws):
-    for rank, r in enumerate(run_ranks(_direct, ws)):
+def test_direct_call_matches_exact_sum_to_fp8_rounding(ranks):
+    ws = ranks[0]
+    for rank, r in enumerate(r["direct"] for r in ranks[1]):
         for fmt_name in ("e4m3", "e5m2"):
             f = r[fmt_name]
             assert f["sum_equals_emulation"], f"ws={ws} rank {rank} {fmt_name}"
