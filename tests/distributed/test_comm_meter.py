@@ -120,9 +120,20 @@ def _tp(rank: int, ws: int) -> dict:
     return out
 
 
+def _all_at_2(rank: int, ws: int) -> dict:
+    """The world-size-2 checks in one spawn (a spawn costs ~8 s of the 2 cores, more than any of them)."""
+    return {"fsdp": _fsdp_bytes(rank, ws), "labels": _labels(rank, ws), "tp": _tp(rank, ws)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Each rank's ``_all_at_2`` results, shared by the world-size-2 tests."""
+    return run_ranks(_all_at_2, 2)
+
+
 @pytest.mark.parametrize("ws", [2, 3])
-def test_fsdp2_all_gather_and_reduce_scatter_bytes_are_padded_param_bytes(ws):
-    r = run_ranks(_fsdp_bytes, ws)
+def test_fsdp2_all_gather_and_reduce_scatter_bytes_are_padded_param_bytes(ws, request):
+    r = [x["fsdp"] for x in request.getfixturevalue("two_ranks")] if ws == 2 else run_ranks(_fsdp_bytes, ws)
     n = r[0]["padded_numel"]
     n_linear = len(DIMS) - 1
     for rank, res in enumerate(r):
@@ -144,9 +155,9 @@ def test_fsdp2_all_gather_and_reduce_scatter_bytes_are_padded_param_bytes(ws):
         assert sum(bf_fwd["all_gather"].values()) * 2 == sum(fwd["all_gather"].values())
 
 
-def test_comm_label_relabels_and_barriers_are_not_counted():
+def test_comm_label_relabels_and_barriers_are_not_counted(two_ranks):
     ws = 2
-    by_dtype, calls = run_ranks(_labels, ws)[0]
+    by_dtype, calls = two_ranks[0]["labels"]
     assert by_dtype["all_reduce"] == {"float32": 40}
     assert by_dtype["reduce_scatter"] == {"float32": 40, "int32": 4 * 6 * ws}  # all-reduce + all-to-all, relabelled
     assert by_dtype["other"] == {"float32": 40}  # innermost label wins
@@ -155,8 +166,8 @@ def test_comm_label_relabels_and_barriers_are_not_counted():
     assert calls == {"all_gather": 0, "reduce_scatter": 2, "all_reduce": 1, "all_to_all": 0, "broadcast": 1, "other": 1}
 
 
-def test_tensor_parallel_collectives_are_seen():
-    r = run_ranks(_tp, 2)
+def test_tensor_parallel_collectives_are_seen(two_ranks):
+    r = [x["tp"] for x in two_ranks]
     for res in r:
         fwd, fwd_calls, cdm_count = res["fwd"]
         # RowwiseParallel turns the Partial output (4 x 8 fp32) into Replicate with one all-reduce.
