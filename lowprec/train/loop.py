@@ -24,7 +24,7 @@ from lowprec.train.step import AnomalyError, NonFiniteError, StepResult, evaluat
 from lowprec.train.stop import StopSignal, stop_requested
 from lowprec.train.validator import Validator
 
-# The step functions and their types are imported from here by experiments, tests and benchmarks;
+# The step functions and their types are imported from here by the lab, tests and benchmarks;
 # ``_loss`` is the name tests/distributed use for ``forward_loss``.
 _loss = forward_loss
 __all__ = [

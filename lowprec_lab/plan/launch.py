@@ -17,7 +17,7 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun_command(nproc: int, argv: list[str], module: str = "experiments") -> list[str]:
+def torchrun_command(nproc: int, argv: list[str], module: str = "lowprec_lab") -> list[str]:
     """The single-machine torchrun command line that runs ``python -m <module> <argv>`` on ``nproc`` ranks."""
     return [
         sys.executable,

@@ -29,7 +29,7 @@ def _subcommand_args(line: str, subcommand: str) -> list[str]:
     """The overrides of a printed line: the words after ``lowprec <subcommand>`` or ``-m lowprec_lab <subcommand>``
     (the torchrun line of several hosts), as the shell splits them."""
     words = shlex.split(line)
-    start = next(i for i, w in enumerate(words) if w == subcommand and words[i - 1] in ("lowprec", "experiments"))
+    start = next(i for i, w in enumerate(words) if w == subcommand and words[i - 1] in ("lowprec", "lowprec_lab"))
     return words[start + 1 :]
 
 

@@ -1,4 +1,5 @@
-"""The typed door. The composed Hydra config (``DictConfig``) stops at the door, ``lowprec_lab/cli.py`` and
+"""The typed door. The composed Hydra config (``DictConfig``) stops at the door, ``lowprec_lab/cli.py``, the
+command-line parts beside it (``lowprec_lab/commands/``: shell completion, ``lowprec data prepare``) and
 ``lowprec_lab/plan/`` (config schema, preflight, the ``Plan``); every function below takes the ``Plan`` or its typed
 parts. Read with ``ast``: no function outside the door has a parameter named ``cfg``/``config`` or annotated
 ``DictConfig``, and no module outside the door imports ``omegaconf`` (at the top or inside a function)."""
@@ -14,9 +15,10 @@ from lowprec_lab.plan.plan import Plan
 from lowprec_lab.plan.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ROOT / "experiments"
-#: The door: the command line's Hydra entry functions and the plan wing (schema, preflight, the Plan itself).
-DOOR = ("lowprec_lab/cli.py", "lowprec_lab/__main__.py", "lowprec_lab/plan/")
+LAB = ROOT / "lowprec_lab"
+#: The door: the command line's Hydra entry functions and command-line parts, and the plan wing (schema, preflight,
+#: the Plan itself).
+DOOR = ("lowprec_lab/cli.py", "lowprec_lab/__main__.py", "lowprec_lab/commands/", "lowprec_lab/plan/")
 CONFIG_NAMES = ("cfg", "config", "conf")
 
 
@@ -46,13 +48,13 @@ def crossings(path: Path, rel: str) -> list[str]:
 
 
 def below_the_door() -> list[tuple[Path, str]]:
-    files = [(p, p.relative_to(ROOT).as_posix()) for p in sorted(EXPERIMENTS.rglob("*.py"))]
+    files = [(p, p.relative_to(ROOT).as_posix()) for p in sorted(LAB.rglob("*.py"))]
     return [(p, rel) for p, rel in files if not _door(rel)]
 
 
 def test_no_function_below_the_door_takes_the_config():
     modules = below_the_door()
-    assert len(modules) > 40  # every wing is read (runner, tracking, report, studies, stats, planning, selfcheck)
+    assert len(modules) > 40  # every wing is read (runner, runtime, tracking, report, studies, stats, sizing, ...)
     found = [c for p, rel in modules for c in crossings(p, rel)]
     assert not found, "the composed config crosses the door (take the Plan or its typed parts):\n" + "\n".join(found)
 
@@ -68,7 +70,7 @@ def test_the_check_finds_a_crossing(tmp_path):
     )
     found = crossings(bad, "lowprec_lab/runner/bad.py")
     assert [f.split(": ", 1)[1] for f in found] == ["a(cfg)", "b(node: DictConfig)", "from omegaconf import ..."]
-    assert crossings(EXPERIMENTS / "plan" / "plan.py", "lowprec_lab/plan/plan.py")  # the door itself may
+    assert crossings(LAB / "plan" / "plan.py", "lowprec_lab/plan/plan.py")  # the door itself may
     assert _door("lowprec_lab/plan/preflight.py") and not _door("lowprec_lab/runner/run.py")
 
 
