@@ -23,13 +23,13 @@ from lowprec.numerics.microscaling import E2M1_VALUES, BlockQTensor, quantize_mx
 from lowprec.recipes import CATALOG
 
 
-def _operand(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _operand(rows: int, cols: int, dtype: torch.dtype = torch.float32, huge: float = 3e38) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows)[:, None]  # rows 6 decades apart
     x[:4, :64] = 0.0  # all-zero blocks (and 16x16 tiles): the smallest scale
     x[4, :] = 1e-30  # tiny blocks, scaled up by 2**127 at most: saturation of the exponent clamp
     x[5, :] = 1e-40  # float32 subnormals
-    x[6, 1] = 3e38  # a huge element next to tiny ones in its block: they flush to zero
+    x[6, 1] = huge  # a huge element next to tiny ones in its block: they flush to zero
     x[7, :32] = -0.0
     halves = torch.tensor(E2M1_VALUES[1:] + (7.0,))  # E2M1's grid, a value past it, the ties between
     x[8, :30] = torch.cat((halves, (halves[:-1] + halves[1:]) / 2, -halves, -(halves[:-1] + halves[1:]) / 2))
@@ -73,11 +73,13 @@ def test_fused_mx_cast_is_the_eager_cast_bit_for_bit(elem, mode, dtype, transpos
 
 @pytest.mark.parametrize("two_d", [False, True])
 def test_fused_nvfp4_cast_is_the_eager_cast_bit_for_bit(two_d):
-    for rows, cols in ((64, 128), (48, 80)):
-        x = _operand(rows, cols)
+    # NVFP4's tensor scale follows the largest element: 3e38 flushes every other block to zero, 1e4 spreads the
+    # block scales over E4M3's range, from its clamp at the smallest normal to 448
+    for rows, cols, huge in ((64, 128, 1e4), (48, 80, 1e4), (64, 128, 3e38)):
+        x = _operand(rows, cols, huge=huge)
         _same(fused_quantize_nvfp4(x, two_d=two_d), quantize_nvfp4(x, two_d=two_d))
     if not two_d:  # a tensor amax from elsewhere, larger than this operand's (a kernel of its own)
-        x, amax = _operand(64, 128), torch.tensor(5e5)
+        x, amax = _operand(64, 128, huge=1e4), torch.tensor(5e5)
         _same(fused_quantize_nvfp4(x, tensor_amax=amax), quantize_nvfp4(x, tensor_amax=amax))
 
 
