@@ -331,12 +331,49 @@ def _calls(rank, world_size, calls):
     return [fn(rank, world_size, *args) for fn, args in calls]
 
 
+REFILL_CASES = [(gran, reshard) for reshard in (True, False) for gran in GRANS]
+
+
+def _all_at_2(rank, world_size):
+    """Every world-size-2 check that needs no folder, one after the other in one spawn."""
+    return {
+        "forward": _forward_check(rank, world_size, GRANS),
+        "refill": [_train(rank, world_size, *case) for case in REFILL_CASES],
+        "bytes": [_bytes(rank, world_size, gran) for gran in GRANS],
+        "torchao": _torchao(rank, world_size),
+        "lowprec_linear": _lowprec_linear(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Each rank's ``_all_at_2`` results, read by the world-size-2 tests."""
+    return run_ranks(_all_at_2, 2)
+
+
+def _all_at_3(rank, world_size):
+    """The world-size-3 checks (uneven shards) in one spawn: meta init with one step, then both granularities."""
+    return {
+        "meta": _train(rank, world_size, "rowwise", True, 1, True, "adamw"),
+        "uneven": [_forward_then_train(rank, world_size, gran) for gran in GRANS],
+    }
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """Each rank's ``_all_at_3`` results, read by the world-size-3 tests."""
+    return run_ranks(_all_at_3, 3)
+
+
 # -- tests --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_forward_sqnr_and_exact_gathered_weight(world_size):
-    results = run_ranks(_forward_check, world_size, GRANS)
+def test_forward_sqnr_and_exact_gathered_weight(world_size, request):
+    if world_size == 2:
+        results = [r["forward"] for r in request.getfixturevalue("two_ranks")]
+    else:
+        results = run_ranks(_forward_check, world_size, GRANS)
     for r in results:
         for gran in GRANS:
             assert r[gran]["wrapped"] == ["0.weight", "1.weight", "2.weight"]
@@ -344,10 +381,9 @@ def test_forward_sqnr_and_exact_gathered_weight(world_size):
             assert r[gran]["sqnr"] >= 25, (gran, r[gran]["sqnr"])
 
 
-def test_two_training_steps_refill_path():
-    cases = [(gran, reshard) for reshard in (True, False) for gran in GRANS]
-    for rank_out in run_ranks(_calls, 2, [(_train, case) for case in cases]):
-        for case, r in zip(cases, rank_out, strict=True):
+def test_two_training_steps_refill_path(two_ranks):
+    for rank_out in two_ranks:
+        for case, r in zip(REFILL_CASES, rank_out["refill"], strict=True):
             # fp32 DTensor grads on the sharded, still wrapped masters
             assert all(r["grad_ok"]) and r["type_ok"], (case, r)
             assert min(r["grad_sqnr"]) >= 15, (case, r)
@@ -357,16 +393,20 @@ def test_two_training_steps_refill_path():
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_meta_init_to_empty(world_size):
-    steps = 2 if world_size == 1 else 1  # world size 3 (a rank with no rows of the head) on 2 cores is slow
-    for r in run_ranks(_train, world_size, "rowwise", True, steps, True, "adamw"):
+def test_meta_init_to_empty(world_size, request):
+    # world size 3 (a rank with no rows of the head) on 2 cores is slow: one step there (in ``_all_at_3``)
+    if world_size == 3:
+        results = [r["meta"] for r in request.getfixturevalue("three_ranks")]
+    else:
+        results = run_ranks(_train, world_size, "rowwise", True, 2, True, "adamw")
+    for r in results:
         assert all(r["grad_ok"]) and r["type_ok"], r
         assert r["grad_sqnr"][0] >= 15, r  # before any update; AdamW then amplifies FP8 noise in tiny gradients
         assert all(abs(a - b) <= 0.25 * b for a, b in zip(r["losses"], r["ref_losses"])), r
 
 
-def test_all_gather_bytes():
-    for gran, r in zip(GRANS, run_ranks(_calls, 2, [(_bytes, (gran,)) for gran in GRANS])[0], strict=True):
+def test_all_gather_bytes(two_ranks):
+    for gran, r in zip(GRANS, two_ranks[0]["bytes"], strict=True):
         # "all_gather" counts the FP8 side's own collectives too: scale all-gathers (rowwise), amax all-reduces
         # (tensorwise, labelled all_gather); the local counter sees them as raw op kinds and must agree.
         fp8, ref = r[True], r[False]
@@ -377,15 +417,15 @@ def test_all_gather_bytes():
         assert ratio <= 0.55, (gran, ratio, r)
 
 
-def test_world_size_3_uneven():
-    for rank_out in run_ranks(_calls, 3, [(_forward_then_train, (gran,)) for gran in GRANS]):
-        for gran, (f, t) in zip(GRANS, rank_out, strict=True):
+def test_world_size_3_uneven(three_ranks):
+    for rank_out in three_ranks:
+        for gran, (f, t) in zip(GRANS, rank_out["uneven"], strict=True):
             assert all(f[gran]["exact"]) and f[gran]["sqnr"] >= 25, (gran, f)
             assert all(t["grad_ok"]) and t["type_ok"] and t["weight_sqnr"] >= 30 and min(t["grad_sqnr"]) >= 15, t
 
 
-def test_torchao_float8_all_gather_on_gloo():
-    for r in run_ranks(_torchao, 2):
+def test_torchao_float8_all_gather_on_gloo(two_ranks):
+    for r in (x["torchao"] for x in two_ranks):
         for precompute in (False, True):
             rp = r[precompute]
             assert rp["installed"] == 3, rp
@@ -411,8 +451,8 @@ def test_dcp_save_world_size_2_load_world_size_1(tmp_path):
                 assert torch.equal(saved[k], loaded[wrap]["sd"][k]), (gran, wrap, k)
 
 
-def test_lowprec_float8_linear_with_fp8_all_gather():
-    r = run_ranks(_lowprec_linear, 2)[0]
+def test_lowprec_float8_linear_with_fp8_all_gather(two_ranks):
+    r = two_ranks[0]["lowprec_linear"]
     assert r["tensorwise"]["wire"] == ["tensorwise"] * 2 and r["rowwise"]["wire"] == ["rowwise"] * 2, r
     assert r["blockwise"]["wire"] == ["rowwise"] * 2, r
     assert all(v["grads"] and v["wrapped"] == ["0.weight", "1.weight"] for v in r.values()), r
