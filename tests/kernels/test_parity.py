@@ -49,27 +49,38 @@ def _kernel_configurations() -> list[str]:
 
 RECIPES = _kernel_configurations()
 
+_RUNS: dict[tuple[str, str, bool], list[float]] = {}
+
+
+def _losses(token_data, recipe: str, cpu_kernels: str, reorder: bool = False) -> list[float]:
+    """``train_losses`` (deterministic: seed 0, one thread), each configuration trained once per process: ``fp32``'s
+    and ``bf16``'s runs serve the floor and their own tests."""
+    key = (recipe, cpu_kernels, reorder)
+    if key not in _RUNS:
+        _RUNS[key] = train_losses(token_data, recipe, cpu_kernels, reorder=reorder)
+    return list(_RUNS[key])
+
 
 @pytest.fixture(scope="module")
 def floor(token_data) -> dict:
     """FP32-reordering spreads of ``fp32`` and ``bf16`` (the floor for recipes whose own spread is zero)."""
     out = {}
     for name in ("fp32", "bf16"):
-        base = train_losses(token_data, name, "emulated")
-        out[name] = max_gap(base, train_losses(token_data, name, "emulated", reorder=True))
+        base = _losses(token_data, name, "emulated")
+        out[name] = max_gap(base, _losses(token_data, name, "emulated", reorder=True))
     assert out["fp32"] > 0, "reversing the reduction order changed nothing: the yardstick is broken"
     return out
 
 
 def test_fp32_is_bit_identical(token_data):
-    assert train_losses(token_data, "fp32", "emulated") == train_losses(token_data, "fp32", "native")
+    assert _losses(token_data, "fp32", "emulated") == _losses(token_data, "fp32", "native")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_emulated_matches_native_within_reordering_spread(token_data, floor, recipe):
-    emulated = train_losses(token_data, recipe, "emulated")
-    spread = max(max_gap(emulated, train_losses(token_data, recipe, "emulated", reorder=True)), floor["bf16"])
-    gap = max_gap(emulated, train_losses(token_data, recipe, "native"))
+    emulated = _losses(token_data, recipe, "emulated")
+    spread = max(max_gap(emulated, _losses(token_data, recipe, "emulated", reorder=True)), floor["bf16"])
+    gap = max_gap(emulated, _losses(token_data, recipe, "native"))
     assert gap <= MULTIPLE * spread, (
         f"{recipe}: native vs emulated losses differ by {gap:.3g}, more than {MULTIPLE} x the FP32-reordering "
         f"spread {spread:.3g} (fp32's own spread: {floor['fp32']:.3g})"
