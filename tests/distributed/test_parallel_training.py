@@ -92,14 +92,47 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data):
+FP32_AT_2 = [{"dp_shard": 2}, {"tp": 2}]
+FP8_GRADS = {"grad_reduce": "fp8"}
+#: FP8 communication under FSDP2: BF16/FP32 wire, FP8 both ways, torchao's and the rowwise recipe's FP8 all-gather
+BYTES_JOBS = [
+    ("fp8_current", {"dp_shard": 2}, 3, {"telemetry_every": 1}),
+    ("fp8_current", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8", **FP8_GRADS}}),
+    ("fp8_tensorwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
+    ("fp8_rowwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
+]
+#: sequence parallel under TP 2 with the compute-dtype and the FP8 activation all-gather
+SP_JOBS = [
+    ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1}),
+    ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}}),
+]
+
+
+def _all_at_2(rank: int, ws: int) -> dict:
+    """The world-size-2 runs that write no checkpoint, one after the other in one spawn: a spawn of 2 ranks costs
+    ~8 s of the 2 cores, more than most of these runs."""
+    return {
+        "fp32": _train_many(rank, ws, [("fp32", dims, 5, {}) for dims in FP32_AT_2]),
+        "bytes": _train_many(rank, ws, BYTES_JOBS),
+        "grads": _full_grads_after_backward(rank, ws, ["fp32", "fp8"]),
+        "sp": _train_many(rank, ws, SP_JOBS),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(token_data) -> list[dict]:
+    """Each rank's ``_all_at_2`` results, read by the tests of those runs."""
+    return run_ranks(_all_at_2, 2)
+
+
+def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data, two_ranks):
     single = _train("fp32", None, 5)["losses"]
     # The layouts of one world size train one after the other in the same ranks: a spawn of 2 ranks costs ~8 s and
     # one of 4 ~19 s on 2 cores, more than the training itself; each build makes its own device mesh.
-    by_ws = {2: [{"dp_shard": 2}, {"tp": 2}], 4: [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}]}
-    for ws, layouts in by_ws.items():
-        out = run_ranks(_train_many, ws, [("fp32", dims, 5, {}) for dims in layouts])
-        for rank_out in out:  # every rank holds the same (reduced) losses
+    at_4 = [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}]
+    outs = {2: [r["fp32"] for r in two_ranks], 4: run_ranks(_train_many, 4, [("fp32", dims, 5, {}) for dims in at_4])}
+    for ws, layouts in ((2, FP32_AT_2), (4, at_4)):
+        for rank_out in outs[ws]:  # every rank holds the same (reduced) losses
             for dims, run in zip(layouts, rank_out, strict=True):
                 assert _rel(run["losses"], single) < 1e-5, (dims, run["losses"], single)
 
@@ -129,21 +162,10 @@ def test_fp8_recipes_track_one_process_over_50_steps(fp8_single_losses, dims):
         assert par["effective"]["fp8_linears"], name
 
 
-def test_fp8_all_gather_and_reduce_scatter_bytes_and_effective_recipe(token_data):
+def test_fp8_all_gather_and_reduce_scatter_bytes_and_effective_recipe(two_ranks):
     """The meter is the proof: FP8 weight all-gather <= 0.55x the BF16 all-gather of the same recipe, FP8
     reduce-scatter <= 0.30x the FP32 one, and the effective recipe records the wire dtypes."""
-    jobs = [
-        ("fp8_current", {"dp_shard": 2}, 3, {"telemetry_every": 1}),
-        (
-            "fp8_current",
-            {"dp_shard": 2},
-            3,
-            {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8", "grad_reduce": "fp8"}},
-        ),
-        ("fp8_tensorwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
-        ("fp8_rowwise", {"dp_shard": 2}, 3, {"telemetry_every": 1, "comm": {"weight_all_gather": "fp8"}}),
-    ]
-    base, fp8, ao, row = run_ranks(_train_many, 2, jobs)[0]
+    base, fp8, ao, row = two_ranks[0]["bytes"]  # BYTES_JOBS
     b, f = base["rows"][1], fp8["rows"][1]
     assert base["effective"]["comm"] == {"weight_all_gather": "bfloat16", "grad_reduce": "float32"}
     assert fp8["effective"]["comm"] == {"weight_all_gather": "fp8", "grad_reduce": "fp8"}
@@ -258,22 +280,18 @@ def _full_grads_one(ws: int, grad_reduce: str) -> torch.Tensor:
     return torch.cat([p.grad.full_tensor().flatten().float() for p in b.model.parameters()])
 
 
-def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(token_data):
+def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(two_ranks):
     from lowprec.numerics.formats import sqnr_db
 
-    ref, fp8 = run_ranks(_full_grads_after_backward, 2, ["fp32", "fp8"])[0]  # one spawn builds both
+    ref, fp8 = two_ranks[0]["grads"]
     db = sqnr_db(ref, fp8)
     assert db >= 20, db
 
 
-def test_fp8_sequence_parallel_all_gather_under_tp(token_data):
+def test_fp8_sequence_parallel_all_gather_under_tp(two_ranks):
     """recipe.comm.activation_all_gather=fp8: the SP all-gathers of attention/feed_forward inputs move e4m3 plus
     one fp32 scale per token; the run tracks one process and the effective recipe records it."""
-    jobs = [
-        ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1}),
-        ("fp8_rowwise", {"tp": 2}, 6, {"telemetry_every": 1, "comm": {"activation_all_gather": "fp8"}}),
-    ]
-    hp, f8 = run_ranks(_train_many, 2, jobs)[0]
+    hp, f8 = two_ranks[0]["sp"]  # SP_JOBS
     single = _train("fp8_rowwise", None, 6)["losses"]
     # Measured over the 6 steps: 3.2e-5 relative with the FP8 all-gather, 2.0e-5 without it (TP alone: its FP8
     # GEMMs scale the local shards, a finer granularity than one process).
