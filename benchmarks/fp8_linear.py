@@ -5,8 +5,9 @@
    lowprec's block-scaled linear (``MXLinear``: ``mxfp8``, ``nvfp4`` with its stabilisers), emulated exactly.
 2. Quantization throughput (GB/s of high-precision input read) per granularity against a plain copy of
    the same bytes, eager and fused (``train.fused_casts``: one compiled kernel per cast, the same bits; compile
-   time excluded), block-scaled formats included (MXFP8 RCEIL and FLOOR, MXFP4, NVFP4 1x16 and 16x16, and NVFP4
-   with stochastic rounding; ``lowprec.numerics.microscaling``, exact CPU code) beside the per-tensor FP8 ones.
+   time excluded), block-scaled formats included (MXFP8 RCEIL and FLOOR, MXFP4, NVFP4 1x16 and 16x16, eager and
+   fused, and NVFP4 with stochastic rounding, eager only; ``lowprec.numerics.microscaling``,
+   ``lowprec.kernels.fused_mx_casts``) beside the per-tensor FP8 ones.
 3. Bytes saved for backward with and without FP8 activation caching, for one linear and for one training
    step of the `tiny` Llama under ``fp8_blockwise``.
 4. Telemetry cost: the `tiny` Llama's ``fp8_current`` step with telemetry on every step against off, and
@@ -32,6 +33,7 @@ from lowprec.float8 import Float8Linear, LinearFP8Config
 from lowprec.float8.mx_linear import MXConfig, MXLinear
 from lowprec.kernels import cpu_model
 from lowprec.kernels.fused_casts import fused_quantize_operand
+from lowprec.kernels.fused_mx_casts import fused_quantize_mx, fused_quantize_nvfp4
 from lowprec.numerics.formats import E4M3
 from lowprec.numerics.microscaling import quantize_mx, quantize_nvfp4
 from lowprec.numerics.scaling import quantize_operand
@@ -151,6 +153,14 @@ def quantization(reps: int) -> None:
         "nvfp4 1x16": lambda: quantize_nvfp4(big),
         "nvfp4 16x16": lambda: quantize_nvfp4(big, two_d=True),
         "nvfp4 1x16 SR": lambda: quantize_nvfp4(big, "stochastic"),
+    }
+    # the fused block-scaled casts beside the eager ones (SR stays eager: lowprec.kernels.fused_mx_casts)
+    q |= {
+        "mxfp8 rceil fused": lambda: fused_quantize_mx(big, "e4m3", 32, "rceil"),
+        "mxfp8 floor fused": lambda: fused_quantize_mx(big, "e4m3", 32, "floor"),
+        "mxfp4 rceil fused": lambda: fused_quantize_mx(big, "e2m1", 32, "rceil"),
+        "nvfp4 1x16 fused": lambda: fused_quantize_nvfp4(big),
+        "nvfp4 16x16 fused": lambda: fused_quantize_nvfp4(big, two_d=True),
     }
     tq = timeit(q, reps)  # the fused casts compile in timeit's two warm-up calls
     nbytes = big.numel() * big.element_size()

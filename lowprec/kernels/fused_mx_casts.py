@@ -58,14 +58,17 @@ def _encode_nearest(y: torch.Tensor, elem: str):
     return pack_e2m1(codes), nan.any()
 
 
-def _mx_cast(x: torch.Tensor, elem: str, block: int, scale_mode: str):
-    # microscaling.quantize_mx with rounding="nearest"
+def _mx_cast(x: torch.Tensor, elem: str, scale_mode: str, block: int = MX_BLOCK):
+    # microscaling.quantize_mx with rounding="nearest". Blocks as rows of a (rows * K / block, block) view: the
+    # block index is then one static division, which inductor vectorizes (a (rows, K / block, block) view with
+    # symbolic sizes left it scalar). ``x * 2**-exp`` is ``torch.ldexp``'s own definition (one correctly rounded
+    # product by an exact power of two, 2**-127 a float32 subnormal), so the bits are the same.
     fmt = ELEMENTS[elem]
-    xb = _blocks(x, block)
+    xb = x.float().reshape(-1, block)
     exp = mx_scale_exponent(xb.abs().amax(-1), fmt, scale_mode)
-    y = torch.ldexp(xb, -exp[..., None]).reshape(x.shape)
+    y = (xb * torch.pow(2.0, (-exp).float())[:, None]).reshape(x.shape)
     data, nan = _encode_nearest(y, elem)
-    return data, (exp + E8M0_BIAS).to(torch.uint8), nan
+    return data, (exp + E8M0_BIAS).to(torch.uint8).reshape(x.shape[0], -1), nan
 
 
 def _nvfp4_cast(x: torch.Tensor, two_d: bool, tensor_amax: torch.Tensor | None):
@@ -91,7 +94,9 @@ def _compiled(kind: str, key: tuple):
     # A fresh code object per key: dynamo keeps its cache (and counts recompiles) per code object.
     src = _mx_cast if kind == "mx" else _nvfp4_cast
     name = f"fused_{kind}_cast_" + "_".join(map(str, key[:3]))
-    fn = types.FunctionType(src.__code__.replace(), src.__globals__, name)
+    # ``block`` is the function's default, not an argument: under ``dynamic=True`` an int argument is symbolic,
+    # and a symbolic block size left the kernel's indexing unvectorized.
+    fn = types.FunctionType(src.__code__.replace(), src.__globals__, name, (key[2],) if kind == "mx" else None)
     return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
@@ -127,7 +132,7 @@ def fused_quantize_mx(x: torch.Tensor, elem: str, block: int = MX_BLOCK, scale_m
     _blocks(x, block)  # the eager cast's shape errors, before compiling
     mx_scale_exponent(torch.zeros(()), fmt, scale_mode)  # and its mode error
     key = (elem, scale_mode, block, x.dtype, x.device.type, _layout(x))
-    data, scale, nan = _run(_compiled("mx", key), x, elem, block, scale_mode)
+    data, scale, nan = _run(_compiled("mx", key), x, elem, scale_mode)
     _check_nan(nan)
     return BlockQTensor(data.contiguous(), scale.contiguous(), None, elem, block, tuple(x.shape))
 
