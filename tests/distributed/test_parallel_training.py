@@ -211,42 +211,48 @@ def test_fp8_all_gather_at_world_size_3(token_data):
     assert "ao#3982" in msg and "dp_shard=3" in msg, msg
 
 
-def test_checkpoint_resumes_on_another_world_size(token_data, tmp_path):
+#: the checkpointed FSDP2 runs (6 steps, a checkpoint at step 3) that the resume tests continue
+CKPT_RECIPES = ["fp32", "bf16_adamw8bit", "fp8_delayed"]
+
+
+@pytest.fixture(scope="module")
+def resumed(token_data, tmp_path_factory) -> dict:
+    """Each ``CKPT_RECIPES`` run uninterrupted under FSDP2 world size 2 (one spawn), then continued from its step-3
+    checkpoint in a fresh spawn: ``fp32`` on FSDP2 and on TP 2, the others on FSDP2. Two spawns in all instead of
+    four: a spawn of 2 ranks costs more of the 2 cores than these 3-step runs. Returns ``root`` (the checkpoints
+    are under ``root/<recipe>/step_3``), ``full`` (recipe -> rank 0's result) and ``resumed`` (rank -> list in the
+    order of the jobs: ``CKPT_RECIPES`` on FSDP2, then ``fp32`` on TP)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    fsdp = {"dp_shard": 2}
+    jobs = [(n, fsdp, 6, {"checkpoint_dir": str(root / n), "checkpoint_every": 3}) for n in CKPT_RECIPES]
+    full = dict(zip(CKPT_RECIPES, run_ranks(_train_many, 2, jobs)[0], strict=True))
+    again = [(n, fsdp, 6, {"resume_from": str(root / n / "step_3")}) for n in CKPT_RECIPES]
+    again.append(("fp32", {"tp": 2}, 6, {"resume_from": str(root / "fp32" / "step_3")}))
+    return {"root": root, "full": full, "resumed": run_ranks(_train_many, 2, again)}
+
+
+def test_checkpoint_resumes_on_another_world_size(resumed):
     """An fp32 checkpoint written under FSDP2 world size 2 resumes bit for bit on the same layout, and, resharded
     by DCP, on one process and under TP 2 within 1e-6 relative (measured: 2.0e-7, 2 ulps of a loss near 9.4,
     the same on both; the reduction order differs)."""
-    ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_train_many, 2, [("fp32", {"dp_shard": 2}, 6, {"checkpoint_dir": ckpt, "checkpoint_every": 3})])[
-        0
-    ][0]
-    step3 = str(tmp_path / "ckpt" / "step_3")
-    one = _train("fp32", None, 6, resume_from=step3)["losses"]
-    # both resumes in one fresh spawn (a spawn costs more than the 3 steps): FSDP2 first, then TP
-    resumed = run_ranks(
-        _train_many, 2, [("fp32", dims, 6, {"resume_from": step3}) for dims in ({"dp_shard": 2}, {"tp": 2})]
-    )
-    assert resumed[0][0]["losses"] == full["losses"][3:]
+    full = resumed["full"]["fp32"]
+    one = _train("fp32", None, 6, resume_from=str(resumed["root"] / "fp32" / "step_3"))["losses"]
+    assert resumed["resumed"][0][0]["losses"] == full["losses"][3:]
     assert _rel(one, full["losses"][3:]) < 1e-6, (one, full["losses"])
-    for rank_out in resumed:  # every TP rank holds the same (reduced) losses
-        assert _rel(rank_out[1]["losses"], full["losses"][3:]) < 1e-6, (rank_out[1]["losses"], full["losses"])
+    for rank_out in resumed["resumed"]:  # every TP rank holds the same (reduced) losses
+        assert _rel(rank_out[3]["losses"], full["losses"][3:]) < 1e-6, (rank_out[3]["losses"], full["losses"])
 
 
-def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout(token_data, tmp_path):
+def test_low_bit_and_delayed_scaling_state_resume_bit_exactly_on_the_same_layout(resumed):
     """bitsandbytes 8-bit states live on local shards (saved as DTensors, per-rank absmax rows); delayed-scaling
     amax histories are max-reduced over ranks, so rank 0's copy is every rank's."""
-    names = ["bf16_adamw8bit", "fp8_delayed"]
-    jobs = [(n, {"dp_shard": 2}, 6, {"checkpoint_dir": str(tmp_path / n), "checkpoint_every": 3}) for n in names]
-    full = run_ranks(_train_many, 2, jobs)[0]
-    resumed = run_ranks(
-        _train_many, 2, [(n, {"dp_shard": 2}, 6, {"resume_from": str(tmp_path / n / "step_3")}) for n in names]
-    )[0]
-    for n, f, r in zip(names, full, resumed):
-        assert r["losses"] == f["losses"][3:], n
+    for i, n in enumerate(CKPT_RECIPES[1:], start=1):
+        assert resumed["resumed"][0][i]["losses"] == resumed["full"][n]["losses"][3:], n
     from lowprec.train.checkpoint import CheckpointError
 
     # one process holds the 8-bit states whole, not as the per-rank local shards the checkpoint recorded
     with pytest.raises(CheckpointError, match="has no tensor record for optim.state"):
-        _train("bf16_adamw8bit", None, 6, resume_from=str(tmp_path / "bf16_adamw8bit" / "step_3"))
+        _train("bf16_adamw8bit", None, 6, resume_from=str(resumed["root"] / "bf16_adamw8bit" / "step_3"))
 
 
 def _full_grads_after_backward(rank: int, ws: int, grad_reduces: list[str]) -> list[torch.Tensor]:
