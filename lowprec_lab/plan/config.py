@@ -137,7 +137,7 @@ class AblateConfig(RunConfig):
     #: the recipe that must come out non-inferior (null: the control with ``compute.reduction_order=reversed`` from
     #: the catalog, e.g. ``bf16_reordered`` for ``bf16``); only with ``controls=true``
     negative_control: str | None = None
-    #: the recipe that must come out inferior (null: ``bf16_pure``, preflight's ``POSITIVE_CONTROL``); only with
+    #: the recipe that must come out inferior (null: ``fp8_unscaled``, preflight's ``POSITIVE_CONTROL``); only with
     #: ``controls=true``
     positive_control: str | None = None
     name: str = MISSING

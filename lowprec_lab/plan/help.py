@@ -92,7 +92,7 @@ DOCS: dict[str, str] = {
     "the first)",
     "controls": "true: add a negative and a positive control to recipes; the report says whether they passed",
     "negative_control": "must come out non-inferior (null: the control with reversed reduction order: bf16_reordered)",
-    "positive_control": "must come out inferior (null: bf16_pure); both only with controls=true",
+    "positive_control": "must come out inferior (null: fp8_unscaled); both only with controls=true",
     "name": "the ablation's name (set by experiment=)",
     "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes), or auto: 3, then one more at a "
     "time for the recipes still inconclusive, up to max_seeds",

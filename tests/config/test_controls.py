@@ -1,5 +1,5 @@
 """``ablate controls=true``: preflight appends a negative and a positive control to the recipes (defaults: the
-control with ``compute.reduction_order=reversed`` from the catalog, and ``bf16_pure``), carries their roles in the
+control with ``compute.reduction_order=reversed`` from the catalog, and ``fp8_unscaled``), carries their roles in the
 ``Plan`` and the parent run's settings, and refuses in one line, before any run, what it cannot honour."""
 
 from __future__ import annotations
@@ -25,31 +25,31 @@ def _cfg(*overrides: str):
     return compose("ablate", [*DEBUG, *overrides])
 
 
-def test_defaults_are_the_reordered_control_and_bf16_pure():
+def test_defaults_are_the_reordered_control_and_fp8_unscaled():
     assert default_negative_control("bf16") == "bf16_reordered"
     assert default_negative_control("fp32") == "fp32_reordered"
     assert default_negative_control("fp8_tensorwise") is None  # no reordered twin in the catalog
     assert default_negative_control("bf16_reordered") is None  # already reversed
-    assert POSITIVE_CONTROL == "bf16_pure"
+    assert POSITIVE_CONTROL == "fp8_unscaled"
 
 
 def test_controls_are_appended_once_and_reach_the_plan_and_its_settings(run_dirs):
     cfg = _cfg("recipes=[bf16,fp8_rowwise]", "controls=true")
-    assert [r.name for r in ablation_recipes(cfg)] == ["bf16", "fp8_rowwise", "bf16_reordered", "bf16_pure"]
-    listed = _cfg("recipes=[bf16,bf16_pure,fp8_rowwise]", "controls=true")  # already listed: not twice
-    assert [r.name for r in ablation_recipes(listed)] == ["bf16", "bf16_pure", "fp8_rowwise", "bf16_reordered"]
+    assert [r.name for r in ablation_recipes(cfg)] == ["bf16", "fp8_rowwise", "bf16_reordered", "fp8_unscaled"]
+    listed = _cfg("recipes=[bf16,fp8_unscaled,fp8_rowwise]", "controls=true")  # already listed: not twice
+    assert [r.name for r in ablation_recipes(listed)] == ["bf16", "fp8_unscaled", "fp8_rowwise", "bf16_reordered"]
     plan = preflight(_cfg("recipes=[bf16,fp8_rowwise]", "controls=true", "dry_run=true", *run_dirs))
-    assert (plan.negative_control, plan.positive_control) == ("bf16_reordered", "bf16_pure")
-    assert [r.name for r in plan.recipes] == ["bf16", "fp8_rowwise", "bf16_reordered", "bf16_pure"]
+    assert (plan.negative_control, plan.positive_control) == ("bf16_reordered", "fp8_unscaled")
+    assert [r.name for r in plan.recipes] == ["bf16", "fp8_rowwise", "bf16_reordered", "fp8_unscaled"]
     # the parent run's params (Plan.params) and config.yaml name them, resolved: `lowprec report ID` reads them
     params = plan.params(plan.recipes[0])
     assert (params["controls"], params["negative_control"], params["positive_control"]) == (
         "True",
         "bf16_reordered",
-        "bf16_pure",
+        "fp8_unscaled",
     )
     again = saved_plan(plan.config_yaml)
-    assert (again.negative_control, again.positive_control) == ("bf16_reordered", "bf16_pure")
+    assert (again.negative_control, again.positive_control) == ("bf16_reordered", "fp8_unscaled")
     assert [r.name for r in ablation_recipes(_cfg("recipes=[bf16,fp8_rowwise]", "controls=false"))] == [
         "bf16",
         "fp8_rowwise",
@@ -58,7 +58,7 @@ def test_controls_are_appended_once_and_reach_the_plan_and_its_settings(run_dirs
 
 def test_named_controls_replace_the_defaults():
     cfg = _cfg("recipes=[fp8_tensorwise,fp8_rowwise]", "controls=true", "negative_control=fp8_current")
-    assert ablation_controls(cfg, "fp8_tensorwise") == ("fp8_current", "bf16_pure")
+    assert ablation_controls(cfg, "fp8_tensorwise") == ("fp8_current", "fp8_unscaled")
     cfg = _cfg("recipes=[fp32,bf16]", "controls=true", "positive_control=fp16_noscale")
     assert ablation_controls(cfg, "bf16") == ("bf16_reordered", "fp16_noscale")
 

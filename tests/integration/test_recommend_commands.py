@@ -78,7 +78,7 @@ def test_the_printed_train_and_ablate_lines_pass_preflight(case, capsys, tmp_pat
     cfg = compose("ablate", [*_subcommand_args(ablate, "ablate"), *SMALL])
     checked = preflight(cfg)
     # the default experiment's controls ride along; the model keeps its own architecture (no QK-norm)
-    assert [r.name for r in checked.recipes] == ["bf16", d["top"], "bf16_reordered", "bf16_pure"]
+    assert [r.name for r in checked.recipes] == ["bf16", d["top"], "bf16_reordered", "fp8_unscaled"]
     assert cfg.report.margin == 0.0025 and not checked.model.qk_norm
     assert (checked.parallel.dp_shard, checked.parallel.tp) == (top["dp_shard"], top["tp"])
 
