@@ -35,3 +35,15 @@ def run_dirs(tmp_path):
     from store_dirs import dirs_under
 
     return dirs_under(tmp_path)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's worker time per test directory (``tests/suite_time.py``), so a slow directory shows in CI."""
+    from suite_time import per_directory, table
+
+    reports = [r for group in terminalreporter.stats.values() for r in group if hasattr(r, "duration")]
+    rows = per_directory(reports)
+    if rows:
+        terminalreporter.section("time per test directory")
+        for line in table(rows):
+            terminalreporter.write_line(line)
