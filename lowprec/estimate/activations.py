@@ -9,7 +9,10 @@ With ``T = batch * seq`` tokens, ``D`` dim, ``F`` ffn hidden, ``H``/``KV`` heads
 
 - ``RMSNorm``: ``x.float()`` (``4TD``; the input itself when ``r`` is fp32), ``rsqrt`` (``4T``), the
   normalised ``y`` (``4TD``), and ``weight.float()`` (``4D``, a weight copy) when weights are not fp32.
-  Its output (dtype ``r``) is saved by the linears that read it.
+  Its output (dtype ``r``) is saved by the linears that read it. With ``qk_norm`` the same ``RMSNorm`` runs on
+  ``wq``'s and ``wk``'s outputs (dtype ``c``) over ``hd`` per (token, head) row: the FP32 input (``wq``'s output
+  itself when ``c`` is fp32), ``rstd`` (``4*T*H`` / ``4*T*KV``), ``y`` and the ``4*hd`` weight copy; its output
+  feeds RoPE, which saves only its tables, so nothing of q or k is saved twice.
 - linear input: an ``nn.Linear`` under autocast saves its own autocast cast of the input (one copy per
   linear: ``wq``, ``wk``, ``wv`` each save one) and autocast's cast of the weight (a weight copy); without
   a cast the input itself is saved, shared. lowprec ``Float8Linear`` saves the input cast to the autocast
@@ -175,9 +178,12 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
     c, cs = p.compute, _size(p.compute)
     H, KV, hd = a.n_heads, a.n_kv_heads, a.head_dim
     xn = _norm(led, scope, f"{pre}.attention_norm", x, p, a.dim, rows)
-    _linear(led, scope, lin["attention.wq"], xn, p, spec, rows)
-    _linear(led, scope, lin["attention.wk"], xn, p, spec, rows)
+    q = _linear(led, scope, lin["attention.wq"], xn, p, spec, rows)
+    k = _linear(led, scope, lin["attention.wk"], xn, p, spec, rows)
     v = _linear(led, scope, lin["attention.wv"], xn, p, spec, rows)
+    if a.qk_norm:  # an RMSNorm over head_dim per (token, head) row; an FP32 projection output is saved itself
+        _norm(led, scope, f"{pre}.attention.q_norm", q, p, hd, rows * H)
+        _norm(led, scope, f"{pre}.attention.k_norm", k, p, hd, rows * KV)
     for t in ("cos", "sin"):
         led.save(f"rope.{t}", 4 * seq * (hd // 2), "global", tp_divides=False)
     led.save(f"{pre}.q_rope", cs * rows * H * hd, scope)

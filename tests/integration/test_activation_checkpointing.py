@@ -126,19 +126,19 @@ def test_fp8_delayed_recompute_records_amax_and_telemetry_once(token_data, monke
         assert fp8 == [{k: v for k, v in r.items() if k.startswith("fp8/")} for r in rows], mode
 
 
-#: (model, recipe): debug over every lowprec scaling plus torchao; tiny over the dtypes and DeepSeek's blockwise.
-ESTIMATE_CASES = [
-    ("debug", r)
-    for r in ("fp32", "bf16", "bf16_pure", "fp16_amp", "fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_tensorwise")
-] + [("tiny", r) for r in ("fp32", "bf16", "fp8_blockwise")]
+#: (model, recipe, qk_norm): debug over every lowprec scaling plus torchao, with and without QK-norm; tiny over the
+#: dtypes and DeepSeek's blockwise.
+_DEBUG = ("fp32", "bf16", "bf16_pure", "fp16_amp", "fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_tensorwise")
+ESTIMATE_CASES = [("debug", r, qk) for r in _DEBUG for qk in (False, True)]
+ESTIMATE_CASES += [("tiny", r, False) for r in ("fp32", "bf16", "fp8_blockwise")] + [("tiny", "bf16", True)]
 
 
-@pytest.mark.parametrize("size, recipe", ESTIMATE_CASES)
-def test_estimate_matches_measured_saved_bytes_in_every_mode(size, recipe):
+@pytest.mark.parametrize("size, recipe, qk_norm", ESTIMATE_CASES)
+def test_estimate_matches_measured_saved_bytes_in_every_mode(size, recipe, qk_norm):
     """``lowprec estimate``'s figure for each mode against ``measure_saved_bytes`` on the checkpointed model
     (batch 2 x seq 64): within 5%, and exact for lowprec's own linears. torchao's FP8 linears are off by the
     0-dim amaxes torchtitan's policy keeps (``aten.max``), a few bytes per block the estimator leaves out."""
-    args, batch, seq = model_args(size), 2, 64
+    args, batch, seq = model_args(size, qk_norm=qk_norm), 2, 64
     spec = TrainSpec(steps=2, batch_size=batch, seq_len=seq, timing_warmup_steps=1, val_every=0, progress=False)
     b = build(get_recipe(recipe), args, spec, OptimHParams(), 0, CPU)
     gen = torch.Generator().manual_seed(0)
@@ -168,7 +168,7 @@ def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(run_
 
     from lowprec_lab.cli import main
 
-    quick = ["model=debug", "model.qk_norm=false"]
+    quick = ["model=debug"]  # the default experiment turns QK-norm on: the estimate models its norms too
     quick += ["train.steps=3", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
     quick += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.ac=full"]
     assert main(["ablate", "controls=false", "recipes=[fp32]", "seeds=1", *quick, *run_dirs]) == 0
@@ -176,7 +176,7 @@ def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(run_
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (run,) = client.search_runs([exp], filter_string="tags.recipe = 'fp32'")
     m = run.data.metrics
-    assert run.data.params["train.ac"] == "full"
+    assert run.data.params["train.ac"] == "full" and run.data.params["model.qk_norm"] == "True"
     assert m["mem_saved_activations_bytes"] == m["mem_saved_activations_estimate_bytes"]
     assert m["pred_mem_saved_activations_bytes"] == m["mem_saved_activations_estimate_bytes"]
     (report,) = (tmp_path / "reports").glob("*/report.md")

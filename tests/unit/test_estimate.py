@@ -75,17 +75,18 @@ def test_torchao_adamw8bit_state_bytes_are_exact(batches, monkeypatch):
     )
 
 
-# Every non-te recipe matches to the byte on debug and tiny at seq 256 and 128 (checked while writing this);
-# the tiny cases here are a few, to keep this file fast on a 2-core machine.
-ACT_CASES = [("debug", n, s) for n in NON_TE for s in (256, 128)] + [
-    ("tiny", "bf16", 256),
-    ("tiny", "fp8_blockwise", 128),
-]
+# Every non-te recipe matches to the byte on debug and tiny at seq 256 and 128 (checked while writing this), and
+# with QK-norm on debug at seq 64 and 128; the tiny and QK-norm cases here are few, to keep this file fast.
+ACT_CASES = (
+    [("debug", n, s, False) for n in NON_TE for s in (256, 128)]
+    + [("debug", n, 128, True) for n in NON_TE]
+    + [("tiny", "bf16", 256, False), ("tiny", "fp8_blockwise", 128, False), ("tiny", "bf16", 128, True)]
+)
 
 
-@pytest.mark.parametrize("size, name, seq", ACT_CASES)
-def test_saved_activation_prediction_equals_measurement(size, name, seq):
-    args, recipe, batch = model_args(size), get_recipe(name), 8
+@pytest.mark.parametrize("size, name, seq, qk_norm", ACT_CASES)
+def test_saved_activation_prediction_equals_measurement(size, name, seq, qk_norm):
+    args, recipe, batch = model_args(size, qk_norm=qk_norm), get_recipe(name), 8
     b = build(recipe, args, SPEC, OptimHParams(), 0, CPU)
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, args.vocab_size, (batch, seq), generator=gen) for _ in range(2))
