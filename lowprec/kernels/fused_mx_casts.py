@@ -2,7 +2,7 @@
 
 The eager casts of ``lowprec.numerics.microscaling`` (``quantize_mx``, ``quantize_nvfp4``) run op by op: block amax,
 the E8M0 exponent from ``frexp``, ``ldexp``, clamping, E2M1's segment rounding and nibble packing, 10-30 passes over
-the operand. Here the same helpers (``mx_scale_exponent``, ``nvfp4_tensor_scale``, ``_e2m1_index``, ``pack_e2m1``)
+the operand. Here the same helpers (``mx_scale_exponent``, ``nvfp4_scaled``, ``_e2m1_index``, ``pack_e2m1``)
 are traced by ``torch.compile`` with dynamic shapes, as ``lowprec.kernels.fused_casts`` does for the FP8 casts, and
 give the eager casts' bits (``tests/numerics/test_fused_mx_casts.py``): data, block scales and NVFP4's tensor scale.
 
@@ -38,7 +38,7 @@ from lowprec.numerics.microscaling import (
     _blocks,
     _e2m1_index,
     mx_scale_exponent,
-    nvfp4_tensor_scale,
+    nvfp4_scaled,
     pack_e2m1,
 )
 
@@ -72,19 +72,8 @@ def _mx_cast(x: torch.Tensor, elem: str, scale_mode: str, block: int = MX_BLOCK)
 
 
 def _nvfp4_cast(x: torch.Tensor, two_d: bool, tensor_amax: torch.Tensor | None):
-    # microscaling.quantize_nvfp4 with rounding="nearest"
-    fmt = ELEMENTS["e2m1"]
-    xb = _blocks(x, NVFP4_BLOCK)
-    r, k = x.shape
-    ts = nvfp4_tensor_scale(x.float().abs().amax() if tensor_amax is None else tensor_amax)
-    amax = xb.abs().amax(-1)
-    if two_d:
-        tile = amax.view(r // NVFP4_BLOCK, NVFP4_BLOCK, -1).amax(1)
-        amax = tile.repeat_interleave(NVFP4_BLOCK, dim=0)
-    e4m3 = torch.finfo(torch.float8_e4m3fn)
-    scale = torch.clamp(amax / 6.0 / ts, min=e4m3.tiny, max=e4m3.max).to(torch.float8_e4m3fn)
-    recip = (1.0 / ts) / scale.float()
-    y = (xb * recip[..., None]).clamp(-fmt.max, fmt.max).reshape(r, k)
+    # microscaling.quantize_nvfp4 with rounding="nearest": its own scaling, then the compiled rounding
+    y, scale, ts = nvfp4_scaled(x, two_d, tensor_amax)
     data, nan = _encode_nearest(y, "e2m1")
     return data, scale, ts.reshape(()), nan
 

@@ -335,22 +335,35 @@ def quantize_nvfp4(
     ``two_d``: one scale per 16x16 tile (the paper's weight scaling, section 4.3), so forward and backward use
     the same quantized weight; needs rows divisible by 16. ``tensor_amax`` overrides the tensor's own amax.
     Raises ``ValueError`` for K (or, with ``two_d``, rows) not a multiple of 16."""
+    r, k = x.shape
+    if two_d and r % NVFP4_BLOCK:
+        raise ValueError(f"2-D 16x16 scaling needs rows divisible by 16, got shape {tuple(x.shape)}")
+    y, scale, ts = nvfp4_scaled(x, two_d, tensor_amax)
+    data = _encode(y, ELEMENTS["e2m1"], rounding, generator)
+    return BlockQTensor(data, scale, ts.reshape(()), "e2m1", NVFP4_BLOCK, (r, k), two_d)
+
+
+def nvfp4_scaled(
+    x: torch.Tensor, two_d: bool = False, tensor_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scaling half of ``quantize_nvfp4`` (also traced by ``lowprec.kernels.fused_mx_casts``): ``x`` (rows, K)
+    -> ``(y, scale, ts)``: ``y`` float32 (rows, K), each 16-element block divided by its E4M3 block scale and the
+    FP32 tensor scale and clamped to E2M1's range, ready for rounding to codes; ``scale`` float8_e4m3fn
+    (rows, K/16); ``ts`` the tensor scale (float32). ``two_d``: one scale per 16x16 tile (rows divisible by 16,
+    checked by the caller). Raises ``ValueError`` for K not a multiple of 16."""
     fmt = ELEMENTS["e2m1"]
     xb = _blocks(x, NVFP4_BLOCK)
     r, k = x.shape
     ts = nvfp4_tensor_scale(x.float().abs().amax() if tensor_amax is None else tensor_amax)
     amax = xb.abs().amax(-1)  # (r, k/16)
     if two_d:
-        if r % NVFP4_BLOCK:
-            raise ValueError(f"2-D 16x16 scaling needs rows divisible by 16, got shape {tuple(x.shape)}")
         tile = amax.view(r // NVFP4_BLOCK, NVFP4_BLOCK, -1).amax(1)
         amax = tile.repeat_interleave(NVFP4_BLOCK, dim=0)
     e4m3 = torch.finfo(torch.float8_e4m3fn)
     scale = torch.clamp(amax / 6.0 / ts, min=e4m3.tiny, max=e4m3.max).to(torch.float8_e4m3fn)
     recip = (1.0 / ts) / scale.float()
     y = (xb * recip[..., None]).clamp(-fmt.max, fmt.max).reshape(r, k)
-    data = _encode(y, fmt, rounding, generator)
-    return BlockQTensor(data, scale, ts.reshape(()), "e2m1", NVFP4_BLOCK, (r, k), two_d)
+    return y, scale, ts
 
 
 # ---- random Hadamard transform --------------------------------------------------------------------------------
