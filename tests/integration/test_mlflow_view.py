@@ -51,10 +51,10 @@ def test_a_library_without_metadata_is_recorded_not_installed(tmp_path, monkeypa
     assert run.data.tags["bitsandbytes_version"] == "not installed"
 
 
-def test_a_train_run_goes_on_without_bitsandbytes_metadata(run_dirs, tmp_path, monkeypatch):
+def test_a_train_run_goes_on_without_bitsandbytes_metadata(stored_run_dirs, tmp_path, monkeypatch):
     """The GPU machine's failure: the main job died in ``provenance_tags`` before its first run."""
     monkeypatch.setattr(importlib.metadata, "version", _absent("bitsandbytes"))
-    assert main(["train", "recipe=bf16", "model=debug", "train.steps=4", "train.val_every=2", *run_dirs]) == 0
+    assert main(["train", "recipe=bf16", "model=debug", "train.steps=4", "train.val_every=2", *stored_run_dirs]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["bitsandbytes_version"] == NOT_INSTALLED
@@ -75,7 +75,7 @@ def test_the_experiment_is_a_model_training_experiment(tmp_path):
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "finetuning"
 
 
-def test_mlflow_source_and_datasets_columns_and_the_parent_name(run_dirs, tmp_path, capsys):
+def test_mlflow_source_and_datasets_columns_and_the_parent_name(stored_run_dirs, tmp_path, capsys):
     args = [
         "ablate",
         "model=debug",
@@ -86,7 +86,7 @@ def test_mlflow_source_and_datasets_columns_and_the_parent_name(run_dirs, tmp_pa
         "train.val_every=2",
         "workers=1",
     ]
-    assert main([*args, *run_dirs]) == 0
+    assert main([*args, *stored_run_dirs]) == 0
     abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec")

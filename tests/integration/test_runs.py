@@ -55,8 +55,8 @@ def test_same_seed_gives_identical_losses(token_data):
     assert math.isfinite(res.summary["final_val_loss"])
 
 
-def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
-    cfg = compose("train", run_dirs + QUICK + ["recipe=fp8_tensorwise"])
+def test_a_single_run_is_tracked_with_provenance(stored_run_dirs, tmp_path, capsys):
+    cfg = compose("train", stored_run_dirs + QUICK + ["recipe=fp8_tensorwise"])
     o = train_main(cfg)
     assert o.status == "FINISHED"
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
@@ -100,9 +100,9 @@ def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
     assert run.data.metrics["stability/diverged"] == 0 and "stability/divergence_step" not in run.data.metrics
 
 
-def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path, monkeypatch):
+def test_nan_loss_is_recorded_failed_with_its_step(stored_run_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("LOWPREC_FAULTS", "nan_at_step=3")
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32"]) == 1
+    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp32"]) == 1
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED"
@@ -117,30 +117,30 @@ def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path, monkeypat
     assert "EMA(span 20)" in run.data.tags["stability_rule"]
 
 
-def test_cli_checkpoints_and_resumes(run_dirs, tmp_path):
-    args = ["train"] + run_dirs + QUICK + ["recipe=bf16_master", "train.checkpoint_every=3"]
+def test_cli_checkpoints_and_resumes(stored_run_dirs, tmp_path):
+    args = ["train"] + stored_run_dirs + QUICK + ["recipe=bf16_master", "train.checkpoint_every=3"]
     assert main(args) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
     ckpt = first.data.tags["checkpoint_dir"]
     full = {m.step: m.value for m in client.get_metric_history(first.info.run_id, "loss")}
-    assert main(["train"] + run_dirs + QUICK + ["recipe=bf16_master", f"resume={ckpt}/step_3"]) == 0
+    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=bf16_master", f"resume={ckpt}/step_3"]) == 0
     second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
     assert second.data.tags["resumed_from"].endswith("step_3")
     resumed = {m.step: m.value for m in client.get_metric_history(second.info.run_id, "loss")}
     assert resumed == {s: full[s] for s in range(3, 6)}
-    assert main(["train"] + run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 2  # refused before any run
+    assert main(["train"] + stored_run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 2  # refused before any run
 
 
-def test_a_converter_that_converts_nothing_makes_the_run_failed(run_dirs, tmp_path, monkeypatch):
+def test_a_converter_that_converts_nothing_makes_the_run_failed(stored_run_dirs, tmp_path, monkeypatch):
     """The expected FP8 linears come from the recipe's filters applied to the model, not from what the
     converter reports: a converter that claims to have converted but did not is caught after step 0."""
     import lowprec.train.build
     from lowprec.convert import fp8_candidate_fqns
 
     monkeypatch.setattr(lowprec.train.build, "convert_fp8", lambda model, spec, **kw: fp8_candidate_fqns(model, spec))
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current"]) == 1
+    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp8_current"]) == 1
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["effective_matches"] == "false"
@@ -149,19 +149,24 @@ def test_a_converter_that_converts_nothing_makes_the_run_failed(run_dirs, tmp_pa
     )
 
 
-def test_resume_under_another_recipe_needs_consent_and_is_recorded(run_dirs, tmp_path, capsys):
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
+def test_resume_under_another_recipe_needs_consent_and_is_recorded(stored_run_dirs, tmp_path, capsys):
+    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
     ckpt = f"{first.data.tags['checkpoint_dir']}/step_3"
     capsys.readouterr()
-    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}"]) == 2
+    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}"]) == 2
     err = capsys.readouterr().err
     assert "written under recipe fp32" in err and "train.resume_recipe_change=true" in err
     assert len(client.search_runs([exp])) == 1  # refused before a run was created
     assert (
-        main(["train"] + run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}", "train.resume_recipe_change=true"])
+        main(
+            ["train"]
+            + stored_run_dirs
+            + QUICK
+            + ["recipe=fp8_current", f"resume={ckpt}", "train.resume_recipe_change=true"]
+        )
         == 0
     )
     second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
