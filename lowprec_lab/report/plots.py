@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -217,7 +219,10 @@ def grad_norm_curves(runs, order, path: Path) -> Path:
 
 
 def telemetry_heatmap(run, panels, path: Path) -> Path:
-    """One heatmap per (role, stat) panel: rows are FP8 linears in model order, columns sampled steps."""
+    """One heatmap per (role, stat) panel: rows are FP8 linears in model order, columns sampled steps. An infinite
+    value is a blank cell and the colour scale spans the finite ones (an infinite value left it no range: matplotlib
+    raised OverflowError). Unscaled FP8 gives them: a gradient flushed to zero in both the FP8 and the reference GEMM
+    has an SQNR of +inf, which MLflow stores as the largest float (``sys.float_info.max``), read back as such."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5), squeeze=False)
     for ax, (role, stat) in zip(axes[0], panels):
         keys = [k for k in run.telemetry if k.endswith(f"/{role}/{stat}")]
@@ -227,7 +232,9 @@ def telemetry_heatmap(run, panels, path: Path) -> Path:
         for i, layer in enumerate(layers):
             for s, v in run.telemetry[f"fp8/{layer}/{role}/{stat}"]:
                 grid[i][steps.index(s)] = v
-        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+        values = np.asarray(grid, dtype=np.float64)
+        blank = ~np.isfinite(values) | (np.abs(values) >= sys.float_info.max)
+        im = ax.imshow(np.ma.masked_array(values, blank), aspect="auto", interpolation="nearest", cmap="viridis")
         ax.set(title=f"{role} {stat}", xlabel="step")
         ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)
         ax.set_yticks(range(len(layers)), layers, fontsize=6)
