@@ -44,6 +44,8 @@ def dirs_with_store(root: Path) -> list[str]:
     the refusals that assert ``mlflow.db`` does not exist): those keep ``dirs_under``. The lab's own experiment is
     still created by the command under test.
     """
-    (root / "runs").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_template(), root / "runs" / "mlflow.db")
+    db = root / "runs" / "mlflow.db"
+    if not db.exists():  # a store that holds runs already (a second command in the same folder) stays as it is
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_template(), db)
     return dirs_under(root)

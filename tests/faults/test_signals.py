@@ -51,9 +51,9 @@ def _losses(client, run) -> dict[int, float]:
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGUSR1"])
 def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_signal(
-    sig, run_dirs, tmp_path, capsys, own_handlers
+    sig, stored_run_dirs, tmp_path, capsys, own_handlers
 ):
-    args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *run_dirs]
+    args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *stored_run_dirs]
     with injected(f"signal_at_step=3,signal={sig}"):
         rc = main(args)
     assert rc == 128 + signal.Signals[sig]
@@ -68,8 +68,8 @@ def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_sign
     assert verify(ckpt) and sorted(_losses(client, run)) == [0, 1, 2, 3]  # the step in flight was completed
 
 
-def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(run_dirs, tmp_path, own_handlers):
-    args = ["train", *RUN, "train.steps=7", *run_dirs]
+def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(stored_run_dirs, tmp_path, own_handlers):
+    args = ["train", *RUN, "train.steps=7", *stored_run_dirs]
     assert main(args) == 0  # uninterrupted
     clear_stop()
     with injected("signal_at_step=2"):
@@ -83,9 +83,9 @@ def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(run_dirs, tmp_pat
     assert {**b, **c} == a and resumed.data.tags["resumed_step"] == "3"
 
 
-def test_without_a_checkpoint_setting_the_stop_says_so(run_dirs, tmp_path, capsys, own_handlers):
+def test_without_a_checkpoint_setting_the_stop_says_so(stored_run_dirs, tmp_path, capsys, own_handlers):
     with injected("signal_at_step=1"):
-        assert main(["train", *RUN, "train.steps=6", *run_dirs]) == 143
+        assert main(["train", *RUN, "train.steps=6", *stored_run_dirs]) == 143
     _, (run,) = _runs(tmp_path)
     assert run.data.tags["failure_reason"] == "stopped by SIGTERM after step 1; no checkpoint written"
     assert "resume it" not in capsys.readouterr().err
@@ -101,10 +101,12 @@ def _running_children(db: str) -> int:
         return 0
 
 
-def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(run_dirs, tmp_path):
+def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(
+    stored_run_dirs, tmp_path
+):
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
-    args += ["train.checkpoint_on_signal=true", *run_dirs]
+    args += ["train.checkpoint_on_signal=true", *stored_run_dirs]
     proc = subprocess.Popen([sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while _running_children(str(db)) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -142,7 +144,7 @@ def _spawned_workers(pid: int) -> list[int]:
 
 # the process group's form is the same race reached another way: a long check (marker slow), not in the suite
 @pytest.mark.parametrize("to", ["ablation", pytest.param("process_group", marks=pytest.mark.slow)])
-def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to, run_dirs, tmp_path):
+def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to, stored_run_dirs, tmp_path):
     # A SIGTERM that reached workers still importing (no stop handler yet: forwarded by the
     # ablation, or sent to the process group as `timeout` and a terminal's Ctrl-C do) killed them. Forwarded, the
     # pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
@@ -155,7 +157,7 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to
         "workers=2",
         *RUN[:-1],
         "train.steps=400",
-        *run_dirs,
+        *stored_run_dirs,
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
