@@ -97,8 +97,9 @@ def fp8_unscaled() -> Recipe:
         name="fp8_unscaled",
         description=(
             "fp8_current cast without scaling (static scale 1 for input, weight and grad_output): the values below "
-            "e4m3's and e5m2's smallest subnormals flush to zero, gradients above all, which is why FP8 training scales "
-            "every tensor (Micikevicius et al. 2022, arXiv 2209.05433); a positive control of an ablation against bf16."
+            "e4m3's and e5m2's smallest subnormals flush to zero, gradients above all, which is why FP8 training "
+            "scales every tensor (Micikevicius et al. 2022, arXiv 2209.05433); a positive control of an ablation "
+            "against bf16."
         ),
         fp8=replace(fp8_current().fp8, strategy="static", static_scales=(1.0, 1.0, 1.0)),
     )
