@@ -21,6 +21,7 @@ import types
 
 import torch
 
+from lowprec.kernels.operand_layout import operand_layout as _layout
 from lowprec.numerics.formats import AMAX_EPS, Format, amax_to_scale, quantize
 from lowprec.numerics.scaling import QTensor, compute_amax, expand_scale
 
@@ -31,12 +32,6 @@ def _cast(x: torch.Tensor, fmt: Format, granularity: str, power_of_2: bool, amax
     # quantize_operand with scale=None, through its layout-free path (under compile it takes that path too)
     scale = amax_to_scale(compute_amax(x, granularity), fmt, power_of_2=power_of_2, amax_floor=amax_floor)
     return quantize(x, expand_scale(scale, granularity, tuple(x.shape)), fmt), scale
-
-
-def _layout(x: torch.Tensor) -> str:
-    if x.is_contiguous():
-        return "contiguous"
-    return "transposed" if x.dim() == 2 and x.t().is_contiguous() else "strided"
 
 
 @functools.cache

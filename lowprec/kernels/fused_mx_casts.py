@@ -28,7 +28,7 @@ import types
 import torch
 import torch.fx.experimental._config
 
-from lowprec.kernels.fused_casts import _layout
+from lowprec.kernels.operand_layout import operand_layout as _layout
 from lowprec.numerics.microscaling import (
     E8M0_BIAS,
     ELEMENTS,

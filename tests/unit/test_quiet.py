@@ -27,8 +27,8 @@ def test_importing_lowprec_prints_nothing_and_defers_torchao_and_bitsandbytes():
     # The same for what a run's process never needs: torch._dynamo (~1 s; imported by torch.compile when a run
     # compiles) and scipy.stats/statsmodels (~0.9 s; the report's statistics), checked on an ablation worker's imports.
     code = (
-        "import sys, lowprec.train.build, lowprec.train.loop, recipes, lowprec_lab.tracking.tracker, lowprec_lab.cli, "
-        "lowprec_lab.runner.scheduler, lowprec_lab.plan.preflight; "
+        "import sys, lowprec.train.build, lowprec.train.loop, lowprec.recipes, lowprec_lab.tracking.tracker, "
+        "lowprec_lab.cli, lowprec_lab.runner.scheduler, lowprec_lab.plan.preflight; "
         "print(sorted(m for m in ('torchao', 'bitsandbytes', 'torch._dynamo', 'scipy.stats', 'statsmodels') "
         "if m in sys.modules)); "
         "import torchao.float8, torchao.optim, bitsandbytes"

@@ -107,8 +107,12 @@ CATALOG_HASHES = {
 }
 
 
+#: recipes added to the catalog after these pins (tests/unit/data/catalog_recipe_identity.json pins every recipe)
+LATER = ("bf16_reordered", "fp8_unscaled")
+
+
 def test_every_earlier_catalog_hash_is_unchanged():
-    assert {k: r.hash() for k, r in CATALOG.items() if k != "bf16_reordered"} == CATALOG_HASHES
+    assert {k: r.hash() for k, r in CATALOG.items() if k not in LATER} == CATALOG_HASHES
     assert CATALOG["bf16_reordered"].hash() not in CATALOG_HASHES.values()
 
 
