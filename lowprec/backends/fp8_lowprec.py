@@ -28,6 +28,7 @@ class LowprecFloat8(Float8Backend):
     name = "lowprec"
     scalings = ("tensorwise", "rowwise", "blockwise")
     module_class = "lowprec.float8.linear.Float8Linear"
+    fused_casts = "fp8"
 
     def validate(self, spec) -> None:
         super().validate(spec)

@@ -18,6 +18,7 @@ class LowprecMX(Float8Backend):
     name = "mx"
     scalings = MX_SCALINGS
     module_class = "lowprec.float8.mx_linear.MXLinear"
+    fused_casts = "block_scaled"
     block_fields = block_fields_of(Float8Spec, "mx")
 
     def validate(self, spec) -> None:

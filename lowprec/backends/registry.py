@@ -42,7 +42,9 @@ class Float8Backend(ABC):
     values it implements), ``enabled`` (False only for ``none``), ``module_class`` (qualified class name
     of its FP8 linear, which the effective-recipe check counts), ``format_in_name`` (whether
     ``fp8_format`` is a free choice and belongs in ``short_str``), ``block_fields`` (the block-scaling fields of
-    ``Float8Spec`` it implements: ``mx_scale_mode``, ``rht_size``, ...; the recipe refuses them elsewhere).
+    ``Float8Spec`` it implements: ``mx_scale_mode``, ``rht_size``, ...; the recipe refuses them elsewhere),
+    ``fused_casts`` (``None``: its casts are not lowprec's to fuse; ``fp8``: lowprec's FP8 casts,
+    ``lowprec.kernels.fused_casts``; ``block_scaled``: the MX/NVFP4 casts, ``lowprec.kernels.fused_mx_casts``).
     """
 
     name: str = ""
@@ -51,6 +53,7 @@ class Float8Backend(ABC):
     module_class: str = ""
     format_in_name: bool = True
     block_fields: tuple[str, ...] = ()
+    fused_casts: str | None = None
 
     # ---- recipe -------------------------------------------------------------------------------------
     def validate(self, spec: Float8Spec) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lowprec.backends import fp8_backend
 from lowprec.build_parallel import check_layout
 from lowprec.convert import require_fp8_selection
 from lowprec.errors import ConfigError, UserError
@@ -227,12 +228,12 @@ def check_fused_casts(recipe: Recipe, spec, device) -> None:
     an MLflow run exists.
     On CUDA the build checks it (probing here would hold a CUDA context in the launching process); ``auto`` and
     ``off`` never refuse (``lowprec.kernels.fused_casts.resolve_fused_casts``)."""
-    backend = recipe.fp8.backend
-    if spec.fused_casts != "on" or device.type != "cpu" or not recipe.fp8.enabled or backend not in ("lowprec", "mx"):
+    kind = fp8_backend(recipe.fp8.backend).fused_casts  # which casts the backend's linears fuse, if any
+    if spec.fused_casts != "on" or device.type != "cpu" or kind is None:
         return
     from lowprec.kernels.fused_casts import resolve_fused_casts
 
-    resolve_fused_casts(spec.fused_casts, device, bool(spec.compile), block_scaled=backend == "mx")
+    resolve_fused_casts(spec.fused_casts, device, bool(spec.compile), block_scaled=kind == "block_scaled")
 
 
 def resolve_data_source(cfg: DictConfig) -> None:
