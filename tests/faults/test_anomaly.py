@@ -22,7 +22,8 @@ import pytest
 import torch
 from fault_env import injected
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_under
+from stop_handlers import restored_stop_handlers
+from store_dirs import dirs_under, dirs_with_store
 
 from lowprec.train.checkpoint import read_trainer_state
 from lowprec_lab.cli import main
@@ -57,7 +58,7 @@ class Runs:
 
 def _train(root, *overrides, faults: str = "") -> tuple[int, Runs]:
     with injected(faults):
-        rc = main(["train", *RUN, *dirs_under(root), *overrides])
+        rc = main(["train", *RUN, *dirs_with_store(root), *overrides])
     return rc, Runs(root)
 
 
@@ -119,10 +120,24 @@ def test_skip_cannot_fix_a_nan_weight_and_fails_after_the_consecutive_limit(tmp_
     assert runs.series(run, "anomaly/skipped_steps") == {AT: 1.0, AT + 1: 2.0}
 
 
-@pytest.mark.parametrize("into", INTO)
-def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_never_saw_the_batch(into, tmp_path, never_saw_batch_4):
-    rc, runs = _train(tmp_path, *ROLLBACK, faults=f"{NAN},nan_into={into}")
+@pytest.fixture(scope="module")
+def rolled_back_activation(tmp_path_factory):
+    """A run rolled back once for a NaN in the activations at step 4 (``ROLLBACK``): (exit code, runs, run). The
+    rollback test and the resume after it read the same run."""
+    rc, runs = _train(tmp_path_factory.mktemp("rolled_back"), *ROLLBACK, faults=f"{NAN},nan_into=activation")
     (run,) = runs.all()
+    return rc, runs, run
+
+
+@pytest.mark.parametrize("into", INTO)
+def test_rollback_reloads_the_checkpoint_and_equals_a_run_that_never_saw_the_batch(
+    into, tmp_path, never_saw_batch_4, request
+):
+    if into == "activation":
+        rc, runs, run = request.getfixturevalue("rolled_back_activation")
+    else:
+        rc, runs = _train(tmp_path, *ROLLBACK, faults=f"{NAN},nan_into={into}")
+        (run,) = runs.all()
     assert rc == 0 and run.info.status == "FINISHED"
     assert runs.series(run, "loss") == never_saw_batch_4  # every step, bit for bit; the replay is logged once
     assert runs.series(run, "anomaly/rollbacks") == {AT: 1.0}
@@ -147,14 +162,15 @@ def test_rollback_fails_with_the_reason_once_max_rollbacks_is_exhausted(tmp_path
     assert sorted(runs.series(run, "loss")) == [0, 1, 2, 3, 4, 5]
 
 
-def test_a_run_resumed_after_a_rollback_keeps_skipping_the_batch(tmp_path):
-    rc, runs = _train(tmp_path, *ROLLBACK, faults=f"{NAN},nan_into=activation")
-    (rolled,) = runs.all()
+def test_a_run_resumed_after_a_rollback_keeps_skipping_the_batch(rolled_back_activation):
+    rc, runs, rolled = rolled_back_activation
+    assert rc == 0
     ckpt = f"{rolled.data.tags['checkpoint_dir']}/step_6"
     health = read_trainer_state(ckpt)["health"]
     assert health["data"]["skipped"] == [AT] and health["rollbacks"] == 1 and health["counts"]["rollbacks"] == 1
-    assert main(["train", *RUN, *dirs_under(tmp_path), f"resume={ckpt}"]) == 0
-    _, resumed = runs.all()
+    before = {r.info.run_id for r in runs.all()}
+    assert main(["train", *RUN, *dirs_under(runs.root), f"resume={ckpt}"]) == 0
+    (resumed,) = [r for r in runs.all() if r.info.run_id not in before]
     a, b = runs.series(rolled, "loss"), runs.series(resumed, "loss")
     assert sorted(b) == [6, 7] and all(b[s] == a[s] for s in b)  # without the data position: batch 6, not 7
 
@@ -175,9 +191,29 @@ OVERFLOW = "fp8_overflow_at_step=3,fp8_overflow_layer=layers.0.attention.wq"  # 
 WQ = "layers.0.attention.wq"
 
 
-def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_records_it(tmp_path):
-    rc, runs = _train(tmp_path, *FALLBACK, "train.checkpoint_every=6", faults=OVERFLOW)
-    (run,) = runs.all()
+@pytest.fixture(scope="module")
+def fallen_back(tmp_path_factory):
+    """An ablation of fp32 and fp8_delayed under ``FALLBACK`` whose fp8_delayed run saturates ``WQ`` from step 3
+    (``OVERFLOW``), checkpointed at step 6: (root, exit code). The fallback test reads its fp8_delayed run (what
+    ``lowprec train`` of that recipe and seed would log), the report test its report."""
+    root = tmp_path_factory.mktemp("fallen_back")
+    args = ["ablate", "controls=false", "recipes=[fp32,fp8_delayed]", "seeds=1", *RUN[:-2], "train.steps=8"]
+    args += [*FALLBACK, "train.checkpoint_every=6", *dirs_with_store(root)]
+    with restored_stop_handlers(), injected(f"{OVERFLOW},recipe=fp8_delayed"):
+        rc = main(args)
+    return root, rc
+
+
+def _child(runs: Runs, recipe: str):
+    """The ablation's run of ``recipe`` (not a run that a ``lowprec train resume=`` continued it in)."""
+    (run,) = [r for r in runs.all() if r.data.tags.get("recipe") == recipe and "mlflow.parentRunId" in r.data.tags]
+    return run
+
+
+def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_records_it(fallen_back):
+    root, rc = fallen_back
+    runs = Runs(root)
+    run = _child(runs, "fp8_delayed")
     assert rc == 0 and run.info.status == "FINISHED" and run.data.tags["effective_matches"] == "true"
     events = runs.json(run, "anomalies.json")["events"]
     first = events[0]
@@ -196,30 +232,21 @@ def test_fp8_fallback_switches_a_saturating_layer_and_the_effective_recipe_recor
     # The checkpoint carries the switch: a resumed run runs the layer in high precision and says so.
     ckpt = f"{run.data.tags['checkpoint_dir']}/step_6"
     assert WQ in read_trainer_state(ckpt)["health"]["fp8"]["switched"]
-    assert main(["train", *RUN, *dirs_under(tmp_path), *FALLBACK, f"resume={ckpt}"]) == 0
-    _, resumed = runs.all()
+    before = {r.info.run_id for r in runs.all()}
+    assert main(["train", *RUN, *dirs_under(root), *FALLBACK, f"resume={ckpt}"]) == 0
+    (resumed,) = [r for r in runs.all() if r.info.run_id not in before]
     a, b = runs.series(run, "loss"), runs.series(resumed, "loss")
     assert sorted(b) == [6, 7] and all(b[s] == a[s] for s in b)
     assert json.loads(resumed.data.tags["effective_recipe"])["fp8_fallback"]["layers"][WQ]["from_step"] == 5
 
 
-def test_the_report_lists_each_runs_anomalies_and_leaves_a_fallen_back_run_out(tmp_path):
-    args = [
-        "ablate",
-        "controls=false",
-        "recipes=[fp32,fp8_delayed]",
-        "seeds=1",
-        *RUN[:-2],
-        "train.steps=8",
-        *dirs_under(tmp_path),
-    ]
-    args += FALLBACK
-    with injected(f"{OVERFLOW},recipe=fp8_delayed"):
-        assert main(args) == 0
-    runs = Runs(tmp_path)
-    fp8 = next(r for r in runs.all() if r.data.tags.get("recipe") == "fp8_delayed")
+def test_the_report_lists_each_runs_anomalies_and_leaves_a_fallen_back_run_out(fallen_back):
+    root, rc = fallen_back
+    assert rc == 0
+    runs = Runs(root)
+    fp8 = _child(runs, "fp8_delayed")
     assert fp8.info.status == "FINISHED" and "fp8_fallback" in fp8.data.tags
-    (report,) = (tmp_path / "reports").glob("*/report.md")
+    (report,) = (root / "reports").glob("*/report.md")
     text = report.read_text()
     assert "## Anomalies" in text
     # the kind is a store string, escaped for markdown

@@ -83,22 +83,32 @@ def _id(text: str) -> str:
     return re.search(r"ablation (abl-\d{8}-\d{6}-[0-9a-f]{4})", text).group(1)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """An uninterrupted ``seeds=auto`` ablation of fp32 and fp8_delayed, in this process: (root, id). (Two workers
+def _uninterrupted(root: Path, seeds: list[str]) -> tuple[Path, str]:
+    """An uninterrupted ablation of fp32 and fp8_delayed under ``seeds``, in this process: (root, id). (Two workers
     with one thread each train every run exactly as this process does: tests/integration/test_seeds_and_workers.py.)"""
-    root = tmp_path_factory.mktemp("baseline")
     mp = pytest.MonkeyPatch()
     mp.setattr(lowprec_lab.runner.scheduler, "cores", lambda: 2)
     mp.setattr(lowprec_lab.plan.preflight, "cores", lambda: 2)
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
-            rc = main(["ablate", RECIPES, "controls=false", *AUTO, "workers=1", *RUN, *dirs_with_store(root)])
+            rc = main(["ablate", RECIPES, "controls=false", *seeds, "workers=1", *RUN, *dirs_with_store(root)])
     finally:
         mp.undo()
     assert rc == 0, out.getvalue()
     return root, _id(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """An uninterrupted ``seeds=2`` ablation: every (recipe, seed) the interrupted ablations below train."""
+    return _uninterrupted(tmp_path_factory.mktemp("baseline"), ["seeds=2"])
+
+
+@pytest.fixture(scope="module")
+def auto_baseline(tmp_path_factory):
+    """An uninterrupted ``seeds=auto`` ablation (``AUTO``: seeds 0-3), for the two-worker resume."""
+    return _uninterrupted(tmp_path_factory.mktemp("auto_baseline"), AUTO)
 
 
 def _assert_same_runs(root: Path, ablation_id: str, baseline, keys) -> None:
@@ -178,7 +188,7 @@ def _tables(report: Path) -> list[list[list[str]]]:
 
 
 @pytest.mark.slow  # ~50 s; the suite keeps the one-worker form above and test_signals' two-worker stop
-def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(baseline, tmp_path, capsys):
+def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(auto_baseline, tmp_path, capsys):
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=2", *RUN, *dirs_with_store(tmp_path)]
 
@@ -216,8 +226,8 @@ def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(base
     out = capsys.readouterr().out
     assert "seeds=auto: seed 3 for fp8_delayed (still inconclusive)" in out
     keys = [(r, s) for r in ("fp32", "fp8_delayed") for s in range(4)]  # seed 3 pairs the control with it
-    _assert_same_runs(tmp_path, ablation_id, baseline, keys)
-    b_root, b_id = baseline
+    _assert_same_runs(tmp_path, ablation_id, auto_baseline, keys)
+    b_root, b_id = auto_baseline
     assert _tables(tmp_path / "reports" / ablation_id / "report.md") == _tables(b_root / "reports" / b_id / "report.md")
     # no leftovers: nothing RUNNING anywhere in the store
     client = _client(tmp_path)
@@ -260,7 +270,7 @@ def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoi
 
 def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(baseline, capsys, monkeypatch):
     root, ablation_id = baseline
-    args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=1", *RUN, *dirs_with_store(root)]
+    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_with_store(root)]
     client = _client(root)
     exp = client.get_experiment_by_name("lowprec").experiment_id
     before = {r.info.run_id: (r.info.status, r.data.tags) for r in client.search_runs([exp])}
