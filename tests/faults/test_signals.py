@@ -2,7 +2,8 @@
 the current step, write a checkpoint (``train.checkpoint_on_signal``), mark the runs and the parent KILLED in MLflow
 with the reason and the last step, print where to resume, and exit with 128 + signal; the resumed run continues the
 interrupted one bit for bit. Signals are real: ``LOWPREC_FAULTS=signal_at_step=N`` sends one to the process itself,
-and the ablation test sends SIGTERM to a ``lowprec ablate`` subprocess from outside, as a scheduler would."""
+and the ablation tests send SIGTERM to an ablation (run in this process, its workers real spawned processes) from
+another thread, outside the command's code, as a scheduler would."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -101,20 +103,46 @@ def _running_children(db: str) -> int:
         return 0
 
 
+def _sigterm_when(ready, deadline_s: float) -> tuple[threading.Thread, threading.Event, list[bool]]:
+    """A thread that sends SIGTERM to this process (the ablation's, run in-process) once ``ready()`` holds, from
+    outside the command's code as a scheduler would; ``sent[0]`` says whether it did before ``deadline_s``."""
+    over, sent = threading.Event(), [False]
+
+    def watch() -> None:
+        deadline = time.monotonic() + deadline_s
+        while not over.is_set() and time.monotonic() < deadline:
+            if ready():
+                sent[0] = True
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t, over, sent
+
+
 def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(
-    stored_run_dirs, tmp_path
+    stored_run_dirs, tmp_path, capfd, own_handlers
 ):
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
     args += ["train.checkpoint_on_signal=true", *stored_run_dirs]
-    proc = subprocess.Popen([sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while _running_children(str(db)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    time.sleep(2)  # both runs are training
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
+    both = []  # when both runs were first seen running: then they train a while before the signal
+
+    def both_train() -> bool:
+        if not both and _running_children(str(db)) >= 2:
+            both.append(time.monotonic())
+        return bool(both) and time.monotonic() - both[0] > 2
+
+    t, over, sent = _sigterm_when(both_train, 180)
+    try:
+        rc = main(args)
+    finally:
+        over.set()
+        t.join()
+    err = capfd.readouterr().err
+    assert sent[0] and rc == 143, err[-2000:]
     assert "lowprec ablate: stopped by SIGTERM: 2 run(s) stopped after their current step" in err
     client, runs = _runs(tmp_path)
     parent = next(r for r in runs if r.data.tags.get("lowprec.kind") == "ablation")
@@ -142,42 +170,60 @@ def _spawned_workers(pid: int) -> list[int]:
     return kids
 
 
-# the process group's form is the same race reached another way: a long check (marker slow), not in the suite
-@pytest.mark.parametrize("to", ["ablation", pytest.param("process_group", marks=pytest.mark.slow)])
-def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(to, stored_run_dirs, tmp_path):
-    # A SIGTERM that reached workers still importing (no stop handler yet: forwarded by the
-    # ablation, or sent to the process group as `timeout` and a terminal's Ctrl-C do) killed them. Forwarded, the
-    # pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
-    # InvalidStateError traceback); either way the runs were "FAILED (worker process died)", not "not started".
-    args = [
-        "ablate",
-        "controls=false",
-        "recipes=[fp32,bf16]",
-        "seeds=2",
-        "workers=2",
-        *RUN[:-1],
-        "train.steps=400",
-        *stored_run_dirs,
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lowprec_lab", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    deadline = time.monotonic() + 120
-    while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert len(_spawned_workers(proc.pid)) == 2  # both workers exist and are still starting (seconds of imports)
-    if to == "ablation":
-        proc.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+#: an ablation whose 4 runs go to 2 workers, stopped before any run starts
+STARTING = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=2", "workers=2", *RUN[:-1], "train.steps=400"]
+
+
+def _stopped_before_any_run(err: str, tmp_path) -> None:
+    """No traceback, every run "not started" (none FAILED or KILLED), the parent KILLED, the resume line printed."""
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     assert "stopped by SIGTERM: 0 run(s) stopped after their current step" in err and "4 not started" in err
     _, runs = _runs(tmp_path)
     (parent,) = runs  # no run was started, so none is recorded FAILED or KILLED
     assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "SIGTERM"
     assert "resume it: lowprec ablate" in err
+
+
+def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(
+    stored_run_dirs, tmp_path, capfd, own_handlers
+):
+    # A SIGTERM that reached workers still importing (no stop handler yet) killed them once the ablation forwarded
+    # it; the pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
+    # InvalidStateError traceback), and the runs were "FAILED (worker process died)", not "not started". The
+    # ablation runs in this process (its workers are spawned as from the command line); capfd holds both its
+    # stderr and its workers'.
+    t, over, sent = _sigterm_when(lambda: len(_spawned_workers(os.getpid())) >= 2, 120)
+    try:
+        rc = main([*STARTING, *stored_run_dirs])
+    finally:
+        over.set()
+        t.join()
+    err = capfd.readouterr().err
+    # both workers existed and were still starting (seconds of imports) when the signal came
+    assert sent[0] and rc == 143, err[-3000:]
+    _stopped_before_any_run(err, tmp_path)
+
+
+# the same race reached through the process group (as `timeout` and a terminal's Ctrl-C send it): a long check,
+# not in the suite; the test above covers the forwarded form
+@pytest.mark.slow
+def test_a_stop_to_the_process_group_while_the_workers_start_prints_no_traceback_and_starts_no_run(
+    stored_run_dirs, tmp_path
+):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowprec_lab", *STARTING, *stored_run_dirs],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert len(_spawned_workers(proc.pid)) == 2  # both workers exist and are still starting (seconds of imports)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    _stopped_before_any_run(err, tmp_path)
 
 
 def test_a_worker_whose_exit_stalls_is_killed_after_the_grace_period_not_waited_for():
