@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowprec.numerics.formats import fp8_to_float32
+
 #: Which op runs a native scaled matmul in this process (chosen once, at import).
 SCALED_MM_OP = (
     "torch.nn.functional.scaled_mm"
@@ -115,7 +117,8 @@ def emulated_scaled_mm(call: ScaledMMCall) -> torch.Tensor:
     operands reach it as 128-wide K chunks). Raises ``ValueError`` for blockwise scales."""
     if call.recipe_a not in ("TensorWise", "RowWise") or call.recipe_b not in ("TensorWise", "RowWise"):
         raise ValueError(f"emulated_scaled_mm runs tensorwise/rowwise calls; got {call.recipe_a} x {call.recipe_b}")
-    acc = call.mat_a.float() @ call.mat_b.float()
+    # The table decode: torch's CPU FP8 -> FP32 cast is scalar code, a fifth of an emulated FP8 step.
+    acc = fp8_to_float32(call.mat_a) @ fp8_to_float32(call.mat_b)
     return (acc * (call.scale_a.float() * call.scale_b.float())).to(call.out_dtype)
 
 
