@@ -30,17 +30,25 @@ from lowprec.train.step import forward_loss
 FP8_RECIPES = [n for n, r in CATALOG.items() if r.fp8.enabled and r.fp8.backend != "te"]
 
 
+def _hp_blocks(name: str) -> int:
+    f = CATALOG[name].fp8
+    return f.hp_first_blocks + f.hp_last_blocks
+
+
 def _traced_step_key(name: str):
+    # The blocks kept in high precision are plain BF16 blocks around the same low-precision block: a recipe that
+    # keeps some traces every piece of code that the same recipe without them traces (nvfp4 and nvfp4_no_hp).
     r = CATALOG[name]
-    return (r.fp8, r.compute, r.weights)
+    return (dataclasses.replace(r.fp8, hp_first_blocks=0, hp_last_blocks=0), r.compute, r.weights)
 
 
 def _representatives() -> dict[str, list[str]]:
-    """First recipe name of each distinct traced step -> every FP8 recipe it stands for."""
+    """One recipe of each distinct traced step (the first listed of those with the most high-precision blocks)
+    -> every FP8 recipe it stands for."""
     groups: dict = {}
     for n in FP8_RECIPES:
         groups.setdefault(_traced_step_key(n), []).append(n)
-    return {names[0]: names for names in groups.values()}
+    return {max(names, key=_hp_blocks): names for names in groups.values()}
 
 
 REPRESENTATIVES = _representatives()
