@@ -11,6 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
+from premigrated import migrated_uri
 
 from lowprec_lab.report.build import build_report, report_figures
 from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, render
@@ -21,7 +22,7 @@ from lowprec_lab.tracking.tracker import Tracker
 def report(tmp_path_factory):
     """``report.md`` of a fabricated ablation with every verdict kind, built into a fresh folder."""
     d = tmp_path_factory.mktemp("html")
-    tracker = Tracker(f"sqlite:///{d / 'mlflow.db'}", "lowprec", d)
+    tracker = Tracker(migrated_uri(d / "mlflow.db"), "lowprec", d)
     fabricate_ablation(tracker, "abl-html", main_runs())
     return build_report(tracker, "abl-html", d / "reports")
 

@@ -11,6 +11,7 @@ import json
 import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
+from premigrated import migrated_uri
 
 from lowprec.recipes import get_recipe
 from lowprec_lab.report.build import build_report, find_ablation
@@ -30,7 +31,7 @@ TELEMETRY = {
 
 
 def _report(tmp_path, workers: int) -> tuple[Tracker, str]:
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "lowprec", tmp_path)
+    tracker = Tracker(migrated_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
     parent = fabricate_ablation(tracker, ABL, RUNS)
     tracker.set_tags(parent, {"workers": str(workers)})
     children = tracker.client.search_runs([tracker.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")

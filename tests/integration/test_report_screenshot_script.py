@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from PIL import Image
+from premigrated import migrated_uri
 
 from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, report_code_hash
 from lowprec_lab.tracking.tracker import Tracker
@@ -21,7 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "report_screenshot.py
 def test_the_script_draws_the_first_screen_and_records_the_code_that_drew_it(tmp_path, capsys):
     if shutil.which("chromium") is None:
         pytest.skip(f"no chromium on PATH: install the Debian package `{CHROMIUM_PACKAGE}` (scripts/test.sh does)")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_uri(tmp_path / "mlflow.db")
     tracker = Tracker(uri, "lowprec", tmp_path / "runs")
     fabricate_ablation(tracker, "abl-shot", main_runs())
     main = runpy.run_path(str(SCRIPT))["main"]

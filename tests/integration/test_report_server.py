@@ -16,6 +16,7 @@ import time
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
+from premigrated import migrated_uri
 
 from lowprec_lab.cli import main
 from lowprec_lab.report.build import find_ablation
@@ -62,7 +63,7 @@ def _report_from_server(uri: str, abl: str, tmp_path) -> None:
 
 
 def test_lowprec_ui_serves_the_store_the_report_is_rebuilt_from_it_and_ctrl_c_stops_it(tmp_path, capsys):
-    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    db = migrated_uri(tmp_path / "mlflow.db")
     fabricate_ablation(Tracker(db, "lowprec", tmp_path), "abl-srv", main_runs())
     port = _free_port()
     proc, out = _start_ui(db, port)
@@ -89,7 +90,7 @@ def test_lowprec_ui_serves_the_store_the_report_is_rebuilt_from_it_and_ctrl_c_st
 
 
 def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, capsys):
-    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    db = migrated_uri(tmp_path / "mlflow.db")
     Tracker(db, "lowprec", tmp_path)  # an existing store (MLflow logs its creation to stderr)
     capsys.readouterr()
     assert main(["report", "abl-nope", f"tracking.uri={db}", f"paths.reports={tmp_path}"]) == 2
@@ -107,7 +108,7 @@ def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, 
 def one_store(tmp_path_factory) -> str:
     """A store holding one ablation, fabricated once for every bad id (each fabrication costs ~8 s)."""
     where = tmp_path_factory.mktemp("store")
-    db = f"sqlite:///{where / 'mlflow.db'}"
+    db = migrated_uri(where / "mlflow.db")
     fabricate_ablation(Tracker(db, "lowprec", where), "abl-ok", main_runs())
     return db
 

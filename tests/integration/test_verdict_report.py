@@ -30,6 +30,7 @@ from fabricated_ablation import (
     parent_run,
 )
 from mlflow.entities import Metric
+from premigrated import migrated_uri
 from scipy import stats
 
 from lowprec.estimate.cost_model import Layout, step_cost
@@ -122,7 +123,7 @@ def store(tmp_path_factory):
     """One store, four ablations: ``abl-main`` (known verdicts), ``abl-sparse`` (validated only at the end),
     ``abl-nocontrol`` (every control run failed), ``abl-stab`` (stability); each report built once."""
     root = tmp_path_factory.mktemp("verdicts")
-    uri = f"sqlite:///{root / 'runs' / 'mlflow.db'}"
+    uri = migrated_uri(root / "runs" / "mlflow.db")
     tracker = Tracker(uri, "lowprec", root / "runs")
     fabricate_ablation(tracker, "abl-main", main_runs(), margin=0.0025)
     sparse = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "fp8_rowwise": main_runs()["fp8_rowwise"]}
@@ -290,7 +291,7 @@ def test_every_control_run_failed_says_no_verdict_and_keeps_the_finished_runs(st
 
 
 def test_lowprec_report_rebuilds_with_the_logged_margin_or_a_named_one(tmp_path, capsys):
-    uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    uri = migrated_uri(tmp_path / "runs" / "mlflow.db")
     tracker = Tracker(uri, "lowprec", tmp_path / "runs")
     runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "bf16_pure": main_runs()["bf16_pure"]}
     fabricate_ablation(tracker, "abl-cli", runs, margin=0.05)
