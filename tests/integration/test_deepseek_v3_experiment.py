@@ -89,7 +89,7 @@ def test_quick_experiment_writes_the_deepseek_v3_report(stored_run_dirs, tmp_pat
     ):
         assert heading in text, heading
     assert "maximum relative error of nearly 2%" in text and "below 0.25%" in text  # the paper, quoted
-    assert "captured layers." in text and "checkpoint `step_8`" in text  # operands from the trained control
+    assert "captured layers." in text and "checkpoint `step_4`" in text  # operands from the trained control
     assert "| `deepseek_v3_no_promotion_hopper` |" in text and "| `deepseek_v3_grad_blocks` |" in text
     assert all(f.exists() for f in report_figures(out / "deepseek_v3.md"))
     assert {"dsv3_accumulation.png", "dsv3_outliers.png"} <= {f.name for f in report_figures(out / "deepseek_v3.md")}
