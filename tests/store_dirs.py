@@ -49,3 +49,14 @@ def dirs_with_store(root: Path) -> list[str]:
         db.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(_template(), db)
     return dirs_under(root)
+
+
+def migrated_uri(db: Path) -> str:
+    """``sqlite:///db`` after copying the migrated, empty template to ``db`` (its folder made; an existing file
+    kept), for tests that fabricate or read runs in a store of their own. The store holds MLflow's tables and
+    nothing else: the experiment is still created by the Tracker or command under test. Not for a test whose claim
+    is about creating a store or about no store being written (test_sqlite_concurrency.py, test_quiet_output.py)."""
+    if not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_template(), db)
+    return f"sqlite:///{db}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import fabricated_ablation
 import pytest
 from fabricated_ablation import CONTROL, CONTROL_LOSS, SEEDS, fabricate_ablation
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.report.build import build_report
 from lowprec_lab.report.verdict_table import build_table, controls_line, forest_rows

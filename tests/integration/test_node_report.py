@@ -2,7 +2,7 @@
 recipe that ``train.compile=auto`` ran eager is said not comparable. A fabricated ablation, a real MLflow store."""
 
 from fabricated_ablation import fabricate_ablation
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.plan.placement import plan_placement
 from lowprec_lab.report.build import build_report

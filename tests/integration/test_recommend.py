@@ -8,7 +8,7 @@ import json
 
 import pytest
 from fabricated_ablation import CONTROL, SEEDS, fabricate_ablation
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.cli import main
 from lowprec_lab.report.build import build_report

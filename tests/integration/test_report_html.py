@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.report.build import build_report, report_figures
 from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, render

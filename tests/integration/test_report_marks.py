@@ -11,7 +11,7 @@ import json
 import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec.recipes import get_recipe
 from lowprec_lab.report.build import build_report, find_ablation

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from PIL import Image
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, report_code_hash
 from lowprec_lab.tracking.tracker import Tracker

@@ -16,7 +16,7 @@ import time
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
-from premigrated import migrated_uri
+from store_dirs import migrated_uri
 
 from lowprec_lab.cli import main
 from lowprec_lab.report.build import find_ablation

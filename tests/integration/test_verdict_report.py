@@ -30,8 +30,8 @@ from fabricated_ablation import (
     parent_run,
 )
 from mlflow.entities import Metric
-from premigrated import migrated_uri
 from scipy import stats
+from store_dirs import migrated_uri
 
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
