@@ -151,7 +151,19 @@ def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     for o in overrides:
         _check_ascii(o)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        return hydra_compose(config_name=config_name, overrides=_whole_seeds(overrides))
+
+
+def _whole_seeds(overrides: Sequence[str]) -> list[str]:
+    """``seeds={others: 2, fp32: 1}`` replaces the experiment's seeds whole: Hydra merges a mapping into a mapping
+    (``conf/experiment/default.yaml``'s seeds per recipe), which would keep the entries the command left out. An
+    int in between makes it a replacement; ``seeds.NAME=N`` still changes one entry."""
+    out: list[str] = []
+    for o in overrides:
+        if o.replace(" ", "").startswith("seeds={"):
+            out.append("seeds=1")
+        out.append(o)
+    return out
 
 
 def _check_ascii(override: str) -> None:

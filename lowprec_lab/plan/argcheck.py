@@ -20,9 +20,9 @@ from pathlib import Path
 
 from lowprec.errors import ConfigError
 
-#: Nodes whose keys depend on a choice made elsewhere (the model size, the recipe, a study) or are Hydra's: not
-#: checked here (Hydra, ``typed`` and the studies check them after composition).
-OPEN = frozenset({"model", "recipe", "study", "grid", "hydra"})
+#: Nodes whose keys depend on a choice made elsewhere (the model size, the recipe, a study, the ablation's recipes)
+#: or are Hydra's: not checked here (Hydra, ``typed``, preflight and the studies check them after composition).
+OPEN = frozenset({"model", "recipe", "study", "grid", "seeds", "hydra"})
 #: ``Any``-typed fields of the root schemas whose node is one dataclass (every ``data/<source>`` is a ``DataSpec``).
 ANY_AS = {"data": "DataSpec"}
 CONFIG_MODULE = "lowprec_lab.plan.config"

@@ -123,7 +123,8 @@ class AblateConfig(RunConfig):
     sets ``name``, ``recipes`` and its own values. ``control``: the report's reference recipe for loss gaps and
     verdicts; it must be one of ``recipes`` (null: ``bf16`` when listed, else the first recipe). ``seeds``: N seeds
     ``seed .. seed+N-1`` per recipe, or ``auto``: 3, then one more at a time for the recipes whose verdict is still
-    inconclusive, up to ``max_seeds`` (lowprec_lab/stats/auto_seeds.py). ``workers``: runs trained at once, each in
+    inconclusive, up to ``max_seeds`` (lowprec_lab/stats/auto_seeds.py), or per recipe (``{others: N, name: M}``).
+    ``workers``: runs trained at once, each in
     its own process, or ``auto``: 2 on a CPU (sharing its cores), one per GPU on CUDA (each worker pinned to its own
     GPU(s), ``floor(gpus / GPUs per run)`` at a time; lowprec_lab/plan/placement.py). ``dry_run``: print the plan
     (runs, placement, tokens, corpus epochs, predicted wall time) and train nothing; ``gpus``: the node's GPUs to
@@ -142,7 +143,11 @@ class AblateConfig(RunConfig):
     positive_control: str | None = None
     name: str = MISSING
     recipes: list[str] = MISSING
-    #: an int >= 1, or ``auto`` (lowprec_lab/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only)
+    #: an int >= 1; ``auto`` (lowprec_lab/stats/auto_seeds.py: 3 seeds, then more for inconclusive recipes only);
+    #: or seeds per recipe, ``{others: N, <recipe>: M, ...}``, where a recipe's measured noise asks for more (or
+    #: fewer) than the rest: the control trains the most any recipe trains, so each recipe pairs with it on all of
+    #: its own; an entry for a recipe the ablation does not train does nothing
+    #: (lowprec_lab/plan/preflight.py ``recipe_seed_counts``)
     seeds: Any = 1
     max_seeds: int = 8
     workers: Any = 1  # an int >= 1 or auto (lowprec_lab/plan/placement.py)

@@ -94,8 +94,9 @@ DOCS: dict[str, str] = {
     "negative_control": "must come out non-inferior (null: the control with reversed reduction order: bf16_reordered)",
     "positive_control": "must come out inferior (null: fp8_unscaled); both only with controls=true",
     "name": "the ablation's name (set by experiment=)",
-    "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes), or auto: 3, then one more at a "
-    "time for the recipes still inconclusive, up to max_seeds",
+    "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes); auto: 3, then one more at a "
+    "time for the recipes still inconclusive, up to max_seeds; or per recipe, {others: N, NAME: M} "
+    "(seeds.bf16_reordered=8; the control trains the most)",
     "max_seeds": "the most seeds seeds=auto runs per recipe (>= 3)",
     "workers": "runs trained at once, each in its own process: N, or auto (2 on a CPU, one per GPU on CUDA)",
     "studies": "the experiment's own reports beside report.md (registered study names)",

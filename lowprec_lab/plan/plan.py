@@ -37,9 +37,11 @@ class Plan:
     """One validated command. Built only by ``lowprec_lab.plan.preflight.preflight`` (or ``saved_plan``).
 
     ``command``: ``train`` or ``ablate``. ``recipes``: the recipes it trains (one for ``train``), validated against
-    this machine, the model and the layout. ``seed``: the first seed; ``seeds``: those every recipe trains first
-    (``seed .. seed+N-1``; ``seeds=auto``: the first 3) and ``spending`` the alpha-spending plan of the later ones
-    (None unless ``seeds=auto``). ``control``: the report's reference recipe (None for ``train``).
+    this machine, the model and the layout. ``seed``: the first seed; ``seeds``: those the control trains first
+    (``seed .. seed+N-1``, N the most any recipe trains; ``seeds=auto``: the first 3) and ``spending`` the
+    alpha-spending plan of the later ones (None unless ``seeds=auto``). ``recipe_seeds``: with seeds per recipe,
+    every recipe's own seeds, ``((name, seeds), ...)``, each a prefix of ``seeds`` (empty: every recipe trains
+    ``seeds``; ``seeds_of``, ``jobs``). ``control``: the report's reference recipe (None for ``train``).
     ``negative_control``/``positive_control``: with ``controls=true``, the recipes (among ``recipes``) that must come
     out non-inferior / inferior against the control (None otherwise). ``model_name``
     and ``model``: the size's name and its ``ModelArgs`` (or ``MoEArgs``). ``train``, ``optim``, ``parallel``,
@@ -98,6 +100,28 @@ class Plan:
     positive_control: str | None = None
     #: with ``grid``: this plan's point, ``((dotted key, value), ...)`` (lowprec_lab/plan/grid.py); empty otherwise
     point: tuple[tuple[str, Any], ...] = ()
+    #: per recipe name, the seeds it trains when ``seeds`` is per recipe (``{others: N, ...}``); empty otherwise
+    recipe_seeds: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def seeds_of(self, name: str) -> tuple[int, ...]:
+        """The seeds recipe ``name`` trains first: its own when ``seeds`` is per recipe, else ``seeds``."""
+        return dict(self.recipe_seeds).get(name, self.seeds)
+
+    def jobs(self) -> list[tuple[Recipe, int]]:
+        """Every (recipe, seed) the ablation trains first, seed-major (a short ablation still has paired seeds),
+        in ``recipes`` order within a seed."""
+        return [(r, s) for s in self.seeds for r in self.recipes if s in self.seeds_of(r.name)]
+
+    def seeds_text(self) -> str:
+        """The seeds in words: ``4 seeds``, or per recipe when they differ (``8 seeds of bf16, bf16_reordered; 3 of
+        fp8_rowwise``)."""
+        if not self.recipe_seeds:
+            return f"{len(self.seeds)} seeds"
+        counts: dict[int, list[str]] = {}
+        for r in self.recipes:
+            counts.setdefault(len(self.seeds_of(r.name)), []).append(r.name)
+        parts = [f"{n} of {', '.join(names)}" for n, names in sorted(counts.items(), reverse=True)]
+        return parts[0].replace(" of ", " seeds of ", 1) + "".join(f"; {p}" for p in parts[1:])
 
     @property
     def workers(self) -> int:

@@ -96,12 +96,15 @@ SEED_MAX = 2**32 - 1
 
 def check_seed(cfg: DictConfig) -> None:
     """Refuse (``ConfigError``) a ``seed`` that is not an integer in [0, 2**32 - 1], or an ablation whose seeds
-    ``seed .. seed + N - 1`` (``max_seeds`` under ``seeds=auto``) leave that range."""
+    ``seed .. seed + N - 1`` (``max_seeds`` under ``seeds=auto``; the largest count of seeds per recipe) leave
+    that range."""
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ConfigError(f"seed={seed} must be an integer in [0, {SEED_MAX}]")
     if "seeds" in cfg:
         n = cfg.get("max_seeds", 8) if cfg.seeds == "auto" else cfg.seeds
+        if isinstance(n, DictConfig):  # seeds per recipe: the control trains the most
+            n = max([c for c in n.values() if isinstance(c, int) and not isinstance(c, bool)], default=1)
         if isinstance(n, int) and seed + n - 1 > SEED_MAX:
             raise ConfigError(f"seed={seed} with {n} seeds runs past {SEED_MAX}: lower seed")
 
@@ -196,9 +199,20 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
     """The seeds every recipe trains first and, for ``seeds=auto``, the alpha-spending plan of the later ones.
 
     ``seeds=N``: ``seed .. seed+N-1``, no plan. ``seeds=auto``: ``seed .. seed+2`` and the plan up to
-    ``max_seeds``. Raises ``ConfigError`` for ``seeds`` < 1, not an int or ``auto``, or ``max_seeds`` < 3 with auto.
+    ``max_seeds``. Seeds per recipe (``{others: N, ...}``): ``seed .. seed+N-1`` for the recipes not named
+    (``recipe_seed_counts`` gives each its own). Raises ``ConfigError`` for ``seeds`` < 1, not an int, ``auto`` or
+    a mapping with ``others``, or ``max_seeds`` < 3 with auto.
     """
     raw = cfg.seeds
+    if isinstance(raw, DictConfig):
+        if "others" not in raw:
+            raise ConfigError(
+                f"seeds={_text(raw)} has no others: N, the seeds of every recipe it does not name "
+                "(seeds={others: 4, bf16_reordered: 8})"
+            )
+        raw = raw.others
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+            raise ConfigError(f"seeds.others={raw} must be an integer >= 1")
     if raw == "auto":
         from lowprec_lab.stats.auto_seeds import plan_for  # here: the run path imports this module, not scipy
         from lowprec_lab.stats.verdict import LEVEL
@@ -298,8 +312,9 @@ def ablation_recipes(cfg: DictConfig) -> list[Recipe]:
 
 def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
     """``ablation_recipes``'s checks, once: ``(recipes, seeds, spending plan, placement, control, (negative,
-    positive) control or None)``; with ``controls=true`` the two controls are appended to the recipes unless
-    listed."""
+    positive) control or None, per-recipe seeds)``; with ``controls=true`` the two controls are appended to the
+    recipes unless listed; the per-recipe seeds (``Plan.recipe_seeds``) are empty unless ``seeds`` is per recipe,
+    and ``seeds`` is then the control's."""
     names = list(cfg.recipes)
     if not names:
         raise ConfigError("recipes=[] is empty; name at least one recipe (see `lowprec recipes`)")
@@ -317,7 +332,39 @@ def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
     from lowprec_lab.stats.verdict import check_margin  # here: the run path imports this module, not scipy
 
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
-    return recipes, seeds, spending, placement, control, roles
+    counts = recipe_seed_counts(cfg, [r.name for r in recipes], control, len(seeds))
+    own: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    if counts:  # the control trains the most; every other recipe the first ``n`` of those
+        seeds = [int(cfg.seed) + i for i in range(max(counts.values()))]
+        own = tuple((name, tuple(seeds[:n])) for name, n in counts.items())
+    return recipes, seeds, spending, placement, control, roles, own
+
+
+def recipe_seed_counts(cfg: DictConfig, names: list[str], control: str, n: int) -> dict[str, int]:
+    """Per recipe of ``names`` (the ablation's, its controls included), how many seeds it trains when ``seeds`` is
+    per recipe (``{}`` otherwise): a named recipe its own count, any other ``n`` (``seeds.others``), the control the
+    most of all (its own entry included), so each recipe pairs with the control on every seed it trains. An entry
+    for a catalog recipe this ablation does not train does nothing (an experiment's sizing of a recipe that
+    ``recipes=`` took out; what each recipe trained is the ablation's first line and its ``recipe_seeds`` tag).
+
+    Raises ``ConfigError`` (one line) for a name the catalog does not have or a count that is not an integer >= 1.
+    """
+    if not isinstance(cfg.seeds, DictConfig):
+        return {}
+    asked = {k: v for k, v in cfg.seeds.items() if k != "others"}
+    for name, count in asked.items():
+        if name not in CATALOG:
+            raise ConfigError(f"seeds.{name}: no recipe {name} in the catalog (see `lowprec recipes`)")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"seeds.{name}={count} must be an integer >= 1")
+    counts = {name: int(asked.get(name, n)) for name in names}
+    counts[control] = max(counts.values())
+    return counts
+
+
+def _text(node) -> str:
+    """A config node as the command line would write it (``{others: 4, fp8_rowwise: 3}``)."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in node.items()) + "}"
 
 
 def default_negative_control(control: str) -> str | None:
@@ -492,11 +539,12 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
     ``_ablation`` returned; None for ``train``, or for a saved ablation config, whose control is taken as it is:
     one worker, on the CPU). ``trains``: per recipe, its resolved ``TrainSpec`` and tags (``Plan.trains``)."""
     seeds, spending, control, study, margin = [int(cfg.seed)], None, None, {}, None
+    recipe_seeds: tuple = ()
     placement = Placement("cpu", 0, 1, (Slot(0),))
     roles = None
     settings = OmegaConf.to_container(cfg, resolve=True)
     if ablation is not None:
-        _, seeds, spending, placement, control, roles = ablation
+        _, seeds, spending, placement, control, roles, recipe_seeds = ablation
         if roles is not None:  # the resolved names reach the parent run's params: ``lowprec report ID`` reads them
             settings["negative_control"], settings["positive_control"] = roles
     elif cfg.get("controls"):  # a saved ablation config holds the names its preflight resolved
@@ -539,6 +587,7 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
         launcher=launcher_from_cfg(cfg),
         negative_control=roles[0] if roles else None,
         positive_control=roles[1] if roles else None,
+        recipe_seeds=recipe_seeds,
     )
 
 

@@ -141,8 +141,8 @@ def _open_ablation(plan: Plan, echo, group: str | None, resume: ResumePlan | Non
         echo = lambda *a, **k: None  # noqa: E731
     if resume is None:  # a resume continues its own dead runs; any other dead run is recorded FAILED
         session.close_orphans(echo)
-    seeds, spending = list(plan.seeds), plan.spending
-    how = f"{len(seeds)} seeds" if spending is None else f"seeds=auto (3 to {spending.max_seeds})"
+    spending = plan.spending
+    how = plan.seeds_text() if spending is None else f"seeds=auto (3 to {spending.max_seeds})"
     if resume is None:
         ablation_id = f"abl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         if is_rank0():
@@ -212,7 +212,7 @@ def _train_all(ab: _Ablation, t0: float) -> None:
     by_name = dict(zip(names, recipes, strict=True))
     try:
         with display, quiet_rank:
-            train([(r, s) for s in plan.seeds for r in recipes])  # seed-major: a short ablation still has paired seeds
+            train(plan.jobs())  # seed-major: a short ablation still has paired seeds
             while spending is not None:
                 state = auto_state(out.runs, control, names, plan.seed, spending, plan.margin)
                 if state.next_seed is None:
@@ -338,6 +338,8 @@ def parent_run_name(plan: Plan, ablation_id: str) -> str:
 def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> str:
     """The ablation's parent run: its tags, params (the settings shared by its runs) and ``config.yaml``."""
     seeds_tags = {"seeds": dumps(list(plan.seeds))}
+    if plan.recipe_seeds:  # the seeds the control trains above; each recipe's own count here
+        seeds_tags["recipe_seeds"] = dumps({name: len(seeds) for name, seeds in plan.recipe_seeds})
     if plan.spending is not None:
         seeds_tags = {"seeds": "auto", "max_seeds": str(plan.spending.max_seeds), "seed0": str(plan.seed)}
     recipes = plan.recipes
@@ -372,7 +374,7 @@ def _concurrency_tags(plan: Plan) -> dict[str, str]:
     SLURM every run is its own job on its own allocation: as many at a time as the cluster starts, each alone."""
     launcher = plan.launcher
     if launcher.cluster:
-        return {"workers": str(launcher.max_running or len(plan.recipes) * len(plan.seeds)), "runs_per_device": "1"}
+        return {"workers": str(launcher.max_running or len(plan.jobs())), "runs_per_device": "1"}
     workers = launcher.max_running if launcher.submitit and launcher.max_running else plan.workers
     alone = plan.placement.alone_on_device and workers <= plan.workers
     return {"workers": str(workers), "runs_per_device": "1" if alone else str(workers)}
@@ -417,7 +419,7 @@ def dry_run_text(plan: Plan) -> str:
         plan.model_name,
         plan.model,
         plan.recipes,
-        plan.seeds,
+        {r.name: plan.seeds_of(r.name) for r in plan.recipes},
         spec,
         plan.parallel,
         plan.placement,
@@ -438,7 +440,7 @@ def launcher_line(plan: Plan) -> str:
     spec = plan.launcher
     if not spec.submitit:
         return ""
-    n = len(plan.recipes) * len(plan.seeds)
+    n = len(plan.jobs())
     asks = [f"{job_gpus(plan)} GPU(s)", f"{spec.time} min"]
     asks += [f"{k} {v}" for k, v in (("partition", spec.partition), ("cpus", spec.cpus_per_task)) if v is not None]
     asks += [f"{spec.mem_gb:g} GB"] if spec.mem_gb is not None else []

@@ -9,7 +9,7 @@ order onto the workers, each run as long as its recipe's predicted step time x s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lowprec.errors import ConfigError, UserError
@@ -83,7 +83,7 @@ def plan_text(
     model_name: str,
     model: ModelArgs,
     recipes: Sequence[Recipe],
-    seeds: Sequence[int],
+    seeds: Mapping[str, Sequence[int]],
     spec: TrainSpec,
     dims: ParallelDims,
     placement: Placement,
@@ -93,7 +93,8 @@ def plan_text(
     auto_seeds: int | None = None,
     asked: tuple = ("auto", "auto"),
 ) -> str:
-    """The dry run's text. ``spec``: the run's loop settings; ``asked``: ``(train.compile, train.ac)`` as requested
+    """The dry run's text. ``seeds``: per recipe name, the seeds it trains first; ``spec``: the run's loop
+    settings; ``asked``: ``(train.compile, train.ac)`` as requested
     (``auto`` resolved here for ``placement.device_type``); ``hardware``: the part predicted for (None: no
     prediction, e.g. a CPU plan); ``auto_seeds``: ``max_seeds`` when ``seeds=auto`` (the first seeds are planned,
     the most is said).
@@ -103,9 +104,11 @@ def plan_text(
     err = epochs_error(tokens, corpus)
     if err:
         raise ConfigError(err)
-    runs = len(recipes) * len(seeds)
+    counts = [len(seeds[r.name]) for r in recipes]
+    runs = sum(counts)
+    each = f"{counts[0]} seed(s)" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} seeds"
     lines = [
-        f"dry run: {len(recipes)} recipe(s) x {len(seeds)} seed(s) = {runs} runs on model={model_name} "
+        f"dry run: {len(recipes)} recipe(s) x {each} = {runs} runs on model={model_name} "
         f"({model.n_layers} layers, dim {model.dim})"
         + (f"; seeds=auto may add seeds up to {auto_seeds} per recipe" if auto_seeds else ""),
         f"placement: {placement.describe()}",
@@ -137,9 +140,11 @@ def plan_text(
             f"  {r.name:<16} {setup}: {step * 1e3:.1f} ms/step, {spec.tokens_per_step / step:,.0f} tokens/s per run, "
             f"{_dur(step * spec.steps)} per run{note}"
         )
-    known = [per_recipe[r.name] for _ in seeds for r in recipes if per_recipe[r.name] is not None]
+    order = sorted({s for r in recipes for s in seeds[r.name]})  # seed-major, as the ablation trains them
+    timed = [r for r in recipes if per_recipe[r.name] is not None]
+    known = [per_recipe[r.name] for s in order for r in timed if s in seeds[r.name]]
     total = _makespan(known, placement.workers)
-    missing = sum(per_recipe[r.name] is None for r in recipes) * len(seeds)
+    missing = sum(len(seeds[r.name]) for r in recipes if per_recipe[r.name] is None)
     lines.append(
         f"predicted wall time: {_dur(total)} for {runs - missing} runs, {placement.workers} at a time"
         + (f" ({missing} run(s) without a prediction not counted)" if missing else "")

@@ -251,7 +251,7 @@ def plan_resume(plan: Plan) -> ResumePlan:
             _classify(client, out, key, run, plan.train.steps, plan.paths.runs)
         # FINISHED, nothing to continue or mark, every (recipe, seed) of its seeds kept: a finished ablation
         # (``seeds=auto`` added seeds only where its replay of these same results asked for them)
-        wanted = {(r.name, s) for r in recipes for s in plan.seeds}
+        wanted = {(r.name, s) for r, s in plan.jobs()}
         out.finished = (
             out.parent_status == "FINISHED" and not out.continued and not incomplete and wanted <= out.kept.keys()
         )

@@ -147,15 +147,15 @@ def test_every_key_has_a_one_line_meaning(cmd):
     from lowprec_lab.plan.config import leaves
 
     cfg = OmegaConf.to_container(compose(cmd, []), resolve=False)
-    for k in ("model", "recipe", "study", "hydra"):
+    for k in ("model", "recipe", "study", "hydra", "seeds"):  # seeds: an int, or a mapping per recipe
         cfg.pop(k, None)
-    composed = set(leaves(cfg)) | ({"model", "recipe"} if cmd == "train" else {"model", "study"})
+    composed = set(leaves(cfg)) | ({"model", "recipe"} if cmd == "train" else {"model", "study", "seeds"})
     assert set(pages.keys(cmd)) == composed
     assert composed <= set(pages.DOCS), sorted(composed - set(pages.DOCS))
 
 
 MEANINGS = {
-    "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes), or auto",
+    "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes); auto",
     "workers": "runs trained at once, each in its own process",
     "control": "the reference recipe of the loss gaps and verdicts",
     "report.margin": "non-inferiority margin, relative, on the validation loss (0.0025 = 0.25%)",

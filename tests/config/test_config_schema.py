@@ -254,7 +254,9 @@ def _expected(schema: type, choices: dict, files: list[Path]) -> dict:
             node = exp
             *parents, last = key.split(".")
             for p in parents:
-                node = node.setdefault(p, {})
+                if not isinstance(node.get(p), dict):  # a yaml mapping in place of a scalar default (seeds)
+                    node[p] = {}
+                node = node[p]
             node[last] = value
     return exp
 
@@ -295,4 +297,4 @@ def test_defaults_come_from_the_dataclasses():
     assert raw["tracking"]["uri"] == "sqlite:///${paths.runs}/mlflow.db"
     ablate = compose("ablate", [])
     assert ablate.control == AblateConfig.control and ablate.name == "default"
-    assert AblateConfig.seeds == 1 and ablate.seeds == 4  # one seed unless an experiment asks for more
+    assert AblateConfig.seeds == 1 and ablate.seeds.others == 4  # one seed unless an experiment asks for more

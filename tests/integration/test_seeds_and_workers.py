@@ -1,6 +1,7 @@
 """``workers=2`` (runs in spawned worker processes) and ``seeds=auto`` end to end: real training, real MLflow."""
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -68,11 +69,19 @@ def test_two_workers_with_seeds_auto_add_seeds_only_while_open_and_train_each_ru
     assert "2 runs trained at a time (`workers`)" in report
     assert sorted(k.info.status for k in kids) == ["FINISHED"] * 8
     assert all("stability/loss_spikes" in k.data.metrics for k in kids)
-    assert main(args + ["seeds=2", "workers=1"]) == 0
-    _, sequential = _children(tmp_path, capsys.readouterr().out)
+    # one process, and per-recipe seeds: fp32 trains seed 0 alone, the control bf16 both seeds
+    assert main(args + ["seeds={others:2,fp32:1}", "workers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 recipes x 2 seeds of bf16; 1 of fp32 on model=debug" in out
+    again, sequential = _children(tmp_path, out)
+    assert json.loads(again.data.tags["recipe_seeds"]) == {"fp32": 1, "bf16": 2}
+    assert json.loads(again.data.tags["seeds"]) == [0, 1]
     # one intra-op thread in every process (2 cores / 2 workers; the test process has one): the same numbers
     one_process = _finals(sequential)
-    assert len(one_process) == 4 and one_process == {k: v for k, v in _finals(kids).items() if k in one_process}
+    assert sorted(one_process) == [("bf16", 0), ("bf16", 1), ("fp32", 0)]
+    assert one_process == {k: v for k, v in _finals(kids).items() if k in one_process}
+    report = (tmp_path / "reports" / again.data.tags["lowprec.ablation_id"] / "report.md").read_text()
+    assert "| `fp32` | 1 |" in report  # the one seed it shares with the control
 
 
 @pytest.mark.slow  # ~15 s; the same fault in one worker: test_node_runner.py's failing-GPU test (suite)
