@@ -757,21 +757,24 @@ def summary_line(t: VerdictTable, runs=(), warmup: int | None = None) -> str:
     return head + "; ".join(parts) + "."
 
 
+#: An open recipe whose seeds-needed exceeds this many times the seeds it ran is out of reach at this scale: the
+#: advice names the measured reason instead of a seed count to run.
+OUT_OF_REACH = 10
+
+
 def add_seeds_line(t: VerdictTable) -> str | None:
-    """The advice under the summary when a recipe is open and more seeds would decide it: the seed count that makes
-    the most demanding one conclusive with power ``POWER`` (if its observed mean and sd are the truth), and the
-    smallest margin these seeds resolve; None when no open recipe has a seeds-needed figure."""
+    """The advice under the summary when a recipe is open: the seeds per recipe that make each open one conclusive
+    with power ``POWER`` (if its observed mean and sd are the truth), as a ``seeds={others: N, ...}`` to rerun with
+    and what that costs in runs; for a recipe needing more than ``OUT_OF_REACH`` times the seeds it ran, the
+    measured reason it is out of reach (its mean's distance from the margin against its paired sd) instead; and the
+    smallest margin these seeds resolve. None when no open recipe has a seeds-needed figure."""
     rows = [r for r in _open_rows(t) if r.final is not None and r.final.seeds_needed is not None]
     if not rows:
         return None
     rows.sort(key=lambda r: r.final.seeds_needed)
-    most = rows[-1].final.seeds_needed
     each = ", ".join(f"{markdown.code(r.recipe)} {r.final.seeds_needed}" for r in rows)
-    how = (
-        f"raise `max_seeds` to {most} (`seeds=auto` adds them one look at a time)"
-        if t.auto_note is not None
-        else f"rerun with `seeds={most}`, or `seeds=auto` with `max_seeds={most}` (it stops each recipe once decided)"
-    )
+    reach = [r for r in rows if r.final.seeds_needed <= OUT_OF_REACH * max(r.runs, 1)]
+    far = [r for r in rows if r not in reach]
     best = t.min_mdd
     wider = (
         f"; or judge at a margin of at least {100 * best[0]:.3g}% (`report.margin={best[0]:.3g}`, the smallest these "
@@ -779,20 +782,42 @@ def add_seeds_line(t: VerdictTable) -> str | None:
         if best is not None and best[0] > t.margin
         else ""
     )
-    # what the advice costs, in this ablation's own runs: the runs the open recipes and the control would need
-    # against the runs it trained (a verdict at this scale may need more compute than the experiment's budget)
-    ran_runs = sum(r.runs for r in t.rows) + len(t.control_values)
-    need_runs = sum(r.final.seeds_needed for r in rows) + most
-    cost = (
-        f" That is about {need_runs} runs against the {ran_runs} this ablation trained ({need_runs / ran_runs:.1f}x "
-        "its compute at this model and schedule)."
-        if ran_runs and need_runs > ran_runs
-        else ""
-    )
-    return (
-        f"**Add seeds:** {how}. Seeds for a conclusive verdict with power {POWER}, if the observed mean and paired "
-        f"sd are the truth: {each}{wider}.{cost}"
-    )
+    sentences = []
+    if reach:
+        most = reach[-1].final.seeds_needed
+        if t.auto_note is not None:
+            how = f"raise `max_seeds` to {most} (`seeds=auto` adds them one look at a time)"
+        else:
+            others = max([r.runs for r in t.rows if r not in reach] or [len(t.control_values)])
+            own = ", ".join(f"{r.recipe}: {r.final.seeds_needed}" for r in reach)
+            how = f"rerun with `seeds={{others: {others}, {own}}}` (the control trains the most)"
+        # what the advice costs, in this ablation's own runs: the runs the open recipes and the control would need
+        # against the runs it trained (a verdict at this scale may need more compute than the experiment's budget)
+        ran_runs = sum(r.runs for r in t.rows) + len(t.control_values)
+        need_runs = sum(r.final.seeds_needed for r in reach) + max(most, len(t.control_values))
+        need_runs += sum(r.runs for r in t.rows if r not in reach)
+        cost = (
+            f" That is about {need_runs} runs against the {ran_runs} this ablation trained "
+            f"({need_runs / ran_runs:.1f}x its compute at this model and schedule)."
+            if ran_runs and need_runs > ran_runs
+            else ""
+        )
+        sentences.append(f"**Add seeds:** {how}. Seeds for a conclusive verdict with power {POWER}, if the observed "
+                         f"mean and paired sd are the truth: {each}{wider}.{cost}")  # fmt: skip
+    else:
+        sentences.append(f"Seeds for a conclusive verdict with power {POWER}, if the observed mean and paired sd are "
+                         f"the truth: {each}{wider}.")  # fmt: skip
+    for r in far:
+        e = r.final.effect
+        gap = abs(e.mean - t.margin)
+        sentences.append(
+            f"**Out of reach at this scale:** {markdown.code(r.recipe)} needs {r.final.seeds_needed} seeds, "
+            f"{r.final.seeds_needed / max(r.runs, 1):.0f}x the {r.runs} it ran: its mean ({markdown.pct(e.mean)}) lies "
+            f"{100 * gap:.3g}% from the margin, {gap / e.sd:.2g} of its paired sd ({100 * e.sd:.3g}%), so seeds "
+            "shrink the interval without moving it off the margin; less noise per seed (a longer run) or another "
+            "margin would decide it."
+        )
+    return " ".join(sentences)
 
 
 def forest_rows(t: VerdictTable) -> list:

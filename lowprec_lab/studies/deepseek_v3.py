@@ -135,10 +135,13 @@ def _fmt_nc(nc) -> str:
     return "none" if nc is None else str(nc)
 
 
-def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tuple[list[str], dict]:
+def _accumulation_section(
+    caps, where: str, settings: Settings, out: Path, trained: bool = True
+) -> tuple[list[str], dict]:
     """Section 1: the accumulation error of e4m3 GEMMs on ``HOPPER_ACCUMULATOR`` against K and the promotion interval,
     on Gaussian operands and on the weight-gradient operands captured in ``caps`` (none: Gaussian only; ``where``
-    says where they came from). Draws ``out/dsv3_accumulation.png``; returns the section's markdown lines and its
+    says where they came from). ``trained``: whether the ablation trained ``HOPPER_ARM`` (section 4 then judges it;
+    else the section says how to). Draws ``out/dsv3_accumulation.png``; returns the section's markdown lines and its
     headline numbers for the study's JSON."""
     model = dn.HOPPER_ACCUMULATOR
     rows, sources = _accumulation_rows(caps, settings, model)
@@ -157,7 +160,7 @@ def _accumulation_section(caps, where: str, settings: Settings, out: Path) -> tu
         },
     }
     _accumulation_figure(rows, sources, settings, model, out / "dsv3_accumulation.png")
-    return _accumulation_lines(rows, g4096, headline, where, settings, model), headline
+    return _accumulation_lines(rows, g4096, headline, where, settings, model, trained), headline
 
 
 def _accumulation_rows(caps, settings: Settings, model) -> tuple[list, list[str]]:
@@ -194,7 +197,9 @@ def _accumulation_figure(rows, sources: list[str], settings: Settings, model, pa
     plt.close(fig)
 
 
-def _accumulation_lines(rows, g4096, headline: dict, where: str, settings: Settings, model) -> list[str]:
+def _accumulation_lines(
+    rows, g4096, headline: dict, where: str, settings: Settings, model, trained: bool = True
+) -> list[str]:
     """Section 1's markdown: the paper's claim, the setup, the table of ``rows``, the figure and, with the K = 4096
     Gaussian row ``g4096``, the headline against the paper's figure; ``model``: the accumulator measured."""
     m = settings.gemm_rows
@@ -238,11 +243,19 @@ def _accumulation_lines(rows, g4096, headline: dict, where: str, settings: Setti
             f"{100 * PAPER_ACCUM_MAX_REL_ERR:.0f}%); with promotion every 128: {100 * p128:.4f}%.** {size}",
             "",
         ]
-    lines += [
-        f"What this error does to training: section 4's `{HOPPER_ARM}` trains `{REFERENCE}` without promotion on this "
-        "same emulated accumulator (every FP8 GEMM, all of K).",
-        "",
-    ]
+    if trained:
+        what = (
+            f"section 4's `{HOPPER_ARM}` trains `{REFERENCE}` without promotion on this same emulated accumulator "
+            "(every FP8 GEMM, all of K)."
+        )
+    else:  # its emulation is elementwise float64 over every product: hours of CPU for one run at this scale
+        what = (
+            f"`{HOPPER_ARM}` trains `{REFERENCE}` without promotion on this same emulated accumulator (every FP8 "
+            "GEMM, all of K); it is not in this ablation, since the emulation aligns every product of every GEMM "
+            "one by one (on a 2-core CPU one `tiny` run of 20 steps had not finished after 9 minutes). Add it to "
+            "`recipes` to train it."
+        )
+    lines += [f"What this error does to training: {what}", ""]
     return lines
 
 
@@ -426,7 +439,8 @@ def deepseek_v3_study(ctx: StudyContext) -> Path:
     ``deepseek_v3.json`` beside it holds the headline numbers. Raises ``ConfigError`` for unknown settings."""
     settings = Settings.from_dict(_plan(ctx.tracker, ctx.parent.info.run_id).study.get("deepseek_v3") or {})
     caps, where = _capture(ctx, settings)
-    acc_lines, acc_head = _accumulation_section(caps, where, settings, ctx.out)
+    trained = HOPPER_ARM in json.loads(ctx.parent.data.tags.get("recipes", "[]"))
+    acc_lines, acc_head = _accumulation_section(caps, where, settings, ctx.out, trained)
     lines = [
         f"# DeepSeek-V3 FP8 at small scale: `{ctx.ablation_id}`",
         "",

@@ -297,4 +297,4 @@ def test_defaults_come_from_the_dataclasses():
     assert raw["tracking"]["uri"] == "sqlite:///${paths.runs}/mlflow.db"
     ablate = compose("ablate", [])
     assert ablate.control == AblateConfig.control and ablate.name == "default"
-    assert AblateConfig.seeds == 1 and ablate.seeds.others == 4  # one seed unless an experiment asks for more
+    assert AblateConfig.seeds == 1 and ablate.seeds.others == 3  # one seed unless an experiment asks for more

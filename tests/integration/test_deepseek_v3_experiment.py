@@ -36,6 +36,9 @@ def test_the_no_promotion_arm_trains_on_the_fitted_hopper_accumulator(experiment
     root = Path(__file__).resolve().parents[2]
     recipes = OmegaConf.load(root / "conf" / "experiment" / f"{experiment}.yaml").recipes
     arms = [r for r in recipes if "no_promotion" in r]
+    if experiment == "deepseek_v3":  # too slow to train at the full experiment's size on a CPU: none, never the 14-bit
+        assert arms == []
+        return
     assert arms == ["deepseek_v3_no_promotion_hopper"]
     fp8 = CATALOG[arms[0]].fp8
     assert (fp8.accum_mantissa_bits, fp8.accum_rounding, fp8.accum_group, fp8.promotion) == (
