@@ -80,8 +80,12 @@ def test_two_workers_with_seeds_auto_add_seeds_only_while_open_and_train_each_ru
     one_process = _finals(sequential)
     assert sorted(one_process) == [("bf16", 0), ("bf16", 1), ("fp32", 0)]
     assert one_process == {k: v for k, v in _finals(kids).items() if k in one_process}
-    report = (tmp_path / "reports" / again.data.tags["lowprec.ablation_id"] / "report.md").read_text()
+    abl = again.data.tags["lowprec.ablation_id"]
+    report = (tmp_path / "reports" / abl / "report.md").read_text()
     assert "| `fp32` | 1 |" in report  # the one seed it shares with the control
+    # a resume sees every run of each recipe's own seeds kept: nothing to train, nothing changed
+    assert main(args + ["seeds={others:2,fp32:1}", "workers=1", f"resume={abl}"]) == 0
+    assert f"resume={abl}: the ablation already finished (3 run(s), parent run FINISHED)" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # ~15 s; the same fault in one worker: test_node_runner.py's failing-GPU test (suite)

@@ -59,3 +59,9 @@ def test_section_names_the_training_arm_on_the_same_accumulator(tmp_path):
     assert study.HOPPER_ARM == "deepseek_v3_no_promotion_hopper"
     assert "section 4's `deepseek_v3_no_promotion_hopper` trains `deepseek_v3` without promotion" in text
     assert "fitted Hopper accumulator" in study.COMPONENT_CLAIMS[study.HOPPER_ARM]
+    # an ablation without the arm (the full experiment on a CPU): the section says it was not trained and how to
+    lines, _ = study._accumulation_section(None, "", SETTINGS, tmp_path, trained=False)
+    text = "\n".join(lines)
+    assert "section 4's" not in text
+    assert "`deepseek_v3_no_promotion_hopper` trains `deepseek_v3` without promotion" in text
+    assert "it is not in this ablation" in text and "Add it to `recipes` to train it." in text
