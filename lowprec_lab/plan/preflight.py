@@ -450,18 +450,31 @@ def preflight(cfg: DictConfig, recipes: list[Recipe] | None = None) -> Plan:
         what = f"models={models}" if models else "a grid"
         raise ConfigError(f"resume={cfg.resume} with {what}: resume each ablation of the group by its own id")
     nodes = {m: model_node(m) for m in models}  # ConfigError for an unknown name
+    changed = model_changes(cfg) if models else {}
     group = []
     for m in models or [None]:
         for point in points or [{}]:
             one = copy.deepcopy(cfg)
             with open_dict(one):
-                if m is not None:
-                    one.model = OmegaConf.create(nodes[m])
+                if m is not None:  # the size, with the settings the command changed (model.qk_norm=true) kept
+                    one.model = OmegaConf.create({**nodes[m], **{k: v for k, v in changed.items() if k in nodes[m]}})
                     one.models = []
                 apply_point(one, point)
             plan = _preflight_one(one, recipes)  # every point's recipes checked before the first trains
             group.append(dataclasses.replace(plan, point=tuple(point.items())))
     return with_group(group[0], group)
+
+
+def model_changes(cfg: DictConfig) -> dict:
+    """The ``model`` settings ``cfg`` changes from its size's defaults (an experiment's ``model.qk_norm: true``, a
+    ``model.n_layers=2`` on the command line): ``models=[...]`` keeps them for every model of the group, as it keeps
+    every other setting; ``{}`` for a model that is not a named size."""
+    try:
+        base = model_node(str(cfg.model.name))
+    except ConfigError:
+        return {}
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    return {k: v for k, v in node.items() if k != "name" and k in base and base[k] != v}
 
 
 def _preflight_one(cfg: DictConfig, recipes: list[Recipe] | None) -> Plan:
