@@ -229,7 +229,7 @@ def _hydra_main(config_name: str, task, argv: list[str]) -> int:
     register_configs()
     # Hydra names the program after argv[0] in its help (`eval "$(lowprec -sc install=bash)"`): the command that
     # exists; `lowprec -sc ...` is lowprec_lab.commands.completion's.
-    sys.argv = ["lowprec", *argv]
+    sys.argv = ["lowprec", *_whole_seeds(argv)]
     hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(task)()
     return 0
 

@@ -95,8 +95,8 @@ DOCS: dict[str, str] = {
     "positive_control": "must come out inferior (null: fp8_unscaled); both only with controls=true",
     "name": "the ablation's name (set by experiment=)",
     "seeds": "seeds per recipe: N (seed .. seed+N-1, paired across recipes); auto: 3, then one more at a "
-    "time for the recipes still inconclusive, up to max_seeds; or per recipe, {others: N, NAME: M} "
-    "(seeds.bf16_reordered=8; the control trains the most)",
+    "time for the recipes still inconclusive, up to max_seeds; or per recipe, 'seeds={others: N, NAME: M}' "
+    "(seeds.NAME=M changes an entry, +seeds.NAME=M adds one; the control trains the most)",
     "max_seeds": "the most seeds seeds=auto runs per recipe (>= 3)",
     "workers": "runs trained at once, each in its own process: N, or auto (2 on a CPU, one per GPU on CUDA)",
     "studies": "the experiment's own reports beside report.md (registered study names)",

@@ -220,7 +220,7 @@ def ablation_seeds(cfg: DictConfig) -> tuple[list[int], SpendingPlan | None]:
         plan = plan_for(int(cfg.max_seeds), LEVEL)  # the report's level: its verdicts replay these looks
         return [int(cfg.seed) + i for i in range(plan.start)], plan
     if isinstance(raw, bool) or not isinstance(raw, int):
-        raise ConfigError(f"seeds={raw} must be an integer >= 1 or auto")
+        raise ConfigError(f"seeds={raw} must be an integer >= 1, auto, or per recipe ('seeds={{others: N, NAME: M}}')")
     if raw < 1:
         raise ConfigError(f"seeds={raw} must be >= 1")
     return [int(cfg.seed) + i for i in range(raw)], None
@@ -347,7 +347,8 @@ def recipe_seed_counts(cfg: DictConfig, names: list[str], control: str, n: int) 
     for a catalog recipe this ablation does not train does nothing (an experiment's sizing of a recipe that
     ``recipes=`` took out; what each recipe trained is the ablation's first line and its ``recipe_seeds`` tag).
 
-    Raises ``ConfigError`` (one line) for a name the catalog does not have or a count that is not an integer >= 1.
+    Raises ``ConfigError`` (one line) for a name the catalog does not have, a count that is not an integer >= 1,
+    or a control's own count below another recipe's.
     """
     if not isinstance(cfg.seeds, DictConfig):
         return {}
@@ -358,7 +359,13 @@ def recipe_seed_counts(cfg: DictConfig, names: list[str], control: str, n: int) 
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"seeds.{name}={count} must be an integer >= 1")
     counts = {name: int(asked.get(name, n)) for name in names}
-    counts[control] = max(counts.values())
+    most = max(counts.values())
+    if control in asked and counts[control] < most:
+        raise ConfigError(
+            f"seeds.{control}={counts[control]}: {control} is the control, which trains the most seeds any recipe "
+            f"trains ({most}); raise it or leave it out"
+        )
+    counts[control] = most
     return counts
 
 

@@ -785,17 +785,17 @@ def add_seeds_line(t: VerdictTable) -> str | None:
     sentences = []
     if reach:
         most = reach[-1].final.seeds_needed
+        # the counts to rerun with: each open recipe within reach at its seeds needed, every other one as it ran;
+        # the control trains the most of them
+        counts = {r.recipe: (r.final.seeds_needed if r in reach else r.runs) for r in t.rows}
         if t.auto_note is not None:
             how = f"raise `max_seeds` to {most} (`seeds=auto` adds them one look at a time)"
         else:
-            others = max([r.runs for r in t.rows if r not in reach] or [len(t.control_values)])
-            own = ", ".join(f"{r.recipe}: {r.final.seeds_needed}" for r in reach)
-            how = f"rerun with `seeds={{others: {others}, {own}}}` (the control trains the most)"
-        # what the advice costs, in this ablation's own runs: the runs the open recipes and the control would need
-        # against the runs it trained (a verdict at this scale may need more compute than the experiment's budget)
+            how = f"rerun with `{seeds_mapping(counts)}` (the control trains the most)"
+        # what the advice costs, in this ablation's own runs, against the runs it trained (a verdict at this scale
+        # may need more compute than the experiment's budget)
         ran_runs = sum(r.runs for r in t.rows) + len(t.control_values)
-        need_runs = sum(r.final.seeds_needed for r in reach) + max(most, len(t.control_values))
-        need_runs += sum(r.runs for r in t.rows if r not in reach)
+        need_runs = sum(counts.values()) + max([*counts.values(), len(t.control_values)])
         cost = (
             f" That is about {need_runs} runs against the {ran_runs} this ablation trained "
             f"({need_runs / ran_runs:.1f}x its compute at this model and schedule)."
@@ -818,6 +818,16 @@ def add_seeds_line(t: VerdictTable) -> str | None:
             "margin would decide it."
         )
     return " ".join(sentences)
+
+
+def seeds_mapping(counts: dict[str, int]) -> str:
+    """``counts`` (recipe -> seeds) as the ``seeds=`` argument that trains them, single-quoted for a shell (a brace
+    list would otherwise be expanded): the most common count as ``others``, each other count named, e.g.
+    ``'seeds={others: 3, fp8_blockwise: 13}'``."""
+    values = sorted(counts.values())
+    others = max(values, key=lambda n: (values.count(n), -n))  # the most common; the smaller on a tie
+    named = "".join(f", {name}: {n}" for name, n in counts.items() if n != others)
+    return f"'seeds={{others: {others}{named}}}'"
 
 
 def forest_rows(t: VerdictTable) -> list:

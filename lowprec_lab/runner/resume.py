@@ -36,6 +36,7 @@ whose process still runs: every ablation holds ``<paths.runs>/locks/<id>.lock`` 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -94,11 +95,20 @@ def _may_differ(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in MAY_DIFFER)
 
 
+def _seeds_whole(config: dict) -> dict:
+    """``config`` with a mapping ``seeds`` as one JSON leaf, so a change of form (``4`` against ``{others: 4}``)
+    reads as ``seeds`` differing."""
+    if isinstance(config.get("seeds"), dict):
+        return {**config, "seeds": json.dumps(config["seeds"], sort_keys=True)}
+    return config
+
+
 def config_difference(original: dict, now: dict) -> str | None:
     """The first key (in the ablation's order, then keys it lacks) whose value differs between the ablation's
     resolved configuration ``original`` and this command's ``now``, ignoring ``MAY_DIFFER``, as
     ``key=<now> differs from the ablation's <original>``; None when they match."""
-    a, b = leaves(original), leaves(now)
+    # ``seeds`` is an int, ``auto`` or a mapping per recipe: one value, whatever its form
+    a, b = leaves(_seeds_whole(original)), leaves(_seeds_whole(now))
     for key in [*a, *(k for k in b if k not in a)]:
         if _may_differ(key) or a.get(key, _ABSENT) == b.get(key, _ABSENT):
             continue

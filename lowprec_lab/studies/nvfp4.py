@@ -53,8 +53,8 @@ CANNOT_SHOW = [
     "Outliers: RHT and 2-D scaling act on block outliers of large models' activations, gradients and weights; a "
     "model of a few million parameters trained for minutes has few, so their removal may show no effect here even "
     "when it matters at 12B.",
-    "Effect size: the paper's differences are about 1% of the loss; with 3 seeds the intervals here are wider than "
-    "that, so `inconclusive` is the expected verdict for a real but small effect, never evidence of no effect.",
+    "Effect size: the paper's differences are about 1% of the loss; with 2-3 seeds the intervals here are wider "
+    "than that, so `inconclusive` is the expected verdict for a real but small effect, never evidence of no effect.",
     "Speed: block-scaled GEMMs are emulated exactly on CPU; no throughput or memory conclusion about Blackwell "
     "tensor cores follows from these runs.",
 ]

@@ -4,6 +4,8 @@ and study experiments); the sizes themselves come from each model's own config."
 
 from __future__ import annotations
 
+import dataclasses
+
 from lowprec.model import MODEL_CONFIGS
 from lowprec_lab.cli import compose
 from lowprec_lab.plan.preflight import preflight
@@ -20,7 +22,8 @@ def test_a_changed_model_setting_reaches_every_model_of_the_group(run_dirs):
     models = _group(run_dirs, "models=[debug,moe_debug]", "model.qk_norm=true")
     assert models["debug"].qk_norm and models["moe_debug"].qk_norm
     # each model keeps its own size
-    assert models["debug"].dim == MODEL_CONFIGS["debug"].dim and models["moe_debug"] != MODEL_CONFIGS["debug"]
+    assert models["debug"] == dataclasses.replace(MODEL_CONFIGS["debug"], qk_norm=True)
+    assert models["moe_debug"] == dataclasses.replace(MODEL_CONFIGS["moe_debug"], qk_norm=True)
 
 
 def test_without_a_change_each_model_is_its_size(run_dirs):

@@ -44,9 +44,9 @@ def test_an_unnamed_recipe_keeps_seeds_and_the_control_rises_to_the_largest(run_
 
 def test_the_controls_own_entry_raises_it_and_an_entry_for_an_untrained_recipe_does_nothing(run_dirs):
     plan = _plan(
-        run_dirs, "recipes=[bf16,fp32]", "controls=false", "seeds={others:2,bf16:3,fp8_rowwise:5}",
+        run_dirs, "recipes=[bf16,fp32]", "controls=false", "seeds={others:2,bf16:4,fp8_rowwise:5}",
     )  # fmt: skip
-    assert [(r.name, len(plan.seeds_of(r.name))) for r in plan.recipes] == [("bf16", 3), ("fp32", 2)]
+    assert [(r.name, len(plan.seeds_of(r.name))) for r in plan.recipes] == [("bf16", 4), ("fp32", 2)]
 
 
 def test_without_recipe_seeds_every_recipe_trains_seeds(run_dirs):
@@ -58,9 +58,12 @@ def test_without_recipe_seeds_every_recipe_trains_seeds(run_dirs):
 def test_the_dry_run_counts_each_recipes_own_seeds(run_dirs, capsys):
     args = ["ablate", *DEBUG, *run_dirs, "dry_run=true", "recipes=[bf16,fp32]", "controls=false"]
     assert main([*args, "seeds={others:2,fp32:1}"]) == 0
-    assert "dry run: 2 recipe(s) x 1-2 seeds = 3 runs on model=debug" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dry run: 2 recipe(s) x 1-2 seeds = 3 runs on model=debug" in out
+    assert "\nseeds per recipe: 2 of bf16; 1 of fp32\n" in out
     assert main([*args, "seeds=2"]) == 0
-    assert "dry run: 2 recipe(s) x 2 seed(s) = 4 runs on model=debug" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dry run: 2 recipe(s) x 2 seed(s) = 4 runs on model=debug" in out and "seeds per recipe" not in out
 
 
 def test_a_mapping_on_the_command_line_replaces_the_experiments_and_a_dotted_key_changes_one_entry():
@@ -70,3 +73,10 @@ def test_a_mapping_on_the_command_line_replaces_the_experiments_and_a_dotted_key
     one = compose("ablate", ["seeds.bf16_reordered=10"]).seeds
     assert dict(one) == {**default, "bf16_reordered": 10}
     assert compose("ablate", ["seeds=3"]).seeds == 3
+
+
+def test_hydras_own_flags_replace_the_mapping_too(capsys):
+    # --cfg (and -m) hand the command line to hydra.main: the same replacement applies there
+    assert main(["ablate", "--cfg", "job", "seeds={others:2,fp32:1}"]) == 0
+    out = capsys.readouterr().out
+    assert "seeds:\n  others: 2\n  fp32: 1\n" in out and "bf16_reordered: 7" not in out

@@ -13,6 +13,7 @@ from lowprec_lab.report.verdict_table import (
     add_seeds_line,
     build_table,
     forest_rows,
+    seeds_mapping,
     summary_line,
     verdict_section,
 )
@@ -78,7 +79,7 @@ def test_the_summary_counts_the_conclusive_recipes_and_states_seeds_needed_and_t
     rows = {r.recipe: r for r in t.rows}
     near = [r for r in t.rows if r.final.seeds_needed <= 30]
     assert [r.recipe for r in near] == ["fp8_c"] and rows["fp8_a"].final.seeds_needed > 30
-    assert advice.startswith(f"**Add seeds:** rerun with `seeds={{others: 3, fp8_c: {near[0].final.seeds_needed}}}`")
+    assert advice.startswith(f"**Add seeds:** rerun with `'seeds={{others: 3, fp8_c: {near[0].final.seeds_needed}}}'`")
     for name in ("fp8_a", "fp8_b"):
         v = rows[name].final
         gap = abs(v.effect.mean - MARGIN)
@@ -90,6 +91,13 @@ def test_the_summary_counts_the_conclusive_recipes_and_states_seeds_needed_and_t
     # what the advice costs: fp8_c's seeds, the control's as many, the others' 3 each, against the 12 trained
     need = 2 * near[0].final.seeds_needed + 3 + 3
     assert f"That is about {need} runs against the 12 this ablation trained ({need / 12:.1f}x its " in advice
+
+
+def test_the_advice_names_every_count_that_differs_from_the_most_common_one_quoted_for_a_shell():
+    counts = {"fp8_tensorwise": 4, "fp8_rowwise": 3, "fp8_blockwise": 9, "bf16_reordered": 7, "fp8_unscaled": 3}
+    assert seeds_mapping(counts) == "'seeds={others: 3, fp8_tensorwise: 4, fp8_blockwise: 9, bf16_reordered: 7}'"
+    assert seeds_mapping({"a": 5, "b": 5}) == "'seeds={others: 5}'"
+    assert seeds_mapping({"a": 4, "b": 6}) == "'seeds={others: 4, b: 6}'"  # a tie: the smaller is others
 
 
 def test_a_diverged_recipe_is_named_first_and_a_conclusive_one_has_no_advice():
