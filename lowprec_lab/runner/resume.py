@@ -95,12 +95,12 @@ def _may_differ(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in MAY_DIFFER)
 
 
-def _seeds_whole(config: dict) -> dict:
-    """``config`` with a mapping ``seeds`` as one JSON leaf, so a change of form (``4`` against ``{others: 4}``)
-    reads as ``seeds`` differing."""
-    if isinstance(config.get("seeds"), dict):
-        return {**config, "seeds": json.dumps(config["seeds"], sort_keys=True)}
-    return config
+def _seeds_whole(settings: dict) -> dict:
+    """``settings`` (a resolved configuration as plain data) with a mapping ``seeds`` as one JSON leaf, so a change
+    of form (``4`` against ``{others: 4}``) reads as ``seeds`` differing."""
+    if isinstance(settings.get("seeds"), dict):
+        return {**settings, "seeds": json.dumps(settings["seeds"], sort_keys=True)}
+    return settings
 
 
 def config_difference(original: dict, now: dict) -> str | None:

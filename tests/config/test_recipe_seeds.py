@@ -80,3 +80,12 @@ def test_hydras_own_flags_replace_the_mapping_too(capsys):
     assert main(["ablate", "--cfg", "job", "seeds={others:2,fp32:1}"]) == 0
     out = capsys.readouterr().out
     assert "seeds:\n  others: 2\n  fp32: 1\n" in out and "bf16_reordered: 7" not in out
+
+
+def test_a_resume_reads_seeds_as_one_value_whatever_its_form():
+    from lowprec_lab.runner.resume import config_difference
+
+    said = config_difference({"seeds": 4, "name": "x"}, {"seeds": {"others": 4}, "name": "x"})
+    assert said is not None and said.startswith("seeds=") and said.endswith("differs from the ablation's 4"), said
+    same = {"seeds": {"others": 3, "fp8_tensorwise": 4}}
+    assert config_difference(same, {"seeds": {"fp8_tensorwise": 4, "others": 3}}) is None

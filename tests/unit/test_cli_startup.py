@@ -97,7 +97,7 @@ def _complete(line: str) -> str:
 #: estimate's and recommend's keys from their schemas, the usage text's for the others)
 EVERY_SUBCOMMAND = {
     "train": ("lowprec train rec", "recipe="),
-    "ablate": ("lowprec ablate se", "seeds="),
+    "ablate": ("lowprec ablate max_se", "max_seeds="),
     "report": ("lowprec report ABL ", "report.margin="),
     "recipes": ("lowprec recipes ", "--json"),
     "estimate": ("lowprec estimate ", "train.batch_size="),
