@@ -117,11 +117,9 @@ class Plan:
         fp8_rowwise``)."""
         if not self.recipe_seeds:
             return f"{len(self.seeds)} seeds"
-        counts: dict[int, list[str]] = {}
-        for r in self.recipes:
-            counts.setdefault(len(self.seeds_of(r.name)), []).append(r.name)
-        parts = [f"{n} of {', '.join(names)}" for n, names in sorted(counts.items(), reverse=True)]
-        return parts[0].replace(" of ", " seeds of ", 1) + "".join(f"; {p}" for p in parts[1:])
+        return seeds_by_count({r.name: len(self.seeds_of(r.name)) for r in self.recipes}).replace(
+            " of ", " seeds of ", 1
+        )
 
     @property
     def workers(self) -> int:
@@ -163,6 +161,14 @@ class Plan:
         if "train.timing_warmup_steps" in out:  # ``auto`` resolved, as the run measures with it
             out["train.timing_warmup_steps"] = str(self.train_for(recipe).timing_warmup_steps)
         return out
+
+
+def seeds_by_count(counts: dict[str, int]) -> str:
+    """Recipes grouped by their seed counts, most first: ``7 of bf16, bf16_reordered; 4 of fp8_tensorwise``."""
+    by: dict[int, list[str]] = {}
+    for name, n in counts.items():
+        by.setdefault(n, []).append(name)
+    return "; ".join(f"{n} of {', '.join(names)}" for n, names in sorted(by.items(), reverse=True))
 
 
 def config_yaml(cfg: DictConfig, seed: int | None = None) -> str:

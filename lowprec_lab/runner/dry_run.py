@@ -24,6 +24,7 @@ from lowprec.train.build import compile_blocker
 from lowprec.train.spec import TrainSpec
 from lowprec_lab.plan.auto_train import resolve_compile_ac
 from lowprec_lab.plan.placement import Placement
+from lowprec_lab.plan.plan import seeds_by_count
 from lowprec_lab.plan.preflight import PREPARE_HINT
 
 
@@ -79,14 +80,6 @@ def _makespan(durations: Sequence[float], workers: int) -> float:
     return max(free)
 
 
-def _per_recipe(recipes: Sequence[Recipe], seeds: Mapping[str, Sequence[int]]) -> str:
-    """``7 of bf16, bf16_reordered; 4 of fp8_tensorwise``: the recipes by their seed counts, most first."""
-    by: dict[int, list[str]] = {}
-    for r in recipes:
-        by.setdefault(len(seeds[r.name]), []).append(r.name)
-    return "; ".join(f"{n} of {', '.join(names)}" for n, names in sorted(by.items(), reverse=True))
-
-
 def plan_text(
     model_name: str,
     model: ModelArgs,
@@ -119,7 +112,11 @@ def plan_text(
         f"dry run: {len(recipes)} recipe(s) x {each} = {runs} runs on model={model_name} "
         f"({model.n_layers} layers, dim {model.dim})"
         + (f"; seeds=auto may add seeds up to {auto_seeds} per recipe" if auto_seeds else ""),
-        *([f"seeds per recipe: {_per_recipe(recipes, seeds)}"] if len(set(counts)) > 1 else []),
+        *(
+            [f"seeds per recipe: {seeds_by_count({r.name: len(seeds[r.name]) for r in recipes})}"]
+            if len(set(counts)) > 1
+            else []
+        ),
         f"placement: {placement.describe()}",
         f"per run: {spec.steps} steps x {spec.tokens_per_step:,} tokens = {tokens:,} tokens"
         f" (layout {dims.short()}, {dims.world_size} rank(s))",
