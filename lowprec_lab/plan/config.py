@@ -112,9 +112,12 @@ class ReportConfig:
     non-inferiority margin on the validation loss (0.0025 = 0.25%, DeepSeek-V3's bar for FP8 against BF16); a
     recipe is non-inferior when the upper bound of its paired 95% interval is below +margin
     (lowprec_lab/stats/verdict.py). ``lowprec report ID`` uses the margin the ablation ran with unless
-    ``report.margin=...`` is given."""
+    ``report.margin=...`` is given. ``primary``: the ablation's primary comparisons (recipe names), tested right
+    after the controls with the full alpha, the other recipes only where every primary one is conclusive in that
+    direction (lowprec_lab/stats/order.py); stated before the run, so ``lowprec report`` has no override for it."""
 
     margin: float = 0.0025
+    primary: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -105,6 +105,8 @@ DOCS: dict[str, str] = {
     "grid": "one ablation per point of training settings, '+grid.optim.lr=[0.001,0.003]' (experiment=lr_sweep)",
     "report.margin": "non-inferiority margin, relative, on the validation loss (0.0025 = 0.25%): a recipe is "
     "non-inferior when its paired 95% interval's upper bound is below +margin",
+    "report.primary": "the headline comparisons, tested right after the controls with the full alpha; the other "
+    "recipes only where each headline is conclusive in that direction (lowprec_lab/stats/order.py)",
     "dry_run": "print the plan (runs, placement, tokens, corpus epochs, predicted time) and train nothing",
     "gpus": "GPUs of the node to use or plan for (null: all visible)",
     "hardware": "the part the dry run predicts for (lowprec estimate's names; null: the detected GPU)",

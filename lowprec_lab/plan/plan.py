@@ -102,6 +102,8 @@ class Plan:
     point: tuple[tuple[str, Any], ...] = ()
     #: per recipe name, the seeds it trains when ``seeds`` is per recipe (``{others: N, ...}``); empty otherwise
     recipe_seeds: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: ``report.primary``: the comparisons tested right after the controls (lowprec_lab/stats/order.py)
+    primary: tuple[str, ...] = ()
 
     def seeds_of(self, name: str) -> tuple[int, ...]:
         """The seeds recipe ``name`` trains first: its own when ``seeds`` is per recipe, else ``seeds``."""

@@ -332,12 +332,38 @@ def _ablation(cfg: DictConfig, recipes: list[Recipe] | None = None):
     from lowprec_lab.stats.verdict import check_margin  # here: the run path imports this module, not scipy
 
     check_margin(cfg.report.margin)  # checked here, not at report time: a bad margin must not cost a training
+    primary = ablation_primary(cfg, [r.name for r in recipes], control, roles)
     counts = recipe_seed_counts(cfg, [r.name for r in recipes], control, len(seeds))
     own: tuple[tuple[str, tuple[int, ...]], ...] = ()
     if counts:  # the control trains the most; every other recipe the first ``n`` of those
         seeds = [int(cfg.seed) + i for i in range(max(counts.values()))]
         own = tuple((name, tuple(seeds[:n])) for name, n in counts.items())
-    return recipes, seeds, spending, placement, control, roles, own
+    return recipes, seeds, spending, placement, control, roles, own, primary
+
+
+def ablation_primary(cfg: DictConfig, names: list[str], control: str, roles: tuple[str, str] | None) -> tuple:
+    """``report.primary``: the ablation's primary comparisons, tested right after the controls with the full alpha
+    (``lowprec_lab.stats.order``), as a tuple of recipe names (empty: one stage for every recipe).
+
+    Raises ``ConfigError`` (one line) under ``seeds=auto``, for a name that is not one of the ablation's recipes
+    (``names``, its controls included), the control itself or one of its controls (which are tested first,
+    alone), or a name given twice: each would make the order say something else than what was asked."""
+    primary = [str(n) for n in (cfg.report.get("primary") or [])]
+    if primary and str(cfg.seeds) == "auto":
+        raise ConfigError(
+            "report.primary needs a fixed seed count: under seeds=auto each look is one Holm family, since the looks "
+            "stop recipes one at a time (drop report.primary or set seeds=N)"
+        )
+    for n in primary:
+        if n not in names:
+            raise ConfigError(f"report.primary names {n}, which this ablation does not train (recipes={names})")
+        if n == control:
+            raise ConfigError(f"report.primary names the control {n}: name the recipes compared with it")
+        if roles is not None and n in roles:
+            raise ConfigError(f"report.primary names the control recipe {n}: the controls are tested first, alone")
+    if len(set(primary)) != len(primary):
+        raise ConfigError(f"report.primary={primary} names a recipe twice")
+    return tuple(primary)
 
 
 def recipe_seed_counts(cfg: DictConfig, names: list[str], control: str, n: int) -> dict[str, int]:
@@ -560,11 +586,12 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
     one worker, on the CPU). ``trains``: per recipe, its resolved ``TrainSpec`` and tags (``Plan.trains``)."""
     seeds, spending, control, study, margin = [int(cfg.seed)], None, None, {}, None
     recipe_seeds: tuple = ()
+    primary: tuple[str, ...] = ()
     placement = Placement("cpu", 0, 1, (Slot(0),))
     roles = None
     settings = OmegaConf.to_container(cfg, resolve=True)
     if ablation is not None:
-        _, seeds, spending, placement, control, roles, recipe_seeds = ablation
+        _, seeds, spending, placement, control, roles, recipe_seeds, primary = ablation
         if roles is not None:  # the resolved names reach the parent run's params: ``lowprec report ID`` reads them
             settings["negative_control"], settings["positive_control"] = roles
     elif cfg.get("controls"):  # a saved ablation config holds the names its preflight resolved
@@ -608,6 +635,7 @@ def _plan(cfg: DictConfig, recipes: list[Recipe], args, spec, hp, dims, ablation
         negative_control=roles[0] if roles else None,
         positive_control=roles[1] if roles else None,
         recipe_seeds=recipe_seeds,
+        primary=primary,
     )
 
 

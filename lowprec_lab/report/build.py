@@ -222,6 +222,7 @@ def build_report(
         predicted_setup=predicted_setup,
         auto=auto_seeds_of(parent, runs, order, control, margin),
         controls=controls_of(parent),
+        primary=primary_of(parent, order),
     )
     verdict_table.log_verdicts(tracker, parent.info.run_id, table)
     sections = {
@@ -335,6 +336,24 @@ def controls_of(parent: Run) -> tuple[str, str] | None:
             f"the parent run says controls=True but names negative_control={names[0]} and positive_control={names[1]}"
         )
     return names[0], names[1]
+
+
+def primary_of(parent: Run, order: list[str]) -> tuple[str, ...]:
+    """The ablation's primary comparisons (``report.primary``) from its parent run's ``primary`` tag (a JSON list the
+    ablation wrote; absent before the option existed: none). The tag is store data: ``ReportError`` unless it is a
+    list of names of the ablation's recipes (``order``) other than its control and its control recipes, so a
+    tampered tag cannot reorder the tests behind the reader's back."""
+    raw = parent.data.tags.get("primary")
+    if raw is None:
+        return ()
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        names = None
+    barred = {parent.data.tags.get("control"), *(controls_of(parent) or ())}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in order and n not in barred for n in names):
+        raise ReportError(f"the parent run's primary tag is not a list of this ablation's recipes: {raw[:200]!r}")
+    return tuple(names)
 
 
 def _forest(table: verdict_table.VerdictTable, out: Path) -> str | None:

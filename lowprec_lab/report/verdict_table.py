@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from lowprec_lab.report import markdown
 from lowprec_lab.stats import SeedDecision, StabilityMetrics, StabilityVerdict, Verdict, stability_verdict, verdicts
 from lowprec_lab.stats.auto_seeds import AutoSeeds
+from lowprec_lab.stats.order import TestingOrder
 from lowprec_lab.stats.paired import smallest_sign_flip_p
 from lowprec_lab.stats.stability import AS_STABLE
 from lowprec_lab.stats.verdict import DIVERGED, INFERIOR, LEVEL, NON_INFERIOR, POWER, mark_diverged, rule_text
@@ -141,6 +142,8 @@ class VerdictTable:
     auto_holm: tuple[tuple[int, int], ...] = ()
     #: ``controls=true``: (negative, positive) control recipes, rows of the table like any other; None: no controls
     controls: tuple[str, str] | None = None
+    #: the order the comparisons were tested in (controls, ``report.primary``, the rest); None: one Holm family
+    order: TestingOrder | None = None
 
     def role(self, recipe: str) -> str | None:
         """``negative control`` / ``positive control`` for a control recipe of the ablation, else None."""
@@ -193,13 +196,15 @@ def _paired(runs, control: str, name: str, value: Callable) -> dict[int, tuple[f
     return dict(sorted(out.items()))
 
 
-def _verdicts(pairs: dict[str, dict[int, tuple[float, float]]], margin: float, metric: str) -> dict[str, Verdict]:
+def _verdicts(
+    pairs: dict[str, dict[int, tuple[float, float]]], margin: float, metric: str, order: TestingOrder | None = None
+) -> dict[str, Verdict]:
     results = {
         name: ([p[0] for p in by_seed.values()], [p[1] for p in by_seed.values()])
         for name, by_seed in pairs.items()
         if by_seed
     }
-    return verdicts(results, margin, LEVEL, "holm", metric=metric) if results else {}
+    return verdicts(results, margin, LEVEL, "holm", metric=metric, order=order) if results else {}
 
 
 def _late_at_looks(
@@ -254,6 +259,7 @@ def build_table(
     predicted_setup: str | None = None,
     auto: AutoSeeds | None = None,
     controls: tuple[str, str] | None = None,
+    primary: tuple[str, ...] = (),
 ) -> VerdictTable:
     """The verdicts of every recipe of ``order`` (but the control) against ``control`` from the report's
     ``RunData``: final validation loss, and the mean over the last quarter of the ``steps`` optimizer steps where
@@ -263,7 +269,9 @@ def build_table(
     ``auto``: the replayed ``seeds=auto`` procedure (``lowprec_lab.stats.auto_seeds``); each recipe's final-loss verdict
     is then the one of the look where it stopped (Holm at that look's level), not a fixed-n 95% verdict.
     ``controls``: ``(negative, positive)`` control recipes (``controls=true``): rows of ``order`` judged by the same
-    rule and Holm family as every recipe; only the report's words about them differ (``controls_line``)."""
+    rule as every recipe, tested first and each alone; ``primary``: ``report.primary``, tested next; the other
+    recipes last, each stage only where the earlier ones were rejected (``lowprec_lab.stats.order``). Under
+    ``seeds=auto`` each look is one Holm family (its looks stop recipes one at a time), so no order applies."""
     predicted = predicted or {}
     ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
     ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
@@ -296,14 +304,19 @@ def build_table(
             "often (`train.val_every`) to get it"
         )
     final_pairs = {n: _paired(runs, control, n, lambda r: r.metrics.get("final_val_loss")) for n in names}
-    final_v = _verdicts(final_pairs, margin, "final_val_loss")
+    order_ = None
+    if auto is None and (controls is not None or primary):
+        order_ = TestingOrder(*(controls or (None, None)), primary=tuple(primary))
+    final_v = _verdicts(final_pairs, margin, "final_val_loss", order_)
     if auto is not None:
         final_v.update({n: v for n, (v, _) in auto.final.items()})
     late_v: dict[str, Verdict] = {}
     if late_reason is None:
         late_pairs = {n: _paired(runs, control, n, lambda r: late_of[r.run_id][0]) for n in names}
         late_v = (
-            _verdicts(late_pairs, margin, "late_val_loss") if auto is None else _late_at_looks(late_pairs, auto, margin)
+            _verdicts(late_pairs, margin, "late_val_loss", order_)
+            if auto is None
+            else _late_at_looks(late_pairs, auto, margin)
         )
     ctrl_stab = _stability(runs, control)
     rows = []
@@ -355,6 +368,7 @@ def build_table(
         auto_final_alpha=auto.final_alpha if auto is not None else None,
         auto_holm=tuple((lk.n, _tested(lk.verdicts)) for lk in auto.looks) if auto is not None else (),
         controls=controls,
+        order=order_,
     )
 
 
@@ -455,6 +469,8 @@ def _verdict_cell(v: Verdict | None, stab: StabilityRow | None = None) -> str:
             f"**{DIVERGED}** ({v.diverged_runs}/{v.judged_runs} runs; the {v.effect.n} paired seed(s) alone: "
             f"{v.label_finished})"
         )
+    if v.untested:  # an earlier stage of the testing order kept this comparison from being tested
+        return f"**{v.label}** (CI alone: {v.label_unadjusted}; not tested: {v.untested})"
     if v.verdict != v.verdict_unadjusted or v.label != v.label_unadjusted:  # say what Holm changed, never hide it
         return f"**{v.label}** (CI alone: {v.label_unadjusted}; Holm does not confirm)"
     return f"**{v.label}**"
@@ -600,6 +616,7 @@ def verdict_section(
         auto=auto,
         rule=_rule(t),
         tested=_tested({r.recipe: r.final for r in t.rows if r.final}),
+        order_text=t.order.text() if t.order is not None else None,
         holm_looks=", ".join(f"{k} recipe(s) at {n} seeds" for n, k in t.auto_holm),
         alpha=(1 - t.level) / 2,
         late_from=math.floor(LATE_FROM * t.steps),
@@ -719,9 +736,12 @@ def _cause(t: VerdictTable, runs, warmup: int | None) -> str | None:
             "mean difference near the margin: "
             + ", ".join(f"{markdown.code(v.recipe)} {_bound(v.effect.mean, t.margin)}" for v in near)
         )
-    holm = [v for v in with_ci if v.verdict_unadjusted in CONCLUSIVE]
+    holm = [v for v in with_ci if v.verdict_unadjusted in CONCLUSIVE and not v.untested]
     if holm:
         parts.append("Holm does not confirm " + ", ".join(markdown.code(v.recipe) for v in holm))
+    for why in dict.fromkeys(v.untested for v in with_ci if v.verdict_unadjusted in CONCLUSIVE and v.untested):
+        names = ", ".join(markdown.code(v.recipe) for v in with_ci if v.untested == why)
+        parts.append(f"not tested, as the testing order asks ({why}): {names}")
     one = [r.recipe for r in open_ if r.final is not None and not r.final.effect.has_interval]
     if one:
         parts.append("1 paired seed, no interval: " + ", ".join(markdown.code(n) for n in one))
@@ -858,6 +878,8 @@ def _compact_verdict(row: RecipeRow, short: bool = False) -> str:
         return f"**{DIVERGED}** ({row.stability.diverged}/{row.stability.runs} runs)" if _is_diverged(row) else NO_DATA
     if v.verdict == DIVERGED:
         return f"**{DIVERGED}** ({v.diverged_runs}/{v.judged_runs} runs)"
+    if v.untested:
+        return f"**{v.label}** (not tested)" if short else f"**{v.label}** (not tested; CI alone: {v.label_unadjusted})"
     if v.verdict != v.verdict_unadjusted or v.label != v.label_unadjusted:
         return f"**{v.label}** (Holm)" if short else f"**{v.label}** (Holm; CI alone: {v.label_unadjusted})"
     return f"**{v.label}**"

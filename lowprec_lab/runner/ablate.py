@@ -358,6 +358,7 @@ def _start_parent(plan: Plan, tracker, ablation_id: str, data, group: str) -> st
             **_concurrency_tags(plan),
             "control": plan.control,
             "studies": dumps(list(plan.studies)),
+            "primary": dumps(list(plan.primary)),
             GROUP_TAG: group,
             **({POINT_TAG: dumps(dict(plan.point))} if plan.point else {}),
             **shared_tags(plan, data, resolve_device(plan.device)),

@@ -60,6 +60,7 @@ from scipy import stats
 from statsmodels.stats.power import TTestPower
 
 from lowprec.errors import ConfigError
+from lowprec_lab.stats.order import TestingOrder, ordered_families
 from lowprec_lab.stats.paired import (
     PairedEffect,
     check_level,
@@ -144,20 +145,6 @@ def consort_label(verdict: str, better: bool, worse: bool, negligible: bool = Fa
     return verdict
 
 
-def holm(pvalues, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """Holm's step-down procedure (Holm 1979): ``(reject, adjusted)`` for 1-D ``pvalues`` (shape (m,)) at
-    family-wise level ``alpha``. Adjusted ``p_(k) = max_{j <= k} min(1, (m - j) p_(j))`` over the sorted p-values;
-    reject where adjusted <= alpha. Equals ``statsmodels.stats.multitest.multipletests(method="holm")``, without its
-    ``gc.collect()`` on every call (76 ms each in a loaded process; the report makes four families per column)."""
-    p = np.asarray(pvalues, dtype=np.float64)
-    m = p.size
-    order = np.argsort(p, kind="stable")
-    adj_sorted = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
-    adjusted = np.empty(m)
-    adjusted[order] = adj_sorted
-    return adjusted <= alpha, adjusted
-
-
 def one_sided_pvalues(d: np.ndarray, margin: float) -> tuple[float, float]:
     """One-sided paired t-test p-values ``(p_noninferior, p_inferior)`` of ``d`` against ``margin`` (n >= 2).
 
@@ -236,7 +223,8 @@ class Verdict:
         verdict: the decision, one of ``VERDICTS``, after the multiplicity correction (``diverged`` after
             ``mark_diverged``).
         verdict_unadjusted: the CI rule alone (equals ``verdict`` with ``correction="none"``).
-        correction: ``"holm"`` or ``"none"``; n_tests: recipes in each Holm family (those with >= 2 seeds).
+        correction: ``"holm"`` or ``"none"``; n_tests: recipes in its Holm family (those with >= 2 seeds; with a
+            testing order, those of its stage: 1 for a control).
         p_noninferior, p_inferior: one-sided paired t-test p-values against the margin (None with one seed).
         p_noninferior_adj, p_inferior_adj: Holm-adjusted p-values (equal to the raw ones with ``"none"``).
         mdd: minimum detectable difference at this n (see ``minimum_detectable_difference``), or None.
@@ -279,6 +267,10 @@ class Verdict:
     diverged_runs: int = 0
     judged_runs: int = 0
     verdict_finished: str | None = None
+    #: where the comparison stood in the testing order: ``control``, ``primary``, ``other``; empty for one flat family
+    stage: str = ""
+    #: why the decision the interval gives was not tested (an earlier stage of the order was not rejected), else None
+    untested: str | None = None
 
     @property
     def negligible(self) -> bool:
@@ -334,9 +326,12 @@ def mark_diverged(v: Verdict, diverged: int, runs: int) -> Verdict:
     return replace(v, verdict=DIVERGED, diverged_runs=int(diverged), judged_runs=int(runs), verdict_finished=v.verdict)
 
 
-def rule_text(margin: float, level: float | None, correction: str, n_tests: int | None) -> str:
+def rule_text(
+    margin: float, level: float | None, correction: str, n_tests: int | None, order: TestingOrder | None = None
+) -> str:
     """One line stating the exact decision rule and its source; ``level=None``: each ``seeds=auto`` look's level;
-    ``n_tests=None``: Holm over the recipes still running at each look (``seeds=auto``)."""
+    ``n_tests=None``: Holm over the recipes still running at each look (``seeds=auto``); ``order``: the testing
+    order (``lowprec_lab.stats.order``), stated when it is not one flat family."""
     if level is None:
         interval, tests = "two-sided paired t-interval at the look's level", "the look's nominal alpha"
     else:
@@ -350,7 +345,10 @@ def rule_text(margin: float, level: float | None, correction: str, n_tests: int 
     )
     if correction == "holm":
         over = "the recipes still running at each look" if n_tests is None else f"{n_tests} recipe(s)"
-        text += f"; Holm-adjusted over {over} per one-sided family"
+        if order is not None and not order.flat:
+            text += f"; tested in order (serial gatekeeping, lowprec_lab/stats/order.py): {order.text()}"
+        else:
+            text += f"; Holm-adjusted over {over} per one-sided family"
     return text
 
 
@@ -381,21 +379,6 @@ def _paired_tests(
     return effects, pvals, perms
 
 
-def _holm_families(
-    pvals: dict[str, tuple[float, ...]], alpha: float
-) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[bool, ...]]]:
-    """Holm at ``alpha`` within each of the four one-sided families, across the tested recipes (the keys of
-    ``pvals``): ``(adjusted p-values, rejections)`` per recipe, in the families' order."""
-    tested = list(pvals)
-    adjusted, reject = {k: pvals[k] for k in tested}, {}
-    if tested:
-        families = [holm([pvals[k][j] for k in tested], alpha) for j in range(4)]
-        for i, k in enumerate(tested):
-            adjusted[k] = tuple(float(adj[i]) for _, adj in families)
-            reject[k] = tuple(bool(rej[i]) for rej, _ in families)
-    return adjusted, reject
-
-
 def verdicts(
     results: dict,
     margin: float,
@@ -404,6 +387,7 @@ def verdicts(
     *,
     metric: str = "val_loss",
     bootstrap: bool = True,
+    order: TestingOrder | None = None,
 ) -> dict[str, Verdict]:
     """One ``Verdict`` per recipe against the shared control (rule and sources: module docstring).
 
@@ -415,6 +399,9 @@ def verdicts(
         level: two-sided confidence level in (0, 1); the one-sided tests run at ``alpha = (1 - level) / 2``.
         correction: ``"holm"`` (across the recipes with >= 2 seeds, per one-sided family) or ``"none"``.
         metric: name stored in each verdict. bootstrap: compute the bootstrap cross-check.
+        order: with ``"holm"``, the order the comparisons are tested in (``lowprec_lab.stats.order``: the controls
+            first, each alone; then the primary comparisons; then the rest, each stage Holm-corrected and tested
+            only where every earlier one was rejected). None or a flat order: one Holm family over every recipe.
 
     Returns:
         ``{recipe_name: Verdict}`` in the order of ``results`` (empty for empty ``results``).
@@ -426,23 +413,26 @@ def verdicts(
     if correction not in CORRECTIONS:
         raise ConfigError(f"correction must be one of {CORRECTIONS} (got {correction!r})")
     alpha = (1 - level) / 2
+    order = order or TestingOrder()
     effects, pvals, perms = _paired_tests(results, margin, level, alpha, bootstrap)
-    tested = list(pvals)
-    adjusted, reject = _holm_families(pvals, alpha) if correction == "holm" else (dict(pvals), {})
-    rule = rule_text(margin, level, correction, len(tested))
+    gated = ordered_families(pvals, alpha, order) if correction == "holm" else {}
+    rule = rule_text(margin, level, correction, len(pvals), order)
     out = {}
     for name, eff in effects.items():
         unadj = final = ci_verdict(eff.lo, eff.hi, margin)
         p = p_adj = pvals.get(name, (None, None, None, None))
         better = worse = False
-        if name in adjusted:
-            p_adj = adjusted[name]
+        untested = None
+        if name in pvals:
             better, worse = eff.hi < 0, eff.lo > 0  # the interval against 0 (the CI rule of the 0 families)
-        if name in reject:
-            rej_ni, rej_inf, rej_better, rej_worse = reject[name]
+        if name in gated:
+            g = gated[name]
+            p_adj = g.adjusted
+            rej_ni, rej_inf, rej_better, rej_worse = g.reject
             if (unadj == NON_INFERIOR and not rej_ni) or (unadj == INFERIOR and not rej_inf):
-                final = INCONCLUSIVE  # the CI rule alone would decide; Holm does not confirm it
-            # the refinement against 0 is confirmed by Holm in its own family, on either side alike
+                final = INCONCLUSIVE  # the CI rule alone would decide; the ordered Holm families do not confirm it
+                untested = g.why[0] if unadj == NON_INFERIOR else g.why[1]
+            # the refinement against 0 is confirmed in its own family, on either side alike
             better, worse = better and rej_better, worse and rej_worse
         p_ni_perm, p_inf_perm, v_perm = perms.get(name, (None, None, None))
         out[name] = Verdict(
@@ -454,7 +444,7 @@ def verdicts(
             verdict=final,
             verdict_unadjusted=unadj,
             correction=correction,
-            n_tests=len(tested),
+            n_tests=gated[name].stage_size if name in gated else len(pvals),
             p_noninferior=p[0],
             p_inferior=p[1],
             p_noninferior_adj=p_adj[0],
@@ -471,5 +461,7 @@ def verdicts(
             p_noninferior_perm=p_ni_perm,
             p_inferior_perm=p_inf_perm,
             verdict_perm=v_perm,
+            stage="" if order.flat else order.stage_of(name),
+            untested=untested,
         )
     return out

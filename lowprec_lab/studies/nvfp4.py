@@ -3,9 +3,10 @@
 For every ``nvfp4_no_<stabiliser>`` recipe of the ablation it judges the recipe against ``nvfp4`` (does removing
 the stabiliser hurt?) with the lab's paired statistics (``lowprec_lab.stats.verdicts``: paired relative
 difference of the final validation loss, t-interval at 95%, Holm over the family, non-inferiority at the
-ablation's ``report.margin``), sets the main report's verdict against the control (bf16) beside it, and quotes the
-paper's finding for that stabiliser with its section. A last part says what a few-million-parameter model
-trained for minutes cannot show of effects the paper measured on a 12B model over 10T tokens.
+ablation's ``report.margin``), sets the main report's verdict against the control (bf16) beside it, quotes the
+paper's finding for that stabiliser with its section and says whether this scale agrees (``agreement``). A last
+part says what a few-million-parameter model trained for minutes cannot show of effects the paper measured
+on a 12B model over 10T tokens.
 
 Section numbers are those of arXiv 2509.25149v1 as lowprec cites them in the recipes (``lowprec/recipes/catalog.py``).
 """
@@ -16,6 +17,7 @@ import math
 from pathlib import Path
 
 from lowprec_lab.stats import verdicts
+from lowprec_lab.stats.verdict import DIVERGED, INFERIOR, NON_INFERIOR
 from lowprec_lab.studies.registry import StudyContext, register
 
 #: removed stabiliser -> (ablation recipe, what it is, the paper's finding with its section)
@@ -77,6 +79,25 @@ def _cell(v) -> str:
     return f"{e.mean:+.3%}{iv} **{v.label}**"
 
 
+def agreement(v) -> str:
+    """How the row at this scale stands against the paper, which found every stabiliser helps (its removal raises
+    the loss): from ``v``, the recipe's ``Verdict`` against ``nvfp4`` (None: no paired seed). ``inferior``: agrees;
+    ``non-inferior``: disagrees (no harm beyond the margin here); ``inconclusive``: the direction of the mean, not
+    resolved, with the seeds the verdict would need; ``diverged``: a run without the stabiliser diverged, as the
+    paper's runs did without BF16 layers."""
+    if v is None:
+        return "no paired seed"
+    if v.verdict == DIVERGED:
+        return "agrees: a run without it diverged"
+    if v.verdict == INFERIOR:
+        return "agrees: removing it hurt beyond the margin"
+    if v.verdict == NON_INFERIOR:
+        return "disagrees: no harm beyond the margin at this scale"
+    side = "same direction as the paper" if v.effect.mean > 0 else "opposite direction to the paper"
+    need = f"{v.seeds_needed} seeds needed" if v.seeds_needed else "no seed count reaches a verdict"
+    return f"{side} ({v.effect.mean:+.3%}), not resolved: {need}"
+
+
 def _mean_of(runs, name: str, suffix: str) -> float | None:
     vals = [
         v
@@ -135,16 +156,19 @@ def nvfp4_study(ctx: StudyContext) -> Path:
         "final validation loss (> 0 = worse), its 95% t-interval and the verdict at margin "
         f"{ctx.margin:.2%} (Holm over the rows); `inferior` against `nvfp4` means the stabiliser helped here.",
         "",
-        f"| removed | recipe | vs `nvfp4` | vs `{ctx.control}` | paper (arXiv 2509.25149) |",
-        "|---|---|---|---|---|",
+        f"| removed | recipe | vs `nvfp4` | vs `{ctx.control}` | paper (arXiv 2509.25149) | this scale vs the paper |",
+        "|---|---|---|---|---|---|",
     ]
     for _, (name, what, finding) in present.items():
-        lines.append(f"| {what} | `{name}` | {_cell(vs_nvfp4.get(name))} | {_cell(vs_control.get(name))} | {finding} |")
+        v = vs_nvfp4.get(name)
+        lines.append(
+            f"| {what} | `{name}` | {_cell(v)} | {_cell(vs_control.get(name))} | {finding} | {agreement(v)} |"
+        )
     for name in ("nvfp4", "mxfp8", "mxfp4"):
         if name in ctx.order and name != ctx.control:
-            lines.append(f"| (reference) | `{name}` | | {_cell(vs_control.get(name))} | |")
+            lines.append(f"| (reference) | `{name}` | | {_cell(vs_control.get(name))} | | |")
     if not present:
-        lines.append("| (no nvfp4_no_* recipe in this ablation) | | | | |")
+        lines.append("| (no nvfp4_no_* recipe in this ablation) | | | | | |")
     lines += _telemetry_lines(ctx)
     tokens = max((r.tokens(ctx.table.steps - 1) for r in ctx.runs), default=0)
     cannot = [c.format(tokens=f"{tokens:,}") for c in CANNOT_SHOW]

@@ -1,6 +1,7 @@
 """The controls in the report (``ablate controls=true``): a real MLflow sqlite store whose child runs are logged with
-known per-seed losses (no training). The control rows are judged by the same rule and Holm family as every recipe,
-marked by their role; the report's first line says whether the experiment could see a difference of the margin."""
+known per-seed losses (no training). The control rows are judged by the same rule as every recipe, first and each
+alone, and open the recipes' tests only when both pass (lowprec_lab/stats/order.py); they are marked by their role;
+the report's first line says whether the experiment could see a difference of the margin."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from fabricated_ablation import CONTROL, CONTROL_LOSS, SEEDS, fabricate_ablation
 from store_dirs import migrated_uri
 
-from lowprec_lab.report.build import build_report
+from lowprec_lab.report.build import ReportError, build_report
 from lowprec_lab.report.verdict_table import build_table, controls_line, forest_rows
 from lowprec_lab.tracking.runs import load_runs
 from lowprec_lab.tracking.tracker import Tracker
@@ -86,19 +87,54 @@ def test_without_controls_the_first_line_says_so(store):
     assert "(negative control)" not in _report(store, "abl-off")
 
 
-def test_control_rows_are_judged_by_the_same_rule_and_holm_family(store):
+def _table(store, abl: str, **kw):
     tracker, _ = store
     parent = tracker.client.search_runs(
-        [tracker.experiment_id], "tags.`lowprec.ablation_id` = 'abl-pass' and tags.`lowprec.kind` = 'ablation'"
+        [tracker.experiment_id], f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
     )[0]
     runs = load_runs(tracker, parent.info.run_id, [])
-    order = [CONTROL, "fp8_rowwise", NEG, POS]
-    with_roles = build_table(runs, order, CONTROL, 0.0025, 100, controls=(NEG, POS))
-    plain = build_table(runs, order, CONTROL, 0.0025, 100)
-    # the roles change nothing in the statistics: same verdicts, same Holm family (all three recipes)
-    assert [r.final for r in with_roles.rows] == [r.final for r in plain.rows]
-    assert {r.final.n_tests for r in with_roles.rows} == {3}
+    return parent, build_table(runs, [CONTROL, "fp8_rowwise", NEG, POS], CONTROL, 0.0025, 100, **kw)
+
+
+def test_control_rows_are_judged_alone_first_and_the_recipes_after_them(store):
+    parent, with_roles = _table(store, "abl-pass", controls=(NEG, POS))
+    _, plain = _table(store, "abl-pass")
+    ordered, flat = ({r.recipe: r.final for r in t.rows} for t in (with_roles, plain))
+    # the same rule and intervals; the controls each alone (no Holm), the recipe in a family without them
+    assert all(ordered[n].effect == flat[n].effect and ordered[n].rule != flat[n].rule for n in ordered)
+    assert {n: v.n_tests for n, v in ordered.items()} == {"fp8_rowwise": 1, NEG: 1, POS: 1}
+    assert {v.n_tests for v in flat.values()} == {3}
+    assert [ordered[n].stage for n in ("fp8_rowwise", NEG, POS)] == ["other", "control", "control"]
+    assert ordered[NEG].p_noninferior_adj == ordered[NEG].p_noninferior
+    assert ordered[POS].p_inferior_adj == ordered[POS].p_inferior
+    # the recipe's adjusted p-value is never below the controls' gate
+    gate = max(ordered[NEG].p_noninferior, ordered[POS].p_inferior)
+    assert ordered["fp8_rowwise"].p_noninferior_adj == max(ordered["fp8_rowwise"].p_noninferior, gate)
     assert controls_line(with_roles).startswith("**Controls passed")
     names = [r.name for r in forest_rows(with_roles)]
     assert names == ["fp8_rowwise", "bf16_reordered (negative control)", "bf16_pure (positive control)"]
     assert parent.data.tags.get("verdict_controls") in (None, "passed")  # the parent's tag once the report ran
+
+
+def test_when_a_control_fails_no_recipe_verdict_is_tested_and_the_row_says_why(store):
+    text = _report(store, "abl-flatpos")
+    _, t = _table(store, "abl-flatpos", controls=(NEG, POS))
+    v = {r.recipe: r.final for r in t.rows}["fp8_rowwise"]
+    assert v.verdict_unadjusted == "non-inferior" and v.verdict == "inconclusive"
+    assert v.untested == "the controls did not both come out as they must"
+    assert "| `fp8_rowwise` | " in text
+    assert "(CI alone: non-inferior; not tested: the controls did not both come out as they must)" in text
+    assert "tested in a fixed order stated before the run" in text
+
+
+def test_a_primary_tag_orders_the_report_and_a_tampered_one_is_refused(store):
+    tracker, root = store
+    parent, _ = _table(store, "abl-pass")
+    tracker.client.set_tag(parent.info.run_id, "primary", '["fp8_rowwise"]')
+    text = _report(store, "abl-pass")
+    assert "then the primary comparison(s) fp8_rowwise (Holm among them)" in text
+    for bad in ('["bf16"]', f'["{NEG}"]', '["nope"]', '"fp8_rowwise"', "[1]", "not json"):
+        tracker.client.set_tag(parent.info.run_id, "primary", bad)
+        with pytest.raises(ReportError, match="primary tag is not a list of this ablation's recipes"):
+            build_report(tracker, "abl-pass", root / "reports")
+    tracker.client.delete_tag(parent.info.run_id, "primary")

@@ -18,5 +18,8 @@ def test_nvfp4_quick_ablation_writes_the_stabiliser_table(stored_run_dirs, tmp_p
     for cell in cells[2:4]:
         assert re.fullmatch(r"[+-]\d+\.\d+% \[[+-]\d+\.\d+%, [+-]\d+\.\d+%\] \*\*[a-z-]+\*\*", cell), cell
     assert cells[4] == finding and "section 4.4" in finding
+    assert re.fullmatch(
+        r"(agrees: .*|disagrees: .*|(same|opposite) direction .* not resolved: (\d+ seeds needed|no seed .*))", cells[5]
+    ), cells[5]
     assert "| (reference) | `nvfp4` |" in text and "## What this scale cannot show" in text
     assert re.search(r"\| `nvfp4` \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d% \|", text)  # RHT telemetry
