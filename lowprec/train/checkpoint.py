@@ -87,7 +87,10 @@ def save_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer)
         # DCP would pickle every non-tensor item into a byte record; those go to values.json instead
         tensors, values = split_state({"model": model_sd, "optim": optim_sd})
-        dcp.save(tensors, storage_writer=_writer(staging))
+        with warnings.catch_warnings():
+            # without a process group DCP warns that it assumes a single-process save: that is this run's intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(tensors, storage_writer=_writer(staging))
     except (Exception, CheckpointException) as e:  # DCP raises collectively: every rank is here
         raise _save_failed(final, staging, rank0, e) from e
     if dist.is_initialized():

@@ -234,6 +234,9 @@ def telemetry_heatmap(run, panels, path: Path) -> Path:
                 grid[i][steps.index(s)] = v
         values = np.asarray(grid, dtype=np.float64)
         blank = ~np.isfinite(values) | (np.abs(values) >= sys.float_info.max)
+        # the masked cells hold NaN, not the float maximum: matplotlib scales the data under the mask too, and the
+        # maximum overflowed there (a RuntimeWarning printed under every report of unscaled FP8)
+        values[blank] = np.nan
         im = ax.imshow(np.ma.masked_array(values, blank), aspect="auto", interpolation="nearest", cmap="viridis")
         ax.set(title=f"{role} {stat}", xlabel="step")
         ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,13 @@ def _run(token_data, rng_seed=0, **kw) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(token_data, tmp_path_factory):
-    """An uninterrupted run's losses and its checkpoint directory (step_3 and step_6), copied per test."""
+    """An uninterrupted run's losses, its checkpoint directory (step_3 and step_6), copied per test, and the
+    messages of the warnings its saves raised."""
     d = tmp_path_factory.mktemp("reference")
-    return _run(token_data, checkpoint_dir=d), d
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses = _run(token_data, checkpoint_dir=d)
+    return losses, d, [str(w.message) for w in seen]
 
 
 @pytest.fixture
@@ -90,6 +95,11 @@ def _flip_middle_byte(path):
 
 def _truncate(path):
     path.write_bytes(path.read_bytes()[:-100])
+
+
+def test_a_one_process_save_does_not_warn_that_it_is_one_process(reference):
+    # DCP's "assuming the intent is to save in a single process" is every one-process run's intent
+    assert not [m for m in reference[2] if "torch.distributed is disabled" in m], reference[2]
 
 
 @pytest.mark.parametrize("damage, words", [(_flip_middle_byte, "differs from its sha256"), (_truncate, "truncated")])
