@@ -18,12 +18,15 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lowprec.train.stop import STOP_SIGNALS
 
 #: What the forkserver imports before it forks a process (``forkserver_context``): torch and the library's
 #: training stack, which every rank of the tests and benchmarks imports. Imported there with no op run, so no
@@ -41,15 +44,26 @@ def add_forkserver_preload(*modules: str) -> None:
 
 
 def forkserver_context() -> multiprocessing.context.ForkServerContext:
-    """The ``forkserver`` multiprocessing context, its server importing ``_PRELOAD`` (``add_forkserver_preload``)
-    when it starts.
+    """The ``forkserver`` multiprocessing context, its server running (started now if it is not, importing
+    ``_PRELOAD``: ``add_forkserver_preload``).
 
     A process this context starts is forked from the server: it inherits the server's environment, signal mask
     and handlers from the server's own start, not this process's at the time of the call. multiprocessing sends
     the working directory, ``sys.path`` and ``sys.argv`` with each process; the caller must send the rest it needs
-    (``parent_state`` / ``apply_parent_state``)."""
+    (``parent_state`` / ``apply_parent_state``). The server starts with the stop signals blocked
+    (``lowprec.train.stop.STOP_SIGNALS``): a stop sent to the process group does not end it, and a process forked
+    from it holds a stop that arrives before it has set its own mask (pending, not fatal)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
+    if hasattr(signal, "pthread_sigmask"):
+        # Started first: its start unblocks SIGINT and SIGTERM in this thread (bpo-33613), which would undo the
+        # block below; once running, ``forkserver.ensure_running`` finds it so.
+        resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return ctx
 
 
@@ -130,7 +144,7 @@ def run_ranks(
     payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="lowprec-ranks-") as tmp:
         init_file = str(Path(tmp) / "init")
-        forkserver_context()  # sets the preload of the forkserver that start_processes uses
+        forkserver_context()  # the forkserver that start_processes uses: running, with its preload
         ctx = mp.start_processes(
             _worker,
             args=(payload, parent_state(), world_size, init_file, tmp, backend),

@@ -3,23 +3,29 @@
 On a CPU, a small model's GEMMs split poorly across intra-op threads: two ``fp8_rowwise`` runs of ``tiny`` with one
 thread each trained 544 + 574 tokens/s against 954-986 tokens/s for one run on both threads (2-core AVX2 EPYC,
 nothing else running), about 1.15x; for the ``debug`` model of the tests the gain is larger (the second thread's
-spin-wait costs more than it adds). ``workers=N`` therefore trains N runs at once, each in its own spawned process
+spin-wait costs more than it adds). ``workers=N`` therefore trains N runs at once, each in its own worker process
 with ``cores // N`` intra-op threads and its own MLflow client on the same store (its ``RunSession``); every run is
 still one ``RunSession.run`` call, recorded exactly as a sequential run is. Throughput figures of concurrent runs are
 measured under each other's load: compare them only within one ablation (the report says how many runs
 shared the machine: parent tag ``workers``).
 
-On CUDA each worker is a slot of ``lowprec_lab.plan.placement``: its process starts with ``CUDA_VISIBLE_DEVICES``
-naming its own GPU(s) only (``start_slot_pool``: set in the environment it is spawned with, before anything in it
-can initialise CUDA), so runs on distinct GPUs never share one, and each run is tagged with its ``gpus``.
+The workers are forked from a forkserver that has already imported torch, MLflow and the lab
+(``lowprec.parallel.spawn.forkserver_context``, started once per ablation process): a spawned worker spent about
+5 s of CPU on those imports before its first run. A forked worker inherits the forkserver's environment from the
+server's start, so it is sent the ablation's environment and makes it its own first (``start_slot_pool``).
+
+On CUDA each worker is a slot of ``lowprec_lab.plan.placement``: its process sets ``CUDA_VISIBLE_DEVICES``
+naming its own GPU(s) only (``start_slot_pool``: first thing in it, before anything in it can initialise CUDA;
+importing torch does not), so runs on distinct GPUs never share one, and each run is tagged with its ``gpus``.
 
 Each worker has a pool of its own and one run at a time; the next queued run goes to the first worker free. A worker
 process that dies (its GPU failed, killed, out of memory) fails its run in flight only (a run left RUNNING in MLflow
 is marked FAILED): its slot is not used again (a failed GPU stays failed), the other workers take the queued runs,
 and the ablation goes on to its report. Only when every worker has died do the runs left fail, not started.
 
-A worker whose ablation process dies (kill -9) notices within a second: its run stops after the current step with its
-checkpoint, recorded KILLED, and the worker exits, instead of training on unseen and racing a later ``resume=``.
+A worker whose ablation process dies (kill -9; its forkserver then exits too) notices within a second: its run
+stops after the current step with its checkpoint, recorded KILLED, and the worker exits, instead of training on
+unseen and racing a later ``resume=``.
 
 A stop signal never kills a worker: the workers start with the stop signals blocked (a signal that arrives while
 one still imports waits), and unblock them once their handlers are installed. A worker asked to stop before a run
@@ -47,11 +53,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing import get_context, resource_tracker
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_sentinels
 
 from lowprec.data import TokenData
+from lowprec.parallel.spawn import add_forkserver_preload, apply_parent_state, forkserver_context, parent_state
 from lowprec.recipe import Recipe
 from lowprec.train.stop import STOP_SIGNALS, install_stop_handlers, local_stop, request_stop
 from lowprec_lab.plan.placement import Placement, Slot, physical_ids
@@ -68,6 +75,10 @@ Job = tuple[Recipe, int]
 Continuations = dict[tuple[str, int], Continuation]
 """(recipe name, seed) -> the interrupted run to continue in place (an ablation's resume)."""
 
+# A worker's imports, done once in the forkserver instead of in each worker (module docstring); only a forkserver
+# not yet started in this process takes them.
+add_forkserver_preload("mlflow", "lowprec_lab.runner.scheduler")
+
 
 def slot_env(slot: Slot) -> dict[str, str]:
     """The environment a slot's worker starts with: ``CUDA_VISIBLE_DEVICES`` naming its GPUs only (mapped through
@@ -77,29 +88,31 @@ def slot_env(slot: Slot) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": physical_ids(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
-@contextmanager
-def _environ(env: dict[str, str]):
-    """``os.environ`` updated with ``env`` for the body: a process spawned meanwhile inherits it from its start, so
-    CUDA (which reads ``CUDA_VISIBLE_DEVICES`` once, at its initialisation) never sees another GPU."""
-    old = {k: os.environ.get(k) for k in env}
+def _init_slot(state: tuple, env: dict[str, str], initializer, initargs: tuple) -> None:
+    # First: the ablation's environment as it is now (the forkserver's is that of its own start), then the slot's.
+    apply_parent_state(state)
     os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def start_slot_pool(slot: Slot, initializer=None, initargs=()) -> ProcessPoolExecutor:
-    """A one-process pool for ``slot``, its worker started now with ``slot_env(slot)`` (a ``ProcessPoolExecutor``
-    starts its process on the first submit, so this submits a no-op under the environment). One pool per slot: a
-    worker that dies (its GPU failed, or it was killed) breaks its own pool only, so only its run fails."""
-    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=initializer, initargs=initargs)
-    with _environ(slot_env(slot)):
-        pool.submit(int)  # starts the worker under this environment
+    """A one-process pool for ``slot``, its worker started now (a ``ProcessPoolExecutor`` starts its process on the
+    first submit, so this submits a no-op). One pool per slot: a worker that dies (its GPU failed, or it was killed)
+    breaks its own pool only, so only its run fails.
+
+    The worker is forked from this process's forkserver (``lowprec.parallel.spawn.forkserver_context``), not
+    spawned. It inherits the forkserver's environment, which is this process's at the forkserver's start; so before
+    ``initializer(*initargs)`` it makes this process's environment and this thread's signal mask, as they are now,
+    its own, then sets ``slot_env(slot)``: a variable set here since (a test's, ``LOWPREC_FAULTS``) reaches it, and
+    nothing in it initialises CUDA before its ``CUDA_VISIBLE_DEVICES`` is the slot's."""
+    pool = ProcessPoolExecutor(
+        1,
+        mp_context=forkserver_context(),
+        initializer=_init_slot,
+        initargs=(parent_state(), slot_env(slot), initializer, initargs),
+    )
+    pool.submit(int)  # starts the worker
     return pool
 
 
@@ -122,8 +135,9 @@ class NotStarted:
 
 @contextmanager
 def _stop_signals_blocked():
-    """Block ``STOP_SIGNALS`` in this thread for the body. A process started meanwhile inherits the mask across
-    exec: a stop signal that reaches it before its handlers exist waits (pending) instead of killing it."""
+    """Block ``STOP_SIGNALS`` in this thread for the body. A worker started meanwhile takes this mask as its own
+    (``start_slot_pool``; the forkserver it is forked from has them blocked too): a stop signal that reaches it
+    before its handlers exist waits (pending) instead of killing it."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX
         yield
         return
@@ -155,8 +169,8 @@ def _exit_now() -> None:
 def _init_worker(
     threads: int, plan: Plan, parent: int, env: dict[str, str] | None = None, channel: Connection | None = None
 ) -> None:
-    # The slot's environment was already this process's from its start (``start_slot_pool``); set again here so that
-    # a worker started any other way is still pinned before its first CUDA call.
+    # The slot's environment was already made this process's (``start_slot_pool``); set again here so that a worker
+    # started any other way is still pinned before its first CUDA call.
     os.environ.update(env or {})
     # Started with the stop signals blocked (``_stop_signals_blocked``): handlers first, then unblock, so a stop
     # that arrived during this process's imports is recorded now, not lost and not fatal.
@@ -173,16 +187,33 @@ def _init_worker(
     import torch
 
     torch.set_num_threads(threads)
-    _state.update(parent=parent, busy=False)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="lowprec-watch-parent").start()
+    started_from = _started_from(parent)
+    _state.update(parent=parent, started_from=started_from, busy=False)
+    threading.Thread(target=_watch_parent, args=(started_from,), daemon=True, name="lowprec-watch-parent").start()
     _state["session"] = RunSession.start(plan)
 
 
-def _watch_parent(parent: int, every_s: float = 1.0) -> None:
-    """Once the ablation process ``parent`` is gone (kill -9 included: this process is re-parented), stop: a run in
-    flight stops after its step with its checkpoint and is recorded KILLED (``_run_in_worker`` then exits), an idle
-    worker exits at once (nothing would ever send it another run, nor end it)."""
-    while os.getppid() == parent:
+def _started_from(parent: int) -> int | None:
+    """The process whose exit tells this worker that the ablation process ``parent`` is gone: the ablation's
+    forkserver, which exits with it (the end of its pipe from the ablation), or ``parent`` itself for a worker
+    spawned by it. ``None`` when that is already gone (this process was re-parented before it looked)."""
+    ppid = os.getppid()
+    if ppid == parent:
+        return ppid
+    try:
+        with open(f"/proc/{ppid}/stat") as f:
+            grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):  # no /proc to ask: the forkserver is taken to be the ablation's
+        return ppid
+    return ppid if grandparent == parent else None
+
+
+def _watch_parent(started_from: int | None, every_s: float = 1.0) -> None:
+    """Once the process this worker was started from (``started_from``: the forkserver, gone with the ablation
+    process, kill -9 included) is gone, so that this process is re-parented, stop: a run in flight stops after its
+    step with its checkpoint and is recorded KILLED (``_run_in_worker`` then exits), an idle worker exits at once
+    (nothing would ever send it another run, nor end it)."""
+    while started_from is not None and os.getppid() == started_from:
         time.sleep(every_s)
     if _state.get("busy"):
         request_stop(signal.SIGTERM)
@@ -208,7 +239,7 @@ def _run_in_worker(
         return o
     finally:
         s["busy"] = False
-        if os.getppid() != s["parent"]:  # the ablation died during the run, which is now recorded: nothing waits
+        if os.getppid() != s["started_from"]:  # the ablation died during the run, which is now recorded: nothing waits
             os._exit(0)
 
 

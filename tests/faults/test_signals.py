@@ -2,7 +2,7 @@
 the current step, write a checkpoint (``train.checkpoint_on_signal``), mark the runs and the parent KILLED in MLflow
 with the reason and the last step, print where to resume, and exit with 128 + signal; the resumed run continues the
 interrupted one bit for bit. Signals are real: ``LOWPREC_FAULTS=signal_at_step=N`` sends one to the process itself,
-and the ablation tests send SIGTERM to an ablation (run in this process, its workers real spawned processes) from
+and the ablation tests send SIGTERM to an ablation (run in this process, its workers real processes) from
 another thread, outside the command's code, as a scheduler would."""
 
 from __future__ import annotations
@@ -157,17 +157,19 @@ def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_pare
         assert max(_losses(client, k)) == step  # every step up to the stop is logged
 
 
-def _spawned_workers(pid: int) -> list[int]:
-    """The pool's worker processes of ``pid`` (``multiprocessing.spawn``), from ``/proc``."""
-    kids = []
+def _pool_workers(pid: int) -> list[int]:
+    """The pool's worker processes of the ablation process ``pid``: the children of its forkserver (a child of
+    ``pid``, ``multiprocessing.forkserver``), from ``/proc``."""
+    procs = {}
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                if b"spawn_main" in (d / "cmdline").read_bytes():
-                    kids.append(int(d.name))
+            if d.name.isdigit():
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                procs[int(d.name)] = (ppid, b"forkserver" in (d / "cmdline").read_bytes())
         except (OSError, ValueError, IndexError):
             pass  # exited meanwhile
-    return kids
+    servers = {p for p, (ppid, server) in procs.items() if ppid == pid and server}
+    return [p for p, (ppid, _) in procs.items() if ppid in servers]
 
 
 #: an ablation whose 4 runs go to 2 workers, stopped before any run starts
@@ -190,16 +192,16 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(
     # A SIGTERM that reached workers still importing (no stop handler yet) killed them once the ablation forwarded
     # it; the pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
     # InvalidStateError traceback), and the runs were "FAILED (worker process died)", not "not started". The
-    # ablation runs in this process (its workers are spawned as from the command line); capfd holds both its
+    # ablation runs in this process (its workers are started as from the command line); capfd holds both its
     # stderr and its workers'.
-    t, over, sent = _sigterm_when(lambda: len(_spawned_workers(os.getpid())) >= 2, 120)
+    t, over, sent = _sigterm_when(lambda: len(_pool_workers(os.getpid())) >= 2, 120)
     try:
         rc = main([*STARTING, *stored_run_dirs])
     finally:
         over.set()
         t.join()
     err = capfd.readouterr().err
-    # both workers existed and were still starting (seconds of imports) when the signal came
+    # both workers existed and were still starting (before their handlers) when the signal came
     assert sent[0] and rc == 143, err[-3000:]
     _stopped_before_any_run(err, tmp_path)
 
@@ -217,9 +219,9 @@ def test_a_stop_to_the_process_group_while_the_workers_start_prints_no_traceback
         start_new_session=True,
     )
     deadline = time.monotonic() + 120
-    while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+    while len(_pool_workers(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    assert len(_spawned_workers(proc.pid)) == 2  # both workers exist and are still starting (seconds of imports)
+    assert len(_pool_workers(proc.pid)) == 2  # both workers exist and are still starting (before their handlers)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]

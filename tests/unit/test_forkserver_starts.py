@@ -47,3 +47,19 @@ def test_a_rank_sees_the_environment_and_signal_mask_of_the_call_not_of_the_fork
 def test_a_failing_rank_raises_its_own_error_in_the_caller():
     with pytest.raises(RuntimeError, match=r"rank 0: ValueError: bad input on rank 0"):
         run_ranks(_fails, 2)
+
+
+def _mark() -> str | None:
+    return os.environ.get(MARK)
+
+
+def test_a_slot_worker_sees_the_environment_of_its_start_not_of_the_forkserver_start(forkserver_started, monkeypatch):
+    from lowprec_lab.plan.placement import Slot
+    from lowprec_lab.runner.scheduler import close_pool, pool_internals, start_slot_pool
+
+    monkeypatch.setenv(MARK, "set after the server started")
+    pool = start_slot_pool(Slot(0))
+    try:
+        assert pool.submit(_mark).result(timeout=60) == "set after the server started"
+    finally:
+        close_pool(pool, *pool_internals(pool))
