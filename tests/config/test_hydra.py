@@ -44,7 +44,9 @@ def test_experiments_compose():
     default = compose("ablate", [])
     full = compose("ablate", ["experiment=full"])
     assert smoke.model.name == "debug" and list(smoke.recipes) == list(full.recipes)
-    assert set(default.recipes) < set(full.recipes) and full.seeds == 3 and default.controls
+    assert set(default.recipes) < set(full.recipes) and full.seeds.others == 3 and default.controls
+    # the wider ablation trains at the default's well-trained setting, with its controls
+    assert full.train == default.train and full.model == default.model and full.controls
     assert default.seeds.others == 3 and default.seeds.bf16_reordered == 7  # seeds per recipe
     assert default.model.name == "tiny" and default.control is None and default.train.steps == 80
     assert default.workers == "auto" and smoke.workers == 1
