@@ -161,9 +161,7 @@ def nvfp4_study(ctx: StudyContext) -> Path:
     ]
     for _, (name, what, finding) in present.items():
         v = vs_nvfp4.get(name)
-        lines.append(
-            f"| {what} | `{name}` | {_cell(v)} | {_cell(vs_control.get(name))} | {finding} | {agreement(v)} |"
-        )
+        lines.append(f"| {what} | `{name}` | {_cell(v)} | {_cell(vs_control.get(name))} | {finding} | {agreement(v)} |")
     for name in ("nvfp4", "mxfp8", "mxfp4"):
         if name in ctx.order and name != ctx.control:
             lines.append(f"| (reference) | `{name}` | | {_cell(vs_control.get(name))} | | |")
