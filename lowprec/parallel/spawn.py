@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowprec.train.stop import STOP_SIGNALS
+#: The signals the forkserver starts with blocked: the stop signals of ``lowprec.train.stop.STOP_SIGNALS``, named
+#: here because this package sits below ``lowprec.train`` (tests/unit/test_forkserver_starts.py keeps them equal).
+SERVER_BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: What the forkserver imports before it forks a process (``forkserver_context``): torch and the library's
 #: training stack, which every rank of the tests and benchmarks imports. Imported there with no op run, so no
@@ -51,15 +53,15 @@ def forkserver_context() -> multiprocessing.context.ForkServerContext:
     and handlers from the server's own start, not this process's at the time of the call. multiprocessing sends
     the working directory, ``sys.path`` and ``sys.argv`` with each process; the caller must send the rest it needs
     (``parent_state`` / ``apply_parent_state``). The server starts with the stop signals blocked
-    (``lowprec.train.stop.STOP_SIGNALS``): a stop sent to the process group does not end it, and a process forked
-    from it holds a stop that arrives before it has set its own mask (pending, not fatal)."""
+    (``SERVER_BLOCKED``: ``lowprec.train.stop.STOP_SIGNALS``): a stop sent to the process group does not end it, and
+    a process forked from it holds a stop that arrives before it has set its own mask (pending, not fatal)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     if hasattr(signal, "pthread_sigmask"):
         # Started first: its start unblocks SIGINT and SIGTERM in this thread (bpo-33613), which would undo the
         # block below; once running, ``forkserver.ensure_running`` finds it so.
         resource_tracker.ensure_running()
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_BLOCKED)
         try:
             forkserver.ensure_running()
         finally:

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from lowprec.parallel.spawn import forkserver_context, run_ranks
+from lowprec.parallel.spawn import SERVER_BLOCKED, forkserver_context, run_ranks
+from lowprec.train.stop import STOP_SIGNALS
 
 MARK = "LOWPREC_TEST_FORKSERVER_MARK"
 
@@ -63,3 +64,8 @@ def test_a_slot_worker_sees_the_environment_of_its_start_not_of_the_forkserver_s
         assert pool.submit(_mark).result(timeout=60) == "set after the server started"
     finally:
         close_pool(pool, *pool_internals(pool))
+
+
+def test_the_forkserver_blocks_exactly_the_stop_signals():
+    # named twice because the spawn helper sits below lowprec.train: a stop signal added there must be blocked here
+    assert set(SERVER_BLOCKED) == set(STOP_SIGNALS)
