@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
 import tempfile
@@ -87,7 +86,7 @@ def apply_parent_state(state: tuple[dict[str, str], set[int] | None]) -> None:
 
 
 def _worker(
-    rank: int, payload: bytes, state: tuple, world_size: int, init_file: str, out_dir: str, backend: str
+    rank: int, fn: Callable, state: tuple, world_size: int, init_file: str, out_dir: str, backend: str, args: tuple
 ) -> None:
     apply_parent_state(state)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -100,15 +99,6 @@ def _worker(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
     )
     result: Any
-    try:
-        # Unpickled only now, under the caller's environment: a module that ``fn`` or its arguments import reads
-        # the same environment variables as it would in a spawned process.
-        fn, args = pickle.loads(payload)
-    except BaseException as e:
-        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        sys.stderr.flush()
-        os._exit(1)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = ("ok", fn(rank, world_size, *args))
@@ -139,17 +129,18 @@ def run_ranks(
 
     The ranks are forked from this process's forkserver (``forkserver_context``), which imported torch once, instead
     of spawned. Each rank starts as a spawned one would: with this process's environment and this thread's signal
-    mask as they are at the call (sent with it; the forkserver's own are those of its start), and ``fn`` and
-    ``args`` unpickled only after that environment is in place. Then each sets ``RANK``, ``WORLD_SIZE``,
+    mask as they are at the call (sent with it; the forkserver's own are those of its start), applied first thing.
+    ``fn`` and ``args`` arrive through multiprocessing's own pickling from this process (no bytes from anywhere
+    else), so a module they import is imported before that environment is applied; the preloaded ones already
+    are. Then each sets ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, one intra-op thread and no shared inductor cache.
     """
-    payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="lowprec-ranks-") as tmp:
         init_file = str(Path(tmp) / "init")
         forkserver_context()  # the forkserver that start_processes uses: running, with its preload
         ctx = mp.start_processes(
             _worker,
-            args=(payload, parent_state(), world_size, init_file, tmp, backend),
+            args=(fn, parent_state(), world_size, init_file, tmp, backend, args),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
