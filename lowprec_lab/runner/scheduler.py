@@ -188,7 +188,7 @@ def _init_worker(
 
     torch.set_num_threads(threads)
     started_from = _started_from(parent)
-    _state.update(parent=parent, started_from=started_from, busy=False)
+    _state.update(started_from=started_from, busy=False)
     threading.Thread(target=_watch_parent, args=(started_from,), daemon=True, name="lowprec-watch-parent").start()
     _state["session"] = RunSession.start(plan)
 
