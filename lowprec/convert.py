@@ -40,22 +40,23 @@ def require_fp8_selection(model: nn.Module, spec: Float8Spec) -> list[str]:
     """
     check_expert_patterns(model, spec)
     fqns = fp8_candidate_fqns(model, spec)
+    sel, saved = spec.layers, spec.saved
     if spec.enabled and not fqns:
         raise RecipeError(
             f"recipe.fp8.backend={spec.backend!r} asks for FP8 but its filters select no linear of this model "
-            f"(keep_hp_fqns={list(spec.keep_hp_fqns)}, hp_first_blocks={spec.hp_first_blocks}, "
-            f"hp_last_blocks={spec.hp_last_blocks}, min_features={spec.min_features}); loosen them or use backend=none"
+            f"(recipe.fp8.layers: keep_hp_fqns={list(sel.keep_hp_fqns)}, hp_first_blocks={sel.hp_first_blocks}, "
+            f"hp_last_blocks={sel.hp_last_blocks}, min_features={sel.min_features}); loosen them or use backend=none"
         )
-    empty = [p for p in spec.e5m6_inputs if not any(f == p or f.endswith("." + p) for f in fqns)]
+    empty = [p for p in saved.e5m6_inputs if not any(f == p or f.endswith("." + p) for f in fqns)]
     if empty:
         raise RecipeError(
-            f"recipe.fp8.e5m6_inputs={list(spec.e5m6_inputs)}: {empty} match no FP8 linear of this model, so there "
-            "is no such activation to keep in E5M6"
+            f"recipe.fp8.saved.e5m6_inputs={list(saved.e5m6_inputs)}: {empty} match no FP8 linear of this model, "
+            "so there is no such activation to keep in E5M6"
         )
-    if spec.enabled and spec.swiglu_cache != "none" and not any(isinstance(m, SwiGLU) for m in model.modules()):
+    if spec.enabled and saved.swiglu_cache != "none" and not any(isinstance(m, SwiGLU) for m in model.modules()):
         raise RecipeError(
-            f"recipe.fp8.swiglu_cache={spec.swiglu_cache!r} asks for cached SwiGLU inputs but this model has no SwiGLU "
-            "(lowprec.model.llama.SwiGLU); use swiglu_cache=none"
+            f"recipe.fp8.saved.swiglu_cache={saved.swiglu_cache!r} asks for cached SwiGLU inputs but this model has no "
+            "SwiGLU (lowprec.model.llama.SwiGLU); use swiglu_cache=none"
         )
     return fqns
 
@@ -67,13 +68,13 @@ def check_expert_patterns(model: nn.Module, spec: Float8Spec) -> None:
     if not spec.enabled:
         return
     linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for p in spec.keep_hp_fqns:
+    for p in spec.layers.keep_hp_fqns:
         if not any("expert" in part for part in p.split(".")):
             continue
         if not any(fqn == p or fqn.endswith("." + p) for fqn in linears):
             example = next((f for f in linears if ".experts." in f), "none: this model has no experts")
             raise RecipeError(
-                f"recipe.fp8.keep_hp_fqns pattern {p!r} names experts but matches no linear of this model "
+                f"recipe.fp8.layers.keep_hp_fqns pattern {p!r} names experts but matches no linear of this model "
                 f"(an expert linear: {example}); fix the pattern"
             )
 

@@ -73,6 +73,7 @@ def _in_our_words(e: BaseException) -> str | None:
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+    from lowprec.recipe import moved_fp8_key
     from lowprec_lab.plan.argcheck import did_you_mean, unknown_option
 
     if isinstance(e, UserError):
@@ -80,6 +81,8 @@ def _in_our_words(e: BaseException) -> str | None:
         m = re.match(r"([\w.]+): Key '(\w+)' (?:is )?not in '?\w+'?", str(e))
         if not m:
             return None
+        if moved_fp8_key(m[1]):
+            return f"unknown key {m[1]}: the FP8 fields are grouped by role now; use {moved_fp8_key(m[1])}"
         owner = "the model size" if m[1].startswith("model.") else f"{m[1].rpartition('.')[0]}"
         return f"unknown key {m[1]}: {owner} has no field {m[2]!r}"
     chain = []
@@ -89,6 +92,9 @@ def _in_our_words(e: BaseException) -> str | None:
     for x in chain:
         unknown_key = isinstance(x, ConfigKeyError | ConfigAttributeError) and " not in " in str(x)
         if unknown_key and getattr(x, "full_key", None):
+            moved = moved_fp8_key(x.full_key)
+            if moved:
+                return f"unknown key {x.full_key}: the FP8 fields are grouped by role now; use {moved}"
             parent, _, _ = x.full_key.rpartition(".")
             node = getattr(x, "parent_node", None)
             names = [f"{parent}.{k}" if parent else str(k) for k in (node.keys() if node is not None else ())]

@@ -26,7 +26,7 @@ def check_fp8(spec: Float8Spec) -> None:
     backend.validate(spec)  # ``none`` refuses FP8 fields that would be inert
     # after the backend's own check, so e.g. nvfp4 on torchao names the missing training path first
     unimplemented = tuple(f for f in BLOCK_FIELDS if f not in backend.block_fields)
-    refuse_inert(spec, "fp8", unimplemented, f"backend={spec.backend!r} (a block-scaling field)")
+    refuse_inert(spec, "fp8", unimplemented, f"fp8.backend={spec.backend!r} (a block-scaling field)")
 
 
 def check_optim(spec: OptimSpec) -> None:

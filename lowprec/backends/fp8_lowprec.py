@@ -4,18 +4,17 @@ and strategy, on CPU and CUDA; FP8 weight all-gather through ``fsdp_pre_all_gath
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from torch import nn
 
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
-from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8 import Float8Linear, linear_config
 from lowprec.float8.swiglu import Float8CachedSwiGLU
 from lowprec.model.llama import SwiGLU
 from lowprec.parallel.fp8_all_gather import enable_fp8_weight_all_gather, lowprec_wire_granularity
-from lowprec.recipe import field_backends, unimplemented_fields
+from lowprec.recipe import field_backends, field_value, unimplemented_fields
 
 
 def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -33,9 +32,9 @@ class LowprecFloat8(Float8Backend):
     def validate(self, spec) -> None:
         super().validate(spec)
         refuse_unimplemented(spec, self.name)
-        if spec.scaling == "blockwise" and spec.promotion_interval not in (None, 128):
+        if spec.scaling == "blockwise" and spec.gemm.promotion_interval not in (None, 128):
             raise RecipeError(
-                f"recipe.fp8.promotion_interval={spec.promotion_interval} conflicts with "
+                f"recipe.fp8.gemm.promotion_interval={spec.gemm.promotion_interval} conflicts with "
                 "recipe.fp8.scaling='blockwise': "
                 "its scales change every 128 elements of K, so partial sums are promoted every 128"
             )
@@ -44,14 +43,12 @@ class LowprecFloat8(Float8Backend):
         return True
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
-        cfg = LinearFP8Config.from_spec(spec)
-        e5m6_cfg = dataclasses.replace(cfg, saved_input="e5m6")
         # lowprec.convert.require_fp8_selection refused patterns that match nothing and a model without SwiGLU
         for fqn in fqns:
-            new = Float8Linear.from_linear(model.get_submodule(fqn), e5m6_cfg if spec.saves_e5m6_input(fqn) else cfg)
+            new = Float8Linear.from_linear(model.get_submodule(fqn), linear_config(spec, fqn))
             new.fp8_kernel = fp8_kernel
             swap_module(model, fqn, new)
-        if spec.swiglu_cache == "fp8":
+        if spec.saved.swiglu_cache == "fp8":
             for fqn in [f for f, m in model.named_modules() if isinstance(m, SwiGLU)]:
                 swap_module(model, fqn, Float8CachedSwiGLU())
 
@@ -67,7 +64,7 @@ class LowprecFloat8(Float8Backend):
         return module.fp8_kernel
 
     def needs_blockwise_gemm(self, spec) -> bool:
-        return spec.enabled and LinearFP8Config.from_spec(spec).runs_blockwise_gemm
+        return spec.enabled and linear_config(spec).runs_blockwise_gemm
 
     def blockwise_gemm_of(self, module) -> str | None:
         return module.blockwise_gemm if module.fp8_config.runs_blockwise_gemm else None
@@ -120,18 +117,18 @@ class LowprecFloat8(Float8Backend):
 
     def scaling_state_bytes(self, spec, n_fp8_linears) -> int:
         # Per delayed role: amax_history (len) + scale (1), fp32; three roles per linear.
-        return n_fp8_linears * 3 * (spec.amax_history_len + 1) * 4 if spec.strategy == "delayed" else 0
+        return n_fp8_linears * 3 * (spec.cast.amax_history_len + 1) * 4 if spec.cast.strategy == "delayed" else 0
 
     def saved_input(self, spec, rows, in_features, device_type) -> tuple[str, int]:
-        if not spec.cache_fp8_activations:
+        if not spec.saved.cache_fp8_activations:
             return ("cast", 0)
         return ("own", rows * in_features + _fp8_cache_scale_bytes(spec, rows, in_features))
 
 
 def _fp8_cache_scale_bytes(spec, rows: int, in_features: int) -> int:
-    if spec.strategy == "delayed":
+    if spec.cast.strategy == "delayed":
         return 0  # the scale saved is the module's ``scalers.input.scale`` buffer
-    if spec.strategy == "static" or spec.scaling == "tensorwise":
+    if spec.cast.strategy == "static" or spec.scaling == "tensorwise":
         return 4
     if spec.scaling == "rowwise":
         return 4 * rows
@@ -147,7 +144,7 @@ def refuse_unimplemented(spec, backend: str) -> None:
     each field's ``spec_field(backends=...)``): the run would silently train without it. Block-scaling fields are
     ``lowprec.backends.check_fp8``'s."""
     for name, default in unimplemented_fields(type(spec), backend).items():
-        if getattr(spec, name) == default:
+        if field_value(spec, name) == default:
             continue
         implementers = field_backends(type(spec), name)
         if backend == "mx" and implementers == ("lowprec",):

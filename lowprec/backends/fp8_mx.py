@@ -9,7 +9,7 @@ import math
 from lowprec.backends.fp8_lowprec import refuse_unimplemented, swap_module
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
 from lowprec.errors import RecipeError
-from lowprec.float8.mx_linear import MX_SCALINGS, MXConfig, MXLinear
+from lowprec.float8.mx_linear import MX_SCALINGS, MXLinear, mx_config
 from lowprec.kernels.block_scaled_mm import HAS_BLOCK_SCALED_OP
 from lowprec.recipe import Float8Spec, block_fields_of
 
@@ -23,25 +23,25 @@ class LowprecMX(Float8Backend):
 
     def validate(self, spec) -> None:
         super().validate(spec)
-        if spec.strategy != "current":
+        if spec.cast.strategy != "current":
             raise RecipeError(
-                f"recipe.fp8.strategy={spec.strategy!r} conflicts with recipe.fp8.backend='mx': block scales are "
-                "computed from each block's own amax (current scaling)"
+                f"recipe.fp8.cast.strategy={spec.cast.strategy!r} conflicts with recipe.fp8.backend='mx': "
+                "block scales are computed from each block's own amax (current scaling)"
             )
         refuse_unimplemented(spec, self.name)
-        if spec.scaling != "mxfp8" and spec.fp8_format != "hybrid":
+        if spec.scaling != "mxfp8" and spec.cast.fp8_format != "hybrid":
             raise RecipeError(
-                f"recipe.fp8.fp8_format={spec.fp8_format!r} has no effect with recipe.fp8.scaling={spec.scaling!r} "
-                "(E2M1 elements); remove the override"
+                f"recipe.fp8.cast.fp8_format={spec.cast.fp8_format!r} has no effect with "
+                f"recipe.fp8.scaling={spec.scaling!r} (E2M1 elements); remove the override"
             )
-        if spec.scaling == "nvfp4" and spec.mx_scale_mode != "rceil":
+        if spec.scaling == "nvfp4" and spec.block.mx_scale_mode != "rceil":
             raise RecipeError(
-                f"recipe.fp8.mx_scale_mode={spec.mx_scale_mode!r} has no effect with recipe.fp8.scaling='nvfp4' "
-                "(E4M3 block scales); remove the override"
+                f"recipe.fp8.block.mx_scale_mode={spec.block.mx_scale_mode!r} has no effect with "
+                "recipe.fp8.scaling='nvfp4' (E4M3 block scales); remove the override"
             )
-        if spec.weight_scaling_2d and spec.scaling != "nvfp4":
+        if spec.block.weight_scaling_2d and spec.scaling != "nvfp4":
             raise RecipeError(
-                f"recipe.fp8.weight_scaling_2d=true needs recipe.fp8.scaling='nvfp4' (16x16 tiles); "
+                f"recipe.fp8.block.weight_scaling_2d=true needs recipe.fp8.scaling='nvfp4' (16x16 tiles); "
                 f"got {spec.scaling!r}"
             )
 
@@ -72,7 +72,8 @@ class LowprecMX(Float8Backend):
             raise RecipeError(
                 f"recipe.fp8.scaling={spec.scaling!r} needs in_features and out_features of every selected linear "
                 f"to be multiples of its {block}-element blocks (lowprec refuses rather than pads); {fqn} is "
-                f"{in_features}->{out_features}: raise recipe.fp8.min_features or add it to recipe.fp8.keep_hp_fqns"
+                f"{in_features}->{out_features}: raise recipe.fp8.layers.min_features or add it to "
+                "recipe.fp8.layers.keep_hp_fqns"
             )
 
     def check_shapes(self, spec, shapes, tokens) -> None:
@@ -84,7 +85,7 @@ class LowprecMX(Float8Backend):
         return "the block-scaled linear (backend=mx) quantizes with data-dependent indexing; use train.compile=false"
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
-        cfg = MXConfig.from_spec(spec)
+        cfg = mx_config(spec)
         modules = dict(model.named_modules())
         for fqn in fqns:
             self.check_features(spec, fqn, modules[fqn].in_features, modules[fqn].out_features)
@@ -100,7 +101,8 @@ class LowprecMX(Float8Backend):
         modules = [m for m in model.modules() if isinstance(m, MXLinear)]
         if not modules:
             return []
-        switch = math.ceil(spec.precision_switch_at * total_steps) if spec.precision_switch_at is not None else -1
+        at = spec.block.precision_switch_at
+        switch = math.ceil(at * total_steps) if at is not None else -1
         for m in modules:
             m.hp_after_step.fill_(switch)
             m.sync_precision_switch()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from lowprec.backends.registry import Float8Backend, register_fp8_backend
-from lowprec.recipe import refuse_inert
+from lowprec.recipe import field_paths, refuse_inert
 
 
 class NoFloat8(Float8Backend):
@@ -16,8 +14,8 @@ class NoFloat8(Float8Backend):
     enabled = False
 
     def validate(self, spec) -> None:
-        names = tuple(f.name for f in dataclasses.fields(spec) if f.name != "backend")
-        refuse_inert(spec, "fp8", names, "backend='none'")
+        names = tuple(p for p in field_paths(type(spec)) if p != "backend")
+        refuse_inert(spec, "fp8", names, "fp8.backend='none'")
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
         pass

@@ -20,11 +20,11 @@ class TransformerEngineFloat8(Float8Backend):
     def validate(self, spec) -> None:
         super().validate(spec)
         if spec.scaling != "nvfp4":
-            refuse_inert(spec, "fp8", self.block_fields, f"scaling={spec.scaling!r} with backend='te'")
-        elif spec.rht_size not in (0, 16):
+            refuse_inert(spec, "fp8", self.block_fields, f"fp8.scaling={spec.scaling!r} with backend='te'")
+        elif spec.block.rht_size not in (0, 16):
             raise RecipeError(
-                f"recipe.fp8.rht_size={spec.rht_size} conflicts with recipe.fp8.backend='te': Transformer Engine's "
-                "NVFP4 random Hadamard transform is 16x16 (rht_size=16) or off (0)"
+                f"recipe.fp8.block.rht_size={spec.block.rht_size} conflicts with recipe.fp8.backend='te': "
+                "Transformer Engine's NVFP4 random Hadamard transform is 16x16 (block.rht_size=16) or off (0)"
             )
         # the accumulator emulation, the FP8 activation cache and the scale options are lowprec's: TE would train
         # without them and the run would claim them
@@ -62,7 +62,7 @@ class TransformerEngineFloat8(Float8Backend):
     def scaling_state_bytes(self, spec, n_fp8_linears) -> int:
         # Approximate, not measured here: fp8_meta holds per linear 3 forward and 2 backward tensors, each
         # amax_history_len history entries plus scale and scale_inv.
-        return n_fp8_linears * 5 * (spec.amax_history_len + 2) * 4 if spec.strategy == "delayed" else 0
+        return n_fp8_linears * 5 * (spec.cast.amax_history_len + 2) * 4 if spec.cast.strategy == "delayed" else 0
 
     def saved_input(self, spec, rows, in_features, device_type) -> tuple[str, int]:
         return ("own", rows * in_features + 4)  # approximate, unverified: the FP8 input and its scale_inv

@@ -25,17 +25,17 @@ class TorchaoFloat8(Float8Backend):
         if spec.scaling in ("nvfp4", "mxfp4", "mxfp8"):
             raise RecipeError(_no_block_scaled_training(spec.scaling))
         super().validate(spec)
-        if spec.strategy != "current":
+        if spec.cast.strategy != "current":
             raise RecipeError(
-                f"recipe.fp8.strategy={spec.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
+                f"recipe.fp8.cast.strategy={spec.cast.strategy!r} conflicts with recipe.fp8.backend='torchao': torchao "
                 "removed delayed scaling in 2025 and has no static scaling; use backend=lowprec"
             )
         implied = _IMPLIED_FORMAT[spec.scaling]
-        if spec.fp8_format != implied:
+        if spec.cast.fp8_format != implied:
             raise RecipeError(
-                f"recipe.fp8.fp8_format={spec.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
+                f"recipe.fp8.cast.fp8_format={spec.cast.fp8_format!r} conflicts with recipe.fp8.backend='torchao' and "
                 f"recipe.fp8.scaling={spec.scaling!r}, whose torchao recipe uses {implied!r}; "
-                f"set recipe.fp8.fp8_format={implied}"
+                f"set recipe.fp8.cast.fp8_format={implied}"
             )
         refuse_unimplemented(spec, self.name)
 
@@ -49,7 +49,7 @@ class TorchaoFloat8(Float8Backend):
         if bad:
             raise RecipeError(
                 f"recipe.fp8 selects linears whose dims are not multiples of 16 (torchao needs it): {bad}; "
-                "raise recipe.fp8.min_features or add them to recipe.fp8.keep_hp_fqns"
+                "raise recipe.fp8.layers.min_features or add them to recipe.fp8.layers.keep_hp_fqns"
             )
 
     def convert(self, model, spec, fqns, fp8_weight_all_gather, fp8_kernel) -> None:
@@ -58,7 +58,7 @@ class TorchaoFloat8(Float8Backend):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: ~1 s of import
 
         config = dataclasses.replace(
-            Float8LinearConfig.from_recipe_name(spec.scaling), pad_inner_dim=spec.pad_inner_dim
+            Float8LinearConfig.from_recipe_name(spec.scaling), pad_inner_dim=spec.gemm.pad_inner_dim
         )
         if fp8_weight_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)

@@ -204,7 +204,7 @@ def _block(led: _Ledger, i: int, x: _T, inv: Inventory, p: _Precision, spec: Flo
         return _T(f"{pre}.out", h.dtype, rows * a.dim)
     a1 = _linear(led, scope, lin["feed_forward.w1"], xn2, p, spec, rows)
     a3 = _linear(led, scope, lin["feed_forward.w3"], xn2, p, spec, rows)
-    if spec.enabled and spec.swiglu_cache == "fp8":
+    if spec.enabled and spec.saved.swiglu_cache == "fp8":
         # lowprec.float8.swiglu: both inputs in e4m3 with a float32 scale per 1x128 tile; silu(a) is recomputed
         tiles = rows * -(-(a1.numel // rows) // 128)
         led.save(f"{pre}.swiglu_a_fp8", a1.numel + 4 * tiles, scope)

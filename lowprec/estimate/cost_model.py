@@ -441,5 +441,5 @@ def _cast_bytes(e: float, recipe: Recipe, compiled: bool, h: int) -> float:
         return 2 * (e * h + e * eb + e / blk) + (0 if compiled else 2 * e * eb)
     if spec.scaling in ("rowwise", "blockwise"):
         return 2 * (e * h + e) + (0 if compiled else 2 * e)
-    amax = 0 if spec.strategy in ("delayed", "static") else e * h
+    amax = 0 if spec.cast.strategy in ("delayed", "static") else e * h
     return amax + e * h + 2 * e + (0 if compiled else 2 * e)

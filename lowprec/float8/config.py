@@ -1,11 +1,21 @@
-"""Per-role FP8 configuration of lowprec's own FP8 linear, expanded from a recipe's ``Float8Spec``."""
+"""Per-role FP8 configuration of lowprec's own FP8 linear, built from a recipe's ``Float8Spec`` by ``linear_config``.
+
+The recipe's ``cast`` and ``gemm`` groups (``lowprec.recipe.CastSpec`` / ``GemmSpec``) travel into the linear as they
+are and are read where they are used (``Float8Linear.quantize`` / ``gemm``): a new field of either reaches the linear
+without a copy here. What this module derives is only what the recipe states as presets: each operand role's format
+and granularity.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lowprec.numerics.formats import AMAX_EPS, Format, get_format
+from lowprec.numerics.formats import Format, get_format
+from lowprec.recipe import CastSpec, GemmSpec
+
+if TYPE_CHECKING:
+    from lowprec.recipe import Float8Spec
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -23,9 +33,9 @@ FORMAT_PRESETS: dict[str, tuple[str, str, str]] = {
     "e4m3": ("e4m3", "e4m3", "e4m3"),
 }
 
-
-#: LinearFP8Config field -> the Float8Spec field it is copied from, where the names differ.
-_SPEC_NAMES = {"power_of_2": "power_of_2_scales"}
+#: How a linear saves its input for backward: as it is, cast to FP8 with its scales (the forward GEMM's operand,
+#: ``recipe.fp8.saved.cache_fp8_activations``), or in E5M6 (``recipe.fp8.saved.e5m6_inputs``).
+SAVED_INPUTS = ("input", "fp8", "e5m6")
 
 
 @dataclass(frozen=True)
@@ -40,48 +50,20 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class LinearFP8Config:
-    """Everything one FP8 linear needs. Built by ``from_spec`` from a recipe's ``Float8Spec``: the three roles from
-    the presets, every other field copied from the spec field of the same name (``_SPEC_NAMES`` for the one that is
-    named otherwise), so a new spec field reaches the linear by a field here alone."""
+    """Everything one FP8 linear needs: its three operand roles (``linear_config`` builds them from the recipe's
+    presets), the recipe's ``cast`` and ``gemm`` groups as they are (the scale options and delayed-scaling
+    settings, the GEMM kernel and accumulator), and ``saved_input`` (one of ``SAVED_INPUTS``)."""
 
     input: RoleConfig
     weight: RoleConfig
     grad_output: RoleConfig
-    power_of_2: bool = False
-    amax_history_len: int = 16
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    gemm_backend: str = "scaled_mm"
-    promotion_interval: int | None = None
-    accum_mantissa_bits: int | None = None
-    #: the emulated accumulator's rounding and alignment group (``lowprec.float8.accumulator.AccumulatorModel``)
-    accum_rounding: str = "nearest"
-    accum_group: int | None = None
-    cache_fp8_activations: bool = False
-    amax_floor: float = AMAX_EPS
-    promotion: bool = True
-    #: ``fp8`` (or the input itself, as ``cache_fp8_activations`` says) | ``e5m6``: how the input is saved for
-    #: backward (per linear: ``Float8Spec.e5m6_inputs`` names the linears).
-    saved_input: str = "fp8"
+    cast: CastSpec = field(default_factory=CastSpec)
+    gemm: GemmSpec = field(default_factory=GemmSpec)
+    saved_input: str = "input"
 
-    @classmethod
-    def from_spec(cls, spec) -> LinearFP8Config:
-        """From a recipe's ``Float8Spec`` (any object with its fields): roles from ``scaling`` /
-        ``grad_output_granularity``, ``fp8_format``, ``strategy`` and ``static_scales``; the other fields of this
-        config that the spec has, by name. Raises ``KeyError`` for a scaling or format without a preset."""
-        grans = list(SCALING_PRESETS[spec.scaling])
-        if spec.grad_output_granularity is not None:
-            grans[2] = spec.grad_output_granularity
-        fmts = FORMAT_PRESETS[spec.fp8_format]
-        roles = [
-            RoleConfig(get_format(f), g, spec.strategy, float(s)) for f, g, s in zip(fmts, grans, spec.static_scales)
-        ]
-        copied = {}
-        for f in dataclasses.fields(cls):
-            name = _SPEC_NAMES.get(f.name, f.name)
-            if f.name not in ROLES and hasattr(spec, name):
-                copied[f.name] = getattr(spec, name)
-        return cls(*roles, **copied)
+    def __post_init__(self) -> None:
+        if self.saved_input not in SAVED_INPUTS:
+            raise ValueError(f"saved_input={self.saved_input!r} is not one of {list(SAVED_INPUTS)}")
 
     @property
     def runs_blockwise_gemm(self) -> bool:
@@ -89,7 +71,27 @@ class LinearFP8Config:
         tiles or 128x128 blocks, the ``scaled_mm`` backend, and no emulated limited-precision accumulator (which
         computes the GEMM itself, on every device)."""
         blockwise = any(self.role(r).granularity in ("tile1x128", "block128x128") for r in ROLES)
-        return blockwise and self.gemm_backend == "scaled_mm" and self.accum_mantissa_bits is None
+        return blockwise and self.gemm.gemm_backend == "scaled_mm" and self.gemm.accum_mantissa_bits is None
 
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)
+
+
+def linear_config(spec: Float8Spec, fqn: str | None = None) -> LinearFP8Config:
+    """The config of the FP8 linear at ``fqn`` under the recipe's ``spec`` (any ``fqn`` when None): the roles'
+    granularities from ``SCALING_PRESETS[spec.scaling]`` (``cast.grad_output_granularity`` overriding the gradients'),
+    formats from ``FORMAT_PRESETS[cast.fp8_format]``, strategy and static scale from ``cast``; ``spec.cast`` and
+    ``spec.gemm`` themselves; ``saved_input`` from ``spec.saved`` (``e5m6`` where ``saved.e5m6_inputs`` matches
+    ``fqn``, else ``fp8`` with ``saved.cache_fp8_activations``). Raises ``KeyError`` for a scaling or format
+    without a preset."""
+    cast = spec.cast
+    grans = list(SCALING_PRESETS[spec.scaling])
+    if cast.grad_output_granularity is not None:
+        grans[2] = cast.grad_output_granularity
+    fmts = FORMAT_PRESETS[cast.fp8_format]
+    roles = [RoleConfig(get_format(f), g, cast.strategy, float(s)) for f, g, s in zip(fmts, grans, cast.static_scales)]
+    if fqn is not None and spec.saves_e5m6_input(fqn):
+        saved = "e5m6"
+    else:
+        saved = "fp8" if spec.saved.cache_fp8_activations else "input"
+    return LinearFP8Config(*roles, cast=cast, gemm=spec.gemm, saved_input=saved)

@@ -53,10 +53,10 @@ class Float8Linear(nn.Linear):
             {
                 role: DelayedScaler(
                     config.role(role).fmt,
-                    config.amax_history_len,
-                    config.amax_compute_algo,
-                    config.margin,
-                    config.power_of_2,
+                    config.cast.amax_history_len,
+                    config.cast.amax_compute_algo,
+                    config.cast.margin,
+                    config.cast.power_of_2_scales,
                 )
                 for role in ROLES
                 if config.role(role).strategy == "delayed"
@@ -112,7 +112,8 @@ class Float8Linear(nn.Linear):
             # inside a compiled block the casts are traced with the block; a nested compiled call is not wanted there
             fused = self.fused_casts and not torch.compiler.is_compiling()
             cast = fused_quantize_operand if fused else quantize_operand
-            q = cast(t, rc.fmt, rc.granularity, power_of_2=cfg.power_of_2, amax_floor=cfg.amax_floor)
+            c = cfg.cast
+            q = cast(t, rc.fmt, rc.granularity, power_of_2=c.power_of_2_scales, amax_floor=c.amax_floor)
         elif rc.strategy == "delayed":
             scaler = self.scalers[role]
             # A checkpointed block's recompute casts with the same scale and must not record its amax again
@@ -132,18 +133,18 @@ class Float8Linear(nn.Linear):
         return q
 
     def gemm(self, a: QTensor, bt: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
-        cfg = self.fp8_config
+        g = self.fp8_config.gemm  # the recipe's ``recipe.fp8.gemm`` group, read here where it is used
         return fp8_gemm(
             a,
             bt,
             out_dtype,
-            cfg.gemm_backend,
-            cfg.promotion_interval,
-            cfg.accum_mantissa_bits,
+            g.gemm_backend,
+            g.promotion_interval,
+            g.accum_mantissa_bits,
             self.fp8_kernel,
-            cfg.promotion,
-            accum_rounding=cfg.accum_rounding,
-            accum_group=cfg.accum_group,
+            g.promotion,
+            accum_rounding=g.accum_rounding,
+            accum_group=g.accum_group,
             blockwise_gemm=self.blockwise_gemm,
         )
 
@@ -189,8 +190,8 @@ class Float8Linear(nn.Linear):
         roles = ", ".join(f"{r}={c.role(r).fmt.name}/{c.role(r).granularity}/{c.role(r).strategy}" for r in ROLES)
         fallback = f", fallback={self.fallback_kernel}" if self.fallback_kernel is not None else ""
         return (
-            f"{super().extra_repr()}, {roles}, gemm={c.gemm_backend}, kernel={self.fp8_kernel}, "
-            f"fp8_cache={c.cache_fp8_activations}, saved_input={c.saved_input}, "
+            f"{super().extra_repr()}, {roles}, gemm={c.gemm.gemm_backend}, kernel={self.fp8_kernel}, "
+            f"saved_input={c.saved_input}, "
             f"fused_casts={self.fused_casts}{fallback}"
         )
 
@@ -199,7 +200,7 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, mod: Float8Linear) -> torch.Tensor:
         e5m6 = mod.fp8_config.saved_input == "e5m6"
-        cache = mod.fp8_config.cache_fp8_activations and not e5m6
+        cache = mod.fp8_config.saved_input == "fp8"
         # One matmul for activation checkpointing's selective policy; the forward GEMM's output may be
         # served from its cache during a recompute (lowprec.kernels.recompute).
         with recompute.matmul_unit() as unit, torch.autocast(x.device.type, enabled=False):

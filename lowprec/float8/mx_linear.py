@@ -35,7 +35,8 @@ on CPU there is no block-scaled kernel, so both settings run the exact emulation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,10 @@ from lowprec.numerics.microscaling import (
     quantize_nvfp4,
     random_hadamard,
 )
+from lowprec.recipe import BlockSpec
+
+if TYPE_CHECKING:
+    from lowprec.recipe import Float8Spec
 
 MX_SCALINGS = ("mxfp8", "mxfp4", "nvfp4")
 
@@ -59,30 +64,29 @@ MX_SCALINGS = ("mxfp8", "mxfp4", "nvfp4")
 @dataclass(frozen=True)
 class MXConfig:
     """One block-scaled linear's numerics. ``scaling``: ``mxfp8``/``mxfp4``/``nvfp4``; ``elements``: element
-    format of (input, weight, grad_output); ``scale_mode``: MX E8M0 scale rounding (``floor``/``rceil``; unused
-    by NVFP4); ``rht_size`` (0 = off), ``weight_scaling_2d``, ``grad_rounding``: the stabilisers (module doc)."""
+    format of (input, weight, grad_output); ``block``: the recipe's ``recipe.fp8.block`` group as it is
+    (``lowprec.recipe.BlockSpec``: ``mx_scale_mode``, the stabilisers ``rht_size``, ``weight_scaling_2d``,
+    ``grad_rounding``; module doc), read where each is used. ``mx_config`` builds it from a recipe."""
 
     scaling: str
     elements: tuple[str, str, str]
-    scale_mode: str = "rceil"
-    rht_size: int = 0
-    weight_scaling_2d: bool = False
-    grad_rounding: str = "nearest"
+    block: BlockSpec = field(default_factory=BlockSpec)
 
     @property
-    def block(self) -> int:
+    def block_size(self) -> int:
+        """Elements per scale block: 16 for NVFP4, 32 for MX."""
         return NVFP4_BLOCK if self.scaling == "nvfp4" else MX_BLOCK
 
-    @classmethod
-    def from_spec(cls, spec) -> MXConfig:
-        """From a recipe's ``Float8Spec`` (already validated by the ``mx`` backend)."""
-        if spec.scaling == "mxfp8":
-            elements = ("e4m3", "e4m3", "e5m2" if spec.fp8_format == "hybrid" else "e4m3")
-        else:
-            elements = ("e2m1",) * 3
-        return cls(
-            spec.scaling, elements, spec.mx_scale_mode, spec.rht_size, spec.weight_scaling_2d, spec.grad_rounding
-        )
+
+def mx_config(spec: Float8Spec) -> MXConfig:
+    """The block-scaled linears' config under a recipe's ``spec`` (already validated by the ``mx`` backend):
+    elements from ``scaling`` (MXFP8: e4m3, gradients e5m2 under ``cast.fp8_format=hybrid``; else E2M1) and
+    ``spec.block`` itself."""
+    if spec.scaling == "mxfp8":
+        elements = ("e4m3", "e4m3", "e5m2" if spec.cast.fp8_format == "hybrid" else "e4m3")
+    else:
+        elements = ("e2m1",) * 3
+    return MXConfig(spec.scaling, elements, spec.block)
 
 
 class MXLinear(nn.Linear):
@@ -97,7 +101,7 @@ class MXLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, config: MXConfig, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.mx_config = config
-        self.register_buffer("rht_signs", torch.ones(config.rht_size, device=device))
+        self.register_buffer("rht_signs", torch.ones(config.block.rht_size, device=device))
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("hp_after_step", torch.full((), -1, dtype=torch.int64, device=device))
         self.fp8_kernel = "native"
@@ -121,7 +125,7 @@ class MXLinear(nn.Linear):
 
     def init_buffers(self, generator: torch.Generator | None = None) -> None:
         """Draw the RHT sign vector from ``generator`` (the build's seeded one) and reset the step counter."""
-        n = self.mx_config.rht_size
+        n = self.mx_config.block.rht_size
         if n:
             u = torch.rand(n, generator=generator, device=self.rht_signs.device)
             self.rht_signs.copy_(torch.where(u < 0.5, -1.0, 1.0))
@@ -147,13 +151,13 @@ class MXLinear(nn.Linear):
         cfg = self.mx_config
         # inside a compiled block the casts are traced with the block; SR stays eager (module doc)
         fused = self.fused_casts and rounding == "nearest" and not torch.compiler.is_compiling()
-        two_d = role == "weight" and cfg.weight_scaling_2d
+        two_d = role == "weight" and cfg.block.weight_scaling_2d
         if cfg.scaling == "nvfp4":
             return fused_quantize_nvfp4(t, two_d=two_d) if fused else quantize_nvfp4(t, rounding, two_d=two_d)
         elem = cfg.elements[("input", "weight", "grad_output").index(role)]
         if fused:
-            return fused_quantize_mx(t, elem, MX_BLOCK, cfg.scale_mode)
-        return quantize_mx(t, elem, MX_BLOCK, cfg.scale_mode, rounding)
+            return fused_quantize_mx(t, elem, MX_BLOCK, cfg.block.mx_scale_mode)
+        return quantize_mx(t, elem, MX_BLOCK, cfg.block.mx_scale_mode, rounding)
 
     def rht(self) -> torch.Tensor:
         return random_hadamard(self.rht_signs)
@@ -177,10 +181,10 @@ class MXLinear(nn.Linear):
         return out
 
     def extra_repr(self) -> str:
-        c = self.mx_config
+        c, b = self.mx_config, self.mx_config.block
         return (
-            f"{super().extra_repr()}, {c.scaling}, elements={'/'.join(c.elements)}, scale_mode={c.scale_mode}, "
-            f"rht={c.rht_size}, weight_2d={c.weight_scaling_2d}, grad_rounding={c.grad_rounding}, "
+            f"{super().extra_repr()}, {c.scaling}, elements={'/'.join(c.elements)}, scale_mode={b.mx_scale_mode}, "
+            f"rht={b.rht_size}, weight_2d={b.weight_scaling_2d}, grad_rounding={b.grad_rounding}, "
             f"kernel={self.fp8_kernel}, fused_casts={self.fused_casts}"
         )
 
@@ -192,7 +196,7 @@ def _sync_after_load(module: MXLinear, incompatible_keys) -> None:
 
 def _pad_tokens(t: torch.Tensor, cfg: MXConfig) -> torch.Tensor:
     """``t`` (features, tokens) with zero token columns appended up to a multiple of the block and ``rht_size``."""
-    need = max(cfg.block, cfg.rht_size)
+    need = max(cfg.block_size, cfg.block.rht_size)
     short = -t.shape[1] % need
     return F.pad(t, (0, short)) if short else t
 
@@ -219,20 +223,21 @@ class _MXMatmul(torch.autograd.Function):
         dy = dy.contiguous()
         with torch.autocast(dy.device.type, enabled=False):
             # dgrad: contraction over out_features.
-            qdy = mod.quantize("grad_output", dy, cfg.grad_rounding)
-            qwt = mod.quantize("weight", weight).t() if cfg.weight_scaling_2d else mod.quantize("weight", weight.t())
+            qdy = mod.quantize("grad_output", dy, cfg.block.grad_rounding)
+            two_d = cfg.block.weight_scaling_2d
+            qwt = mod.quantize("weight", weight).t() if two_d else mod.quantize("weight", weight.t())
             grad_input = mod.gemm(qdy, qwt, ctx.x_dtype)
             # wgrad: contraction over tokens, optionally through the random Hadamard transform. Tokens are
             # zero-padded to the block (and RHT) size: a MoE expert receives any number of tokens, and zero tokens
             # add nothing to grad_output.T @ input (grouped MoE kernels pad each expert's tokens the same way).
             dyt, xt = _pad_tokens(dy.t(), cfg), _pad_tokens(x.t(), cfg)
-            if cfg.rht_size:
+            if cfg.block.rht_size:
                 r = mod.rht()
                 dyt_r, xt_r = apply_rht(dyt, r), apply_rht(xt, r)
                 if mod.telemetry is not None:
                     mod.telemetry.observe_rht(mod, dyt, xt, dyt_r, xt_r)
                 dyt, xt = dyt_r, xt_r
-            qdyt = mod.quantize("grad_output", dyt, cfg.grad_rounding)
+            qdyt = mod.quantize("grad_output", dyt, cfg.block.grad_rounding)
             qxt = mod.quantize("input", xt)
             grad_weight = mod.gemm(qdyt, qxt, torch.float32).to(weight.dtype)
             if mod.telemetry is not None:

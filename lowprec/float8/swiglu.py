@@ -47,7 +47,7 @@ class _CachedSwiGLU(torch.autograd.Function):
 class Float8CachedSwiGLU(nn.Module):
     """``silu(a) * b`` (``a``, ``b``: (..., hidden), same shape and dtype) whose inputs are saved for backward in
     e4m3 with power-of-2 1x128 tile scales (module doc). Replaces ``lowprec.model.llama.SwiGLU`` when
-    ``recipe.fp8.swiglu_cache='fp8'``."""
+    ``recipe.fp8.saved.swiglu_cache='fp8'``."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):

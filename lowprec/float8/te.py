@@ -37,29 +37,30 @@ def te_fp8_recipe(spec):
     require_te()
     from transformer_engine.common import recipe as te_recipe
 
-    fmt = te_recipe.Format.HYBRID if spec.fp8_format == "hybrid" else te_recipe.Format.E4M3
+    fmt = te_recipe.Format.HYBRID if spec.cast.fp8_format == "hybrid" else te_recipe.Format.E4M3
     if spec.scaling == "mxfp8":
         return te_recipe.MXFP8BlockScaling(fp8_format=fmt)
     if spec.scaling == "nvfp4":
         # NVFP4BlockScaling (TE 2.8+): RHT on the wgrad inputs, 2-D weight scaling and SR of gradients are on by
         # default; each lowprec stabiliser field maps to one of its switches.
         return te_recipe.NVFP4BlockScaling(
-            disable_rht=spec.rht_size == 0,
-            disable_2d_quantization=not spec.weight_scaling_2d,
-            disable_stochastic_rounding=spec.grad_rounding != "stochastic",
+            disable_rht=spec.block.rht_size == 0,
+            disable_2d_quantization=not spec.block.weight_scaling_2d,
+            disable_stochastic_rounding=spec.block.grad_rounding != "stochastic",
         )
     if spec.scaling == "blockwise":
         return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
-    if spec.strategy == "delayed":
+    cast = spec.cast
+    if cast.strategy == "delayed":
         return te_recipe.DelayedScaling(
             fp8_format=fmt,
-            amax_history_len=spec.amax_history_len,
-            amax_compute_algo=spec.amax_compute_algo,
-            margin=spec.margin,
+            amax_history_len=cast.amax_history_len,
+            amax_compute_algo=cast.amax_compute_algo,
+            margin=cast.margin,
         )
-    if spec.strategy == "current":
+    if cast.strategy == "current":
         return te_recipe.Float8CurrentScaling(fp8_format=fmt)
-    raise RecipeError(f"recipe.fp8.strategy={spec.strategy!r} has no Transformer Engine recipe")
+    raise RecipeError(f"recipe.fp8.cast.strategy={cast.strategy!r} has no Transformer Engine recipe")
 
 
 def te_linear_from(mod: nn.Linear) -> nn.Module:

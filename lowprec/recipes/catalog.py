@@ -7,7 +7,25 @@ from dataclasses import replace
 
 from lowprec.backends import check_recipe
 from lowprec.float8.accumulator import HOPPER_ACCUMULATOR
-from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, RecipeError, WeightSpec
+from lowprec.recipe import (
+    BlockSpec,
+    CastSpec,
+    CommSpec,
+    ComputeSpec,
+    Float8Spec,
+    GemmSpec,
+    LayersSpec,
+    OptimSpec,
+    Recipe,
+    RecipeError,
+    SavedSpec,
+    WeightSpec,
+)
+
+
+def _fp8_with(spec: Float8Spec, **groups: dict) -> Float8Spec:
+    """``spec`` with fields of its groups replaced, e.g. ``_fp8_with(s, cast={"amax_floor": 1e-4})``."""
+    return replace(spec, **{g: replace(getattr(spec, g), **fields) for g, fields in groups.items()})
 
 
 def fp32() -> Recipe:
@@ -78,7 +96,7 @@ def fp8_current() -> Recipe:
         bf16(),
         name="fp8_current",
         description="bf16 + lowprec FP8 linears, tensorwise current scaling, HYBRID (e4m3 forward, e5m2 gradients).",
-        fp8=Float8Spec(backend="lowprec", scaling="tensorwise", strategy="current", fp8_format="hybrid"),
+        fp8=Float8Spec(backend="lowprec", scaling="tensorwise", cast=CastSpec(strategy="current", fp8_format="hybrid")),
     )
 
 
@@ -87,7 +105,10 @@ def fp8_delayed() -> Recipe:
         fp8_current(),
         name="fp8_delayed",
         description="fp8_current with Transformer Engine's delayed scaling: amax_history_len 16, max, margin 0.",
-        fp8=replace(fp8_current().fp8, strategy="delayed", amax_history_len=16, amax_compute_algo="max", margin=0),
+        fp8=_fp8_with(
+            fp8_current().fp8,
+            cast={"strategy": "delayed", "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0},
+        ),
     )
 
 
@@ -101,7 +122,7 @@ def fp8_unscaled() -> Recipe:
             "scales every tensor (Micikevicius et al. 2022, arXiv 2209.05433); a positive control of an ablation "
             "against bf16."
         ),
-        fp8=replace(fp8_current().fp8, strategy="static", static_scales=(1.0, 1.0, 1.0)),
+        fp8=_fp8_with(fp8_current().fp8, cast={"strategy": "static", "static_scales": (1.0, 1.0, 1.0)}),
     )
 
 
@@ -113,7 +134,7 @@ def fp8_rowwise() -> Recipe:
             "bf16 + lowprec FP8 linears, rowwise scaling of every GEMM operand, all e4m3, power-of-2 "
             "scales (torchao's rowwise recipe)."
         ),
-        fp8=Float8Spec(backend="lowprec", scaling="rowwise", fp8_format="e4m3", power_of_2_scales=True),
+        fp8=Float8Spec(backend="lowprec", scaling="rowwise", cast=CastSpec(fp8_format="e4m3", power_of_2_scales=True)),
     )
 
 
@@ -128,9 +149,9 @@ def fp8_blockwise() -> Recipe:
         fp8=Float8Spec(
             backend="lowprec",
             scaling="blockwise",
-            fp8_format="e4m3",
-            promotion_interval=128,
-            cache_fp8_activations=True,
+            cast=CastSpec(fp8_format="e4m3"),
+            gemm=GemmSpec(promotion_interval=128),
+            saved=SavedSpec(cache_fp8_activations=True),
         ),
     )
 
@@ -149,7 +170,7 @@ def te_blockwise() -> Recipe:
         fp8_current(),
         name="te_blockwise",
         description="Transformer Engine Float8BlockScaling (1x128 / 128x128, e4m3; GPU only).",
-        fp8=Float8Spec(backend="te", scaling="blockwise", fp8_format="e4m3"),
+        fp8=Float8Spec(backend="te", scaling="blockwise", cast=CastSpec(fp8_format="e4m3")),
     )
 
 
@@ -242,7 +263,11 @@ def deepseek_v3() -> Recipe:
             "1e-4, attention.wo inputs saved in E5M6 and SwiGLU inputs in FP8 (power-of-2 scales, output "
             "recomputed), FP32 master weights, BF16 AdamW moments."
         ),
-        fp8=replace(fp8_blockwise().fp8, amax_floor=1e-4, e5m6_inputs=("attention.wo",), swiglu_cache="fp8"),
+        fp8=_fp8_with(
+            fp8_blockwise().fp8,
+            cast={"amax_floor": 1e-4},
+            saved={"e5m6_inputs": ("attention.wo",), "swiglu_cache": "fp8"},
+        ),
         optim=OptimSpec(state="bf16", impl="lowprec"),
     )
 
@@ -255,7 +280,7 @@ def deepseek_v3_no_promotion() -> Recipe:
         deepseek_v3(),
         name="deepseek_v3_no_promotion",
         description="deepseek_v3 without promotion: all of K in an emulated 14-bit accumulator (Hopper's, 3.3.2).",
-        fp8=replace(deepseek_v3().fp8, accum_mantissa_bits=14, promotion=False),
+        fp8=_fp8_with(deepseek_v3().fp8, gemm={"accum_mantissa_bits": 14, "promotion": False}),
     )
 
 
@@ -267,12 +292,14 @@ def deepseek_v3_no_promotion_hopper() -> Recipe:
         deepseek_v3(),
         name="deepseek_v3_no_promotion_hopper",
         description=f"deepseek_v3 without promotion on the accumulator fitted to Hopper: {acc.describe()}.",
-        fp8=replace(
+        fp8=_fp8_with(
             deepseek_v3().fp8,
-            accum_mantissa_bits=acc.bits,
-            accum_rounding=acc.rounding,
-            accum_group=acc.group,
-            promotion=False,
+            gemm={
+                "accum_mantissa_bits": acc.bits,
+                "accum_rounding": acc.rounding,
+                "accum_group": acc.group,
+                "promotion": False,
+            },
         ),
     )
 
@@ -301,7 +328,7 @@ def deepseek_v3_no_fp8_cache() -> Recipe:
         name="deepseek_v3_no_fp8_cache",
         description="deepseek_v3 saving every activation for backward in the compute dtype: no FP8 linear-input "
         "cache, no E5M6 attention.wo input, no FP8 SwiGLU inputs (3.3.3).",
-        fp8=replace(deepseek_v3().fp8, cache_fp8_activations=False, e5m6_inputs=(), swiglu_cache="none"),
+        fp8=replace(deepseek_v3().fp8, saved=SavedSpec()),
     )
 
 
@@ -311,7 +338,7 @@ def deepseek_v3_grad_blocks() -> Recipe:
         name="deepseek_v3_grad_blocks",
         description="deepseek_v3 with 128x128 blocks instead of 1x128 tiles for activation gradients: the "
         "variant appendix B.2 reports diverging on a 16B MoE.",
-        fp8=replace(deepseek_v3().fp8, grad_output_granularity="block128x128"),
+        fp8=_fp8_with(deepseek_v3().fp8, cast={"grad_output_granularity": "block128x128"}),
     )
 
 
@@ -355,7 +382,9 @@ def mxfp8() -> Recipe:
             "K, E8M0 scales, torchao's RCEIL rounding) on lowprec's block-scaled linear (backend=mx; exact emulation "
             "on CPU). Linears narrower than one block stay BF16."
         ),
-        fp8=Float8Spec(backend="mx", scaling="mxfp8", fp8_format="e4m3", min_features=32),
+        fp8=Float8Spec(
+            backend="mx", scaling="mxfp8", cast=CastSpec(fp8_format="e4m3"), layers=LayersSpec(min_features=32)
+        ),
     )
 
 
@@ -367,7 +396,7 @@ def mxfp4() -> Recipe:
             "bf16 + MXFP4 (E2M1, 32-element blocks, E8M0 scales) for all three GEMMs, no stabilisers: the negative "
             "control NVFP4 is measured against (arXiv 2509.25149 section 5)."
         ),
-        fp8=Float8Spec(backend="mx", scaling="mxfp4", min_features=32),
+        fp8=Float8Spec(backend="mx", scaling="mxfp4", layers=LayersSpec(min_features=32)),
     )
 
 
@@ -384,37 +413,39 @@ def nvfp4() -> Recipe:
         fp8=Float8Spec(
             backend="mx",
             scaling="nvfp4",
-            rht_size=16,
-            weight_scaling_2d=True,
-            grad_rounding="stochastic",
-            hp_last_blocks=1,
+            block=BlockSpec(rht_size=16, weight_scaling_2d=True, grad_rounding="stochastic"),
+            layers=LayersSpec(hp_last_blocks=1),
         ),
     )
 
 
-def _nvfp4_without(name: str, what: str, **fields) -> Recipe:
+def _nvfp4_without(name: str, what: str, **groups: dict) -> Recipe:
     r = nvfp4()
-    return replace(r, name=name, description=f"nvfp4 without {what}.", fp8=replace(r.fp8, **fields))
+    return replace(r, name=name, description=f"nvfp4 without {what}.", fp8=_fp8_with(r.fp8, **groups))
 
 
 def nvfp4_no_rht() -> Recipe:
-    return _nvfp4_without("nvfp4_no_rht", "the random Hadamard transform on the weight-gradient GEMM", rht_size=0)
+    return _nvfp4_without(
+        "nvfp4_no_rht", "the random Hadamard transform on the weight-gradient GEMM", block={"rht_size": 0}
+    )
 
 
 def nvfp4_no_2d() -> Recipe:
     return _nvfp4_without(
-        "nvfp4_no_2d", "2-D weight scaling (1x16 blocks along each GEMM's K)", weight_scaling_2d=False
+        "nvfp4_no_2d", "2-D weight scaling (1x16 blocks along each GEMM's K)", block={"weight_scaling_2d": False}
     )
 
 
 def nvfp4_no_sr() -> Recipe:
     return _nvfp4_without(
-        "nvfp4_no_sr", "stochastic rounding (gradients round to nearest even)", grad_rounding="nearest"
+        "nvfp4_no_sr", "stochastic rounding (gradients round to nearest even)", block={"grad_rounding": "nearest"}
     )
 
 
 def nvfp4_no_hp() -> Recipe:
-    return _nvfp4_without("nvfp4_no_hp", "the BF16 last block (every block's linears in NVFP4)", hp_last_blocks=0)
+    return _nvfp4_without(
+        "nvfp4_no_hp", "the BF16 last block (every block's linears in NVFP4)", layers={"hp_last_blocks": 0}
+    )
 
 
 def te_mxfp8() -> Recipe:
@@ -422,7 +453,9 @@ def te_mxfp8() -> Recipe:
         mxfp8(),
         name="te_mxfp8",
         description="Transformer Engine MXFP8BlockScaling (e4m3, 32-element blocks, E8M0; GPU sm100 only).",
-        fp8=Float8Spec(backend="te", scaling="mxfp8", fp8_format="e4m3", min_features=32),
+        fp8=Float8Spec(
+            backend="te", scaling="mxfp8", cast=CastSpec(fp8_format="e4m3"), layers=LayersSpec(min_features=32)
+        ),
     )
 
 
@@ -434,10 +467,8 @@ def te_nvfp4() -> Recipe:
         fp8=Float8Spec(
             backend="te",
             scaling="nvfp4",
-            rht_size=16,
-            weight_scaling_2d=True,
-            grad_rounding="stochastic",
-            hp_last_blocks=1,
+            block=BlockSpec(rht_size=16, weight_scaling_2d=True, grad_rounding="stochastic"),
+            layers=LayersSpec(hp_last_blocks=1),
         ),
     )
 

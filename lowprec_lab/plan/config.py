@@ -270,7 +270,8 @@ def typed(cls: type, node, prefix: str) -> dict:
     config: ``"12"`` -> 12, ``"abc"`` for an int is refused). Raises ``ConfigError`` naming
     ``<prefix>.<field>`` for a value of the wrong type or an unknown key."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls), _plain(node))
+        # writable: a frozen dataclass's nested groups (``recipe.fp8.cast``) would refuse the merge otherwise
+        merged = OmegaConf.merge(_writable(cls), _plain(node))
     except OmegaConfBaseException as e:
         key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
         msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]

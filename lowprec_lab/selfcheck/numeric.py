@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from lowprec.float8.config import SCALING_PRESETS, LinearFP8Config
+from lowprec.float8.config import SCALING_PRESETS, LinearFP8Config, linear_config
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.numerics.formats import fp8_to_float32, sqnr_db
 from lowprec.numerics.scaling import QTensor, expand_scale, quantize_operand
@@ -55,8 +55,8 @@ GEMM_N = 256
 def blockwise_config(accum_mantissa_bits: int = ACCUM_BITS) -> LinearFP8Config:
     """The catalog's ``fp8_blockwise`` FP8 configuration with an ``accum_mantissa_bits``-bit accumulator: e4m3
     operands, 1x128 activation tiles, 128x128 weight blocks, ``promotion_interval`` 128 (N_C)."""
-    spec = replace(CATALOG["fp8_blockwise"].fp8, accum_mantissa_bits=accum_mantissa_bits)
-    return LinearFP8Config.from_spec(spec)
+    spec = CATALOG["fp8_blockwise"].fp8
+    return linear_config(replace(spec, gemm=replace(spec.gemm, accum_mantissa_bits=accum_mantissa_bits)))
 
 
 def exact_dequantize(q: QTensor) -> torch.Tensor:
@@ -77,18 +77,19 @@ def accumulation_sqnr(seed: int) -> tuple[float, float, float]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ACC_M, ACC_K, generator=g)
     w = torch.randn(ACC_N, ACC_K, generator=g)
-    bits = fp8.accum_mantissa_bits
+    bits = fp8.gemm.accum_mantissa_bits
 
     def sqnr(a: QTensor, b: QTensor, promotion_interval: int | None) -> float:
         ref = exact_dequantize(a) @ exact_dequantize(b).t()
         out = fp8_gemm(a, b, torch.float32, promotion_interval=promotion_interval, accum_mantissa_bits=bits)
         return sqnr_db(ref, out)
 
-    qa = quantize_operand(x, fp8.input.fmt, "rowwise", power_of_2=fp8.power_of_2)
-    qb = quantize_operand(w, fp8.weight.fmt, "rowwise", power_of_2=fp8.power_of_2)
-    ta = quantize_operand(x, fp8.input.fmt, fp8.input.granularity, power_of_2=fp8.power_of_2)
-    tb = quantize_operand(w, fp8.weight.fmt, fp8.weight.granularity, power_of_2=fp8.power_of_2)
-    return sqnr(qa, qb, None), sqnr(qa, qb, fp8.promotion_interval), sqnr(ta, tb, fp8.promotion_interval)
+    p2, nc = fp8.cast.power_of_2_scales, fp8.gemm.promotion_interval
+    qa = quantize_operand(x, fp8.input.fmt, "rowwise", power_of_2=p2)
+    qb = quantize_operand(w, fp8.weight.fmt, "rowwise", power_of_2=p2)
+    ta = quantize_operand(x, fp8.input.fmt, fp8.input.granularity, power_of_2=p2)
+    tb = quantize_operand(w, fp8.weight.fmt, fp8.weight.granularity, power_of_2=p2)
+    return sqnr(qa, qb, None), sqnr(qa, qb, nc), sqnr(ta, tb, nc)
 
 
 @known_answer(

@@ -186,7 +186,9 @@ def telemetry_warmup(tags: dict) -> tuple[int, ...]:
         fp8 = json.loads(tags.get("recipe_json", "{}")).get("fp8") or {}
     except (ValueError, AttributeError):
         return ()
-    return (0,) if fp8.get("strategy") == "delayed" else ()
+    # a record written before the FP8 fields were grouped has them flat (``lowprec.recipe.FP8_LEGACY``)
+    cast = fp8.get("cast") if isinstance(fp8.get("cast"), dict) else fp8
+    return (0,) if cast.get("strategy") == "delayed" else ()
 
 
 def metric_series(history) -> list[tuple[int, float]]:

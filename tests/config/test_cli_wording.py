@@ -39,6 +39,16 @@ WRONG = [
     (["ablate", "recipes=bf16"], "recipes=bf16: recipes= takes a list, in brackets: 'recipes=[bf16]'"),
     (["train", "recipes=[bf16]"], "recipes= is a key of lowprec ablate; lowprec train runs one recipe=NAME"),
     (["train", "recipe=fp8_rowwse"], "unknown recipe 'fp8_rowwse', did you mean fp8_rowwise? known: fp32, "),
+    # an FP8 field by its path from before the fields were grouped by role: the path it has now
+    (
+        ["train", "recipe=fp8_current", "recipe.fp8.strategy=delayed"],
+        "unknown key recipe.fp8.strategy: the FP8 fields are grouped by role now; use recipe.fp8.cast.strategy",
+    ),
+    (
+        ["train", "recipe=deepseek_v3", "recipe.fp8.hp_last_blocks=1"],
+        "unknown key recipe.fp8.hp_last_blocks: the FP8 fields are grouped by role now; use "
+        "recipe.fp8.layers.hp_last_blocks",
+    ),
     (["ablate", "recipes=[bf16,fp8_rowwse]"], "unknown recipe 'fp8_rowwse', did you mean fp8_rowwise? known: fp32, "),
     (["ablate", "experiment=smok"], "unknown experiment 'smok', did you mean smoke? known: "),
     (["train", "data=txt"], "unknown data source 'txt', did you mean text? known: stdlib, text, tokens"),
@@ -110,7 +120,7 @@ def test_a_valid_command_line_passes_the_precheck():
             "paths.runs=${oc.env:HOME}/runs",
         ],
     )
-    argcheck.precheck("train", ["recipe=fp8_comm8", "recipe.fp8.margin=1", "train.eval_ema=0.99", "seed=3"])
+    argcheck.precheck("train", ["recipe=fp8_comm8", "recipe.fp8.cast.margin=1", "train.eval_ema=0.99", "seed=3"])
 
 
 @pytest.mark.parametrize("cmd", ["train", "ablate"])

@@ -27,7 +27,7 @@ def test_every_recipe_field_is_overridable():
         [
             "recipe=fp8_tensorwise",
             "recipe.fp8.scaling=rowwise",
-            "recipe.fp8.fp8_format=e4m3",
+            "recipe.fp8.cast.fp8_format=e4m3",
             "model=debug",
             "model.n_layers=3",
             "train.steps=7",
@@ -79,17 +79,17 @@ def test_invalid_recipe_override_fails_in_validation():
         (["ablate", "recipes=[fp32,te_blockwise]"], "recipe.fp8.backend='te' needs a CUDA GPU"),
         (
             ["train", "recipe=fp8_delayed", "recipe.fp8.scaling=rowwise"],
-            "recipe.fp8.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'",
+            "recipe.fp8.cast.strategy='delayed' conflicts with recipe.fp8.scaling='rowwise'",
         ),
-        (["train", "recipe=fp8_tensorwise", "recipe.fp8.strategy=delayed"], "torchao removed delayed scaling"),
+        (["train", "recipe=fp8_tensorwise", "recipe.fp8.cast.strategy=delayed"], "torchao removed delayed scaling"),
         # lowprec's accumulator emulation and FP8 activation cache on Transformer Engine: refused, not ignored
         (
-            ["train", "recipe=te_blockwise", "recipe.fp8.accum_mantissa_bits=14"],
-            "recipe.fp8.accum_mantissa_bits is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
+            ["train", "recipe=te_blockwise", "recipe.fp8.gemm.accum_mantissa_bits=14"],
+            "recipe.fp8.gemm.accum_mantissa_bits is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
         ),
         (
-            ["train", "recipe=te_delayed", "recipe.fp8.cache_fp8_activations=true"],
-            "recipe.fp8.cache_fp8_activations is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
+            ["train", "recipe=te_delayed", "recipe.fp8.saved.cache_fp8_activations=true"],
+            "recipe.fp8.saved.cache_fp8_activations is a lowprec FP8 option; it conflicts with recipe.fp8.backend='te'",
         ),
         (["train", "model=debug", "model.vocab_size=4096"], "does not fit model.vocab_size=4096"),
         # the schemas registered from the dataclasses type-check while composing, before anything runs

@@ -289,7 +289,7 @@ def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(b
     )
     assert "no ablation abl-20000101-000000-0000 in sqlite:///" in one_line(["resume=abl-20000101-000000-0000"])
     # a recipe whose definition changed since the ablation ran (here: another amax history length)
-    changed = CATALOG["fp8_delayed"].with_fields("fp8", amax_history_len=8)
+    changed = CATALOG["fp8_delayed"].with_fields("fp8.cast", amax_history_len=8)
     monkeypatch.setattr(
         lowprec_lab.plan.preflight, "get_recipe", lambda n: changed if n == "fp8_delayed" else CATALOG[n]
     )

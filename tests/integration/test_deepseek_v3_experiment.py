@@ -41,7 +41,7 @@ def test_the_no_promotion_arm_trains_on_the_fitted_hopper_accumulator(experiment
         return
     assert arms == ["deepseek_v3_no_promotion_hopper"]
     fp8 = CATALOG[arms[0]].fp8
-    assert (fp8.accum_mantissa_bits, fp8.accum_rounding, fp8.accum_group, fp8.promotion) == (
+    assert (fp8.gemm.accum_mantissa_bits, fp8.gemm.accum_rounding, fp8.gemm.accum_group, fp8.gemm.promotion) == (
         HOPPER_ACCUMULATOR.bits,
         HOPPER_ACCUMULATOR.rounding,
         HOPPER_ACCUMULATOR.group,

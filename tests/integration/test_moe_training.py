@@ -53,8 +53,8 @@ def test_every_recipe_trains_moe_debug(name, token_data):
     if recipe.fp8.enabled:
         # per block 4 attention + 8 experts x 3 + 3 shared linears, all 32 wide but wk/wv (32 -> 16, GQA); the
         # output head stays high precision, and so do the recipe's last hp_last_blocks blocks and narrow linears
-        narrow = 2 if recipe.fp8.min_features > 16 else 0
-        want = (2 - recipe.fp8.hp_last_blocks) * (4 + 8 * 3 + 3 - narrow)
+        narrow = 2 if recipe.fp8.layers.min_features > 16 else 0
+        want = (2 - recipe.fp8.layers.hp_last_blocks) * (4 + 8 * 3 + 3 - narrow)
         assert len(built.fp8_fqns) == want, built.fp8_fqns
         assert "layers.0.moe.experts.7.w2" in built.fp8_fqns
         assert res.effective["fp8_linears"] == {fp8_backend(recipe.fp8.backend).module_class: want}

@@ -22,7 +22,7 @@ from lowprec.train.spec import TrainSpec
 CPU_RECIPES: dict[str, Recipe] = {n: r for n, r in CATALOG.items() if r.fp8.backend != "te" and r.comm == CommSpec()}
 CASES: dict[str, Recipe] = {
     **CPU_RECIPES,
-    "fp8_delayed-most_recent": CATALOG["fp8_delayed"].with_fields("fp8", amax_compute_algo="most_recent"),
+    "fp8_delayed-most_recent": CATALOG["fp8_delayed"].with_fields("fp8.cast", amax_compute_algo="most_recent"),
 }
 
 

@@ -138,7 +138,9 @@ def test_blockwise_fp8_compiles_on_cpu_after_another_model_was_traced_in_the_pro
         )
     ids = torch.arange(66).reshape(2, 33) % args.vocab_size
     train_step(b, [(ids[:, :-1], ids[:, 1:])], spec.grad_clip, 0)
-    second = dataclasses.replace(first, fp8=dataclasses.replace(first.fp8, amax_floor=1e-4))
+    second = dataclasses.replace(
+        first, fp8=dataclasses.replace(first.fp8, cast=dataclasses.replace(first.fp8.cast, amax_floor=1e-4))
+    )
     check_compile(second, TrainSpec(compile=True, telemetry_every=0), torch.device("cpu"))
     eager, compiled = _aligned_losses(second, False), _aligned_losses(second, True)
     assert max_gap(eager, compiled) <= 5e-4, (eager, compiled)

@@ -39,7 +39,11 @@ def _traced_step_key(name: str):
     # The blocks kept in high precision are plain BF16 blocks around the same low-precision block: a recipe that
     # keeps some traces every piece of code that the same recipe without them traces (nvfp4 and nvfp4_no_hp).
     r = CATALOG[name]
-    return (dataclasses.replace(r.fp8, hp_first_blocks=0, hp_last_blocks=0), r.compute, r.weights)
+    return (
+        dataclasses.replace(r.fp8, layers=dataclasses.replace(r.fp8.layers, hp_first_blocks=0, hp_last_blocks=0)),
+        r.compute,
+        r.weights,
+    )
 
 
 def _representatives() -> dict[str, list[str]]:
@@ -69,7 +73,7 @@ def test_the_catalog_has_every_kind_of_fp8_step():
 def test_one_training_step_traces_without_a_graph_break(recipe):
     r = dataclasses.replace(CATALOG[recipe], comm=CommSpec())
     # One block, plus the blocks the recipe keeps in high precision, so at least one block runs in low precision.
-    args = model_args("debug", n_layers=1 + r.fp8.hp_first_blocks + r.fp8.hp_last_blocks)
+    args = model_args("debug", n_layers=1 + r.fp8.layers.hp_first_blocks + r.fp8.layers.hp_last_blocks)
     spec = TrainSpec(steps=2, timing_warmup_steps=1, warmup_steps=1, batch_size=2, seq_len=32, telemetry_every=0)
     b = build(r, args, spec, OptimHParams(), 0, torch.device("cpu"))
     ids = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))

@@ -55,7 +55,7 @@ def _kernel_configurations() -> list[str]:
             continue
         # an emulated accumulator (deepseek_v3_no_promotion*) is one FP32 computation whatever cpu_kernels says
         # (fp8_gemm's limited accumulation takes no kernel): native and emulated are one code path there too
-        if r.fp8.accum_mantissa_bits is not None or name == "deepseek_v3_tensorwise":
+        if r.fp8.gemm.accum_mantissa_bits is not None or name == "deepseek_v3_tensorwise":
             continue
         key = _kernel_key(r)
         if key not in seen:

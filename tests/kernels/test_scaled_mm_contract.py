@@ -20,12 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lowprec.float8.linear as linear_mod
 from lowprec.float8 import Float8Linear
-from lowprec.float8.config import LinearFP8Config
+from lowprec.float8.config import linear_config
 from lowprec.float8.gemm import scaled_mm_calls
 from lowprec.kernels.scaled_mm import SCALED_MM_OP
 from lowprec.recipes import CATALOG
 
-LOWPREC_FP8 = [n for n, r in CATALOG.items() if r.fp8.backend == "lowprec" and r.fp8.gemm_backend == "scaled_mm"]
+LOWPREC_FP8 = [n for n, r in CATALOG.items() if r.fp8.backend == "lowprec" and r.fp8.gemm.gemm_backend == "scaled_mm"]
 #: tokens, in_features, out_features: multiples of 128 so the native blockwise kernel applies
 SHAPE = (256, 256, 384)
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(SCALED_MM_OP != "torch.nn.functional.scaled_mm",
 @functools.cache
 def _recorded_gemms(recipe: str) -> list[tuple]:
     tokens, fin, fout = SHAPE
-    cfg = LinearFP8Config.from_spec(CATALOG[recipe].fp8)
+    cfg = linear_config(CATALOG[recipe].fp8)
     lin = Float8Linear(fin, fout, False, cfg)
     seen = []
     real = linear_mod.fp8_gemm

@@ -6,18 +6,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowprec.float8.mx_linear import MXConfig, MXLinear
+from lowprec.float8.mx_linear import MXLinear, mx_config
 from lowprec.measure.block_telemetry import BlockScaleTelemetry
 from lowprec.numerics.microscaling import apply_rht, quantize_nvfp4, random_hadamard
 from lowprec.recipes import CATALOG
 
 
 class Net(nn.Module):
-    def __init__(self, recipe: str, **fields):
+    def __init__(self, recipe: str, **block):
         super().__init__()
-        spec = CATALOG[recipe].with_fields("fp8", **fields).fp8 if fields else CATALOG[recipe].fp8
+        fields = block  # ``recipe.fp8.block`` fields
+        spec = CATALOG[recipe].with_fields("fp8.block", **fields).fp8 if fields else CATALOG[recipe].fp8
         torch.manual_seed(0)
-        self.proj = MXLinear(64, 96, False, MXConfig.from_spec(spec))
+        self.proj = MXLinear(64, 96, False, mx_config(spec))
         self.proj.init_buffers(torch.Generator().manual_seed(1))
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from lowprec.convert import convert_fp8
 from lowprec.errors import RecipeError
-from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8 import Float8Linear, linear_config
 from lowprec.float8.gemm import fp8_gemm
 from lowprec.float8.swiglu import Float8CachedSwiGLU
 from lowprec.model import LLAMA_CONFIGS, Transformer
@@ -102,17 +102,15 @@ def test_reference_floor_flushes_a_tile_of_1e_20_and_a_small_floor_keeps_it():
     kept = quantize_operand(x, E4M3, "tile1x128", amax_floor=1e-30).dequantize()[0, :128]
     assert torch.count_nonzero(ref) == 0  # as DeepSeek's act_quant: 3e-20 / (1e-4 / 448) is far below e4m3's 2**-9
     assert torch.allclose(kept.double(), tiny.double(), rtol=2**-4, atol=0)
-    assert get_recipe("deepseek_v3").fp8.amax_floor == 1e-4
+    assert get_recipe("deepseek_v3").fp8.cast.amax_floor == 1e-4
 
 
 # ---- activation storage (3.3.3) -------------------------------------------------------------------------------
 
 
-def _linear(saved_input: str, cache: bool) -> Float8Linear:
+def _linear(saved_input: str) -> Float8Linear:
     torch.manual_seed(0)
-    cfg = replace(
-        LinearFP8Config.from_spec(get_recipe("deepseek_v3").fp8), saved_input=saved_input, cache_fp8_activations=cache
-    )
+    cfg = replace(linear_config(get_recipe("deepseek_v3").fp8), saved_input=saved_input)
     return Float8Linear.from_linear(nn.Linear(256, 128, bias=False), cfg)
 
 
@@ -120,16 +118,16 @@ def test_e5m6_saved_input_feeds_the_weight_gradient_as_an_fp64_e5m6_rounding_of_
     g = torch.Generator().manual_seed(3)
     x = torch.randn(128, 256, generator=g) * torch.logspace(-3, 2, 256)
     dy = torch.randn(128, 128, generator=g)
-    lin = _linear("e5m6", cache=True)
+    lin = _linear("e5m6")
     x1 = x.clone().requires_grad_()
     lin(x1).backward(dy)
     # the same linear fed the test's own E5M6 rounding and saving its input as is: same weight gradient
-    plain = _linear("fp8", cache=False)
+    plain = _linear("input")
     plain.weight = lin.weight
     lin.weight.grad, gw = None, lin.weight.grad.clone()
     plain(torch.tensor(_pow2_tiles(x, 65024.0, E5M6_VALUES), dtype=torch.float32)).backward(dy)
     assert torch.equal(gw, plain.weight.grad)
-    cached = _linear("fp8", cache=True)  # and it differs from the FP8-cached input's
+    cached = _linear("fp8")  # and it differs from the FP8-cached input's
     cached.weight = nn.Parameter(lin.weight.detach().clone())
     cached(x.clone().requires_grad_()).backward(dy)
     assert not torch.equal(gw, cached.weight.grad)
@@ -197,7 +195,7 @@ def test_without_promotion_a_14_bit_accumulator_loses_what_promotion_keeps():
 
 
 def test_grad_blocks_variant_quantizes_activation_gradients_in_128x128_blocks():
-    cfg = LinearFP8Config.from_spec(get_recipe("deepseek_v3_grad_blocks").fp8)
+    cfg = linear_config(get_recipe("deepseek_v3_grad_blocks").fp8)
     assert (cfg.input.granularity, cfg.weight.granularity, cfg.grad_output.granularity) == (
         "tile1x128",
         "block128x128",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8 import Float8Linear, LinearFP8Config, linear_config
 from lowprec.recipes import get_recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -25,11 +25,11 @@ HISTORY = 16
 
 def _config(algo: str = "max") -> LinearFP8Config:
     spec = get_recipe("fp8_delayed").fp8
-    if algo != spec.amax_compute_algo:
-        spec = get_recipe("fp8_delayed").with_fields("fp8", amax_compute_algo=algo).fp8
-    cfg = LinearFP8Config.from_spec(spec)
+    if algo != spec.cast.amax_compute_algo:
+        spec = get_recipe("fp8_delayed").with_fields("fp8.cast", amax_compute_algo=algo).fp8
+    cfg = linear_config(spec)
     assert all(cfg.role(r).strategy == "delayed" and cfg.role(r).granularity == "tensorwise" for r in FMT)
-    assert cfg.amax_history_len == HISTORY and cfg.margin == 0 and not cfg.power_of_2
+    assert cfg.cast.amax_history_len == HISTORY and cfg.cast.margin == 0 and not cfg.cast.power_of_2_scales
     return cfg
 
 

@@ -1,22 +1,27 @@
 """lowprec's FP8 linear against torchao's Float8Linear, across GEMM backends, and its SQNR."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-from lowprec.float8 import Float8Linear, LinearFP8Config, fp8_gemm
+from lowprec.float8 import Float8Linear, fp8_gemm, linear_config
 from lowprec.float8.gemm import round_mantissa
 from lowprec.numerics.formats import E4M3, sqnr_db
 from lowprec.numerics.scaling import quantize_operand
-from lowprec.recipe import Float8Spec
+from lowprec.recipe import CastSpec, Float8Spec, SavedSpec
 
 SPECS = {
-    "tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),
-    "rowwise": Float8Spec(backend="lowprec", scaling="rowwise", fp8_format="e4m3", power_of_2_scales=True),
-    "blockwise": Float8Spec(backend="lowprec", scaling="blockwise", fp8_format="e4m3"),
-    "delayed": Float8Spec(backend="lowprec", scaling="tensorwise", strategy="delayed", fp8_format="hybrid"),
+    "tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", cast=CastSpec(fp8_format="hybrid")),
+    "rowwise": Float8Spec(
+        backend="lowprec", scaling="rowwise", cast=CastSpec(fp8_format="e4m3", power_of_2_scales=True)
+    ),
+    "blockwise": Float8Spec(backend="lowprec", scaling="blockwise", cast=CastSpec(fp8_format="e4m3")),
+    "delayed": Float8Spec(
+        backend="lowprec", scaling="tensorwise", cast=CastSpec(strategy="delayed", fp8_format="hybrid")
+    ),
 }
 
 
@@ -31,8 +36,8 @@ def _pair(name, dtype=torch.float32, n=512, k=256, m=64, **spec_overrides):
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n, bias=False).to(dtype)
     ref = torch.nn.Sequential(copy.deepcopy(lin))
-    spec = Float8Spec(**{**SPECS[name].__dict__, **spec_overrides})
-    mine = Float8Linear.from_linear(copy.deepcopy(lin), LinearFP8Config.from_spec(spec))
+    spec = replace(SPECS[name], **spec_overrides)
+    mine = Float8Linear.from_linear(copy.deepcopy(lin), linear_config(spec))
     x, g = torch.randn(m, k, dtype=dtype), torch.randn(m, n, dtype=dtype)
     return lin, ref, mine, x, g
 
@@ -57,7 +62,8 @@ def test_rowwise_matches_torchao_to_its_bf16_rounding():
 def test_scaled_mm_and_emulated_backends_agree(name):
     _, _, mine, x, g = _pair(name)
     emu = copy.deepcopy(mine)
-    emu.fp8_config = LinearFP8Config.from_spec(Float8Spec(**{**SPECS[name].__dict__, "gemm_backend": "emulated"}))
+    spec = SPECS[name]
+    emu.fp8_config = linear_config(replace(spec, gemm=replace(spec.gemm, gemm_backend="emulated")))
     for a, b in zip(_run(mine, x, g), _run(emu, x, g)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
 
@@ -82,9 +88,7 @@ def test_bf16_inputs_under_autocast_give_bf16_outputs_and_fp32_weight_grads():
 def test_fp8_activation_cache_saves_a_quarter_of_the_bytes_and_the_same_grads():
     _, _, plain, x, g = _pair("blockwise")
     cached = copy.deepcopy(plain)
-    cached.fp8_config = LinearFP8Config.from_spec(
-        Float8Spec(**{**SPECS["blockwise"].__dict__, "cache_fp8_activations": True})
-    )
+    cached.fp8_config = linear_config(replace(SPECS["blockwise"], saved=SavedSpec(cache_fp8_activations=True)))
     saved = {}
     for name, mod in (("plain", plain), ("cached", cached)):
         sizes = []

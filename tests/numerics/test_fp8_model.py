@@ -8,7 +8,7 @@ from lowprec.convert import fp8_candidate_fqns
 from lowprec.data import TokenBatches
 from lowprec.float8 import Float8Linear
 from lowprec.model import model_args
-from lowprec.recipe import Float8Spec
+from lowprec.recipe import Float8Spec, LayersSpec
 from lowprec.recipes import get_recipe
 from lowprec.train.build import build, build_model_meta
 from lowprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -31,11 +31,13 @@ def test_layer_filters():
     model = build_model_meta(model_args("debug", n_layers=4))
     every = fp8_candidate_fqns(model, Float8Spec(backend="lowprec"))
     assert "output" not in every and len(every) == 4 * 7
-    edge = fp8_candidate_fqns(model, Float8Spec(backend="lowprec", hp_first_blocks=1, hp_last_blocks=1))
+    edge = fp8_candidate_fqns(
+        model, Float8Spec(backend="lowprec", layers=LayersSpec(hp_first_blocks=1, hp_last_blocks=1))
+    )
     assert {f.split(".")[1] for f in edge} == {"1", "2"}
-    small = fp8_candidate_fqns(model, Float8Spec(backend="lowprec", min_features=32))
+    small = fp8_candidate_fqns(model, Float8Spec(backend="lowprec", layers=LayersSpec(min_features=32)))
     assert not any(f.endswith(("wk", "wv")) for f in small)  # 32 -> 16 projections are below the size filter
-    named = fp8_candidate_fqns(model, Float8Spec(backend="lowprec", keep_hp_fqns=("output", "w2")))
+    named = fp8_candidate_fqns(model, Float8Spec(backend="lowprec", layers=LayersSpec(keep_hp_fqns=("output", "w2"))))
     assert not any(f.endswith("w2") for f in named) and any(f.endswith("w1") for f in named)
 
 

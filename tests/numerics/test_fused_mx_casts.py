@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lowprec.errors import ConfigError
-from lowprec.float8.mx_linear import MXConfig, MXLinear
+from lowprec.float8.mx_linear import MXLinear, mx_config
 from lowprec.kernels.fused_casts import resolve_fused_casts
 from lowprec.kernels.fused_mx_casts import fused_quantize_mx, fused_quantize_nvfp4
 from lowprec.numerics.microscaling import E2M1_VALUES, BlockQTensor, quantize_mx, quantize_nvfp4
@@ -113,7 +113,7 @@ def test_shapes_the_eager_cast_refuses_are_refused_alike():
 
 def _linear(recipe: str, fused: bool) -> MXLinear:
     torch.manual_seed(0)
-    lin = MXLinear(128, 64, False, MXConfig.from_spec(CATALOG[recipe].fp8))
+    lin = MXLinear(128, 64, False, mx_config(CATALOG[recipe].fp8))
     lin.init_buffers(torch.Generator().manual_seed(1))
     lin.fused_casts = fused
     return lin

@@ -299,11 +299,13 @@ def test_master_optimizer_refuses_inner_optimizers_that_reorder_and_late_param_g
 # ---- lowprec/float8/linear.py, config.py, gemm.py: Float8Linear -----------------------------------------
 
 
-def _fp8_config(**spec):
-    from lowprec.float8 import LinearFP8Config
+def _fp8_config(scaling="tensorwise", **groups):
+    """lowprec's linear config for ``Float8Spec(backend="lowprec", scaling=...)`` with ``cast`` / ``gemm`` groups
+    given as mappings."""
+    from lowprec.float8 import linear_config
     from lowprec.recipe import Float8Spec
 
-    return LinearFP8Config.from_spec(Float8Spec(backend="lowprec", **spec))
+    return linear_config(Float8Spec.from_dict({"backend": "lowprec", "scaling": scaling, **groups}))
 
 
 def _q(t, scale, dtype=torch.float8_e4m3fn, fmax=448.0):
@@ -323,7 +325,7 @@ def test_static_scaling_casts_every_role_with_its_own_fixed_scale():
     # exact in FP32, not powers of two, and far from the current-scaling scales, with some elements of each
     # role beyond the format's max so the casts saturate
     s_in, s_w, s_go = 100.0, 2500.0, 20_000_000.0
-    cfg = _fp8_config(scaling="tensorwise", strategy="static", static_scales=(s_in, s_w, s_go))
+    cfg = _fp8_config(cast={"strategy": "static", "static_scales": (s_in, s_w, s_go)})
     assert (cfg.input.fmt.dtype, cfg.weight.fmt.dtype, cfg.grad_output.fmt.dtype) == (
         torch.float8_e4m3fn,
         torch.float8_e4m3fn,
@@ -394,8 +396,8 @@ def test_float8_linear_passes_promotion_interval_and_accumulator_bits_to_the_gem
     from lowprec.float8 import Float8Linear
     from lowprec.float8.gemm import fp8_gemm
 
-    cfg = _fp8_config(scaling=scaling, fp8_format="e4m3", promotion_interval=128, accum_mantissa_bits=14)
-    assert (cfg.promotion_interval, cfg.accum_mantissa_bits) == (128, 14)
+    cfg = _fp8_config(scaling, cast={"fp8_format": "e4m3"}, gemm={"promotion_interval": 128, "accum_mantissa_bits": 14})
+    assert (cfg.gemm.promotion_interval, cfg.gemm.accum_mantissa_bits) == (128, 14)
     g = torch.Generator().manual_seed(3)
     m, k, n = 16, 2048, 64
     lin = Float8Linear(k, n, bias=False, config=cfg)
@@ -404,7 +406,7 @@ def test_float8_linear_passes_promotion_interval_and_accumulator_bits_to_the_gem
         x = torch.randn(m, k, generator=g)
         y = lin(x)
         qx, qw = lin.quantize("input", x), lin.quantize("weight", lin.weight)
-        be = cfg.gemm_backend
+        be = cfg.gemm.gemm_backend
         assert torch.equal(y, fp8_gemm(qx, qw, torch.float32, be, promotion_interval=128, accum_mantissa_bits=14))
         assert not torch.equal(y, fp8_gemm(qx, qw, torch.float32, be, promotion_interval=128))
         if scaling == "blockwise":

@@ -7,15 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowprec.float8.mx_linear import MXConfig, MXLinear
+from lowprec.float8.mx_linear import MXLinear, mx_config
 from lowprec.numerics.microscaling import apply_rht, quantize_mx, quantize_nvfp4, random_hadamard
 from lowprec.recipes import CATALOG
 
 
-def _linear(recipe: str, fin=64, fout=48, **fields) -> MXLinear:
-    spec = CATALOG[recipe].with_fields("fp8", **fields).fp8 if fields else CATALOG[recipe].fp8
+def _linear(recipe: str, fin=64, fout=48, **block) -> MXLinear:
+    """``recipe``'s block-scaled linear with ``recipe.fp8.block`` fields ``block`` replaced."""
+    fields = block
+    spec = CATALOG[recipe].with_fields("fp8.block", **fields).fp8 if fields else CATALOG[recipe].fp8
     torch.manual_seed(0)
-    lin = MXLinear(fin, fout, False, MXConfig.from_spec(spec))
+    lin = MXLinear(fin, fout, False, mx_config(spec))
     lin.init_buffers(torch.Generator().manual_seed(1))
     return lin
 
@@ -97,14 +99,15 @@ def test_precision_switch_runs_the_high_precision_linear():
 @pytest.mark.parametrize(
     "variant, field, value",
     [
-        ("nvfp4_no_rht", "rht_size", 0),
-        ("nvfp4_no_2d", "weight_scaling_2d", False),
-        ("nvfp4_no_sr", "grad_rounding", "nearest"),
-        ("nvfp4_no_hp", "hp_last_blocks", 0),
+        ("nvfp4_no_rht", "block.rht_size", 0),
+        ("nvfp4_no_2d", "block.weight_scaling_2d", False),
+        ("nvfp4_no_sr", "block.grad_rounding", "nearest"),
+        ("nvfp4_no_hp", "layers.hp_last_blocks", 0),
     ],
 )
 def test_each_ablation_variant_is_nvfp4_with_one_override(variant, field, value):
-    assert CATALOG["nvfp4"].with_fields("fp8", **{field: value}).hash() == CATALOG[variant].hash()
+    group, _, name = field.partition(".")
+    assert CATALOG["nvfp4"].with_fields(f"fp8.{group}", **{name: value}).hash() == CATALOG[variant].hash()
 
 
 def test_precision_switch_at_a_fraction_of_the_run(token_data):
@@ -115,7 +118,7 @@ def test_precision_switch_at_a_fraction_of_the_run(token_data):
     from lowprec.train.loop import run_training
     from lowprec.train.spec import TrainSpec
 
-    recipe = CATALOG["nvfp4"].with_fields("fp8", precision_switch_at=0.5)
+    recipe = CATALOG["nvfp4"].with_fields("fp8.block", precision_switch_at=0.5)
     spec = TrainSpec(steps=4, batch_size=2, seq_len=64, warmup_steps=1, val_every=0, val_batches=1,
                      timing_warmup_steps=1, telemetry_every=0, progress=False)  # fmt: skip
     b = build(recipe, model_args("debug"), spec, OptimHParams(), 0, torch.device("cpu"))

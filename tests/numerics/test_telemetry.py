@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8 import Float8Linear, linear_config
 from lowprec.measure.telemetry import FP8Telemetry
-from lowprec.recipe import Float8Spec
+from lowprec.recipe import CastSpec, Float8Spec
 
 
 def _model(strategy="current"):
     torch.manual_seed(0)
-    spec = Float8Spec(backend="lowprec", scaling="tensorwise", strategy=strategy, fp8_format="hybrid")
+    spec = Float8Spec(backend="lowprec", scaling="tensorwise", cast=CastSpec(strategy=strategy, fp8_format="hybrid"))
     m = torch.nn.Sequential()
-    m.add_module("proj", Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), LinearFP8Config.from_spec(spec)))
+    m.add_module("proj", Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), linear_config(spec)))
     m.proj.init_buffers()
     return m
 

@@ -20,7 +20,12 @@ def bench():
 
 def test_peers_are_torchaos_recipes_beside_lowprecs(bench):
     recipe, swap = bench.resolve("torchao_rowwise")
-    assert (recipe.fp8.backend, recipe.fp8.scaling, recipe.fp8.fp8_format, swap) == ("torchao", "rowwise", "e4m3", None)
+    assert (recipe.fp8.backend, recipe.fp8.scaling, recipe.fp8.cast.fp8_format, swap) == (
+        "torchao",
+        "rowwise",
+        "e4m3",
+        None,
+    )
     fp8_backend("torchao").validate(recipe.fp8)  # a recipe torchao's backend accepts
     for name, triton in (("torchao_blockwise", False), ("torchao_blockwise_triton", True)):
         recipe, swap = bench.resolve(name)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.float8 import Float8Linear, LinearFP8Config
+from lowprec.float8 import Float8Linear, linear_config
 from lowprec.kernels import KernelPolicy
 from lowprec.measure.spikes import OnlineSpikes, SpikeRule, scan_spikes
-from lowprec.recipe import Float8Spec
+from lowprec.recipe import CastSpec, Float8Spec
 from lowprec.train.data_position import DataPosition
 from lowprec.train.fp8_fallback import FP8Health
 from lowprec.train.health import HealthMonitor
@@ -172,9 +172,9 @@ def test_monitor_state_round_trips_through_a_checkpoint_dict():
 
 
 def _fp8_model():
-    spec = Float8Spec(backend="lowprec", scaling="tensorwise", strategy="delayed", fp8_format="hybrid")
+    spec = Float8Spec(backend="lowprec", scaling="tensorwise", cast=CastSpec(strategy="delayed", fp8_format="hybrid"))
     model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
-    cfg = LinearFP8Config.from_spec(spec)
+    cfg = linear_config(spec)
     for i in range(2):
         model[i] = Float8Linear.from_linear(model[i], cfg)
     return model

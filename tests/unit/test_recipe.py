@@ -60,23 +60,30 @@ def test_hash_ignores_name_but_not_numerics():
         ({"fp8": {"backend": "transformer_engine"}}, ["recipe.fp8.backend"]),
         ({"fp8": {"backend": "torchao", "scaling": "blockwise"}}, ["recipe.fp8.scaling"]),
         (
-            {"fp8": {"backend": "lowprec", "strategy": "delayed", "scaling": "rowwise"}},
-            ["recipe.fp8.strategy", "recipe.fp8.scaling"],
+            {"fp8": {"backend": "lowprec", "cast": {"strategy": "delayed"}, "scaling": "rowwise"}},
+            ["recipe.fp8.cast.strategy", "recipe.fp8.scaling"],
         ),
-        ({"fp8": {"backend": "torchao", "scaling": "rowwise"}}, ["recipe.fp8.fp8_format", "recipe.fp8.backend"]),
+        ({"fp8": {"backend": "torchao", "scaling": "rowwise"}}, ["recipe.fp8.cast.fp8_format", "recipe.fp8.backend"]),
         (
-            {"fp8": {"backend": "lowprec", "scaling": "blockwise", "promotion_interval": 256}},
-            ["recipe.fp8.promotion_interval"],
+            {"fp8": {"backend": "lowprec", "scaling": "blockwise", "gemm": {"promotion_interval": 256}}},
+            ["recipe.fp8.gemm.promotion_interval"],
         ),
-        ({"fp8": {"backend": "torchao", "cache_fp8_activations": True}}, ["recipe.fp8.cache_fp8_activations"]),
+        (
+            {"fp8": {"backend": "torchao", "saved": {"cache_fp8_activations": True}}},
+            ["recipe.fp8.saved.cache_fp8_activations"],
+        ),
         ({"fp8": {"scalling": "rowwise"}}, ["fp8.scalling"]),
         ({"colour": "red"}, ["colour"]),
     ],
 )
 def test_invalid_recipes_name_the_conflicting_fields(patch, words):
-    d = get_recipe("bf16").to_dict()
-    for k, v in patch.items():
-        d[k] = {**d[k], **v} if isinstance(v, dict) and k in d else v
+    def merge(base: dict, patch: dict) -> dict:
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        return out
+
+    d = merge(get_recipe("bf16").to_dict(), patch)
     with pytest.raises(RecipeError) as e:
         check_recipe(Recipe.from_dict(d))  # its own checks at construction, the backend registry's where it is built
     for w in words:

@@ -13,8 +13,8 @@ import torch
 
 from lowprec.backends import check_fp8, check_recipe, fp8_backend, fp8_backends, short_str
 from lowprec.errors import RecipeError
-from lowprec.float8 import LinearFP8Config
-from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, OptimSpec, Recipe, WeightSpec, spec_field
+from lowprec.float8 import linear_config
+from lowprec.recipe import CommSpec, ComputeSpec, Float8Spec, GemmSpec, OptimSpec, Recipe, WeightSpec, spec_field
 
 DATA = Path(__file__).parent / "data"
 
@@ -69,6 +69,27 @@ OLD_HASH_OMITS = {
 #: Fields added since, with their defaults: torchao's alone, omitted from the hash at their default.
 ADDED_TORCHAO_ONLY = {"pad_inner_dim": False}
 
+#: The group each FP8 field went to when they were grouped by role (``recipe.fp8.<group>.<field>``), written out
+#: here so the tables above, keyed by the flat names, can be compared with the derived ones, keyed by path.
+GROUP_OF = {
+    **dict.fromkeys(
+        ("strategy", "fp8_format", "amax_history_len", "amax_compute_algo", "margin", "static_scales"), "cast"
+    ),
+    **dict.fromkeys(("power_of_2_scales", "amax_floor", "grad_output_granularity"), "cast"),
+    **dict.fromkeys(("gemm_backend", "promotion_interval", "accum_mantissa_bits", "accum_rounding"), "gemm"),
+    **dict.fromkeys(("accum_group", "promotion", "pad_inner_dim"), "gemm"),
+    **dict.fromkeys(("cache_fp8_activations", "e5m6_inputs", "swiglu_cache"), "saved"),
+    **dict.fromkeys(("keep_hp_fqns", "hp_first_blocks", "hp_last_blocks", "min_features"), "layers"),
+    **dict.fromkeys(OLD_BLOCK_FIELDS, "block"),
+}
+
+
+def _paths(table):
+    """``table`` (a dict or tuple keyed by flat FP8 field names) keyed by the fields' paths (``cast.strategy``)."""
+    if isinstance(table, dict):
+        return {f"{GROUP_OF[k]}.{k}": v for k, v in table.items()}
+    return tuple(f"{GROUP_OF[k]}.{k}" for k in table)
+
 
 def test_every_catalog_recipe_keeps_its_hash_and_short_name():
     from lowprec.recipes import CATALOG
@@ -84,26 +105,30 @@ def test_spec_variants_keep_their_hash_and_short_name():
     """Specs outside the catalog that set every short-name token, in combinations that fix the tokens' order."""
     pinned = json.loads((DATA / "fp8_spec_variant_identity.json").read_text())
     for name, want in pinned.items():
-        r = check_recipe(Recipe(name=name, compute=ComputeSpec(autocast_dtype="bf16"), fp8=Float8Spec(**want["spec"])))
+        # pinned in the flat form of the fields before they were grouped: read as an old record is
+        fp8 = Float8Spec.from_dict(want["spec"])
+        r = check_recipe(Recipe(name=name, compute=ComputeSpec(autocast_dtype="bf16"), fp8=fp8))
         assert (r.hash(), short_str(r)) == (want["hash"], want["short"]), name
 
 
 def test_derived_refusal_tables_equal_the_hand_written_ones():
     from lowprec.recipe import BLOCK_FIELDS, unimplemented_fields
 
-    assert unimplemented_fields(Float8Spec, "torchao") == OLD_LOWPREC_ONLY
-    assert unimplemented_fields(Float8Spec, "te") == {**OLD_LOWPREC_ONLY, **ADDED_TORCHAO_ONLY}
-    assert unimplemented_fields(Float8Spec, "mx") == {**OLD_MX_FP8_ONLY, **ADDED_TORCHAO_ONLY}
-    assert unimplemented_fields(Float8Spec, "lowprec") == ADDED_TORCHAO_ONLY
-    assert BLOCK_FIELDS == OLD_BLOCK_FIELDS
-    assert {n: b.block_fields for n, b in fp8_backends().items()} == OLD_BACKEND_BLOCK_FIELDS
+    assert unimplemented_fields(Float8Spec, "torchao") == _paths(OLD_LOWPREC_ONLY)
+    assert unimplemented_fields(Float8Spec, "te") == _paths({**OLD_LOWPREC_ONLY, **ADDED_TORCHAO_ONLY})
+    assert unimplemented_fields(Float8Spec, "mx") == _paths({**OLD_MX_FP8_ONLY, **ADDED_TORCHAO_ONLY})
+    assert unimplemented_fields(Float8Spec, "lowprec") == _paths(ADDED_TORCHAO_ONLY)
+    assert BLOCK_FIELDS == _paths(OLD_BLOCK_FIELDS)
+    assert {n: b.block_fields for n, b in fp8_backends().items()} == {
+        n: _paths(f) for n, f in OLD_BACKEND_BLOCK_FIELDS.items()
+    }
 
 
 def test_derived_hash_omissions_equal_the_hand_written_ones():
     from lowprec.recipe import hash_omits
 
     omits = {g: hash_omits(c) for g, c in (("fp8", Float8Spec), ("compute", ComputeSpec))}
-    assert omits == {**OLD_HASH_OMITS, "fp8": {**OLD_HASH_OMITS["fp8"], **ADDED_TORCHAO_ONLY}}
+    assert omits == {**OLD_HASH_OMITS, "fp8": _paths({**OLD_HASH_OMITS["fp8"], **ADDED_TORCHAO_ONLY})}
     assert hash_omits(WeightSpec) == hash_omits(OptimSpec) == hash_omits(CommSpec) == {}
 
 
@@ -112,7 +137,7 @@ def test_amax_eps_is_one_value():
     from lowprec.numerics.formats import AMAX_EPS
     from lowprec.recipe import AMAX_EPS as RECIPE_AMAX_EPS
 
-    assert RECIPE_AMAX_EPS == AMAX_EPS == Float8Spec().amax_floor == LinearFP8Config.from_spec(Float8Spec()).amax_floor
+    assert RECIPE_AMAX_EPS == AMAX_EPS == Float8Spec().cast.amax_floor == linear_config(Float8Spec()).cast.amax_floor
 
 
 @pytest.mark.parametrize(
@@ -120,10 +145,10 @@ def test_amax_eps_is_one_value():
     [
         ("weights", "update_rounding", "up"),
         ("compute", "reduction_order", "random"),
-        ("fp8", "strategy", "dynamic"),
-        ("fp8", "grad_output_granularity", "tile1x64"),
-        ("fp8", "accum_rounding", "ceil"),
-        ("fp8", "mx_scale_mode", "even"),
+        ("fp8.cast", "strategy", "dynamic"),
+        ("fp8.cast", "grad_output_granularity", "tile1x64"),
+        ("fp8.gemm", "accum_rounding", "ceil"),
+        ("fp8.block", "mx_scale_mode", "even"),
         ("comm", "grad_reduce", "fp16"),
     ],
 )
@@ -168,16 +193,29 @@ def test_spec_field_refuses_a_default_outside_its_choices_and_a_block_field_with
 @pytest.mark.parametrize(
     ("backend", "scaling", "field", "value", "needle"),
     [
-        ("torchao", "tensorwise", "accum_mantissa_bits", 13, "recipe.fp8.accum_mantissa_bits is a lowprec FP8 option"),
-        ("te", "tensorwise", "swiglu_cache", "fp8", "recipe.fp8.swiglu_cache is a lowprec FP8 option"),
+        (
+            "torchao",
+            "tensorwise",
+            "accum_mantissa_bits",
+            13,
+            "recipe.fp8.gemm.accum_mantissa_bits is a lowprec FP8 option",
+        ),
+        ("te", "tensorwise", "swiglu_cache", "fp8", "recipe.fp8.saved.swiglu_cache is a lowprec FP8 option"),
         ("mx", "mxfp8", "power_of_2_scales", True, "an option of the per-tensor FP8 linear (backend=lowprec)"),
-        ("torchao", "tensorwise", "rht_size", 16, "recipe.fp8.rht_size=16 has no effect with recipe.fp8.backend="),
+        (
+            "torchao",
+            "tensorwise",
+            "rht_size",
+            16,
+            "recipe.fp8.block.rht_size=16 has no effect with recipe.fp8.backend=",
+        ),
         ("te", "tensorwise", "precision_switch_at", 0.5, "(a block-scaling field)"),
         ("lowprec", "tensorwise", "mx_scale_mode", "floor", "(a block-scaling field)"),
     ],
 )
 def test_backends_refuse_the_fields_they_do_not_implement(backend, scaling, field, value, needle):
-    spec = Float8Spec(backend=backend, scaling=scaling, **{field: value})
+    group = GROUP_OF[field]
+    spec = Float8Spec.from_dict({"backend": backend, "scaling": scaling, group: {field: value}})
     with pytest.raises(RecipeError) as e:
         check_fp8(spec)
     assert needle in str(e.value) and "\n" not in str(e.value)
@@ -192,9 +230,9 @@ def _torchao_model(spec: Float8Spec) -> torch.nn.Module:
 def test_pad_inner_dim_reaches_torchao_and_is_named_and_refused_elsewhere():
     """A field added with its metadata alone: torchao's linear gets it, the short name shows it, the hash of a recipe
     without it is unchanged, and every backend that does not implement it refuses it in one line."""
-    padded = Float8Spec(backend="torchao", pad_inner_dim=True)
+    padded = Float8Spec(backend="torchao", gemm=GemmSpec(pad_inner_dim=True))
     plain = Recipe(name="p", fp8=Float8Spec(backend="torchao"))
-    r = check_recipe(plain.with_fields("fp8", pad_inner_dim=True))
+    r = check_recipe(plain.with_fields("fp8.gemm", pad_inner_dim=True))
     assert short_str(r).endswith("fp8=torchao:tensorwise+pad opt=param") and r.hash() != plain.hash()
     assert plain.hash() == Recipe(name="p", fp8=Float8Spec(backend="torchao")).hash()
 
@@ -211,13 +249,13 @@ def test_pad_inner_dim_reaches_torchao_and_is_named_and_refused_elsewhere():
         (
             "lowprec",
             "tensorwise",
-            "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only; it conflicts "
+            "recipe.fp8.gemm.pad_inner_dim is implemented by backend in ['torchao'] only; it conflicts "
             "with recipe.fp8.backend='lowprec' (use backend=torchao)",
         ),
-        ("te", "tensorwise", "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only"),
-        ("mx", "mxfp8", "recipe.fp8.pad_inner_dim is implemented by backend in ['torchao'] only"),
-        ("none", "tensorwise", "recipe.fp8.pad_inner_dim=True has no effect with recipe.fp8.backend='none'"),
+        ("te", "tensorwise", "recipe.fp8.gemm.pad_inner_dim is implemented by backend in ['torchao'] only"),
+        ("mx", "mxfp8", "recipe.fp8.gemm.pad_inner_dim is implemented by backend in ['torchao'] only"),
+        ("none", "tensorwise", "recipe.fp8.gemm.pad_inner_dim=True has no effect with recipe.fp8.backend='none'"),
     ]:
         with pytest.raises(RecipeError) as e:
-            check_fp8(Float8Spec(backend=backend, scaling=scaling, pad_inner_dim=True))
+            check_fp8(Float8Spec(backend=backend, scaling=scaling, gemm=GemmSpec(pad_inner_dim=True)))
         assert str(e.value).startswith(needle), (backend, str(e.value))
