@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from lowprec.float8.config import LinearFP8Config  # noqa: E402
+from lowprec.float8.config import linear_config  # noqa: E402
 from lowprec.float8.linear import Float8Linear  # noqa: E402
 from lowprec.kernels import cpu_model  # noqa: E402
 from lowprec.recipes import get_recipe  # noqa: E402
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     for name in a.recipes.split(","):
         for fused in (False, True):
             mod = Float8Linear.from_linear(
-                torch.nn.Linear(a.dim, a.dim, bias=False), LinearFP8Config.from_spec(get_recipe(name).fp8)
+                torch.nn.Linear(a.dim, a.dim, bias=False), linear_config(get_recipe(name).fp8)
             )
             mod.fused_casts = fused
             us = host_us(mod, x, a.reps)

@@ -29,23 +29,30 @@ import time
 import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-from lowprec.float8 import Float8Linear, LinearFP8Config
-from lowprec.float8.mx_linear import MXConfig, MXLinear
+from lowprec.float8 import Float8Linear, linear_config
+from lowprec.float8.mx_linear import MXLinear, mx_config
 from lowprec.kernels import cpu_model
 from lowprec.kernels.fused_casts import fused_quantize_operand
 from lowprec.kernels.fused_mx_casts import fused_quantize_mx, fused_quantize_nvfp4
 from lowprec.numerics.formats import E4M3
 from lowprec.numerics.microscaling import quantize_mx, quantize_nvfp4
 from lowprec.numerics.scaling import quantize_operand
-from lowprec.recipe import Float8Spec
+from lowprec.recipe import CastSpec, Float8Spec, SavedSpec
 
 LOWPREC = {
-    "current tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", fp8_format="hybrid"),
-    "delayed tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", strategy="delayed", fp8_format="hybrid"),
-    "rowwise": Float8Spec(backend="lowprec", scaling="rowwise", fp8_format="e4m3", power_of_2_scales=True),
-    "blockwise": Float8Spec(backend="lowprec", scaling="blockwise", fp8_format="e4m3"),
+    "current tensorwise": Float8Spec(backend="lowprec", scaling="tensorwise", cast=CastSpec(fp8_format="hybrid")),
+    "delayed tensorwise": Float8Spec(
+        backend="lowprec", scaling="tensorwise", cast=CastSpec(strategy="delayed", fp8_format="hybrid")
+    ),
+    "rowwise": Float8Spec(
+        backend="lowprec", scaling="rowwise", cast=CastSpec(fp8_format="e4m3", power_of_2_scales=True)
+    ),
+    "blockwise": Float8Spec(backend="lowprec", scaling="blockwise", cast=CastSpec(fp8_format="e4m3")),
     "blockwise + fp8 cache": Float8Spec(
-        backend="lowprec", scaling="blockwise", fp8_format="e4m3", cache_fp8_activations=True
+        backend="lowprec",
+        scaling="blockwise",
+        cast=CastSpec(fp8_format="e4m3"),
+        saved=SavedSpec(cache_fp8_activations=True),
     ),
 }
 
@@ -109,13 +116,13 @@ def main() -> None:
         convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
         fns[f"torchao {recipe}"] = fwd_bwd(m[0], x, g, False)
     for name, spec in LOWPREC.items():
-        mod = Float8Linear.from_linear(copy.deepcopy(base), LinearFP8Config.from_spec(spec))
+        mod = Float8Linear.from_linear(copy.deepcopy(base), linear_config(spec))
         mod.init_buffers()
         fns[f"lowprec {name}"] = fwd_bwd(mod, x, g, False)
     for name in ("mxfp8", "nvfp4"):
         from lowprec.recipes import get_recipe
 
-        mod = MXLinear.from_linear(copy.deepcopy(base), MXConfig.from_spec(get_recipe(name).fp8))
+        mod = MXLinear.from_linear(copy.deepcopy(base), mx_config(get_recipe(name).fp8))
         mod.init_buffers(torch.Generator().manual_seed(0))
         fns[f"lowprec mx {name}"] = fwd_bwd(mod, x, g, True)
     t = timeit(fns, a.reps)
@@ -134,7 +141,7 @@ def main() -> None:
 
     print("\n3. bytes saved for backward")
     for name in ("blockwise", "blockwise + fp8 cache"):
-        mod = Float8Linear.from_linear(copy.deepcopy(base), LinearFP8Config.from_spec(LOWPREC[name]))
+        mod = Float8Linear.from_linear(copy.deepcopy(base), linear_config(LOWPREC[name]))
         b = saved_bytes(lambda: mod(x.detach().requires_grad_()).sum(), mod)
         print(f"   one linear ({a.tokens} x {a.dim} fp32 input), lowprec {name:<22} {b / 2**20:8.2f} MiB")
     model_saved()
@@ -188,7 +195,7 @@ def model_saved() -> None:
     base = get_recipe("fp8_blockwise")
     out = {}
     for label, cache in (("without FP8 cache", False), ("with FP8 cache", True)):
-        recipe = replace(base, fp8=replace(base.fp8, cache_fp8_activations=cache))
+        recipe = replace(base, fp8=replace(base.fp8, saved=replace(base.fp8.saved, cache_fp8_activations=cache)))
         built = build(recipe, model_args("tiny"), spec, OptimHParams(), 0, torch.device("cpu"))
 
         def step():

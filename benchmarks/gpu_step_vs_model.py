@@ -84,7 +84,11 @@ def resolve(name: str):
     recipe = get_recipe(base)
     if name == "torchao_rowwise":
         return dataclasses.replace(
-            recipe, name=name, fp8=dataclasses.replace(recipe.fp8, scaling="rowwise", fp8_format="e4m3")
+            recipe,
+            name=name,
+            fp8=dataclasses.replace(
+                recipe.fp8, scaling="rowwise", cast=dataclasses.replace(recipe.fp8.cast, fp8_format="e4m3")
+            ),
         ), None
     return dataclasses.replace(recipe, name=name), name.endswith("_triton")
 
