@@ -32,7 +32,7 @@ FP8_RECIPES = [n for n, r in CATALOG.items() if r.fp8.enabled and r.fp8.backend 
 
 def _hp_blocks(name: str) -> int:
     f = CATALOG[name].fp8
-    return f.hp_first_blocks + f.hp_last_blocks
+    return f.layers.hp_first_blocks + f.layers.hp_last_blocks
 
 
 def _traced_step_key(name: str):
@@ -63,9 +63,9 @@ def test_the_catalog_has_every_kind_of_fp8_step():
     specs = [CATALOG[n].fp8 for n in REPRESENTATIVES]
     assert {s.backend for s in specs} >= {"lowprec", "torchao", "mx"}
     assert {s.scaling for s in specs} >= {"tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"}
-    assert any(s.cache_fp8_activations for s in specs) and any(s.e5m6_inputs for s in specs)
-    assert any(s.swiglu_cache == "fp8" for s in specs) and any(s.strategy == "delayed" for s in specs)
-    assert any(s.grad_output_granularity == "block128x128" for s in specs)
+    assert any(s.saved.cache_fp8_activations for s in specs) and any(s.saved.e5m6_inputs for s in specs)
+    assert any(s.saved.swiglu_cache == "fp8" for s in specs) and any(s.cast.strategy == "delayed" for s in specs)
+    assert any(s.cast.grad_output_granularity == "block128x128" for s in specs)
     assert sum(len(v) for v in REPRESENTATIVES.values()) == len(FP8_RECIPES)
 
 

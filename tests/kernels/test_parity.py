@@ -28,7 +28,9 @@ def _kernel_key(r) -> tuple:
     (``strategy``, ``amax_floor``, ``power_of_2_scales``, history, static scales) and what is saved for backward
     (``cache_fp8_activations``, ``e5m6_inputs``, ``swiglu_cache``: casts and elementwise recomputes, no GEMM)."""
     f = r.fp8
-    scaling = (f.scaling, f.grad_output_granularity, f.fp8_format, f.promotion_interval) if f.enabled else None
+    scaling = (
+        (f.scaling, f.cast.grad_output_granularity, f.cast.fp8_format, f.gemm.promotion_interval) if f.enabled else None
+    )
     return r.compute.autocast_dtype, r.weights.param_dtype, f.backend, scaling
 
 

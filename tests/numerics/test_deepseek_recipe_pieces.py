@@ -167,10 +167,10 @@ def test_deepseek_v3_build_swaps_swiglu_and_keeps_wo_inputs_in_e5m6():
 def test_e5m6_of_a_layer_without_such_activation_and_swiglu_cache_without_swiglu_are_refused():
     spec = get_recipe("deepseek_v3").fp8
     with pytest.raises(RecipeError, match=r"\['attention.wk9'\] match no FP8 linear"):
-        convert_fp8(_llama(), replace(spec, e5m6_inputs=("attention.wo", "attention.wk9")))
+        convert_fp8(_llama(), replace(spec, saved=replace(spec.saved, e5m6_inputs=("attention.wo", "attention.wk9"))))
     toy = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))
     with pytest.raises(RecipeError, match="has no SwiGLU"):
-        convert_fp8(toy, replace(spec, e5m6_inputs=()))
+        convert_fp8(toy, replace(spec, saved=replace(spec.saved, e5m6_inputs=())))
 
 
 # ---- accumulation and gradient granularity (3.3.2, B.2) -------------------------------------------------------------

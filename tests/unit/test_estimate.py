@@ -22,7 +22,7 @@ from lowprec.estimate.hardware import HARDWARE, get_hardware
 from lowprec.measure.accounting import measure_state_bytes
 from lowprec.measure.saved_tensors import measure_fp8_scaling_bytes, measure_saved_bytes
 from lowprec.model import model_args
-from lowprec.recipe import CommSpec, OptimSpec
+from lowprec.recipe import CommSpec, OptimSpec, SavedSpec
 from lowprec.recipes import CATALOG, get_recipe
 from lowprec.train.build import build
 from lowprec.train.loop import train_step
@@ -140,7 +140,7 @@ def test_fp8_activation_cache_saves_memory_in_the_prediction():
     cached = predict_saved_activations(args, get_recipe("fp8_blockwise"), 8, 256, "cpu")
     plain = predict_saved_activations(
         args,
-        replace(get_recipe("fp8_blockwise"), fp8=replace(get_recipe("fp8_blockwise").fp8, cache_fp8_activations=False)),
+        replace(get_recipe("fp8_blockwise"), fp8=replace(get_recipe("fp8_blockwise").fp8, saved=SavedSpec())),
         8,
         256,
         "cpu",
