@@ -51,7 +51,20 @@ def _losses(client, run) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGUSR1"])
+def _assert_stopped_with_checkpoint(client, run, sig: str, step: int, err: str) -> None:
+    """``run`` was stopped by ``sig`` after ``step`` (the step in flight completed), is KILLED in MLflow with the
+    reason, and its verified checkpoint at ``step + 1`` is the one ``err`` tells the user to resume from."""
+    assert run.info.status == "KILLED" and run.info.end_time is not None
+    tags = run.data.tags
+    ckpt = tags["resume_checkpoint"]
+    assert tags["stopped_by"] == sig and tags["stopped_after_step"] == str(step) and ckpt.endswith(f"/step_{step + 1}")
+    assert tags["failure_reason"] == f"stopped by {sig} after step {step}; checkpoint {ckpt}"
+    assert f"lowprec train: stopped by {sig} after step {step}" in err and f"resume={ckpt}" in err
+    assert verify(ckpt) and sorted(_losses(client, run)) == list(range(step + 1))
+
+
+# SIGTERM's case is the stopped run of the bit-for-bit test below, which trains that configuration anyway
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGUSR1"])
 def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_signal(
     sig, stored_run_dirs, tmp_path, capsys, own_handlers
 ):
@@ -59,24 +72,21 @@ def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_sign
     with injected(f"signal_at_step=3,signal={sig}"):
         rc = main(args)
     assert rc == 128 + signal.Signals[sig]
-    err = capsys.readouterr().err
     client, (run,) = _runs(tmp_path)
-    assert run.info.status == "KILLED" and run.info.end_time is not None
-    tags = run.data.tags
-    ckpt = tags["resume_checkpoint"]
-    assert tags["stopped_by"] == sig and tags["stopped_after_step"] == "3" and ckpt.endswith("/step_4")
-    assert tags["failure_reason"] == f"stopped by {sig} after step 3; checkpoint {ckpt}"
-    assert f"lowprec train: stopped by {sig} after step 3" in err and f"resume={ckpt}" in err
-    assert verify(ckpt) and sorted(_losses(client, run)) == [0, 1, 2, 3]  # the step in flight was completed
+    _assert_stopped_with_checkpoint(client, run, sig, 3, capsys.readouterr().err)
 
 
-def test_the_resumed_run_continues_the_stopped_one_bit_for_bit(stored_run_dirs, tmp_path, own_handlers):
+def test_a_sigterm_stopped_run_checkpoints_and_its_resume_continues_it_bit_for_bit(
+    stored_run_dirs, tmp_path, capsys, own_handlers
+):
     args = ["train", *RUN, "train.steps=7", *stored_run_dirs]
     assert main(args) == 0  # uninterrupted
     clear_stop()
+    capsys.readouterr()
     with injected("signal_at_step=2"):
         assert main([*args, "train.checkpoint_on_signal=true"]) == 143
     client, (full, stopped) = _runs(tmp_path)
+    _assert_stopped_with_checkpoint(client, stopped, "SIGTERM", 2, capsys.readouterr().err)
     clear_stop()
     assert main([*args, f"resume={stopped.data.tags['resume_checkpoint']}"]) == 0
     _, (_, _, resumed) = _runs(tmp_path)
