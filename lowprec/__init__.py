@@ -21,7 +21,9 @@ Model and training
     ``MetricSink``: the protocol a metrics destination implements (``log_metrics(metrics, step)``).
 FP8
     ``Float8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 as its ``LinearFP8Config`` says.
-    ``LinearFP8Config``: per-role (input, weight, grad_output) formats and scalings of a ``Float8Linear``.
+    ``LinearFP8Config``: per-role (input, weight, grad_output) formats and scalings of a ``Float8Linear``, with the
+    recipe's ``cast`` and ``gemm`` groups as they are.
+    ``linear_config``: the ``LinearFP8Config`` of one linear under a recipe's ``Float8Spec`` (``recipe.fp8``).
     ``convert_fp8``: swap a model's selected linears for FP8 linears of a recipe's ``Float8Spec``, in place.
 Estimates
     ``estimate``: the estimator package; ``lowprec.estimate.estimate(...)`` predicts a recipe's memory and step time
@@ -59,6 +61,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "MetricSink": ("lowprec.train.loop", "MetricSink"),
     "Float8Linear": ("lowprec.float8", "Float8Linear"),
     "LinearFP8Config": ("lowprec.float8", "LinearFP8Config"),
+    "linear_config": ("lowprec.float8", "linear_config"),
     "convert_fp8": ("lowprec.convert", "convert_fp8"),
     "estimate": ("lowprec.estimate", None),
     "UserError": ("lowprec.errors", "UserError"),
@@ -86,6 +89,7 @@ __all__ = [
     "convert_fp8",
     "estimate",
     "get_recipe",
+    "linear_config",
     "model_args",
     "recipe_names",
     "run_training",
@@ -98,7 +102,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only: at run time every name is 
     from lowprec.data.errors import DataError
     from lowprec.data.loader import TokenBatches
     from lowprec.errors import CheckpointError, ConfigError, RecipeError, UserError
-    from lowprec.float8 import Float8Linear, LinearFP8Config
+    from lowprec.float8 import Float8Linear, LinearFP8Config, linear_config
     from lowprec.model import ModelArgs, model_args
     from lowprec.recipe import Recipe
     from lowprec.recipes.catalog import get_recipe, recipe_names

@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, ...]] = [
     # The recipe: a pure value (the standard library, torch dtypes, lowprec.errors; test_lowprec_cycles.py).
     ("lowprec.recipe",),
     ("lowprec.numerics", "lowprec.kernels", "lowprec.model", "lowprec.data", "lowprec.storage"),
-    # Mechanisms that know nothing of recipes: FP8 linear, optimizer components, measurement, collectives.
+    # Mechanisms: FP8 linear (it reads the recipe's FP8 groups as they are, and no other part of a recipe), optimizer
+    # components, measurement, collectives.
     ("lowprec.float8", "lowprec.optim", "lowprec.measure", "lowprec.parallel"),
     # One object per FP8 backend / optimizer implementation, built on the mechanisms above; the recipe checks
     # that need one (lowprec.backends.check).
