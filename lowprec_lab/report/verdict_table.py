@@ -275,34 +275,9 @@ def build_table(
     predicted = predicted or {}
     ctrl_runs = sorted((r for r in runs if r.recipe == control), key=lambda r: r.seed)
     ctrl_ok = [r for r in ctrl_runs if r.comparable and _finite(r.metrics.get("final_val_loss"))]
-    control_values = {r.seed: r.metrics["final_val_loss"] for r in ctrl_ok}
     names = [n for n in order if n != control]
-    no_verdict = None
-    if not ctrl_runs:
-        no_verdict = f"the control {markdown.code(control)} has no run in this ablation"
-    elif not ctrl_ok:
-        no_verdict = f"every run of the control {markdown.code(control)} failed, so no recipe has a seed to pair with"
-    elif not names:
-        no_verdict = f"only the control {markdown.code(control)} ran: there is nothing to compare"
-    failures = tuple(
-        f"seed {r.seed}: "
-        + markdown.text(r.reason or ("effective recipe did not match" if r.status == "FINISHED" else r.status))
-        for r in ctrl_runs
-        if not r.comparable
-    )
-
     late_of = {r.run_id: late_val_loss(r.curves.get("val_loss", []), steps) for r in runs}
-    ok = [r for r in runs if r.comparable]
-    points = max((late_of[r.run_id][1] for r in ok), default=0)
-    late_reason = None
-    if not any(r.curves.get("val_loss") for r in ok):
-        late_reason = "no run has a per-step `val_loss` history in MLflow"
-    elif not any(late_of[r.run_id][0] is not None for r in ok):
-        late_reason = (
-            f"only {points} validation point(s) per run fall in the last quarter of the {steps} steps (after step "
-            f"{math.floor(LATE_FROM * steps)}), so its mean would repeat the final validation loss; validate more "
-            "often (`train.val_every`) to get it"
-        )
+    points, late_reason = _late_points(runs, late_of, steps)
     final_pairs = {n: _paired(runs, control, n, lambda r: r.metrics.get("final_val_loss")) for n in names}
     order_ = None
     if auto is None and (controls is not None or primary):
@@ -321,8 +296,7 @@ def build_table(
     ctrl_stab = _stability(runs, control)
     rows = []
     for n in names:
-        rs = [r for r in runs if r.recipe == n]
-        fin = [r for r in rs if r.comparable]
+        fin = [r for r in runs if r.recipe == n and r.comparable]
         stab = _stability(runs, n)
         srow = StabilityRow.of(stab)
         fv, lv = final_v.get(n), late_v.get(n)
@@ -332,7 +306,7 @@ def build_table(
         rows.append(
             RecipeRow(
                 recipe=n,
-                runs=len(rs),
+                runs=sum(r.recipe == n for r in runs),
                 finished=len(fin),
                 paired=tuple(final_pairs[n]),
                 final=fv,
@@ -355,11 +329,11 @@ def build_table(
         steps=steps,
         rows=rows,
         control_runs=len(ctrl_runs),
-        control_values=control_values,
-        no_verdict=no_verdict,
+        control_values={r.seed: r.metrics["final_val_loss"] for r in ctrl_ok},
+        no_verdict=_no_verdict(ctrl_runs, ctrl_ok, names, control),
         late_reason=late_reason,
         late_points=points,
-        control_failures=failures,
+        control_failures=_control_failures(ctrl_runs),
         control_stability=StabilityRow.of(ctrl_stab),
         stability_rules=tuple(sorted({r.stability_rule for r in judged if r.stability_rule})),
         predicted_hardware=next((p.hardware for p in predicted.values()), None),
@@ -370,6 +344,43 @@ def build_table(
         controls=controls,
         order=order_,
     )
+
+
+def _no_verdict(ctrl_runs: list, ctrl_ok: list, names: list[str], control: str) -> str | None:
+    """Why the table has no verdict at all (no control run, none comparable, nothing to compare), or None."""
+    if not ctrl_runs:
+        return f"the control {markdown.code(control)} has no run in this ablation"
+    if not ctrl_ok:
+        return f"every run of the control {markdown.code(control)} failed, so no recipe has a seed to pair with"
+    if not names:
+        return f"only the control {markdown.code(control)} ran: there is nothing to compare"
+    return None
+
+
+def _control_failures(ctrl_runs: list) -> tuple[str, ...]:
+    """One escaped line per control run that cannot be paired: its seed and why."""
+    return tuple(
+        f"seed {r.seed}: "
+        + markdown.text(r.reason or ("effective recipe did not match" if r.status == "FINISHED" else r.status))
+        for r in ctrl_runs
+        if not r.comparable
+    )
+
+
+def _late_points(runs: list, late_of: dict, steps: int) -> tuple[int, str | None]:
+    """The most validation points any comparable run has in the last quarter of ``steps``, and why the late-loss
+    column is left out (None: it is there): no per-step history, or too few late points to differ from the final."""
+    ok = [r for r in runs if r.comparable]
+    points = max((late_of[r.run_id][1] for r in ok), default=0)
+    if not any(r.curves.get("val_loss") for r in ok):
+        return points, "no run has a per-step `val_loss` history in MLflow"
+    if not any(late_of[r.run_id][0] is not None for r in ok):
+        return points, (
+            f"only {points} validation point(s) per run fall in the last quarter of the {steps} steps (after step "
+            f"{math.floor(LATE_FROM * steps)}), so its mean would repeat the final validation loss; validate more "
+            "often (`train.val_every`) to get it"
+        )
+    return points, None
 
 
 def _tested(vs: dict[str, Verdict]) -> int:
