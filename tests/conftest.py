@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
+import tempfile
 import warnings
 
 # One intra-op thread per test process (set before torch is imported; subprocesses and ranks inherit it). The
@@ -14,8 +18,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # in every test process that compiles: the compile tests took 13% less wall time on the 2-core EPYC.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# A new MLflow sqlite store, in this process and in every process a test starts, is a copy of the first one MLflow
+# made in this process (tests/startup/store_template.py): MLflow's ~50 migrations cost ~2 s of CPU per new store.
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+_TEMPLATE_DIR = tempfile.mkdtemp(prefix="lowprec-store-template-")
+atexit.register(shutil.rmtree, _TEMPLATE_DIR, ignore_errors=True)
+os.environ["LOWPREC_TEST_STORE_TEMPLATE"] = os.path.join(_TEMPLATE_DIR, "mlflow.db")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+sys.path.insert(0, _SITE)
+
 import pytest  # noqa: E402
+import store_template  # noqa: E402
 import torch  # noqa: E402
+
+store_template.install_hook()
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 warnings.filterwarnings("ignore")
@@ -35,6 +51,14 @@ def run_dirs(tmp_path):
     from store_dirs import dirs_under
 
     return dirs_under(tmp_path)
+
+
+@pytest.fixture
+def mlflow_makes_new_stores(monkeypatch):
+    """For a test whose claim is about making a new store (a race, a full disk, a log line): a new sqlite store, in
+    this process and in the processes the test starts, gets its tables from MLflow's own migrations instead of a
+    copy of the session's template (tests/startup/store_template.py)."""
+    monkeypatch.delenv(store_template.ENV)
 
 
 @pytest.fixture

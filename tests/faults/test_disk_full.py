@@ -240,7 +240,7 @@ def test_a_store_whose_file_system_turns_read_only_spools_the_run_in_one_line(ru
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
 
 
-def test_a_full_disk_when_the_store_is_created_is_one_line(run_dirs, tmp_path, capsys):
+def test_a_full_disk_when_the_store_is_created_is_one_line(run_dirs, tmp_path, capsys, mlflow_makes_new_stores):
     # a full disk in Tracker.__init__ (MLflow creating a new store's tables) was a traceback
     with full_store(first="CREATE TABLE") as state:
         assert main([*STORE_RUN, *run_dirs]) == 2

@@ -59,7 +59,7 @@ def test_torchrun_prints_no_omp_num_threads_banner(monkeypatch):
     assert torchrun_env()["OMP_NUM_THREADS"] == "3"  # a value the user set is kept
 
 
-def test_a_new_mlflow_store_prints_no_table_creation_log(tmp_path):
+def test_a_new_mlflow_store_prints_no_table_creation_log(tmp_path, mlflow_makes_new_stores):
     p = _python(f"""
         from lowprec_lab.tracking.tracker import make_tracker
         t = make_tracker("sqlite:///{tmp_path / "mlflow.db"}", "lowprec", "{tmp_path / "runs"}")

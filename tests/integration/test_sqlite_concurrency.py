@@ -21,7 +21,7 @@ WRITER = Path(__file__).with_name("sqlite_writer.py")
 WRITERS, RUNS, STEPS = 4, 3, 60
 
 
-def test_four_processes_writing_one_new_sqlite_store_at_once_lose_nothing(tmp_path):
+def test_four_processes_writing_one_new_sqlite_store_at_once_lose_nothing(tmp_path, mlflow_makes_new_stores):
     uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     names = [f"w{i}" for i in range(WRITERS)]
     procs = [
