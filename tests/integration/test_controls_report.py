@@ -40,12 +40,15 @@ def store(tmp_path_factory):
         # what preflight records on the parent run (Plan.params): the resolved names
         tracker.log_params(parent, {"controls": "True", "negative_control": NEG, "positive_control": POS})
     fabricate_ablation(tracker, "abl-off", _runs(TINY, WORSE), margin=0.0025)
-    return tracker, root
+    return tracker, root, {}
 
 
 def _report(store, abl: str) -> str:
-    tracker, root = store
-    return build_report(tracker, abl, root / "reports").read_text()
+    """``report.md`` of ``abl``, built once for the tests that only read it (a build draws every figure, ~4 s)."""
+    tracker, root, built = store
+    if abl not in built:
+        built[abl] = build_report(tracker, abl, root / "reports").read_text()
+    return built[abl]
 
 
 def _first_line(text: str) -> str:
@@ -88,7 +91,7 @@ def test_without_controls_the_first_line_says_so(store):
 
 
 def _table(store, abl: str, **kw):
-    tracker, _ = store
+    tracker = store[0]
     parent = tracker.client.search_runs(
         [tracker.experiment_id], f"tags.`lowprec.ablation_id` = '{abl}' and tags.`lowprec.kind` = 'ablation'"
     )[0]
@@ -128,9 +131,10 @@ def test_when_a_control_fails_no_recipe_verdict_is_tested_and_the_row_says_why(s
 
 
 def test_a_primary_tag_orders_the_report_and_a_tampered_one_is_refused(store):
-    tracker, root = store
+    tracker, root, built = store
     parent, _ = _table(store, "abl-pass")
     tracker.client.set_tag(parent.info.run_id, "primary", '["fp8_rowwise"]')
+    built.pop("abl-pass", None)  # the tag changes what the report says: built again, not read from the cache
     text = _report(store, "abl-pass")
     assert "then the primary comparison(s) fp8_rowwise (Holm among them)" in text
     for bad in ('["bf16"]', f'["{NEG}"]', '["nope"]', '"fp8_rowwise"', "[1]", "not json"):
@@ -138,3 +142,4 @@ def test_a_primary_tag_orders_the_report_and_a_tampered_one_is_refused(store):
         with pytest.raises(ReportError, match="primary tag is not a list of this ablation's recipes"):
             build_report(tracker, "abl-pass", root / "reports")
     tracker.client.delete_tag(parent.info.run_id, "primary")
+    built.pop("abl-pass", None)

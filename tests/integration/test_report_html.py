@@ -10,21 +10,15 @@ import shutil
 from html.parser import HTMLParser
 
 import pytest
-from fabricated_ablation import fabricate_ablation, main_runs
-from store_dirs import migrated_uri
 
-from lowprec_lab.report.build import build_report, report_figures
+from lowprec_lab.report.build import report_figures
 from lowprec_lab.report.html_check import CHROMIUM_PACKAGE, render
-from lowprec_lab.tracking.tracker import Tracker
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    """``report.md`` of a fabricated ablation with every verdict kind, built into a fresh folder."""
-    d = tmp_path_factory.mktemp("html")
-    tracker = Tracker(migrated_uri(d / "mlflow.db"), "lowprec", d)
-    fabricate_ablation(tracker, "abl-html", main_runs())
-    return build_report(tracker, "abl-html", d / "reports")
+def report(main_ablation):
+    """``report.md`` of a fabricated ablation with every verdict kind (the shared ``main_ablation``, built once)."""
+    return main_ablation.report
 
 
 class _Page(HTMLParser):
@@ -83,7 +77,7 @@ def test_the_report_renders_in_chromium_with_every_table_and_image(report, tmp_p
     shot = tmp_path / "report.png"
     page = render(alone, screenshot=shot)
     assert page.console_errors == [] and page.failed_requests == []
-    assert page.headings[:2] == ["Precision ablation abl-html", "Verdicts"]
+    assert page.headings[:2] == ["Precision ablation abl-main", "Verdicts"]
     # the compact verdict table first (five columns), the resolution under it, then the full one
     compact, resolution, verdict_headers = page.tables[:3]
     assert compact == ["recipe", "final val loss vs control [95% CI]", "verdict", "seeds needed", "stability"]

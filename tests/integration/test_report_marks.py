@@ -30,6 +30,20 @@ TELEMETRY = {
 }
 
 
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``workers -> (tracker, report.md text)``, each ablation fabricated and its report built once for the tests
+    that read it (a build draws every figure)."""
+    built: dict[int, tuple[Tracker, str]] = {}
+
+    def get(workers: int) -> tuple[Tracker, str]:
+        if workers not in built:
+            built[workers] = _report(tmp_path_factory.mktemp(f"marks{workers}"), workers)
+        return built[workers]
+
+    return get
+
+
 def _report(tmp_path, workers: int) -> tuple[Tracker, str]:
     tracker = Tracker(migrated_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
     parent = fabricate_ablation(tracker, ABL, RUNS)
@@ -50,8 +64,8 @@ def _row(text: str, recipe: str) -> str:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_throughput_measured_under_contention_is_marked_beside_the_number(tmp_path, workers):
-    _, text = _report(tmp_path, workers)
+def test_a_throughput_measured_under_contention_is_marked_beside_the_number(reports, workers):
+    _, text = reports(workers)
     ratio = f"{TOKENS_PER_S['fp8_delayed'] / TOKENS_PER_S['bf16']:.2f}x"
     if workers == 1:
         assert "contended" not in text and f" {ratio} |" in _row(text, "fp8_delayed")
@@ -61,8 +75,8 @@ def test_a_throughput_measured_under_contention_is_marked_beside_the_number(tmp_
     assert "## Throughput (contended: 2 runs at a time)" in text
 
 
-def test_step_0_of_delayed_scaling_is_left_out_of_the_telemetry_heatmap_and_explained(tmp_path):
-    tracker, text = _report(tmp_path, 1)
+def test_step_0_of_delayed_scaling_is_left_out_of_the_telemetry_heatmap_and_explained(reports):
+    tracker, text = reports(1)
     runs = {r.recipe: r for r in load_runs(tracker, find_ablation(tracker, ABL).info.run_id) if r.seed == 0}
     delayed, rowwise = runs["fp8_delayed"], runs["fp8_rowwise"]
     assert [s for s, _ in delayed.telemetry[f"{LAYER}/grad_output/underflow"]] == [50, 99]

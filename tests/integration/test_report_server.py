@@ -89,9 +89,8 @@ def test_lowprec_ui_serves_the_store_the_report_is_rebuilt_from_it_and_ctrl_c_st
         s.bind(("127.0.0.1", port))  # the server went with lowprec
 
 
-def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, capsys):
-    db = migrated_uri(tmp_path / "mlflow.db")
-    Tracker(db, "lowprec", tmp_path)  # an existing store (MLflow logs its creation to stderr)
+def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(main_ablation, tmp_path, capsys):
+    db = main_ablation.uri  # an existing store, holding other ablations
     capsys.readouterr()
     assert main(["report", "abl-nope", f"tracking.uri={db}", f"paths.reports={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -104,18 +103,9 @@ def test_report_of_an_unknown_id_or_an_unreachable_server_is_one_line(tmp_path, 
     assert time.monotonic() - t0 < 30  # not MLflow's minutes of retries
 
 
-@pytest.fixture(scope="module")
-def one_store(tmp_path_factory) -> str:
-    """A store holding one ablation, fabricated once for every bad id (each fabrication costs ~8 s)."""
-    where = tmp_path_factory.mktemp("store")
-    db = migrated_uri(where / "mlflow.db")
-    fabricate_ablation(Tracker(db, "lowprec", where), "abl-ok", main_runs())
-    return db
-
-
 @pytest.mark.parametrize("bad", ["../../escaped", "abl-x/../../y", "/tmp/abs", "x'y", "abl-a' or tags.x like '%", "é"])
-def test_report_refuses_an_id_that_is_not_an_ablation_id_before_using_it(one_store, tmp_path, capsys, bad):
-    db = one_store
+def test_report_refuses_an_id_that_is_not_an_ablation_id_before_using_it(main_ablation, tmp_path, capsys, bad):
+    db = main_ablation.uri  # a store holding an ablation (an id that reached a query could match it)
     reports = tmp_path / "deep" / "reports"
     capsys.readouterr()
     assert main(["report", bad, f"tracking.uri={db}", f"paths.reports={reports}"]) == 2

@@ -119,19 +119,18 @@ REPORTS = ("abl-main", "abl-sparse", "abl-nocontrol", "abl-stab")
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store, four ablations: ``abl-main`` (known verdicts), ``abl-sparse`` (validated only at the end),
-    ``abl-nocontrol`` (every control run failed), ``abl-stab`` (stability); each report built once."""
-    root = tmp_path_factory.mktemp("verdicts")
-    uri = migrated_uri(root / "runs" / "mlflow.db")
-    tracker = Tracker(uri, "lowprec", root / "runs")
-    fabricate_ablation(tracker, "abl-main", main_runs(), margin=0.0025)
+def store(main_ablation):
+    """One store, four ablations: ``abl-main`` (known verdicts; the shared ``main_ablation``, its report built once
+    for every module that reads it), ``abl-sparse`` (validated only at the end), ``abl-nocontrol`` (every control run
+    failed), ``abl-stab`` (stability); each report built once."""
+    root, tracker = main_ablation.root, main_ablation.tracker
     sparse = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "fp8_rowwise": main_runs()["fp8_rowwise"]}
     fabricate_ablation(tracker, "abl-sparse", sparse, val_every=1000)
     fabricate_ablation(tracker, "abl-nocontrol", {CONTROL: dict.fromkeys(SEEDS[:2]), "fp32": {0: 4.1, 1: 4.2}})
     _stab_ablation(tracker, "abl-stab")
-    texts = {a: build_report(tracker, a, root / "reports").read_text() for a in REPORTS}
-    return {"root": root, "uri": uri, "tracker": tracker, "text": texts}
+    texts = {a: build_report(tracker, a, root / "reports").read_text() for a in REPORTS if a != "abl-main"}
+    texts["abl-main"] = main_ablation.report.read_text()
+    return {"root": root, "uri": main_ablation.uri, "tracker": tracker, "text": texts}
 
 
 def _parent_row(store, abl: str):
