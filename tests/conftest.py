@@ -12,7 +12,7 @@ import warnings
 # One intra-op thread per test process (set before torch is imported; subprocesses and ranks inherit it). The
 # debug/tiny models' ops are too small to gain from a second OpenMP thread, whose spin-waiting took the core
 # from the other pytest worker and from gloo ranks: the parity tests ran 1.7-2.3x faster in wall time with one
-# thread on the 2-core EPYC. scripts/test.sh runs two workers (pytest-xdist) to use both cores.
+# thread on the 2-core EPYC. scripts/test.sh runs three workers (pytest-xdist) on the 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor compiles in-process instead of starting a pool of compile workers (each one a cold import of torch)
 # in every test process that compiles: the compile tests took 13% less wall time on the 2-core EPYC.
