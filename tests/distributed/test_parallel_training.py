@@ -108,21 +108,29 @@ SP_JOBS = [
 ]
 
 
-def _all_at_2(rank: int, ws: int) -> dict:
-    """The world-size-2 runs that write no checkpoint, one after the other in one spawn: a spawn of 2 ranks costs
-    ~8 s of the 2 cores, more than most of these runs."""
+def _all_at_2(rank: int, ws: int, ckpt_root: str) -> dict:
+    """Every world-size-2 run that resumes nothing, one after the other in one spawn: each spawn's ranks pay their
+    first FP8, torchao and bitsandbytes use again (~4-8 s of CPU per rank), more than most of these runs. The
+    checkpointed runs write under ``ckpt_root/<recipe>``; ``resumed`` continues them in a fresh spawn."""
+    ckpt = [
+        (n, {"dp_shard": 2}, 6, {"checkpoint_dir": f"{ckpt_root}/{n}", "checkpoint_every": 3}) for n in CKPT_RECIPES
+    ]
     return {
         "fp32": _train_many(rank, ws, [("fp32", dims, 5, {}) for dims in FP32_AT_2]),
         "bytes": _train_many(rank, ws, BYTES_JOBS),
         "grads": _full_grads_after_backward(rank, ws, ["fp32", "fp8"]),
         "sp": _train_many(rank, ws, SP_JOBS),
+        "fp8_fsdp2": _train_many(rank, ws, [(r, {"dp_shard": 2}, STEPS_FP8, {}) for r in FP8_RECIPES]),
+        "ckpt": _train_many(rank, ws, ckpt),
     }
 
 
 @pytest.fixture(scope="module")
-def two_ranks(token_data) -> list[dict]:
-    """Each rank's ``_all_at_2`` results, read by the tests of those runs."""
-    return run_ranks(_all_at_2, 2)
+def two_ranks(token_data, tmp_path_factory) -> dict:
+    """``ranks``: each rank's ``_all_at_2`` results, read by the tests of those runs; ``ckpt_root``: the folder of
+    the checkpointed runs (``root/<recipe>/step_3``)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"ranks": run_ranks(_all_at_2, 2, str(root)), "ckpt_root": root}
 
 
 def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data, two_ranks):
@@ -130,7 +138,10 @@ def test_fp32_losses_match_one_process_on_fsdp_tp_2d_and_hsdp(token_data, two_ra
     # The layouts of one world size train one after the other in the same ranks: a spawn of 2 ranks costs ~8 s and
     # one of 4 ~19 s on 2 cores, more than the training itself; each build makes its own device mesh.
     at_4 = [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}]
-    outs = {2: [r["fp32"] for r in two_ranks], 4: run_ranks(_train_many, 4, [("fp32", dims, 5, {}) for dims in at_4])}
+    outs = {
+        2: [r["fp32"] for r in two_ranks["ranks"]],
+        4: run_ranks(_train_many, 4, [("fp32", dims, 5, {}) for dims in at_4]),
+    }
     for ws, layouts in ((2, FP32_AT_2), (4, at_4)):
         for rank_out in outs[ws]:  # every rank holds the same (reduced) losses
             for dims, run in zip(layouts, rank_out, strict=True):
@@ -168,8 +179,11 @@ def fp8_single_losses(token_data):
     ],
     ids=["fsdp2", "fsdp2-50-steps", "tp2-50-steps"],
 )
-def test_fp8_recipes_track_one_process(fp8_single_losses, dims, steps):
-    out = run_ranks(_train_many, 2, [(r, dims, steps, {}) for r in FP8_RECIPES])[0]
+def test_fp8_recipes_track_one_process(fp8_single_losses, request, dims, steps):
+    if request.node.callspec.id == "fsdp2":  # trained in the shared spawn of the world-size-2 runs
+        out = request.getfixturevalue("two_ranks")["ranks"][0]["fp8_fsdp2"]
+    else:
+        out = run_ranks(_train_many, 2, [(r, dims, steps, {}) for r in FP8_RECIPES])[0]
     for name, par in zip(FP8_RECIPES, out):
         single = fp8_single_losses(steps)[name]
         # Mean loss over the last 10 steps within 1%, and no step further than 2% away.
@@ -182,7 +196,7 @@ def test_fp8_recipes_track_one_process(fp8_single_losses, dims, steps):
 def test_fp8_all_gather_and_reduce_scatter_bytes_and_effective_recipe(two_ranks):
     """The meter is the proof: FP8 weight all-gather <= 0.55x the BF16 all-gather of the same recipe, FP8
     reduce-scatter <= 0.30x the FP32 one, and the effective recipe records the wire dtypes."""
-    base, fp8, ao, row = two_ranks[0]["bytes"]  # BYTES_JOBS
+    base, fp8, ao, row = two_ranks["ranks"][0]["bytes"]  # BYTES_JOBS
     b, f = base["rows"][1], fp8["rows"][1]
     assert base["effective"]["comm"] == {"weight_all_gather": "bfloat16", "grad_reduce": "float32"}
     assert fp8["effective"]["comm"] == {"weight_all_gather": "fp8", "grad_reduce": "fp8"}
@@ -233,16 +247,14 @@ CKPT_RECIPES = ["fp32", "bf16_adamw8bit", "fp8_delayed"]
 
 
 @pytest.fixture(scope="module")
-def resumed(token_data, tmp_path_factory) -> dict:
-    """Each ``CKPT_RECIPES`` run uninterrupted under FSDP2 world size 2 (one spawn), then continued from its step-3
-    checkpoint in a fresh spawn: ``fp32`` on FSDP2 and on TP 2, the others on FSDP2. Two spawns in all instead of
-    four: a spawn of 2 ranks costs more of the 2 cores than these 3-step runs. Returns ``root`` (the checkpoints
-    are under ``root/<recipe>/step_3``), ``full`` (recipe -> rank 0's result) and ``resumed`` (rank -> list in the
-    order of the jobs: ``CKPT_RECIPES`` on FSDP2, then ``fp32`` on TP)."""
-    root = tmp_path_factory.mktemp("ckpt")
+def resumed(two_ranks) -> dict:
+    """Each ``CKPT_RECIPES`` run uninterrupted under FSDP2 world size 2 (in ``two_ranks``' spawn), then continued
+    from its step-3 checkpoint in a fresh spawn: ``fp32`` on FSDP2 and on TP 2, the others on FSDP2. Returns
+    ``root`` (the checkpoints are under ``root/<recipe>/step_3``), ``full`` (recipe -> rank 0's result) and
+    ``resumed`` (rank -> list in the order of the jobs: ``CKPT_RECIPES`` on FSDP2, then ``fp32`` on TP)."""
+    root = two_ranks["ckpt_root"]
     fsdp = {"dp_shard": 2}
-    jobs = [(n, fsdp, 6, {"checkpoint_dir": str(root / n), "checkpoint_every": 3}) for n in CKPT_RECIPES]
-    full = dict(zip(CKPT_RECIPES, run_ranks(_train_many, 2, jobs)[0], strict=True))
+    full = dict(zip(CKPT_RECIPES, two_ranks["ranks"][0]["ckpt"], strict=True))
     again = [(n, fsdp, 6, {"resume_from": str(root / n / "step_3")}) for n in CKPT_RECIPES]
     again.append(("fp32", {"tp": 2}, 6, {"resume_from": str(root / "fp32" / "step_3")}))
     return {"root": root, "full": full, "resumed": run_ranks(_train_many, 2, again)}
@@ -306,7 +318,7 @@ def _full_grads_one(ws: int, grad_reduce: str) -> torch.Tensor:
 def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(two_ranks):
     from lowprec.numerics.formats import sqnr_db
 
-    ref, fp8 = two_ranks[0]["grads"]
+    ref, fp8 = two_ranks["ranks"][0]["grads"]
     db = sqnr_db(ref, fp8)
     assert db >= 20, db
 
@@ -314,7 +326,7 @@ def test_fp8_reduce_scatter_gradients_reach_20_db_against_fp32_on_llama(two_rank
 def test_fp8_sequence_parallel_all_gather_under_tp(two_ranks):
     """recipe.comm.activation_all_gather=fp8: the SP all-gathers of attention/feed_forward inputs move e4m3 plus
     one fp32 scale per token; the run tracks one process and the effective recipe records it."""
-    hp, f8 = two_ranks[0]["sp"]  # SP_JOBS
+    hp, f8 = two_ranks["ranks"][0]["sp"]  # SP_JOBS
     single = _train("fp8_rowwise", None, 6)["losses"]
     # Measured over the 6 steps: 3.2e-5 relative with the FP8 all-gather, 2.0e-5 without it (TP alone: its FP8
     # GEMMs scale the local shards, a finer granularity than one process).
