@@ -3,8 +3,10 @@
 import json
 import math
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from store_dirs import dirs_with_store
 
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
@@ -117,20 +119,30 @@ def test_nan_loss_is_recorded_failed_with_its_step(stored_run_dirs, tmp_path, mo
     assert "EMA(span 20)" in run.data.tags["stability_rule"]
 
 
-def test_cli_checkpoints_and_resumes(stored_run_dirs, tmp_path):
-    args = ["train"] + stored_run_dirs + QUICK + ["recipe=bf16_master", "train.checkpoint_every=3"]
-    assert main(args) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """One fp32 run of ``QUICK`` checkpointed at step 3 (and 6), in a store of its own, for the tests that resume
+    from it (each resume adds its run to that store): ``(dirs, client, experiment id, the run)``."""
+    dirs = dirs_with_store(tmp_path_factory.mktemp("checkpointed"))
+    assert main(["train"] + dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
+    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
+    return dirs, client, exp, first
+
+
+def test_cli_checkpoints_and_resumes(checkpointed, tmp_path):
+    dirs, client, exp, first = checkpointed
     ckpt = first.data.tags["checkpoint_dir"]
     full = {m.step: m.value for m in client.get_metric_history(first.info.run_id, "loss")}
-    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=bf16_master", f"resume={ckpt}/step_3"]) == 0
-    second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
+    before = {r.info.run_id for r in client.search_runs([exp])}
+    assert main(["train"] + dirs + QUICK + ["recipe=fp32", f"resume={ckpt}/step_3"]) == 0
+    (second,) = [r for r in client.search_runs([exp]) if r.info.run_id not in before]
     assert second.data.tags["resumed_from"].endswith("step_3")
     resumed = {m.step: m.value for m in client.get_metric_history(second.info.run_id, "loss")}
     assert resumed == {s: full[s] for s in range(3, 6)}
-    assert main(["train"] + stored_run_dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 2  # refused before any run
+    assert main(["train"] + dirs + QUICK + [f"resume={tmp_path / 'nope'}"]) == 2  # refused before any run
+    assert len(client.search_runs([exp])) == len(before) + 1
 
 
 def test_a_converter_that_converts_nothing_makes_the_run_failed(stored_run_dirs, tmp_path, monkeypatch):
@@ -149,27 +161,18 @@ def test_a_converter_that_converts_nothing_makes_the_run_failed(stored_run_dirs,
     )
 
 
-def test_resume_under_another_recipe_needs_consent_and_is_recorded(stored_run_dirs, tmp_path, capsys):
-    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("lowprec").experiment_id
-    (first,) = client.search_runs([exp])
+def test_resume_under_another_recipe_needs_consent_and_is_recorded(checkpointed, capsys):
+    dirs, client, exp, first = checkpointed
     ckpt = f"{first.data.tags['checkpoint_dir']}/step_3"
+    before = {r.info.run_id for r in client.search_runs([exp])}
     capsys.readouterr()
-    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}"]) == 2
+    assert main(["train"] + dirs + QUICK + ["recipe=fp8_current", f"resume={ckpt}"]) == 2
     err = capsys.readouterr().err
     assert "written under recipe fp32" in err and "train.resume_recipe_change=true" in err
-    assert len(client.search_runs([exp])) == 1  # refused before a run was created
-    assert (
-        main(
-            ["train"]
-            + stored_run_dirs
-            + QUICK
-            + ["recipe=fp8_current", f"resume={ckpt}", "train.resume_recipe_change=true"]
-        )
-        == 0
-    )
-    second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
+    assert {r.info.run_id for r in client.search_runs([exp])} == before  # refused before a run was created
+    consent = ["recipe=fp8_current", f"resume={ckpt}", "train.resume_recipe_change=true"]
+    assert main(["train"] + dirs + QUICK + consent) == 0
+    (second,) = [r for r in client.search_runs([exp]) if r.info.run_id not in before]
     assert second.info.status == "FINISHED"
     change = json.loads(second.data.tags["effective_recipe"])["resume_recipe_change"]
     assert change["from"] == "fp32" and change["to"] == "fp8_current" and change["at_step"] == 3
