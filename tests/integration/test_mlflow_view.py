@@ -9,12 +9,12 @@
 
 import importlib.metadata
 import json
-import re
 
 import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from store_dirs import dirs_with_store
 
 from lowprec.data import TokenData
 from lowprec_lab.cli import main
@@ -51,13 +51,28 @@ def test_a_library_without_metadata_is_recorded_not_installed(tmp_path, monkeypa
     assert run.data.tags["bitsandbytes_version"] == "not installed"
 
 
-def test_a_train_run_goes_on_without_bitsandbytes_metadata(stored_run_dirs, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def one_run_ablation(tmp_path_factory):
+    """One ablation of one bf16 run on a machine where bitsandbytes has no distribution metadata: the parent and
+    its child, ``(client, parent, every run)``. Its runs train in this process as ``lowprec train``'s does (the same
+    ``runner/run.py``), and the parent is opened by the ablation's main job, whose provenance tags stopped it."""
+    dirs = dirs_with_store(tmp_path_factory.mktemp("one-run"))
+    args = ["ablate", "model=debug", "controls=false", "recipes=[bf16]", "seeds=1", "train.steps=4"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(importlib.metadata, "version", _absent("bitsandbytes"))
+        assert main([*args, "train.val_every=2", "workers=1", *dirs]) == 0
+    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
+    runs = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("lowprec.kind") == "ablation"]
+    return client, parent, runs
+
+
+def test_a_train_run_goes_on_without_bitsandbytes_metadata(one_run_ablation):
     """The GPU machine's failure: the main job died in ``provenance_tags`` before its first run."""
-    monkeypatch.setattr(importlib.metadata, "version", _absent("bitsandbytes"))
-    assert main(["train", "recipe=bf16", "model=debug", "train.steps=4", "train.val_every=2", *stored_run_dirs]) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
+    _, parent, runs = one_run_ablation
+    (run,) = [r for r in runs if r.info.run_id != parent.info.run_id]
     assert run.info.status == "FINISHED" and run.data.tags["bitsandbytes_version"] == NOT_INSTALLED
+    assert parent.info.status == "FINISHED" and parent.data.tags["bitsandbytes_version"] == NOT_INSTALLED
 
 
 def test_the_experiment_is_a_model_training_experiment(tmp_path):
@@ -75,25 +90,11 @@ def test_the_experiment_is_a_model_training_experiment(tmp_path):
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "finetuning"
 
 
-def test_mlflow_source_and_datasets_columns_and_the_parent_name(stored_run_dirs, tmp_path, capsys):
-    args = [
-        "ablate",
-        "model=debug",
-        "controls=false",
-        "recipes=[bf16]",
-        "seeds=1",
-        "train.steps=4",
-        "train.val_every=2",
-        "workers=1",
-    ]
-    assert main([*args, *stored_run_dirs]) == 0
-    abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("lowprec")
+def test_mlflow_source_and_datasets_columns_and_the_parent_name(one_run_ablation):
+    client, parent, runs = one_run_ablation
+    exp = client.get_experiment(parent.info.experiment_id)
     assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
-    runs = client.search_runs([exp.experiment_id])
-    (parent,) = [r for r in runs if r.data.tags.get("lowprec.kind") == "ablation"]
-    assert parent.info.run_name == f"default debug {abl}"
+    assert parent.info.run_name == f"default debug {parent.data.tags['lowprec.ablation_id']}"
     assert len(runs) == 2
     sha = git_sha()
     for r in runs:
