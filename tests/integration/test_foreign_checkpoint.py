@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from mlflow.tracking import MlflowClient
+from store_dirs import dirs_under
 
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint import load_checkpoint
@@ -39,13 +40,23 @@ def _plant(folder: Path, marker: Path) -> None:
     write_manifest(folder)  # integrity is no proof of origin: the sender writes the manifest too
 
 
-def test_a_planted_metadata_payload_is_refused_and_never_runs(run_dirs, tmp_path, capsys):
-    assert main(ARGS + run_dirs + ["train.checkpoint_every=2"]) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One ``ARGS`` run checkpointed at steps 2 and 4, for the tests that send a doctored copy of its step 4 (each
+    copies it first): ``(its run dirs, client, experiment id, its run id, its step_4 folder)``. Every resume they
+    try is refused before a run is created, so the store keeps this one run."""
+    dirs = dirs_under(tmp_path_factory.mktemp("trained"))
+    assert main(ARGS + dirs + ["train.checkpoint_every=2"]) == 0
+    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
+    return dirs, client, exp, first.info.run_id, Path(first.data.tags["checkpoint_dir"]) / "step_4"
+
+
+def test_a_planted_metadata_payload_is_refused_and_never_runs(trained, tmp_path, capsys):
+    run_dirs, client, exp, first, step_4 = trained
     sent = tmp_path / "sent"
-    shutil.copytree(Path(first.data.tags["checkpoint_dir"]) / "step_4", sent)
+    shutil.copytree(step_4, sent)
     marker = tmp_path / "pwned"
     _plant(sent, marker)
     capsys.readouterr()
@@ -55,7 +66,7 @@ def test_a_planted_metadata_payload_is_refused_and_never_runs(run_dirs, tmp_path
     assert err.startswith("lowprec train: error: checkpoint metadata") and "\n" not in err.strip()
     assert "refers to posix.system" in err and "never runs code" in err
     # refused at preflight, before any MLflow run exists
-    assert [r.info.run_id for r in client.search_runs([exp])] == [first.info.run_id]
+    assert [r.info.run_id for r in client.search_runs([exp])] == [first]
     # and if a run loads it anyway (the checkpoint swapped after preflight), the load itself refuses it
     with pytest.raises(CheckpointError, match="refers to posix.system"):
         load_checkpoint(sent, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
@@ -93,13 +104,10 @@ def test_every_tensor_kind_a_checkpoint_holds_reads_through_the_checkpoint_reade
     assert torch.equal(back["fp8"].view(torch.uint8), state["fp8"].view(torch.uint8))
 
 
-def test_a_trainer_state_of_the_wrong_type_is_refused_at_preflight(run_dirs, tmp_path, capsys):
-    assert main(ARGS + run_dirs + ["train.checkpoint_every=2"]) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("lowprec").experiment_id
-    (first,) = client.search_runs([exp])
+def test_a_trainer_state_of_the_wrong_type_is_refused_at_preflight(trained, tmp_path, capsys):
+    run_dirs, client, exp, first, step_4 = trained
     sent = tmp_path / "sent"
-    shutil.copytree(Path(first.data.tags["checkpoint_dir"]) / "step_4", sent)
+    shutil.copytree(step_4, sent)
     trainer = torch.load(sent / "trainer_state.pt", weights_only=True)
     trainer["step"] = "4"
     torch.save(trainer, sent / "trainer_state.pt")
@@ -108,4 +116,4 @@ def test_a_trainer_state_of_the_wrong_type_is_refused_at_preflight(run_dirs, tmp
     assert main(ARGS + run_dirs + [f"resume={sent}"]) != 0
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "trainer state 'step' is of type str, not an int: refusing it" in err
-    assert [r.info.run_id for r in client.search_runs([exp])] == [first.info.run_id]  # no run was created
+    assert [r.info.run_id for r in client.search_runs([exp])] == [first]  # no run was created
