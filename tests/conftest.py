@@ -17,6 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor compiles in-process instead of starting a pool of compile workers (each one a cold import of torch)
 # in every test process that compiles: the compile tests took 13% less wall time on the 2-core EPYC.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor takes the vector ISAs /proc/cpuinfo lists instead of compiling and loading a probe per ISA in a child
+# process first (~2.5 s at the first compile of every process that compiles); tests/kernels/test_compile_isa.py
+# checks that it picks the same ISAs as the probe on this machine.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # A new MLflow sqlite store, in this process and in every process a test starts, is a copy of the first one MLflow
 # made in this process (tests/startup/store_template.py): MLflow's ~50 migrations cost ~2 s of CPU per new store.
