@@ -65,15 +65,6 @@ def mlflow_makes_new_stores(monkeypatch):
     monkeypatch.delenv(store_template.ENV)
 
 
-@pytest.fixture
-def stored_run_dirs(tmp_path):
-    """``run_dirs`` with the sqlite store's tables already made (``store_dirs.dirs_with_store``): for tests that
-    train and read the store, not for ones about creating a store or about writing none."""
-    from store_dirs import dirs_with_store
-
-    return dirs_with_store(tmp_path)
-
-
 def pytest_terminal_summary(terminalreporter):
     """The suite's worker time per test directory (``tests/suite_time.py``), so a slow directory shows in CI."""
     from suite_time import per_directory, table

@@ -23,7 +23,7 @@ import torch
 from fault_env import injected
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
-from store_dirs import dirs_under, dirs_with_store
+from store_dirs import dirs_under
 
 from lowprec.train.checkpoint import read_trainer_state
 from lowprec_lab.cli import main
@@ -58,7 +58,7 @@ class Runs:
 
 def _train(root, *overrides, faults: str = "") -> tuple[int, Runs]:
     with injected(faults):
-        rc = main(["train", *RUN, *dirs_with_store(root), *overrides])
+        rc = main(["train", *RUN, *dirs_under(root), *overrides])
     return rc, Runs(root)
 
 
@@ -198,7 +198,7 @@ def fallen_back(tmp_path_factory):
     ``lowprec train`` of that recipe and seed would log), the report test its report."""
     root = tmp_path_factory.mktemp("fallen_back")
     args = ["ablate", "controls=false", "recipes=[fp32,fp8_delayed]", "seeds=1", *RUN[:-2], "train.steps=8"]
-    args += [*FALLBACK, "train.checkpoint_every=6", *dirs_with_store(root)]
+    args += [*FALLBACK, "train.checkpoint_every=6", *dirs_under(root)]
     with restored_stop_handlers(), injected(f"{OVERFLOW},recipe=fp8_delayed"):
         rc = main(args)
     return root, rc

@@ -54,9 +54,9 @@ def test_a_bad_value_is_one_line_and_creates_no_mlflow_run(value, needle, run_di
         assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
 
 
-def test_a_fault_point_fires_through_the_environment_variable(stored_run_dirs, tmp_path):
+def test_a_fault_point_fires_through_the_environment_variable(run_dirs, tmp_path):
     # SIGKILL at the run's creation: the run exists in MLflow and the process never gets further
-    cmd = [sys.executable, "-m", "lowprec_lab", "train", *RUN, *stored_run_dirs]
+    cmd = [sys.executable, "-m", "lowprec_lab", "train", *RUN, *run_dirs]
     spec = "at_point=run.created,point_action=kill"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with(spec))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

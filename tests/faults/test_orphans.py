@@ -32,9 +32,9 @@ def test_owner_of_this_process_is_alive_and_a_dead_or_foreign_one_is_told_apart(
     assert owner_alive("garbage") is None
 
 
-def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(stored_run_dirs, tmp_path, capsys):
+def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(run_dirs, tmp_path, capsys):
     # the first run SIGKILLs itself before step 3: no handler runs, its MLflow run stays RUNNING
-    args = ["train", *RUN, *stored_run_dirs]
+    args = ["train", *RUN, *run_dirs]
     cmd = [sys.executable, "-m", "lowprec_lab", *args]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env_with("kill_at_step=3"))
     _, err = proc.communicate(timeout=300)
@@ -57,10 +57,10 @@ def test_a_killed_runs_mlflow_run_is_ended_failed_by_the_next_command(stored_run
     assert statuses == ["FAILED", "FINISHED", "RUNNING", "RUNNING"]
 
 
-def test_every_step_up_to_a_checkpoint_is_in_mlflow_when_the_process_is_killed(stored_run_dirs, tmp_path):
+def test_every_step_up_to_a_checkpoint_is_in_mlflow_when_the_process_is_killed(run_dirs, tmp_path):
     # metrics are buffered (one MLflow write per 25 steps) but flushed after each checkpoint: a kill -9 loses only
     # steps after the last checkpoint, which the resumed run trains (and logs) again
-    args = ["train", *RUN, *stored_run_dirs, "train.steps=10", "train.checkpoint_every=3"]
+    args = ["train", *RUN, *run_dirs, "train.steps=10", "train.checkpoint_every=3"]
     cmd = [sys.executable, "-m", "lowprec_lab", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with("kill_at_step=7"))
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -24,7 +24,7 @@ from fault_env import env_with, injected
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
-from store_dirs import dirs_with_store
+from store_dirs import dirs_under
 
 import lowprec_lab.plan.preflight
 import lowprec_lab.runner.scheduler
@@ -92,7 +92,7 @@ def _uninterrupted(root: Path, seeds: list[str]) -> tuple[Path, str]:
     out = io.StringIO()
     try:
         with restored_stop_handlers(), contextlib.redirect_stdout(out):
-            rc = main(["ablate", RECIPES, "controls=false", *seeds, "workers=1", *RUN, *dirs_with_store(root)])
+            rc = main(["ablate", RECIPES, "controls=false", *seeds, "workers=1", *RUN, *dirs_under(root)])
     finally:
         mp.undo()
     assert rc == 0, out.getvalue()
@@ -127,7 +127,7 @@ def _assert_same_runs(root: Path, ablation_id: str, baseline, keys) -> None:
 
 
 def test_sigterm_then_resume_continues_in_place_and_equals_an_uninterrupted_ablation(baseline, tmp_path, capsys):
-    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_with_store(tmp_path)]
+    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_under(tmp_path)]
     # SIGTERM, for real, to the ablation process during fp8_delayed seed 0 (after fp32 seed 0 finished)
     with injected("recipe=fp8_delayed,signal_at_step=3"):
         assert main(args) == 143
@@ -190,7 +190,7 @@ def _tables(report: Path) -> list[list[list[str]]]:
 @pytest.mark.slow  # ~50 s; the suite keeps the one-worker form above and test_signals' two-worker stop
 def test_sigterm_to_an_ablation_with_two_workers_and_auto_seeds_then_resume(auto_baseline, tmp_path, capsys):
     db = tmp_path / "runs" / "mlflow.db"
-    args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=2", *RUN, *dirs_with_store(tmp_path)]
+    args = ["ablate", RECIPES, "controls=false", *AUTO, "workers=2", *RUN, *dirs_under(tmp_path)]
 
     over = threading.Event()
 
@@ -248,7 +248,7 @@ def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoi
         "seeds=2",
         "train.checkpoint_every=2",
         *RUN,
-        *dirs_with_store(tmp_path),
+        *dirs_under(tmp_path),
     ]
     # the ablation process itself dies before step 5 of fp8_delayed seed 0: no handler, no MLflow update
     p = _subprocess([*args, "workers=1"], "recipe=fp8_delayed,exit_at_step=5")
@@ -270,7 +270,7 @@ def test_an_ablation_killed_mid_run_continues_its_orphaned_run_from_its_checkpoi
 
 def test_a_resume_that_is_not_the_same_ablation_is_one_line_and_writes_nothing(baseline, capsys, monkeypatch):
     root, ablation_id = baseline
-    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_with_store(root)]
+    args = ["ablate", RECIPES, "controls=false", "seeds=2", "workers=1", *RUN, *dirs_under(root)]
     client = _client(root)
     exp = client.get_experiment_by_name("lowprec").experiment_id
     before = {r.info.run_id: (r.info.status, r.data.tags) for r in client.search_runs([exp])}
@@ -318,7 +318,7 @@ def test_keys_that_may_differ_on_a_resume():
 
 
 def test_train_resume_of_a_killed_run_closes_it_and_continues_bit_identically(baseline, tmp_path):
-    args = ["train", "recipe=fp8_delayed", "seed=0", "train.checkpoint_every=2", *RUN, *dirs_with_store(tmp_path)]
+    args = ["train", "recipe=fp8_delayed", "seed=0", "train.checkpoint_every=2", *RUN, *dirs_under(tmp_path)]
     p = _subprocess(args, "exit_at_step=5")
     assert p.returncode == 13, p.stderr[-3000:]
     client = _client(tmp_path)
@@ -348,7 +348,7 @@ def test_a_crashed_run_continues_and_a_diverged_one_is_kept_as_a_result(baseline
         "workers=1",
         "train.checkpoint_every=2",
         *RUN,
-        *dirs_with_store(tmp_path),
+        *dirs_under(tmp_path),
     ]
     # a crash (a bug) before step 5: the run is FAILED, its metrics up to step 4 flushed, its newest checkpoint step_4
     with injected("crash_at_step=5"):

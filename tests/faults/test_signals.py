@@ -66,9 +66,9 @@ def _assert_stopped_with_checkpoint(client, run, sig: str, step: int, err: str) 
 # SIGTERM's case is the stopped run of the bit-for-bit test below, which trains that configuration anyway
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGUSR1"])
 def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_signal(
-    sig, stored_run_dirs, tmp_path, capsys, own_handlers
+    sig, run_dirs, tmp_path, capsys, own_handlers
 ):
-    args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *stored_run_dirs]
+    args = ["train", *RUN, "train.steps=8", "train.checkpoint_on_signal=true", *run_dirs]
     with injected(f"signal_at_step=3,signal={sig}"):
         rc = main(args)
     assert rc == 128 + signal.Signals[sig]
@@ -77,9 +77,9 @@ def test_a_signalled_run_checkpoints_is_killed_in_mlflow_and_exits_128_plus_sign
 
 
 def test_a_sigterm_stopped_run_checkpoints_and_its_resume_continues_it_bit_for_bit(
-    stored_run_dirs, tmp_path, capsys, own_handlers
+    run_dirs, tmp_path, capsys, own_handlers
 ):
-    args = ["train", *RUN, "train.steps=7", *stored_run_dirs]
+    args = ["train", *RUN, "train.steps=7", *run_dirs]
     assert main(args) == 0  # uninterrupted
     clear_stop()
     capsys.readouterr()
@@ -95,9 +95,9 @@ def test_a_sigterm_stopped_run_checkpoints_and_its_resume_continues_it_bit_for_b
     assert {**b, **c} == a and resumed.data.tags["resumed_step"] == "3"
 
 
-def test_without_a_checkpoint_setting_the_stop_says_so(stored_run_dirs, tmp_path, capsys, own_handlers):
+def test_without_a_checkpoint_setting_the_stop_says_so(run_dirs, tmp_path, capsys, own_handlers):
     with injected("signal_at_step=1"):
-        assert main(["train", *RUN, "train.steps=6", *stored_run_dirs]) == 143
+        assert main(["train", *RUN, "train.steps=6", *run_dirs]) == 143
     _, (run,) = _runs(tmp_path)
     assert run.data.tags["failure_reason"] == "stopped by SIGTERM after step 1; no checkpoint written"
     assert "resume it" not in capsys.readouterr().err
@@ -133,11 +133,11 @@ def _sigterm_when(ready, deadline_s: float) -> tuple[threading.Thread, threading
 
 
 def test_sigterm_to_an_ablation_stops_every_worker_after_its_step_and_kills_parent_and_children(
-    stored_run_dirs, tmp_path, capfd, own_handlers
+    run_dirs, tmp_path, capfd, own_handlers
 ):
     db = tmp_path / "runs" / "mlflow.db"
     args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2", *RUN[:-1], "train.steps=400"]
-    args += ["train.checkpoint_on_signal=true", *stored_run_dirs]
+    args += ["train.checkpoint_on_signal=true", *run_dirs]
     both = []  # when both runs were first seen running: then they train a while before the signal
 
     def both_train() -> bool:
@@ -196,9 +196,7 @@ def _stopped_before_any_run(err: str, tmp_path) -> None:
     assert "resume it: lowprec ablate" in err
 
 
-def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(
-    stored_run_dirs, tmp_path, capfd, own_handlers
-):
+def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(run_dirs, tmp_path, capfd, own_handlers):
     # A SIGTERM that reached workers still importing (no stop handler yet) killed them once the ablation forwarded
     # it; the pool's manager thread then set BrokenProcessPool on the future the stop had just cancelled (an
     # InvalidStateError traceback), and the runs were "FAILED (worker process died)", not "not started". The
@@ -206,7 +204,7 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(
     # stderr and its workers'.
     t, over, sent = _sigterm_when(lambda: len(_pool_workers(os.getpid())) >= 2, 120)
     try:
-        rc = main([*STARTING, *stored_run_dirs])
+        rc = main([*STARTING, *run_dirs])
     finally:
         over.set()
         t.join()
@@ -219,11 +217,9 @@ def test_a_stop_while_the_workers_start_prints_no_traceback_and_starts_no_run(
 # the same race reached through the process group (as `timeout` and a terminal's Ctrl-C send it): a long check,
 # not in the suite; the test above covers the forwarded form
 @pytest.mark.slow
-def test_a_stop_to_the_process_group_while_the_workers_start_prints_no_traceback_and_starts_no_run(
-    stored_run_dirs, tmp_path
-):
+def test_a_stop_to_the_process_group_while_the_workers_start_prints_no_traceback_and_starts_no_run(run_dirs, tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lowprec_lab", *STARTING, *stored_run_dirs],
+        [sys.executable, "-m", "lowprec_lab", *STARTING, *run_dirs],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,

@@ -19,7 +19,7 @@ import pytest
 from fault_env import injected
 from mlflow.tracking import MlflowClient
 from stop_handlers import restored_stop_handlers
-from store_dirs import dirs_with_store
+from store_dirs import dirs_under
 
 import lowprec_lab.plan.preflight
 import lowprec_lab.runner.scheduler
@@ -73,10 +73,10 @@ def _sections(report: Path) -> list[str]:
 # a long check: the killed-job test below runs a submitit_local ablation to its report in the suite
 @pytest.mark.slow
 def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
-    rc, out = _ablate([*RUN, "workers=1", *dirs_with_store(tmp_path / "local")])
+    rc, out = _ablate([*RUN, "workers=1", *dirs_under(tmp_path / "local")])
     assert rc == 0, out
     local_id = _id(out)
-    rc, out = _ablate([*RUN, "launcher=submitit_local", "workers=2", *dirs_with_store(tmp_path / "jobs")])
+    rc, out = _ablate([*RUN, "launcher=submitit_local", "workers=2", *dirs_under(tmp_path / "jobs")])
     assert rc == 0, out
     ablation_id = _id(out)
     assert "launcher=submitit_local: one job per run" in out
@@ -95,7 +95,7 @@ def test_submitit_local_ablation_writes_the_report_of_a_local_one(tmp_path):
 
 
 def test_a_killed_job_fails_its_run_only_and_resume_continues_it_alone(tmp_path):
-    args = [*RUN, "launcher=submitit_local", "workers=2", "train.checkpoint_every=2", *dirs_with_store(tmp_path)]
+    args = [*RUN, "launcher=submitit_local", "workers=2", "train.checkpoint_every=2", *dirs_under(tmp_path)]
     # SIGKILL to bf16's job process before its step 5: no handler runs, the job returns nothing
     with injected("recipe=bf16,kill_at_step=5"):  # inherited by the job processes submitit starts
         rc, out = _ablate(args)
@@ -149,9 +149,7 @@ def test_sigterm_to_the_ablation_stops_its_jobs_with_checkpoints(tmp_path, capsy
     t = threading.Thread(target=sigterm_once_both_jobs_train, daemon=True)
     t.start()
     try:
-        rc = main(
-            ["ablate", *RUN, "train.steps=300", "launcher=submitit_local", "workers=2", *dirs_with_store(tmp_path)]
-        )
+        rc = main(["ablate", *RUN, "train.steps=300", "launcher=submitit_local", "workers=2", *dirs_under(tmp_path)])
     finally:
         over.set()
         t.join()
@@ -170,10 +168,10 @@ def test_a_parallel_layout_trains_under_torchrun_inside_its_job(tmp_path):
     """``parallel.dp_shard=2``: the job starts torchrun with 2 ranks (gloo) and rank 0 alone logs the run, whose
     losses are those of one process (the FSDP2 tests' 1e-5 relative)."""
     one = [a for a in RUN if not a.startswith("recipes=")] + ["recipes=[fp32]"]
-    rc, out = _ablate([*one, "workers=1", *dirs_with_store(tmp_path / "one")])
+    rc, out = _ablate([*one, "workers=1", *dirs_under(tmp_path / "one")])
     assert rc == 0, out
     _, ref = _runs(tmp_path / "one", _id(out))
-    rc, out = _ablate([*one, "parallel.dp_shard=2", "launcher=submitit_local", *dirs_with_store(tmp_path / "jobs")])
+    rc, out = _ablate([*one, "parallel.dp_shard=2", "launcher=submitit_local", *dirs_under(tmp_path / "jobs")])
     assert rc == 0, out
     assert "launching torchrun" not in out  # the ablation process submits; the job starts the ranks
     ablation_id = _id(out)
@@ -228,7 +226,7 @@ def test_sigterm_stops_a_parallel_job_on_every_rank_with_a_checkpoint(tmp_path, 
                 "train.steps=300",
                 "parallel.dp_shard=2",
                 "launcher=submitit_local",
-                *dirs_with_store(tmp_path),
+                *dirs_under(tmp_path),
             ]
         )
     finally:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec_lab.report.build import build_report
 from lowprec_lab.tracking.tracker import Tracker
@@ -19,7 +19,7 @@ class MainAblation:
 
     def __init__(self, root: Path):
         self.root = root
-        self.uri = migrated_uri(root / "runs" / "mlflow.db")
+        self.uri = sqlite_uri(root / "runs" / "mlflow.db")
         self.tracker = Tracker(self.uri, "lowprec", root / "runs")
         fabricate_ablation(self.tracker, "abl-main", main_runs(), margin=0.0025)
 

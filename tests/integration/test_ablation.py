@@ -23,8 +23,8 @@ def _ablation_id(out):
 HALF = ["train.steps=6", "train.val_every=3", "train.telemetry_every=3"]
 
 
-def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(stored_run_dirs, tmp_path, capsys):
-    assert main(["ablate", "experiment=smoke", *HALF] + stored_run_dirs) == 0
+def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=smoke", *HALF] + run_dirs) == 0
     out = capsys.readouterr().out
     abl = _ablation_id(out)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
@@ -68,11 +68,11 @@ def test_smoke_ablation_tracks_every_recipe_and_writes_the_report(stored_run_dir
     # the report is rebuilt from MLflow alone, identically
     first = text
     report.unlink()
-    assert main(["report", abl] + stored_run_dirs[:3]) == 0
+    assert main(["report", abl] + run_dirs[:3]) == 0
     assert report.read_text() == first
 
 
-def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(stored_run_dirs, tmp_path, capsys, monkeypatch):
+def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(run_dirs, tmp_path, capsys, monkeypatch):
     args = [
         "ablate",
         "experiment=smoke",
@@ -81,7 +81,7 @@ def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(stored_run_dirs, 
         "train.val_every=2",
     ]
     monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,crash_at_step=2")
-    assert main(args + stored_run_dirs) == 0
+    assert main(args + run_dirs) == 0
     abl = _ablation_id(capsys.readouterr().out)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
@@ -103,4 +103,4 @@ def test_a_failing_recipe_is_recorded_and_the_ablation_goes_on(stored_run_dirs, 
     # the control failed, so no gap can be computed: the table says n/a rather than inventing one
     assert re.search(r"\| `fp32` \|.*\| n/a% \|", text)
     assert "AdamW m error" in text
-    assert main(["report", "abl-does-not-exist"] + stored_run_dirs[:3]) == 2
+    assert main(["report", "abl-does-not-exist"] + run_dirs[:3]) == 2

@@ -14,7 +14,7 @@ import termios
 import time
 from pathlib import Path
 
-from store_dirs import dirs_with_store
+from store_dirs import dirs_under
 from vt_screen import Screen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _frames(raw: str) -> list[list[str]]:
 
 
 def test_a_two_worker_ablation_on_a_terminal_draws_a_bar_per_worker_and_states_the_verdicts(tmp_path):
-    dirs = [d for d in dirs_with_store(tmp_path) if d != "train.progress=false"]  # the bars are what is tested
+    dirs = [d for d in dirs_under(tmp_path) if d != "train.progress=false"]  # the bars are what is tested
     raw = _run_in_pty(
         ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=2", "workers=2", "model=debug",
          "model.qk_norm=false", "train.steps=20",

@@ -18,13 +18,13 @@ QUICK = [
 ]
 
 
-def test_train_records_the_accumulator_overrides(stored_run_dirs, tmp_path):
+def test_train_records_the_accumulator_overrides(run_dirs, tmp_path):
     acc = [
         "recipe.fp8.gemm.accum_mantissa_bits=13",
         "recipe.fp8.gemm.accum_rounding=truncate",
         "recipe.fp8.gemm.accum_group=32",
     ]
-    assert main(["train", "recipe=deepseek_v3_no_promotion", *acc, *QUICK, *stored_run_dirs]) == 0
+    assert main(["train", "recipe=deepseek_v3_no_promotion", *acc, *QUICK, *run_dirs]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     p, tags = run.data.params, run.data.tags

@@ -163,7 +163,7 @@ def test_estimate_matches_measured_saved_bytes_in_every_mode(size, recipe, qk_no
             assert m.kept + m.recomputed == m.total and m.recomputed > 0
 
 
-def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(stored_run_dirs, tmp_path, capsys):
+def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(run_dirs, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from lowprec_lab.cli import main
@@ -171,7 +171,7 @@ def test_report_shows_measured_and_estimated_saved_bytes_under_the_run_mode(stor
     quick = ["model=debug"]  # the default experiment turns QK-norm on: the estimate models its norms too
     quick += ["train.steps=3", "train.batch_size=2", "train.seq_len=64", "train.val_every=0"]
     quick += ["train.val_batches=1", "train.warmup_steps=1", "train.timing_warmup_steps=1", "train.ac=full"]
-    assert main(["ablate", "controls=false", "recipes=[fp32]", "seeds=1", *quick, *stored_run_dirs]) == 0
+    assert main(["ablate", "controls=false", "recipes=[fp32]", "seeds=1", *quick, *run_dirs]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (run,) = client.search_runs([exp], filter_string="tags.recipe = 'fp32'")

@@ -158,17 +158,17 @@ def test_a_checkpoint_without_a_manifest_loads_with_a_warning_that_it_cannot_be_
     assert [resumed[s] for s in (6, 7)] == [reference[0][s] for s in (6, 7)]
 
 
-def test_the_cli_run_records_which_checkpoint_it_resumed_from_and_why(stored_run_dirs, tmp_path):
+def test_the_cli_run_records_which_checkpoint_it_resumed_from_and_why(run_dirs, tmp_path):
     args = ["train", "recipe=fp32", "model=debug", "train.steps=7", "train.batch_size=2", "train.seq_len=64"]
     args += ["train.val_every=0", "train.val_batches=1", "train.warmup_steps=2", "train.timing_warmup_steps=1"]
-    assert main(args + stored_run_dirs + ["train.checkpoint_every=3"]) == 0
+    assert main(args + run_dirs + ["train.checkpoint_every=3"]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
     ckpt_dir = Path(first.data.tags["checkpoint_dir"])
     _flip_middle_byte(ckpt_dir / "step_6" / "__0_0.distcp")
     with pytest.warns(CheckpointFallbackWarning):
-        assert main(args + stored_run_dirs + [f"resume={ckpt_dir}"]) == 0  # the run's folder: its newest complete one
+        assert main(args + run_dirs + [f"resume={ckpt_dir}"]) == 0  # the run's folder: its newest complete one
     second = next(r for r in client.search_runs([exp]) if r.info.run_id != first.info.run_id)
     tags = second.data.tags
     assert second.info.status == "FINISHED" and tags["resumed_from"] == str(ckpt_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import fabricated_ablation
 import pytest
 from fabricated_ablation import CONTROL, CONTROL_LOSS, SEEDS, fabricate_ablation
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec_lab.report.build import ReportError, build_report
 from lowprec_lab.report.verdict_table import build_table, controls_line, forest_rows
@@ -33,7 +33,7 @@ def store(tmp_path_factory):
     # the fabricated runs' throughput is looked up by recipe; the reordered control's is the control's
     fabricated_ablation.TOKENS_PER_S.setdefault(NEG, fabricated_ablation.TOKENS_PER_S[CONTROL])
     root = tmp_path_factory.mktemp("controls")
-    tracker = Tracker(migrated_uri(root / "runs" / "mlflow.db"), "lowprec", root / "runs")
+    tracker = Tracker(sqlite_uri(root / "runs" / "mlflow.db"), "lowprec", root / "runs")
     cases = {"abl-pass": (TINY, WORSE), "abl-flatpos": (TINY, ZERO), "abl-badneg": (WORSE, WORSE)}
     for abl, (neg, pos) in cases.items():
         parent = fabricate_ablation(tracker, abl, _runs(neg, pos), margin=0.0025)

@@ -49,7 +49,7 @@ def _runs(tmp_path: Path) -> list:
 
 
 @pytest.mark.parametrize("kind", ["parquet", "text"])
-def test_prepare_then_train_two_steps_on_the_shards(kind, stored_run_dirs, tmp_path, capsys):
+def test_prepare_then_train_two_steps_on_the_shards(kind, run_dirs, tmp_path, capsys):
     src = _parquet(tmp_path / "corpus.parquet") if kind == "parquet" else _text_folder(tmp_path / "notes")
     out = tmp_path / "shards"
     code = main(["data", "prepare", f"source={src}", f"out={out}", "vocab_size=512", "shard_tokens=4000"])
@@ -59,7 +59,7 @@ def test_prepare_then_train_two_steps_on_the_shards(kind, stored_run_dirs, tmp_p
     meta = json.loads((out / "meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["corpus"].startswith(kind) and meta["source_fingerprint"]
 
-    assert main(["train", *stored_run_dirs, *TWO_STEPS, "data.source=tokens", f"data.path={out}"]) == 0
+    assert main(["train", *run_dirs, *TWO_STEPS, "data.source=tokens", f"data.path={out}"]) == 0
     err = capsys.readouterr().err
     assert "warning" not in err, err  # 256 tokens of ~15,000: no repeated data
     (run,) = _runs(tmp_path)
@@ -133,13 +133,13 @@ BAD_DATA = [
 
 
 @pytest.mark.parametrize("cmd, args, needle", BAD_DATA, ids=[" ".join([c, *a]) for c, a, _ in BAD_DATA])
-def test_bad_data_input_is_one_line_and_no_mlflow_run(cmd, args, needle, stored_run_dirs, tmp_path, capsys):
+def test_bad_data_input_is_one_line_and_no_mlflow_run(cmd, args, needle, run_dirs, tmp_path, capsys):
     if "data.path=BIG" in args:
         big = _big_vocab_shards(tmp_path)
         args = [a.replace("BIG", str(big)) for a in args]
     args = [a.replace("OUT", str(tmp_path / "out")) for a in args]
     capsys.readouterr()
-    argv = [cmd, *args] if cmd == "data" else [cmd, *stored_run_dirs, *TWO_STEPS, *args]
+    argv = [cmd, *args] if cmd == "data" else [cmd, *run_dirs, *TWO_STEPS, *args]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -50,7 +50,7 @@ def test_the_no_promotion_arm_trains_on_the_fitted_hopper_accumulator(experiment
     assert "deepseek_v3_no_promotion" in CATALOG
 
 
-def test_the_dense_model_alone_writes_every_section(stored_run_dirs, tmp_path, capsys):
+def test_the_dense_model_alone_writes_every_section(run_dirs, tmp_path, capsys):
     # The suite's form (~50 s): one model and one component; the whole quick experiment (dense + MoE, ~2 min) is the
     # long check below.
     args = [
@@ -59,7 +59,7 @@ def test_the_dense_model_alone_writes_every_section(stored_run_dirs, tmp_path, c
         "models=[debug]",
         "recipes=[bf16,deepseek_v3,deepseek_v3_no_promotion_hopper]",
     ]
-    assert main([*args, *stored_run_dirs]) == 0
+    assert main([*args, *run_dirs]) == 0
     (abl,) = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)
     out = tmp_path / "reports" / abl
     text = (out / "deepseek_v3.md").read_text()
@@ -80,8 +80,8 @@ def test_the_dense_model_alone_writes_every_section(stored_run_dirs, tmp_path, c
 
 
 @pytest.mark.slow
-def test_quick_experiment_writes_the_deepseek_v3_report(stored_run_dirs, tmp_path, capsys):
-    assert main(["ablate", "experiment=deepseek_v3_quick", *stored_run_dirs]) == 0
+def test_quick_experiment_writes_the_deepseek_v3_report(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=deepseek_v3_quick", *run_dirs]) == 0
     first, abl = re.findall(r"ablation (abl-[\w-]+) done", capsys.readouterr().out)  # debug, then moe_debug
     out = tmp_path / "reports" / abl
     text = (out / "deepseek_v3.md").read_text()

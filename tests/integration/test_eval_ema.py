@@ -148,14 +148,12 @@ def test_decay_out_of_range_is_one_line(decay):
     assert "\n" not in str(e.value)
 
 
-def test_cli_refuses_a_bad_decay_and_a_parallel_layout(stored_run_dirs, capsys):
+def test_cli_refuses_a_bad_decay_and_a_parallel_layout(run_dirs, capsys):
     from lowprec_lab.cli import main
 
-    assert main(["train", "model=debug", "train.eval_ema=1.0", *stored_run_dirs]) != 0
+    assert main(["train", "model=debug", "train.eval_ema=1.0", *run_dirs]) != 0
     err = capsys.readouterr().err
     assert "train.eval_ema=1.0 must be a decay in (0, 1)" in err
-    assert (
-        main(["train", "model=debug", "train.eval_ema=0.9", "parallel.dp_shard=2", "device=cpu", *stored_run_dirs]) != 0
-    )
+    assert main(["train", "model=debug", "train.eval_ema=0.9", "parallel.dp_shard=2", "device=cpu", *run_dirs]) != 0
     err = capsys.readouterr().err
     assert "train.eval_ema is not implemented for a parallel layout" in err

@@ -13,8 +13,8 @@ from lowprec_lab.cli import main
 from lowprec_lab.stats.noise import seeds_for_zero_gap
 
 
-def test_lr_sweep_quick_tabulates_every_point_from_the_store(stored_run_dirs, tmp_path, capsys):
-    assert main(["ablate", "experiment=lr_sweep_quick", *stored_run_dirs]) == 0
+def test_lr_sweep_quick_tabulates_every_point_from_the_store(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=lr_sweep_quick", *run_dirs]) == 0
     out = capsys.readouterr().out
     ids = re.findall(r"ablation (abl-[\w-]+) done", out)
     assert len(ids) == 2  # one ablation per learning rate

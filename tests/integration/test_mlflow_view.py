@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_with_store
+from store_dirs import dirs_under
 
 from lowprec.data import TokenData
 from lowprec_lab.cli import main
@@ -56,7 +56,7 @@ def one_run_ablation(tmp_path_factory):
     """One ablation of one bf16 run on a machine where bitsandbytes has no distribution metadata: the parent and
     its child, ``(client, parent, every run)``. Its runs train in this process as ``lowprec train``'s does (the same
     ``runner/run.py``), and the parent is opened by the ablation's main job, whose provenance tags stopped it."""
-    dirs = dirs_with_store(tmp_path_factory.mktemp("one-run"))
+    dirs = dirs_under(tmp_path_factory.mktemp("one-run"))
     args = ["ablate", "model=debug", "controls=false", "recipes=[bf16]", "seeds=1", "train.steps=4"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(importlib.metadata, "version", _absent("bitsandbytes"))

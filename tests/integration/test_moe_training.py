@@ -62,10 +62,10 @@ def test_every_recipe_trains_moe_debug(name, token_data):
     assert all(r["moe/max_over_mean"] >= 1.0 for r in sink.rows)
 
 
-def test_lowprec_train_logs_expert_load_metrics(stored_run_dirs, tmp_path):
+def test_lowprec_train_logs_expert_load_metrics(run_dirs, tmp_path):
     args = [
         "train",
-        *stored_run_dirs,
+        *run_dirs,
         "model=moe_debug",
         "recipe=deepseek_v3",
         "train.steps=3",

@@ -2,7 +2,7 @@
 recipe that ``train.compile=auto`` ran eager is said not comparable. A fabricated ablation, a real MLflow store."""
 
 from fabricated_ablation import fabricate_ablation
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec_lab.plan.placement import plan_placement
 from lowprec_lab.report.build import build_report
@@ -13,7 +13,7 @@ RUNS = {"bf16": {0: 4.00, 1: 4.05}, "fp8_rowwise": {0: 4.001, 1: 4.049}, "fp8_bl
 
 
 def test_runs_alone_on_their_gpus_are_not_contended_and_an_eager_fallback_is_not_comparable(tmp_path):
-    tracker = Tracker(migrated_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
+    tracker = Tracker(sqlite_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
     parent = fabricate_ablation(tracker, ABL, RUNS)
     p = plan_placement(8, 1, "auto", "cuda")
     tracker.set_tags(parent, {"workers": "8", "placement": p.to_json(), "runs_per_device": "1"})

@@ -52,7 +52,7 @@ def _parent_and_kids(tmp_path, out):
     return parent, kids
 
 
-def test_a_worker_whose_gpu_fails_fails_its_run_only(stored_run_dirs, tmp_path, capsys, monkeypatch):
+def test_a_worker_whose_gpu_fails_fails_its_run_only(run_dirs, tmp_path, capsys, monkeypatch):
     # a node of 2 GPUs, faked: each worker pinned to one (CUDA_VISIBLE_DEVICES), the runs on the CPU
     monkeypatch.setattr(preflight_mod, "ablation_placement", lambda cfg: plan_placement(2, 1, "auto", "cuda"))
     # bf16 dies at its first step, while at least fp8_rowwise is still queued (4 runs, 2 workers)
@@ -65,7 +65,7 @@ def test_a_worker_whose_gpu_fails_fails_its_run_only(stored_run_dirs, tmp_path, 
         "workers=auto",
     ]
     monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=1")  # inherited by the worker processes
-    assert main(args + stored_run_dirs + QUICK) == 0
+    assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     parent, kids = _parent_and_kids(tmp_path, out)
     status = {k.data.tags["recipe"]: k.info.status for k in kids}

@@ -16,8 +16,8 @@ from lowprec_lab.cli import main
 from lowprec_lab.stats.noise import seeds_for_zero_gap
 
 
-def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(stored_run_dirs, tmp_path, capsys):
-    assert main(["ablate", "experiment=noise_quick", *stored_run_dirs]) == 0
+def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=noise_quick", *run_dirs]) == 0
     out = capsys.readouterr().out
     abl = re.search(r"ablation (abl-[\w-]+) done", out).group(1)
     assert "seeds needed against tokens" in out
@@ -69,10 +69,10 @@ def test_noise_quick_prints_seeds_needed_against_tokens_from_the_runs(stored_run
 
 
 @pytest.mark.slow  # ~22 s, a second ablation; the EMA itself: tests/integration/test_eval_ema.py (~5 s)
-def test_noise_quick_with_eval_ema_reports_the_ema_estimator_from_the_runs(stored_run_dirs, tmp_path, capsys):
+def test_noise_quick_with_eval_ema_reports_the_ema_estimator_from_the_runs(run_dirs, tmp_path, capsys):
     """train.eval_ema: the same runs give the EMA estimator's paired sd and seeds needed beside the plain one,
     recomputed here from the runs' ``val_loss_ema`` metrics in MLflow."""
-    assert main(["ablate", "experiment=noise_quick", "train.eval_ema=0.9", "seeds=2", *stored_run_dirs]) == 0
+    assert main(["ablate", "experiment=noise_quick", "train.eval_ema=0.9", "seeds=2", *run_dirs]) == 0
     out = capsys.readouterr().out
     abl = re.search(r"ablation (abl-[\w-]+) done", out).group(1)
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")

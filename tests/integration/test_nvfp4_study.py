@@ -7,8 +7,8 @@ from lowprec_lab.cli import main
 from lowprec_lab.studies.nvfp4 import PAPER
 
 
-def test_nvfp4_quick_ablation_writes_the_stabiliser_table(stored_run_dirs, tmp_path, capsys):
-    assert main(["ablate", "experiment=nvfp4_quick"] + stored_run_dirs) == 0
+def test_nvfp4_quick_ablation_writes_the_stabiliser_table(run_dirs, tmp_path, capsys):
+    assert main(["ablate", "experiment=nvfp4_quick"] + run_dirs) == 0
     abl = re.search(r"ablation (abl-[\w-]+) done", capsys.readouterr().out).group(1)
     text = (tmp_path / "reports" / abl / "nvfp4.md").read_text()
     what, finding = PAPER["sr"][1], PAPER["sr"][2]

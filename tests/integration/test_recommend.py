@@ -8,7 +8,7 @@ import json
 
 import pytest
 from fabricated_ablation import CONTROL, SEEDS, fabricate_ablation
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec_lab.cli import main
 from lowprec_lab.report.build import build_report
@@ -48,7 +48,7 @@ def store(tmp_path_factory):
     """A real sqlite store with one ablation on the ``debug`` model: bf16 (control), bf16_pure about 2% worse
     (inferior at 0.25%) and fp8_rowwise within 0.03% (non-inferior), 4 seeds each; the report records the verdicts."""
     root = tmp_path_factory.mktemp("rec")
-    uri = migrated_uri(root / "runs" / "mlflow.db")
+    uri = sqlite_uri(root / "runs" / "mlflow.db")
     tracker = Tracker(uri, "lowprec", root / "runs")
     ctrl = [4.00, 4.05, 3.98, 4.02]
     runs = {

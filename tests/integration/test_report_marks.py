@@ -11,7 +11,7 @@ import json
 import pytest
 from fabricated_ablation import TOKENS_PER_S, fabricate_ablation
 from mlflow.entities import Metric
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec.recipes import get_recipe
 from lowprec_lab.report.build import build_report, find_ablation
@@ -45,7 +45,7 @@ def reports(tmp_path_factory):
 
 
 def _report(tmp_path, workers: int) -> tuple[Tracker, str]:
-    tracker = Tracker(migrated_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
+    tracker = Tracker(sqlite_uri(tmp_path / "mlflow.db"), "lowprec", tmp_path)
     parent = fabricate_ablation(tracker, ABL, RUNS)
     tracker.set_tags(parent, {"workers": str(workers)})
     children = tracker.client.search_runs([tracker.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")

@@ -16,7 +16,7 @@ import time
 import pytest
 from fabricated_ablation import fabricate_ablation, main_runs
 from mlflow.tracking import MlflowClient
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec_lab.cli import main
 from lowprec_lab.report.build import find_ablation
@@ -63,7 +63,7 @@ def _report_from_server(uri: str, abl: str, tmp_path) -> None:
 
 
 def test_lowprec_ui_serves_the_store_the_report_is_rebuilt_from_it_and_ctrl_c_stops_it(tmp_path, capsys):
-    db = migrated_uri(tmp_path / "mlflow.db")
+    db = sqlite_uri(tmp_path / "mlflow.db")
     fabricate_ablation(Tracker(db, "lowprec", tmp_path), "abl-srv", main_runs())
     port = _free_port()
     proc, out = _start_ui(db, port)

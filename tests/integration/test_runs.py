@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_with_store
+from store_dirs import dirs_under
 
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
@@ -57,8 +57,8 @@ def test_same_seed_gives_identical_losses(token_data):
     assert math.isfinite(res.summary["final_val_loss"])
 
 
-def test_a_single_run_is_tracked_with_provenance(stored_run_dirs, tmp_path, capsys):
-    cfg = compose("train", stored_run_dirs + QUICK + ["recipe=fp8_tensorwise"])
+def test_a_single_run_is_tracked_with_provenance(run_dirs, tmp_path, capsys):
+    cfg = compose("train", run_dirs + QUICK + ["recipe=fp8_tensorwise"])
     o = train_main(cfg)
     assert o.status == "FINISHED"
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
@@ -102,9 +102,9 @@ def test_a_single_run_is_tracked_with_provenance(stored_run_dirs, tmp_path, caps
     assert run.data.metrics["stability/diverged"] == 0 and "stability/divergence_step" not in run.data.metrics
 
 
-def test_nan_loss_is_recorded_failed_with_its_step(stored_run_dirs, tmp_path, monkeypatch):
+def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("LOWPREC_FAULTS", "nan_at_step=3")
-    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp32"]) == 1
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp32"]) == 1
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED"
@@ -123,7 +123,7 @@ def test_nan_loss_is_recorded_failed_with_its_step(stored_run_dirs, tmp_path, mo
 def checkpointed(tmp_path_factory):
     """One fp32 run of ``QUICK`` checkpointed at step 3 (and 6), in a store of its own, for the tests that resume
     from it (each resume adds its run to that store): ``(dirs, client, experiment id, the run)``."""
-    dirs = dirs_with_store(tmp_path_factory.mktemp("checkpointed"))
+    dirs = dirs_under(tmp_path_factory.mktemp("checkpointed"))
     assert main(["train"] + dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
     client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
     exp = client.get_experiment_by_name("lowprec").experiment_id
@@ -145,14 +145,14 @@ def test_cli_checkpoints_and_resumes(checkpointed, tmp_path):
     assert len(client.search_runs([exp])) == len(before) + 1
 
 
-def test_a_converter_that_converts_nothing_makes_the_run_failed(stored_run_dirs, tmp_path, monkeypatch):
+def test_a_converter_that_converts_nothing_makes_the_run_failed(run_dirs, tmp_path, monkeypatch):
     """The expected FP8 linears come from the recipe's filters applied to the model, not from what the
     converter reports: a converter that claims to have converted but did not is caught after step 0."""
     import lowprec.train.build
     from lowprec.convert import fp8_candidate_fqns
 
     monkeypatch.setattr(lowprec.train.build, "convert_fp8", lambda model, spec, **kw: fp8_candidate_fqns(model, spec))
-    assert main(["train"] + stored_run_dirs + QUICK + ["recipe=fp8_current"]) == 1
+    assert main(["train"] + run_dirs + QUICK + ["recipe=fp8_current"]) == 1
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["effective_matches"] == "false"

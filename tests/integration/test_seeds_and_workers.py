@@ -41,12 +41,12 @@ def _finals(kids):
 
 
 def test_two_workers_with_seeds_auto_add_seeds_only_while_open_and_train_each_run_as_one_process_does(
-    stored_run_dirs, tmp_path, capsys
+    run_dirs, tmp_path, capsys
 ):
     # One 2-worker ablation serves both claims (each such ablation costs ~12 s of the suite's two cores): seeds=auto
     # with a margin far below the fp32-vs-bf16 difference leaves the verdict open at every look, up to max_seeds;
     # then one process trains seeds 0 and 1 of both recipes again and must get the same numbers.
-    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "report.margin=1e-9"] + stored_run_dirs + QUICK
+    args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "report.margin=1e-9"] + run_dirs + QUICK
     assert main(args + ["seeds=auto", "max_seeds=4", "workers=2"]) == 0
     out = capsys.readouterr().out
     assert "seeds=auto: seed 3 for fp32 (still inconclusive)" in out
@@ -89,12 +89,10 @@ def test_two_workers_with_seeds_auto_add_seeds_only_while_open_and_train_each_ru
 
 
 @pytest.mark.slow  # ~15 s; the same fault in one worker: test_node_runner.py's failing-GPU test (suite)
-def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(
-    stored_run_dirs, tmp_path, capsys, monkeypatch
-):
+def test_a_worker_that_dies_fails_its_run_and_the_ablation_still_reports(run_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LOWPREC_FAULTS", "recipe=bf16,exit_at_step=2")  # inherited by the worker processes
     args = ["ablate", "controls=false", "recipes=[fp32,bf16]", "seeds=1", "workers=2"]
-    assert main(args + stored_run_dirs + QUICK) == 0
+    assert main(args + run_dirs + QUICK) == 0
     out = capsys.readouterr().out
     assert "bf16             seed 0: FAILED (worker process died:" in out
     parent, kids = _children(tmp_path, out)
@@ -119,13 +117,11 @@ def busy_cores(n: int, seconds: float = 150.0):
 
 
 @pytest.mark.slow  # ~35 s of stress-ng load; the grace period itself: test_signals.py's stalled-exit test
-def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(
-    stored_run_dirs, tmp_path, capsys
-):
+def test_an_ablation_on_busy_cores_reaches_its_report_without_waiting_on_its_workers_exit(run_dirs, tmp_path, capsys):
     # With both cores busy, after the last run the ablation waited in ProcessPoolExecutor.shutdown()
     # for its two workers' exit (py-spy: each worker in its interpreter's final garbage collection, 4-6 s of CPU at a
     # load of 6), without limit. The workers now exit at once (lowprec_lab/runner/scheduler.py `_exit_now`).
-    args = ["ablate", "controls=false", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + stored_run_dirs + QUICK
+    args = ["ablate", "controls=false", "recipes=[bf16,fp8_rowwise]", "seeds=2", "workers=2"] + run_dirs + QUICK
     with busy_cores(2):
         assert main(args) == 0
     out = capsys.readouterr().out

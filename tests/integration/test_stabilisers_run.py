@@ -24,8 +24,8 @@ QUICK = [
 ]
 
 
-def test_train_records_qk_norm_and_z_loss(stored_run_dirs, tmp_path):
-    assert main(["train", "model.qk_norm=true", "train.z_loss=1e-4", *QUICK, *stored_run_dirs]) == 0
+def test_train_records_qk_norm_and_z_loss(run_dirs, tmp_path):
+    assert main(["train", "model.qk_norm=true", "train.z_loss=1e-4", *QUICK, *run_dirs]) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     p = run.data.params

@@ -31,7 +31,7 @@ from fabricated_ablation import (
 )
 from mlflow.entities import Metric
 from scipy import stats
-from store_dirs import migrated_uri
+from store_dirs import sqlite_uri
 
 from lowprec.estimate.cost_model import Layout, step_cost
 from lowprec.estimate.estimator import estimate
@@ -290,7 +290,7 @@ def test_every_control_run_failed_says_no_verdict_and_keeps_the_finished_runs(st
 
 
 def test_lowprec_report_rebuilds_with_the_logged_margin_or_a_named_one(tmp_path, capsys):
-    uri = migrated_uri(tmp_path / "runs" / "mlflow.db")
+    uri = sqlite_uri(tmp_path / "runs" / "mlflow.db")
     tracker = Tracker(uri, "lowprec", tmp_path / "runs")
     runs = {CONTROL: dict(zip(SEEDS, CONTROL_LOSS)), "bf16_pure": main_runs()["bf16_pure"]}
     fabricate_ablation(tracker, "abl-cli", runs, margin=0.05)
