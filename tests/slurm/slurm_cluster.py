@@ -145,6 +145,15 @@ class Cluster:
             raise RuntimeError(f"{' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
         return r.stdout
 
+    def next_job_id(self) -> int:
+        """The id slurmctld gives the next job submitted (``scontrol show config``'s ``NEXT_JOB_ID``): it moves
+        with every submission, including one that ended before anyone looked at ``squeue``."""
+        for line in self.run("scontrol", "show", "config").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "NEXT_JOB_ID":
+                return int(value)
+        raise RuntimeError("scontrol show config has no NEXT_JOB_ID")
+
     def log(self, name: str) -> str:
         """The tail of a daemon's log (``slurmctld``, ``slurmd``, ``slurmdbd``, ``munged``, ``mariadbd``)."""
         path = self.root / "log" / f"{name}.log"

@@ -93,6 +93,21 @@ def _when_training(root: Path, act, over: threading.Event, after_s: float = 3.0)
     return t
 
 
+def _ended_states(cluster, job_ids) -> dict[str, str]:
+    """Each job's final state in ``sacct``, once none is pending, running or completing (60 s at most).
+
+    submitit hands back a job's result once its pickle is written; the job's process exits after that and slurmdbd
+    records the end asynchronously, so a loaded machine can still show RUNNING for several seconds. A test waits
+    for its jobs before it ends: its folder, which they write in, is removed then."""
+    deadline = time.monotonic() + 60
+    while True:
+        states = cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(sorted(job_ids)))
+        got = dict(line.split("|", 1) for line in states.splitlines() if line.strip())
+        if not set(got.values()) & {"PENDING", "RUNNING", "COMPLETING"} or time.monotonic() > deadline:
+            return got
+        time.sleep(1)
+
+
 def test_an_ablation_on_slurm_finishes_every_run_and_writes_its_report(slurm_cluster, tmp_path):
     t0 = time.monotonic()
     args = [*RUN, "recipes=[fp32,bf16]", "train.steps=6", "device=cpu", f"launcher.partition={slurm_cluster.partition}"]
@@ -104,16 +119,7 @@ def test_an_ablation_on_slurm_finishes_every_run_and_writes_its_report(slurm_clu
     assert parent.info.status == "FINISHED" and parent.data.tags["launcher"] == "slurm"
     assert {r: k.info.status for r, k in kids.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
     job_ids = {k.data.tags["slurm_job_id"] for k in kids.values()}
-    # submitit hands back a job's result once its pickle is written; the job's process exits after that and
-    # slurmdbd records the end asynchronously, so a loaded machine can still show RUNNING for a few seconds
-    want, deadline = sorted(f"{j}|COMPLETED" for j in job_ids), time.monotonic() + 60
-    while True:
-        states = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids))
-        ending = {line.split("|")[-1] for line in states.split()} & {"PENDING", "RUNNING", "COMPLETING"}
-        if not ending or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert sorted(states.split()) == want, states
+    assert _ended_states(slurm_cluster, job_ids) == {j: "COMPLETED" for j in job_ids}
     print(f"slurm: cluster setup {slurm_cluster.setup_s:.1f} s; ablation of 2 jobs {time.monotonic() - t0:.1f} s")
 
 
@@ -150,6 +156,8 @@ def test_scancel_of_a_running_job_ends_its_run_killed_and_resume_finishes_it(slu
     assert again.data.tags["resumed_step"] == run.data.tags["resume_checkpoint"].rsplit("/step_", 1)[1]
     assert again.data.tags["slurm_job_id"] != cancelled[0]  # by a new job
     assert parent.info.status == "FINISHED"
+    job = again.data.tags["slurm_job_id"]
+    assert _ended_states(slurm_cluster, {job}) == {job: "COMPLETED"}
 
 
 # ~100 s measured on the 2-core machine (two job start-ups and up to 30 s until slurmctld's periodic check sends
@@ -195,6 +203,7 @@ def test_device_auto_on_a_partition_without_gpus_is_refused_in_one_line(slurm_cl
     """``device=auto`` (the default) asks each job for a GPU: sbatch would refuse every job (``Invalid generic
     resource (gres) specification``); the cluster's sinfo says the partition has none, before any MLflow run."""
     args = [*RUN, "recipes=[fp32]", "train.steps=2", f"launcher.partition={slurm_cluster.partition}"]
+    next_job = slurm_cluster.next_job_id()
     assert main(["ablate", *args, *dirs_under(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -203,4 +212,5 @@ def test_device_auto_on_a_partition_without_gpus_is_refused_in_one_line(slurm_cl
         "or name a partition with GPUs (launcher.partition=)"
     ), err
     assert not (tmp_path / "runs" / "mlflow.db").exists()
-    assert slurm_cluster.run("squeue", "-h") == ""  # nothing submitted
+    # nothing submitted (an earlier test's job on this cluster can still be ending: not an empty squeue)
+    assert slurm_cluster.next_job_id() == next_job
