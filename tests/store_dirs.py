@@ -10,12 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def store_uri(root: Path) -> str:
+    """The tracking URI that ``dirs_under(root)`` sets: sqlite in ``root/runs``."""
+    return f"sqlite:///{root / 'runs' / 'mlflow.db'}"
+
+
 def dirs_under(root: Path) -> list[str]:
-    """``paths.runs``, ``paths.reports``, ``tracking.uri`` (sqlite in ``root/runs``) under ``root``, no progress bar."""
+    """``paths.runs``, ``paths.reports``, ``tracking.uri`` (``store_uri(root)``) under ``root``, no progress bar."""
     return [
         f"paths.runs={root / 'runs'}",
         f"paths.reports={root / 'reports'}",
-        f"tracking.uri=sqlite:///{root / 'runs' / 'mlflow.db'}",
+        f"tracking.uri={store_uri(root)}",
         "train.progress=false",
     ]
 

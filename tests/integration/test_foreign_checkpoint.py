@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_under
+from store_dirs import dirs_under, store_uri
 
 from lowprec.errors import CheckpointError
 from lowprec.train.checkpoint import load_checkpoint
@@ -45,9 +45,10 @@ def trained(tmp_path_factory):
     """One ``ARGS`` run checkpointed at steps 2 and 4, for the tests that send a doctored copy of its step 4 (each
     copies it first): ``(its run dirs, client, experiment id, its run id, its step_4 folder)``. Every resume they
     try is refused before a run is created, so the store keeps this one run."""
-    dirs = dirs_under(tmp_path_factory.mktemp("trained"))
+    root = tmp_path_factory.mktemp("trained")
+    dirs = dirs_under(root)
     assert main(ARGS + dirs + ["train.checkpoint_every=2"]) == 0
-    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
+    client = MlflowClient(store_uri(root))
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
     return dirs, client, exp, first.info.run_id, Path(first.data.tags["checkpoint_dir"]) / "step_4"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_under
+from store_dirs import dirs_under, store_uri
 
 from lowprec.data import TokenData
 from lowprec_lab.cli import main
@@ -56,12 +56,13 @@ def one_run_ablation(tmp_path_factory):
     """One ablation of one bf16 run on a machine where bitsandbytes has no distribution metadata: the parent and
     its child, ``(client, parent, every run)``. Its runs train in this process as ``lowprec train``'s does (the same
     ``runner/run.py``), and the parent is opened by the ablation's main job, whose provenance tags stopped it."""
-    dirs = dirs_under(tmp_path_factory.mktemp("one-run"))
+    root = tmp_path_factory.mktemp("one-run")
+    dirs = dirs_under(root)
     args = ["ablate", "model=debug", "controls=false", "recipes=[bf16]", "seeds=1", "train.steps=4"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(importlib.metadata, "version", _absent("bitsandbytes"))
         assert main([*args, "train.val_every=2", "workers=1", *dirs]) == 0
-    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
+    client = MlflowClient(store_uri(root))
     runs = client.search_runs([client.get_experiment_by_name("lowprec").experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("lowprec.kind") == "ablation"]
     return client, parent, runs

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from store_dirs import dirs_under
+from store_dirs import dirs_under, store_uri
 
 from lowprec.build_optim import OptimHParams
 from lowprec.data import TokenBatches
@@ -123,9 +123,10 @@ def test_nan_loss_is_recorded_failed_with_its_step(run_dirs, tmp_path, monkeypat
 def checkpointed(tmp_path_factory):
     """One fp32 run of ``QUICK`` checkpointed at step 3 (and 6), in a store of its own, for the tests that resume
     from it (each resume adds its run to that store): ``(dirs, client, experiment id, the run)``."""
-    dirs = dirs_under(tmp_path_factory.mktemp("checkpointed"))
+    root = tmp_path_factory.mktemp("checkpointed")
+    dirs = dirs_under(root)
     assert main(["train"] + dirs + QUICK + ["recipe=fp32", "train.checkpoint_every=3"]) == 0
-    client = MlflowClient(dirs[2].removeprefix("tracking.uri="))
+    client = MlflowClient(store_uri(root))
     exp = client.get_experiment_by_name("lowprec").experiment_id
     (first,) = client.search_runs([exp])
     return dirs, client, exp, first

@@ -111,6 +111,7 @@ def _ended_states(cluster, job_ids) -> dict[str, str]:
 def test_an_ablation_on_slurm_finishes_every_run_and_writes_its_report(slurm_cluster, tmp_path):
     t0 = time.monotonic()
     args = [*RUN, "recipes=[fp32,bf16]", "train.steps=6", "device=cpu", f"launcher.partition={slurm_cluster.partition}"]
+    next_job = slurm_cluster.next_job_id()
     rc, out = _ablate([*args, *dirs_under(tmp_path)])
     assert rc == 0, out
     ablation_id = _id(out)
@@ -120,6 +121,8 @@ def test_an_ablation_on_slurm_finishes_every_run_and_writes_its_report(slurm_clu
     assert {r: k.info.status for r, k in kids.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
     job_ids = {k.data.tags["slurm_job_id"] for k in kids.values()}
     assert _ended_states(slurm_cluster, job_ids) == {j: "COMPLETED" for j in job_ids}
+    # the next job id moves with each submission (the gres refusal's test relies on it)
+    assert slurm_cluster.next_job_id() == next_job + 2 and {int(j) for j in job_ids} == {next_job, next_job + 1}
     print(f"slurm: cluster setup {slurm_cluster.setup_s:.1f} s; ablation of 2 jobs {time.monotonic() - t0:.1f} s")
 
 
